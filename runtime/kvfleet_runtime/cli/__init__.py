@@ -1,0 +1,18 @@
+"""The `kvfleet` command line. Each subcommand lives in its own module of this package.
+
+Bad input exits with code 2 and one line on stderr, never a traceback (see `errors.py`).
+"""
+
+from __future__ import annotations
+
+from kvfleet_runtime.cli._app import app
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    app()
+
+
+# Subcommands register themselves on `app` when imported.
+from kvfleet_runtime.cli import breakeven as _breakeven  # noqa: E402, F401

@@ -1,0 +1,42 @@
+"""Guards for the repository layout: folders show the architecture and nothing shadows stdlib."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_operator_folder_is_not_an_importable_package() -> None:
+    # A top-level package named `operator` would shadow Python's own `operator` module.
+    assert not (ROOT / "operator" / "__init__.py").exists()
+    assert (ROOT / "operator" / "kvfleet_operator" / "__init__.py").exists()
+
+
+def test_stdlib_operator_module_is_the_one_imported_from_the_repo_root() -> None:
+    code = "import operator, sys; print(operator.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert "kvfleet" not in out and Path(out).parent != ROOT / "operator"
+    assert hasattr(importlib.import_module("operator"), "itemgetter")
+
+
+@pytest.mark.parametrize("package", ["kvfleet_runtime", "kvfleet_operator"])
+def test_packages_import_from_their_folders(package: str) -> None:
+    module = importlib.import_module(package)
+    assert module.__file__ is not None
+    folder = "runtime" if package == "kvfleet_runtime" else "operator"
+    assert Path(module.__file__).parent == ROOT / folder / package
+
+
+@pytest.mark.parametrize("module", ["kvfleet_operator", "kvfleet_runtime.breakeven"])
+def test_control_plane_modules_do_not_import_torch(module: str) -> None:
+    code = f"import sys, {module}; sys.exit(1 if 'torch' in sys.modules else 0)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr or f"{module} imported torch"
