@@ -24,3 +24,8 @@ def fail(message: str) -> NoReturn:
     """Report bad input as one line on stderr and exit 2, without a traceback."""
     stderr.print(f"error: {message}", markup=False)
     raise typer.Exit(code=USAGE_ERROR_EXIT_CODE)
+
+
+@app.callback()
+def _root() -> None:
+    """Cache-aware LLM inference fleets: plan, run and measure prefix-KV reuse."""

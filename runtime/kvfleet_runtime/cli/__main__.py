@@ -1,0 +1,3 @@
+from kvfleet_runtime.cli import main
+
+main()
