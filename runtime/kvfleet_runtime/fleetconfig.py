@@ -1,0 +1,101 @@
+"""The fleet config: what the operator publishes (a ConfigMap, mounted as a file) and the router
+and every replica read. One schema, one loader, shared by all three.
+
+The file is YAML or JSON. Unknown fields are refused: a typo in a ConfigMap must not silently
+turn a tier on or off. Readers watch the file and reload it on change; a file that fails to
+parse keeps the last good config in force.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+FLEET_CONFIG_FILENAME = "fleet.yaml"
+PLATFORM_TENANT = "__platform__"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TierToggles(_Strict):
+    """Decided by the operator from the break-even arithmetic and measured bandwidths."""
+
+    t0_device: bool = True
+    t1_host: bool = True
+    t2_peer: bool = True
+    nvme: bool = False
+    nvme_shadow: bool = False
+
+
+class AdmissionSettings(_Strict):
+    min_sightings: Annotated[int, Field(ge=1, le=16)] = 2
+    hot_sightings: Annotated[int, Field(ge=2, le=1024)] = 3
+    pin_max_tokens: Annotated[int, Field(ge=0)] = 2048
+    store_queue_size: Annotated[int, Field(ge=1)] = 256
+    thrash_ratio: Annotated[float, Field(gt=0, le=1)] = 0.9
+
+
+class AffinitySettings(_Strict):
+    k: Annotated[int, Field(ge=1, le=16)] = 3
+    occupancy_threshold: Annotated[float, Field(gt=0, le=1)] = 0.85
+
+
+class ReplicaEndpoint(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    url: Annotated[str, Field(pattern=r"^https?://")]
+    weights_digest: str | None = None
+    ready: bool = True
+
+
+class FleetConfig(_Strict):
+    """Everything a router or replica needs from the control plane."""
+
+    version: Literal[1] = 1
+    policy: str = ""
+    generation: Annotated[int, Field(ge=0)] = 0
+    model_id: str = ""
+    tiers: TierToggles = TierToggles()
+    admission: AdmissionSettings = AdmissionSettings()
+    affinity: AffinitySettings = AffinitySettings()
+    recompute_s_per_token: Annotated[float, Field(gt=0)] | None = None
+    replicas: tuple[ReplicaEndpoint, ...] = ()
+    home_sets: dict[str, tuple[str, ...]] = Field(default_factory=dict)
+    platform_prefixes: tuple[str, ...] = ()
+
+
+def parse_fleet_config(text: str, source: str = "<fleet config>") -> FleetConfig:
+    """Parse YAML or JSON text; raises ValueError naming the source and the offending field."""
+    try:
+        data = yaml.safe_load(text) if text.strip() else {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{source}: not valid YAML/JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping at top level, got {type(data).__name__}")
+    try:
+        return FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ValueError(f"{source}: {problems}") from exc
+
+
+def load_fleet_config(path: Path) -> FleetConfig:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read fleet config {path}: {exc.strerror or exc}") from exc
+    return parse_fleet_config(text, str(path))
+
+
+def dump_fleet_config(config: FleetConfig) -> str:
+    """Canonical text (sorted JSON, which is also YAML): equal configs give equal bytes, so the
+    operator's ConfigMap update is a no-op when nothing changed."""
+    return json.dumps(config.model_dump(mode="json"), sort_keys=True, indent=2) + "\n"
