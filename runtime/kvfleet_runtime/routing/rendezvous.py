@@ -1,0 +1,64 @@
+"""Rendezvous (highest-random-weight) hashing of tenants onto their home replicas.
+
+Every tenant ranks every replica by `weight(tenant, replica)` and takes the top k. Because each
+weight depends only on the (tenant, replica) pair, a replica joining or leaving changes the home set
+only of the tenants for which it is (or was) in the top k: about k/n of tenants gain or lose one
+home, and about 1/n of tenants change their *first* home. Nothing else moves.
+
+The weight is the first 8 bytes of `sha256(len(tenant) || tenant || len(replica) || replica)` read
+big-endian, ties broken by the replica name, so the ranking is identical in every process, on every
+machine and in every language (the operator, each router replica and the tests all compute it).
+Python's `hash()` is never used: it is salted per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections.abc import Iterable, Sequence
+
+__all__ = ["home_sets", "rendezvous_rank", "rendezvous_top_k", "rendezvous_weight"]
+
+_LEN_BYTES = 4
+
+
+def _field(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    # Length-prefixed so ("ab", "c") and ("a", "bc") can never collide.
+    return len(raw).to_bytes(_LEN_BYTES, "big") + raw
+
+
+def rendezvous_weight(tenant_id: str, replica: str) -> int:
+    """The 64-bit weight of `replica` for `tenant_id`; higher ranks first."""
+    digest = hashlib.sha256(_field(tenant_id) + _field(replica)).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def _check(replicas: Sequence[str], k: int) -> None:
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if len(set(replicas)) != len(replicas):
+        raise ValueError(f"replica names must be unique, got {list(replicas)!r}")
+
+
+def rendezvous_rank(tenant_id: str, replicas: Sequence[str]) -> list[str]:
+    """All replicas, best first, for `tenant_id`."""
+    _check(replicas, 1)
+    return sorted(replicas, key=lambda r: (rendezvous_weight(tenant_id, r), r), reverse=True)
+
+
+def rendezvous_top_k(tenant_id: str, replicas: Sequence[str], k: int) -> list[str]:
+    """The `min(k, len(replicas))` home replicas of `tenant_id`, best first.
+
+    Deterministic across processes; the order of `replicas` does not matter.
+    """
+    _check(replicas, k)
+    return heapq.nlargest(k, replicas, key=lambda r: (rendezvous_weight(tenant_id, r), r))
+
+
+def home_sets(
+    tenants: Iterable[str], replicas: Sequence[str], k: int
+) -> dict[str, tuple[str, ...]]:
+    """Home set of every tenant: `{tenant: (first_home, second_home, ...)}`."""
+    _check(replicas, k)
+    return {tenant: tuple(rendezvous_top_k(tenant, replicas, k)) for tenant in tenants}
