@@ -1,0 +1,39 @@
+"""The reference model (Llama-style GQA decoder over a paged KV), its checkpoints and tokenizer."""
+
+from kvfleet_runtime.model.checkpoint import (
+    LoadedModel,
+    args_from_hf_config,
+    args_to_hf_config,
+    default_device,
+    generate_checkpoint,
+    load_checkpoint,
+    weights_digest,
+)
+from kvfleet_runtime.model.model import (
+    BLOCK_SIZE,
+    PRESETS,
+    ModelArgs,
+    PagedKV,
+    Transformer,
+)
+from kvfleet_runtime.model.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, ByteTokenizer, StreamDecoder
+
+__all__ = [
+    "BLOCK_SIZE",
+    "BOS_ID",
+    "EOS_ID",
+    "PRESETS",
+    "VOCAB_SIZE",
+    "ByteTokenizer",
+    "LoadedModel",
+    "ModelArgs",
+    "PagedKV",
+    "StreamDecoder",
+    "Transformer",
+    "args_from_hf_config",
+    "args_to_hf_config",
+    "default_device",
+    "generate_checkpoint",
+    "load_checkpoint",
+    "weights_digest",
+]

@@ -1,0 +1,197 @@
+"""Reference model: paged prefill/decode vs a dense reference, chunk invariance, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvfleet_runtime.model import (
+    BLOCK_SIZE,
+    ByteTokenizer,
+    ModelArgs,
+    PagedKV,
+    Transformer,
+    generate_checkpoint,
+    load_checkpoint,
+    weights_digest,
+)
+from kvfleet_runtime.model.model import apply_rope
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    generate_checkpoint(out, ModelArgs.from_preset("tiny"), seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir: Path) -> Transformer:
+    return load_checkpoint(tiny_dir, device=torch.device("cpu")).model
+
+
+def dense_forward(model: Transformer, tokens: list[int]) -> torch.Tensor:
+    """Textbook full-sequence causal forward, no paging, no chunks: logits [S, V]."""
+    a = model.args
+    s = len(tokens)
+    x = model.embed_tokens(torch.tensor(tokens))
+    cos, sin = model.rope_cos[:s], model.rope_sin[:s]
+    for layer in model.blocks():
+        at = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = apply_rope(at.q_proj(h).view(s, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)
+        k = apply_rope(at.k_proj(h).view(s, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)
+        v = at.v_proj(h).view(s, a.n_kv_heads, a.head_dim).transpose(0, 1)
+        g = a.n_heads // a.n_kv_heads
+        out = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(g, 0), v.repeat_interleave(g, 0), is_causal=True
+        )
+        x = x + at.o_proj(out.transpose(0, 1).reshape(s, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.norm(x))
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def fresh_kv(model: Transformer, n_blocks: int = 16) -> tuple[PagedKV, list[int]]:
+    kv = PagedKV.allocate(model.args, n_blocks, device=torch.device("cpu"))
+    table = kv.take(n_blocks)
+    assert table is not None
+    return kv, table[::-1]  # a non-identity table, so paging bugs show
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 50])
+def test_paged_prefill_matches_dense_reference(model: Transformer, n: int) -> None:
+    tokens = prompt(n)
+    kv, table = fresh_kv(model)
+    logits = model.prefill(tokens, 0, table, kv)
+    torch.testing.assert_close(logits, dense_forward(model, tokens)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_decode_continues_prefill_like_the_dense_reference(model: Transformer) -> None:
+    tokens = prompt(37)
+    kv, table = fresh_kv(model)
+    model.prefill(tokens[:30], 0, table, kv)
+    for p in range(30, 37):
+        logits = model.decode([tokens[p]], [p], [table], kv)[0]
+    torch.testing.assert_close(logits, dense_forward(model, tokens)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_decode_batch_of_sequences_at_different_positions(model: Transformer) -> None:
+    a, b = prompt(20, seed=2), prompt(41, seed=3)
+    kv = PagedKV.allocate(model.args, 8, device=torch.device("cpu"))
+    ta, tb = kv.take(3), kv.take(4)
+    assert ta is not None and tb is not None
+    model.prefill(a[:-1], 0, ta, kv)
+    model.prefill(b[:-1], 0, tb, kv)
+    logits = model.decode([a[-1], b[-1]], [19, 40], [ta, tb], kv)
+    torch.testing.assert_close(logits[0], dense_forward(model, a)[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[1], dense_forward(model, b)[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+@pytest.mark.parametrize(("n", "cut"), [(17, 16), (64, 32), (70, 48), (33, 0)])
+def test_suffix_prefill_after_restored_prefix_is_bitwise_equal(
+    tiny_dir: Path, attn_impl: str, n: int, cut: int
+) -> None:
+    # The cache-hit path: KV of [0, cut) is copied in from elsewhere, only [cut, n) is computed.
+    model = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl=attn_impl).model
+    tokens = prompt(n, seed=n)
+    kv_full, t_full = fresh_kv(model)
+    logits_full = model.prefill(tokens, 0, t_full, kv_full)
+    k_full, v_full = kv_full.gather(t_full, n)
+
+    kv_hit = PagedKV.allocate(model.args, 16, device=torch.device("cpu"))
+    t_hit = kv_hit.take(16)
+    assert t_hit is not None
+    if cut:
+        kv_hit.scatter(t_hit, k_full[:, :, :cut].clone(), v_full[:, :, :cut].clone())
+    logits_hit = model.prefill(tokens[cut:], cut, t_hit, kv_hit)
+    k_hit, v_hit = kv_hit.gather(t_hit, n)
+    assert torch.equal(k_hit, k_full) and torch.equal(v_hit, v_full)
+    assert torch.equal(logits_hit, logits_full)
+
+
+def test_prefill_rejects_unaligned_start_and_overlong(model: Transformer) -> None:
+    kv, table = fresh_kv(model)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        model.prefill([1, 2], 5, table, kv)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.prefill([1], model.args.max_seq_len, table, kv)
+
+
+def test_checkpoint_generation_is_deterministic_and_digest_is_file_sha256(tmp_path: Path) -> None:
+    import hashlib
+
+    args = ModelArgs.from_preset("tiny")
+    d1 = generate_checkpoint(tmp_path / "a", args, seed=7)
+    d2 = generate_checkpoint(tmp_path / "b", args, seed=7)
+    d3 = generate_checkpoint(tmp_path / "c", args, seed=8)
+    raw = hashlib.sha256((tmp_path / "a" / "model.safetensors").read_bytes()).hexdigest()
+    assert d1 == d2 == "sha256:" + raw
+    assert d3 != d1
+    assert weights_digest(tmp_path / "a") == d1
+
+
+def test_loader_reads_hf_config_and_rejects_mismatched_weights(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
+    loaded = load_checkpoint(tiny_dir, device=torch.device("cpu"))
+    assert loaded.args == ModelArgs.from_preset("tiny")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((tiny_dir / "model.safetensors").read_bytes())
+    (bad / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match="missing"):
+        load_checkpoint(bad, device=torch.device("cpu"))
+
+
+def test_rope_hash_and_attn_id_change_with_their_inputs() -> None:
+    base = ModelArgs.from_preset("tiny")
+    other_theta = ModelArgs(**{**base.to_dict(), "rope_theta": 500000.0})
+    scaled = ModelArgs(**{**base.to_dict(), "rope_scaling": {"type": "linear", "factor": 2.0}})
+    sdpa = ModelArgs(**{**base.to_dict(), "attn_impl": "sdpa"})
+    hashes = {base.rope_config_hash(), other_theta.rope_config_hash(), scaled.rope_config_hash()}
+    assert len(hashes) == 3
+    assert base.rope_config_hash() == ModelArgs.from_preset("tiny").rope_config_hash()
+    assert base.attn_impl_id() != sdpa.attn_impl_id()
+
+
+def test_linear_rope_scaling_divides_positions() -> None:
+    base = Transformer(ModelArgs.from_preset("tiny"))
+    scaled = Transformer(
+        ModelArgs(**{**ModelArgs.from_preset("tiny").to_dict(),
+                     "rope_scaling": {"type": "linear", "factor": 2.0}})
+    )
+    torch.testing.assert_close(scaled.rope_cos[10], base.rope_cos[5])
+
+
+def test_paged_kv_allocator_returns_none_when_full() -> None:
+    kv = PagedKV.allocate(ModelArgs.from_preset("tiny"), 3, device=torch.device("cpu"))
+    assert kv.take(2) == [0, 1]
+    assert kv.take(2) is None
+    kv.give_back([0, 1])
+    assert kv.num_free_blocks == 3
+
+
+def test_byte_tokenizer_round_trip_and_streaming() -> None:
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo ✓")
+    assert ids[0] == tok.bos_id and max(ids[1:]) < 256
+    assert tok.decode(ids) == "héllo ✓"
+    dec = tok.stream_decoder()
+    assert "".join(dec.push(i) for i in ids) + dec.flush() == "héllo ✓"
+
+
+def test_block_size_is_sixteen() -> None:
+    assert BLOCK_SIZE == 16 and math.gcd(BLOCK_SIZE, 2048) == 16
