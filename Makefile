@@ -1,15 +1,11 @@
 # The two commands a new machine needs (see README): `make demo` and `make test`.
-# Each installs what it needs by itself, then runs.
+# Each installs what it needs by itself, then runs. Environments live under ~/.cache/kvfleet.
 SHELL := /bin/bash
-KVFLEET_HOME ?= $(HOME)/.cache/kvfleet
-VENV ?= $(KVFLEET_HOME)/venv
-export KVFLEET_HOME
-export KVFLEET_VENV := $(VENV)
 
 .PHONY: demo test setup system-deps cluster-bins check lock
 
 demo: setup
-	$(VENV)/bin/kvfleet breakeven
+	scripts/kvfleet.sh breakeven
 
 test: setup system-deps cluster-bins
 	scripts/check.sh
@@ -28,5 +24,5 @@ check:
 
 # Regenerate the lock after changing dependencies in pyproject.toml.
 lock: setup
-	$(KVFLEET_HOME)/tools/bin/uv pip compile pyproject.toml --extra dev --python-version 3.11 \
-		--python-platform x86_64-unknown-linux-gnu -q -o requirements.lock
+	source scripts/env.sh && "$$KVFLEET_HOME/tools/bin/uv" pip compile pyproject.toml --extra dev \
+		--python-version 3.11 --python-platform x86_64-unknown-linux-gnu -q -o requirements.lock

@@ -2,12 +2,9 @@
 # Creates (once per machine) the Python environment kvfleet runs in, outside the clone, and
 # installs this checkout into it. Heavy wheels (torch) are cached under ~/.cache/kvfleet.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-
-KVFLEET_HOME="${KVFLEET_HOME:-$HOME/.cache/kvfleet}"
-VENV="${KVFLEET_VENV:-$KVFLEET_HOME/venv}"
-export UV_CACHE_DIR="${UV_CACHE_DIR:-$KVFLEET_HOME/uv}"
-export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$KVFLEET_HOME/pip}"
+source "$(dirname "$0")/env.sh"
+cd "$KVFLEET_ROOT"
+VENV="$KVFLEET_VENV"
 UV_VERSION=0.13.8
 
 python=""

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Lint, type checks and the test suite, in the project's environment.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-VENV="${KVFLEET_VENV:-${KVFLEET_HOME:-$HOME/.cache/kvfleet}/venv}"
-export PATH="$VENV/bin:$PATH"
+source "$(dirname "$0")/env.sh"
+cd "$KVFLEET_ROOT"
+export PATH="$KVFLEET_VENV/bin:$PATH"
 
 echo "== ruff"
 ruff check runtime operator tests
