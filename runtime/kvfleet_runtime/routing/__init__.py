@@ -1,19 +1,37 @@
 """Pure routing core: rendezvous home sets, the routing decision, API-key -> tenant mapping.
 
-No I/O, no clocks read, no torch: the router server, the operator and the benchmarks all call these.
+No network, no clock reads, no torch: the router server, the operator and the benchmarks all call
+these, and several router replicas given the same inputs make the same choice.
 """
 
 from __future__ import annotations
 
+from kvfleet_runtime.routing.decision import (
+    ReplicaLoad,
+    RouteDecision,
+    RouteReason,
+    choose_replica,
+    least_loaded,
+)
 from kvfleet_runtime.routing.rendezvous import (
     home_sets,
     rendezvous_rank,
     rendezvous_top_k,
     rendezvous_weight,
 )
+from kvfleet_runtime.routing.tenants import ApiKeyMap, bearer_token, load_api_keys, parse_api_keys
 
 __all__ = [
+    "ApiKeyMap",
+    "ReplicaLoad",
+    "RouteDecision",
+    "RouteReason",
+    "bearer_token",
+    "choose_replica",
     "home_sets",
+    "least_loaded",
+    "load_api_keys",
+    "parse_api_keys",
     "rendezvous_rank",
     "rendezvous_top_k",
     "rendezvous_weight",
