@@ -1,0 +1,26 @@
+"""The replica's engine: continuous batching over the reference model and the prefix cache."""
+
+from kvfleet_runtime.engine._engine import (
+    CacheKeyFields,
+    Engine,
+    EngineConfig,
+    EngineOverloaded,
+    Finished,
+    GenerationRequest,
+    RequestStream,
+    TokenEvent,
+)
+from kvfleet_runtime.engine._sampling import Sampler, SamplingParams
+
+__all__ = [
+    "CacheKeyFields",
+    "Engine",
+    "EngineConfig",
+    "EngineOverloaded",
+    "Finished",
+    "GenerationRequest",
+    "RequestStream",
+    "Sampler",
+    "SamplingParams",
+    "TokenEvent",
+]

@@ -1,0 +1,498 @@
+"""The engine: continuous batching over the reference model, prefilling only what the cache lacks.
+
+Per request: `lookup` the prompt in the prefix cache (takes refs), `materialize` the hit into the
+request's own paged-KV blocks, prefill the unmatched suffix in 16-token chunks, decode, `store`
+the prompt's full blocks (queued, best effort: the first token is already on its way), `release`
+the hit's refs when the request ends. Every cache failure degrades to recompute.
+
+Concurrency: one asyncio scheduler task admits requests between steps; each step runs on one
+dedicated worker thread (torch releases the GIL, so the HTTP server stays responsive). All model
+and cache calls happen on that thread, so neither needs to be thread-safe. A step prefills at most
+`prefill_chunks_per_step` chunks, then runs one decode step over every decoding sequence, so a
+long prompt never stalls the token stream of the others for more than a few chunks.
+
+What is stored, and why only that: the prompt's full blocks, which prefill computed in chunks
+aligned to the block grid. KV written by decode is computed one row per sequence and is not
+bitwise equal to what prefill would compute for the same token, so it is never stored; it is
+stored later, by prefill, when a next turn sends it back as part of a prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from torch import Tensor
+
+from kvfleet_runtime.cache import CacheKey, Hit, PrefixCache, Tier
+from kvfleet_runtime.engine._sampling import Sampler, SamplingParams
+from kvfleet_runtime.model import BLOCK_SIZE, EOS_ID, LoadedModel, PagedKV, Transformer
+
+__all__ = [
+    "CacheKeyFields",
+    "Engine",
+    "EngineConfig",
+    "EngineOverloaded",
+    "Finished",
+    "GenerationRequest",
+    "RequestStream",
+    "TokenEvent",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(slots=True, frozen=True)
+class CacheKeyFields:
+    """The model half of the cache key; the tenant completes it per request."""
+
+    model_id: str
+    weights_digest: str
+    kv_dtype: str
+    rope_config_hash: str
+    attn_impl_id: str
+
+    @classmethod
+    def for_model(cls, loaded: LoadedModel, model_id: str) -> CacheKeyFields:
+        """Everything prefill depends on besides the tokens, derived from the loaded model."""
+        args = loaded.args
+        kv_dtype = str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        return cls(model_id, loaded.weights_digest, kv_dtype, args.rope_config_hash(),
+                   args.attn_impl_id())
+
+    def key(self, tenant_id: str) -> CacheKey:
+        return CacheKey(tenant_id, self.model_id, self.weights_digest, self.kv_dtype,
+                        self.rope_config_hash, self.attn_impl_id)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    num_kv_blocks: int = 1024
+    """Working KV of running sequences, in 16-token blocks."""
+    max_batch_size: int = 32
+    """Sequences running at once (prefilling or decoding)."""
+    max_waiting: int = 256
+    """Queued requests beyond which `submit` refuses (the server answers 503)."""
+    prefill_chunks_per_step: int = 8
+    """16-token prefill chunks between two decode steps."""
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationRequest:
+    tenant_id: str
+    token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(slots=True, frozen=True)
+class TokenEvent:
+    token_id: int
+    cached_tokens: int
+    """Prompt tokens whose KV came from the cache (block-aligned)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cache_tier: str | None
+    error: str | None = None
+
+
+Event = TokenEvent | Finished
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full; retry later (HTTP 503)."""
+
+
+class RequestStream:
+    """The events of one request, in order: TokenEvent..., then exactly one Finished."""
+
+    def __init__(self, seq: _Sequence) -> None:
+        self._seq = seq
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def _put(self, event: Event) -> None:
+        self._queue.put_nowait(event)
+
+    def cancel(self) -> None:
+        """Stop generating (the client went away); blocks and refs are freed at the next step."""
+        self._seq.cancelled = True
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self._queue.get()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request: GenerationRequest
+    key: CacheKey
+    sampler: Sampler
+    stream: RequestStream | None = None
+    table: list[int] = field(default_factory=list)
+    hit: Hit | None = None
+    cached_tokens: int = 0
+    cache_tier: str | None = None
+    prefill_pos: int = 0
+    output: list[int] = field(default_factory=list)
+    last_logits: Tensor | None = None
+    cancelled: bool = False
+    submitted_s: float = 0.0
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.token_ids
+
+    @property
+    def prefilled(self) -> bool:
+        return self.prefill_pos >= len(self.prompt)
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        p = "kvfleet_replica_"
+        self.requests = Counter(p + "requests", "Finished requests.", ["finish_reason"],
+                                registry=registry)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens received.",
+                                     registry=registry)
+        self.cached_tokens = Counter(p + "cached_prompt_tokens",
+                                     "Prompt tokens whose KV came from the prefix cache.",
+                                     registry=registry)
+        self.prefilled_tokens = Counter(p + "prefilled_tokens", "Prompt tokens computed.",
+                                        registry=registry)
+        self.generated_tokens = Counter(p + "generated_tokens", "Tokens generated.",
+                                        registry=registry)
+        self.cache_errors = Counter(p + "cache_errors", "Cache calls that failed and fell back "
+                                    "to recompute.", ["op"], registry=registry)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Submit to first token.",
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                              registry=registry)
+        self.running = Gauge(p + "running_sequences", "Sequences prefilling or decoding.",
+                             registry=registry)
+        self.waiting = Gauge(p + "waiting_requests", "Requests queued for admission.",
+                             registry=registry)
+        self.free_blocks = Gauge(p + "kv_free_blocks", "Free blocks of the working KV.",
+                                 registry=registry)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Transformer,
+        key_fields: CacheKeyFields,
+        *,
+        cache: PrefixCache | None,
+        config: EngineConfig | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        """`cache` None runs without a prefix cache (every request prefills everything); the
+        attribute may be switched at run time (the config's `cache.enabled`)."""
+        self.model = model
+        self.key_fields = key_fields
+        self.cache = cache
+        self.config = config or EngineConfig()
+        self.kv = PagedKV.allocate(model.args, self.config.num_kv_blocks, device=model.device)
+        self.metrics = _Metrics(registry or CollectorRegistry())
+        self.metrics.free_blocks.set(self.kv.num_free_blocks)
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-engine")
+        self._wakeup = asyncio.Event()
+        self._stores_pending = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self._stores_pending = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="kvfleet-engine-scheduler")
+        self._drain_task = asyncio.create_task(self._drain_loop(), name="kvfleet-cache-drain")
+
+    async def stop(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain_task
+        self._executor.shutdown(wait=True)
+
+    async def drain_stores(self) -> int:
+        """Write every queued store into the cache now; returns blocks written (tests, bench)."""
+        cache = self.cache
+        if cache is None:
+            return 0
+        return await asyncio.to_thread(cache.drain_store_queue)
+
+    async def _drain_loop(self) -> None:
+        # Stores are copied into the pools off the engine thread, so they never delay a step.
+        while True:
+            await self._stores_pending.wait()
+            self._stores_pending.clear()
+            try:
+                await self.drain_stores()
+            except Exception:
+                self.metrics.cache_errors.labels("drain").inc()
+                log.exception("cache drain failed")
+
+    async def run_on_engine_thread(self, fn: Callable[[], T]) -> T:
+        """Run `fn` (a cache call: stats, invalidate) serialized with the engine's steps."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def blocks_needed(self, prompt_tokens: int, max_tokens: int) -> int:
+        return -(-(prompt_tokens + max_tokens) // BLOCK_SIZE)
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ValueError naming the problem when the request can never run here."""
+        n, args = len(request.token_ids), self.model.args
+        if n == 0:
+            raise ValueError("prompt is empty")
+        bad = next((t for t in request.token_ids if not 0 <= t < args.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of range [0, {args.vocab_size})")
+        total = n + request.params.max_tokens
+        if total > args.max_seq_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) "
+                             f"= {total} exceeds the model's context of {args.max_seq_len}")
+        need = self.blocks_needed(n, request.params.max_tokens)
+        if need > self.config.num_kv_blocks:
+            raise ValueError(f"request needs {need} KV blocks, the replica has "
+                             f"{self.config.num_kv_blocks}")
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        if self._closed:
+            raise EngineOverloaded("engine is shutting down")
+        self.check(request)
+        key = self.key_fields.key(request.tenant_id)
+        seq = _Sequence(request=request, key=key, sampler=Sampler(request.params),
+                        submitted_s=time.monotonic())
+        seq.stream = RequestStream(seq)
+        with self._lock:
+            if len(self._waiting) >= self.config.max_waiting:
+                raise EngineOverloaded(f"{len(self._waiting)} requests are already waiting")
+            self._waiting.append(seq)
+            self.metrics.waiting.set(len(self._waiting))
+        self._wakeup.set()
+        return seq.stream
+
+    async def generate(self, request: GenerationRequest) -> tuple[list[int], Finished]:
+        """Submit and collect: the generated token ids and the final event."""
+        tokens: list[int] = []
+        async for event in self.submit(request):
+            if isinstance(event, TokenEvent):
+                tokens.append(event.token_id)
+            else:
+                return tokens, event
+        raise AssertionError("stream ended without a Finished event")
+
+    # ---- scheduler -------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._running and not self._waiting:
+                if self._closed:
+                    return
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                await loop.run_in_executor(self._executor, self._step)
+            except Exception:
+                log.exception("engine step failed; failing the running requests")
+                await loop.run_in_executor(self._executor, self._fail_running)
+            if self._closed:
+                with self._lock:
+                    for seq in self._waiting:
+                        seq.cancelled = True
+                    self._running.extend(self._waiting)
+                    self._waiting.clear()
+
+    def _emit(self, seq: _Sequence, event: Event) -> None:
+        assert self._loop is not None and seq.stream is not None
+        self._loop.call_soon_threadsafe(seq.stream._put, event)
+
+    def _step(self) -> None:
+        self._admit()
+        for seq in [s for s in self._running if s.cancelled]:
+            self._finish(seq, "abort")
+        budget = self.config.prefill_chunks_per_step
+        for seq in self._running:
+            while budget > 0 and not seq.prefilled:
+                self._prefill_chunk(seq)
+                budget -= 1
+            if seq.prefilled and not seq.output:
+                self._first_token(seq)
+        decoding = [s for s in self._running if s.output and not s.cancelled]
+        if decoding:
+            self._decode(decoding)
+        self.metrics.running.set(len(self._running))
+        self.metrics.free_blocks.set(self.kv.num_free_blocks)
+
+    def _admit(self) -> None:
+        while len(self._running) < self.config.max_batch_size:
+            with self._lock:
+                if not self._waiting:
+                    break
+                seq = self._waiting[0]
+                need = self.blocks_needed(len(seq.prompt), seq.request.params.max_tokens)
+                table = None if seq.cancelled else self.kv.take(need)
+                if table is None and not seq.cancelled:
+                    break  # head of line waits for room
+                self._waiting.popleft()
+                self.metrics.waiting.set(len(self._waiting))
+            if seq.cancelled:
+                self._finished_event(seq, "abort")
+                continue
+            assert table is not None
+            seq.table = table
+            self._running.append(seq)
+            self._restore_prefix(seq)
+
+    def _restore_prefix(self, seq: _Sequence) -> None:
+        """Lookup + materialize into the sequence's blocks; any failure means recompute."""
+        n = len(seq.prompt)
+        self.metrics.prompt_tokens.inc(n)
+        if self.cache is None:
+            return
+        # At least the last prompt token is computed: its logits give the first output token.
+        usable_max = ((n - 1) // BLOCK_SIZE) * BLOCK_SIZE
+        try:
+            hit = self.cache.lookup(seq.key, seq.prompt)
+        except Exception:
+            self.metrics.cache_errors.labels("lookup").inc()
+            log.exception("cache lookup failed; recomputing")
+            return
+        if not isinstance(hit, Hit):
+            return
+        seq.hit = hit
+        usable = min(hit.matched_tokens, usable_max)
+        if usable == 0:
+            return
+        try:
+            k, v = self.cache.materialize(hit)
+            device = self.kv.k.device
+            non_blocking = device.type == "cuda"
+            k = k[:, :, :usable].to(device, non_blocking=non_blocking)
+            v = v[:, :, :usable].to(device, non_blocking=non_blocking)
+            self.kv.scatter(seq.table, k, v)
+        except Exception:
+            self.metrics.cache_errors.labels("materialize").inc()
+            log.exception("cache materialize failed; recomputing")
+            return
+        seq.cached_tokens = usable
+        seq.prefill_pos = usable
+        seq.cache_tier = Tier(hit.tier).label
+        self.metrics.cached_tokens.inc(usable)
+
+    def _prefill_chunk(self, seq: _Sequence) -> None:
+        lo = seq.prefill_pos
+        hi = min(len(seq.prompt), (lo // BLOCK_SIZE + 1) * BLOCK_SIZE)
+        seq.last_logits = self.model.prefill(seq.prompt[lo:hi], lo, seq.table, self.kv)
+        seq.prefill_pos = hi
+        self.metrics.prefilled_tokens.inc(hi - lo)
+
+    def _first_token(self, seq: _Sequence) -> None:
+        assert seq.last_logits is not None
+        self._accept(seq, seq.sampler.sample(seq.last_logits))
+        seq.last_logits = None
+        self.metrics.ttft.observe(time.monotonic() - seq.submitted_s)
+        self._store_prompt(seq)
+
+    def _store_prompt(self, seq: _Sequence) -> None:
+        """Offer the prompt's full blocks to the cache (after the first token is out).
+
+        Offered on hits too: every offer counts a sighting, and sightings decide admission."""
+        n_full = (len(seq.prompt) // BLOCK_SIZE) * BLOCK_SIZE
+        if self.cache is None or n_full == 0:
+            return
+        try:
+            k, v = self.kv.gather(seq.table, n_full)
+            self.cache.store(seq.key, seq.prompt[:n_full], k, v)
+        except Exception:
+            self.metrics.cache_errors.labels("store").inc()
+            log.exception("cache store failed; continuing without it")
+            return
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._stores_pending.set)
+
+    def _decode(self, seqs: list[_Sequence]) -> None:
+        tokens = [s.output[-1] for s in seqs]
+        positions = [len(s.prompt) + len(s.output) - 1 for s in seqs]
+        logits = self.model.decode(tokens, positions, [s.table for s in seqs], self.kv)
+        for seq, row in zip(seqs, logits, strict=True):
+            self._accept(seq, seq.sampler.sample(row))
+
+    def _accept(self, seq: _Sequence, token: int) -> None:
+        seq.output.append(token)
+        self.metrics.generated_tokens.inc()
+        self._emit(seq, TokenEvent(token_id=token, cached_tokens=seq.cached_tokens))
+        params = seq.request.params
+        if token == EOS_ID and not params.ignore_eos:
+            self._finish(seq, "stop")
+        elif len(seq.output) >= params.max_tokens:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: _Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        self.kv.give_back(seq.table)
+        seq.table = []
+        if seq.hit is not None and self.cache is not None:
+            try:
+                self.cache.release(seq.hit)
+            except Exception:
+                self.metrics.cache_errors.labels("release").inc()
+                log.exception("cache release failed")
+            seq.hit = None
+        self._finished_event(seq, reason, error)
+
+    def _finished_event(self, seq: _Sequence, reason: FinishReason,
+                        error: str | None = None) -> None:
+        self.metrics.requests.labels(reason).inc()
+        self._emit(seq, Finished(finish_reason=reason, prompt_tokens=len(seq.prompt),
+                                 completion_tokens=len(seq.output),
+                                 cached_tokens=seq.cached_tokens, cache_tier=seq.cache_tier,
+                                 error=error))
+
+    def _fail_running(self) -> None:
+        for seq in list(self._running):
+            self._finish(seq, "error", "internal error while generating")
+

@@ -1,0 +1,51 @@
+"""Shared fixtures: one tiny checkpoint per session and a factory for engines with a real cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
+from kvfleet_runtime.engine import CacheKeyFields, Engine, EngineConfig
+from kvfleet_runtime.model import LoadedModel, ModelArgs, generate_checkpoint, load_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-engine")
+    generate_checkpoint(out, ModelArgs.from_preset("tiny"), seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_dir: Path) -> LoadedModel:
+    return load_checkpoint(tiny_dir, device=torch.device("cpu"))
+
+
+def make_cache(loaded: LoadedModel, *, t0: int = 256, t1: int = 0,
+               admit_min_sightings: int = 1) -> PrefixCache:
+    a = loaded.args
+    return PrefixCache(
+        CacheConfig(num_t0_blocks=t0, num_t1_blocks=t1, admit_min_sightings=admit_min_sightings),
+        KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype="float32"),
+        clock=time.monotonic,
+        device="cpu",
+    )
+
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture
+def make_engine(loaded: LoadedModel) -> EngineFactory:
+    def factory(cache: PrefixCache | None = None, *, key_fields: CacheKeyFields | None = None,
+                **config: int) -> Engine:
+        fields = key_fields or CacheKeyFields.for_model(loaded, "tiny")
+        return Engine(loaded.model, fields, cache=cache,
+                      config=EngineConfig(**{"num_kv_blocks": 128, **config}))
+
+    return factory

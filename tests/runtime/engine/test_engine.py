@@ -1,0 +1,331 @@
+"""The engine over the real prefix cache: hits never change answers, keys isolate, refs return."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvfleet_runtime.cache import Hit, PrefixCache
+from kvfleet_runtime.engine import (
+    CacheKeyFields,
+    Engine,
+    EngineOverloaded,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from kvfleet_runtime.model import BLOCK_SIZE, LoadedModel, PagedKV, load_checkpoint
+
+from .conftest import EngineFactory, make_cache
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def tokens(n: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, 256, (n,), generator=g).tolist())
+
+
+async def run(engine: Engine, tenant: str, prompt: Sequence[int],
+              params: SamplingParams = GREEDY) -> tuple[list[int], int]:
+    out, fin = await engine.generate(GenerationRequest(tenant, tuple(prompt), params))
+    assert fin.error is None
+    await engine.drain_stores()
+    return out, fin.cached_tokens
+
+
+async def with_engine(engine: Engine, body):  # type: ignore[no-untyped-def]
+    await engine.start()
+    try:
+        return await body(engine)
+    finally:
+        await engine.stop()
+
+
+def test_cached_kv_equals_recomputed_kv_bitwise(loaded: LoadedModel) -> None:
+    """Prefill -> store -> lookup -> materialize gives the recomputed bytes, and a suffix prefill
+    on top of them reproduces the full prefill's KV and logits bitwise (CPU float32)."""
+    model, cache = loaded.model, make_cache(loaded)
+    key = CacheKeyFields.for_model(loaded, "tiny").key("acme")
+    prompt = tokens(75, seed=3)
+
+    def full_prefill() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv = PagedKV.allocate(model.args, 8, device=torch.device("cpu"))
+        table = kv.take(8)
+        assert table is not None
+        logits = model.prefill(prompt, 0, table, kv)
+        k, v = kv.gather(table, len(prompt))
+        return k, v, logits
+
+    k1, v1, logits1 = full_prefill()
+    n_full = len(prompt) // BLOCK_SIZE * BLOCK_SIZE
+    cache.store(key, prompt[:n_full], k1[:, :, :n_full].clone(), v1[:, :, :n_full].clone())
+    cache.drain_store_queue()
+    hit = cache.lookup(key, prompt)
+    assert isinstance(hit, Hit) and hit.matched_tokens == n_full
+    ck, cv = cache.materialize(hit)
+    k2, v2, logits2 = full_prefill()  # recomputed, same inputs and shapes
+    assert torch.equal(ck, k2[:, :, :n_full]) and torch.equal(cv, v2[:, :, :n_full])
+
+    kv = PagedKV.allocate(model.args, 8, device=torch.device("cpu"))
+    table = kv.take(8)
+    assert table is not None
+    kv.scatter(table, ck, cv)
+    logits3 = model.prefill(prompt[n_full:], n_full, table, kv)
+    k3, v3 = kv.gather(table, len(prompt))
+    assert torch.equal(k3, k2) and torch.equal(v3, v2) and torch.equal(logits3, logits2)
+    assert torch.equal(logits1, logits2)
+    cache.release(hit)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(min_value=17, max_value=90),
+    seed=st.integers(min_value=0, max_value=2**16),
+    shared_blocks=st.integers(min_value=1, max_value=4),
+    tier=st.sampled_from(["t0", "t1"]),
+)
+def test_greedy_output_is_identical_for_full_hit_partial_hit_and_miss(
+    loaded: LoadedModel, n: int, seed: int, shared_blocks: int, tier: str
+) -> None:
+    prompt = tokens(n, seed)
+    full_usable = (n - 1) // BLOCK_SIZE * BLOCK_SIZE
+    partial = min(shared_blocks * BLOCK_SIZE, full_usable - BLOCK_SIZE)
+
+    async def body(engine: Engine) -> None:
+        miss, cached = await run(engine, "miss-only", prompt)
+        assert cached == 0
+        full_hit, cached = await run(engine, "miss-only", prompt)  # stored by the first run
+        assert cached == full_usable
+        assert full_hit == miss
+        if partial > 0:
+            # Another tenant shares only the first `partial` tokens, then diverges.
+            other = prompt[:partial] + tuple((t + 1) % 256 for t in prompt[partial:])
+            await run(engine, "partial", other)
+            partial_hit, cached = await run(engine, "partial", prompt)
+            assert cached == partial
+            assert partial_hit == miss
+
+    # T1 only: every hit is copied from the host pool; T0 only: from the device pool.
+    cache = make_cache(loaded, t0=256, t1=0) if tier == "t0" else make_cache(loaded, t0=0, t1=256)
+    engine = Engine(loaded.model, CacheKeyFields.for_model(loaded, "tiny"), cache=cache)
+    asyncio.run(with_engine(engine, body))
+    assert cache.stats().tiers[0 if tier == "t0" else 1].num_blocks_used > 0
+
+
+def _replace(fields: CacheKeyFields, **change: str) -> CacheKeyFields:
+    return dataclasses.replace(fields, **change)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"weights_digest": "sha256:" + "0" * 64},
+        {"kv_dtype": "float16"},
+        {"rope_config_hash": "sha256:" + "1" * 64},
+        {"attn_impl_id": "sdpa-chunk16-v1"},
+        {"model_id": "tiny-v2"},
+        {"tenant": "globex"},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+async def test_changing_any_key_field_turns_a_hit_into_a_miss(
+    loaded: LoadedModel, make_engine: EngineFactory, change: dict[str, str]
+) -> None:
+    cache = make_cache(loaded)
+    base = CacheKeyFields.for_model(loaded, "tiny")
+    prompt = tokens(40, seed=11)
+    tenant = change.pop("tenant", "acme")
+    warm = make_engine(cache, key_fields=base)
+    await warm.start()
+    await run(warm, "acme", prompt)
+    assert (await run(warm, "acme", prompt))[1] == 32  # a hit under the original key
+    await warm.stop()
+    other = make_engine(cache, key_fields=_replace(base, **change))
+    await other.start()
+    try:
+        assert (await run(other, tenant, prompt))[1] == 0
+    finally:
+        await other.stop()
+
+
+def test_key_fields_come_from_the_model(
+    loaded: LoadedModel, tiny_dir: Path, tmp_path: Path
+) -> None:
+    from kvfleet_runtime.model import ModelArgs, generate_checkpoint
+
+    base = CacheKeyFields.for_model(loaded, "tiny")
+    sdpa = CacheKeyFields.for_model(
+        load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl="sdpa"), "tiny")
+    args = dataclasses.replace(ModelArgs.from_preset("tiny"), rope_theta=500000.0)
+    generate_checkpoint(tmp_path / "theta", args, seed=0)
+    theta = CacheKeyFields.for_model(load_checkpoint(tmp_path / "theta",
+                                                     device=torch.device("cpu")), "tiny")
+    generate_checkpoint(tmp_path / "seed1", ModelArgs.from_preset("tiny"), seed=1)
+    reseeded = CacheKeyFields.for_model(load_checkpoint(tmp_path / "seed1",
+                                                        device=torch.device("cpu")), "tiny")
+    assert base.kv_dtype == "float32"
+    assert sdpa.attn_impl_id != base.attn_impl_id
+    assert theta.rope_config_hash != base.rope_config_hash
+    assert reseeded.weights_digest != base.weights_digest
+    assert theta.weights_digest == base.weights_digest  # same tensors, only the config differs
+
+
+@pytest.mark.parametrize("offset", [16, 5])
+async def test_same_tokens_at_another_offset_never_hit(
+    loaded: LoadedModel, make_engine: EngineFactory, offset: int
+) -> None:
+    cache = make_cache(loaded)
+    engine = make_engine(cache)
+    await engine.start()
+    try:
+        prompt = tokens(64, seed=5)
+        await run(engine, "acme", prompt)
+        assert (await run(engine, "acme", prompt))[1] == 48
+        shifted = tokens(offset, seed=6) + prompt
+        assert (await run(engine, "acme", shifted))[1] == 0
+    finally:
+        await engine.stop()
+
+
+class CountingCache(PrefixCache):
+    num_held = 0
+    fail_materialize = False
+
+    def lookup(self, key, token_ids):  # type: ignore[no-untyped-def]
+        hit = super().lookup(key, token_ids)
+        if isinstance(hit, Hit):
+            self.num_held += 1
+        return hit
+
+    def materialize(self, hit, *, tp_degree=1, tp_rank=0):  # type: ignore[no-untyped-def]
+        if self.fail_materialize:
+            raise RuntimeError("simulated T1 copy failure")
+        return super().materialize(hit, tp_degree=tp_degree, tp_rank=tp_rank)
+
+    def release(self, hit):  # type: ignore[no-untyped-def]
+        self.num_held -= 1
+        super().release(hit)
+
+
+def counting_cache(loaded: LoadedModel) -> CountingCache:
+    base = make_cache(loaded)
+    cache = CountingCache(base.config, base.layout, clock=lambda: 0.0, device="cpu")
+    return cache
+
+
+async def test_concurrent_requests_batch_and_release_every_ref(
+    loaded: LoadedModel, make_engine: EngineFactory
+) -> None:
+    cache = counting_cache(loaded)
+    engine = make_engine(cache, max_batch_size=4)
+    await engine.start()
+    try:
+        system = tokens(48, seed=1)
+        await run(engine, "acme", (*system, 1, 2, 3))
+        reqs = [
+            GenerationRequest("acme" if i % 2 else "globex", system + tokens(5 + i, seed=100 + i),
+                              SamplingParams(max_tokens=4 + i % 5, temperature=0.0))
+            for i in range(12)
+        ]
+        results = await asyncio.gather(*(engine.generate(r) for r in reqs))
+        for (out, fin), req in zip(results, reqs, strict=True):
+            assert fin.finish_reason in ("length", "stop") and fin.error is None
+            assert len(out) == fin.completion_tokens <= req.params.max_tokens
+        assert any(fin.cached_tokens == 48 for _, fin in results)
+        assert any(fin.cached_tokens == 0 for _, fin in results)
+        assert cache.num_held == 0
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    finally:
+        await engine.stop()
+
+
+async def test_a_new_request_is_admitted_while_another_decodes(
+    loaded: LoadedModel, make_engine: EngineFactory
+) -> None:
+    engine = make_engine(None)
+    await engine.start()
+    try:
+        long = engine.submit(GenerationRequest("a", tokens(20, 1),
+                                               SamplingParams(max_tokens=200, ignore_eos=True)))
+        it = long.__aiter__()
+        await it.__anext__()  # the long one is decoding
+        _short_out, short_fin = await engine.generate(
+            GenerationRequest("b", tokens(20, 2), SamplingParams(max_tokens=2, ignore_eos=True)))
+        assert short_fin.finish_reason == "length"
+        remaining = [e async for e in it]
+        assert sum(isinstance(e, TokenEvent) for e in remaining) > 100  # still going after b
+    finally:
+        await engine.stop()
+
+
+async def test_cache_failure_degrades_to_recompute(
+    loaded: LoadedModel, make_engine: EngineFactory
+) -> None:
+    cache = counting_cache(loaded)
+    engine = make_engine(cache)
+    await engine.start()
+    try:
+        prompt = tokens(50, seed=9)
+        expected, _ = await run(engine, "acme", prompt)
+        cache.fail_materialize = True
+        out, cached = await run(engine, "acme", prompt)
+        assert (out, cached) == (expected, 0)
+        assert engine.metrics.cache_errors.labels("materialize")._value.get() == 1
+        assert cache.num_held == 0
+    finally:
+        await engine.stop()
+
+
+async def test_seeded_sampling_is_reproducible(make_engine: EngineFactory) -> None:
+    engine = make_engine(None)
+    await engine.start()
+    try:
+        prompt = tokens(30, seed=4)
+        def params(seed: int) -> SamplingParams:
+            return SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
+        a = (await engine.generate(GenerationRequest("t", prompt, params(7))))[0]
+        b = (await engine.generate(GenerationRequest("t", prompt, params(7))))[0]
+        c = (await engine.generate(GenerationRequest("t", prompt, params(8))))[0]
+        assert a == b and a != c
+    finally:
+        await engine.stop()
+
+
+async def test_cancel_frees_blocks(make_engine: EngineFactory) -> None:
+    engine = make_engine(None)
+    await engine.start()
+    try:
+        stream = engine.submit(GenerationRequest("t", tokens(30, 1),
+                                                 SamplingParams(max_tokens=500, ignore_eos=True)))
+        events = []
+        async for event in stream:
+            events.append(event)
+            if len(events) == 3:
+                stream.cancel()
+        assert events[-1].finish_reason == "abort"  # type: ignore[union-attr]
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    finally:
+        await engine.stop()
+
+
+def test_submit_refuses_impossible_requests_and_overload(make_engine: EngineFactory) -> None:
+    engine = make_engine(None, max_waiting=1, num_kv_blocks=4)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.submit(GenerationRequest("t", (1, 300)))
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit(GenerationRequest("t", ()))
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.submit(GenerationRequest("t", tokens(60, 1), SamplingParams(max_tokens=10)))
+    with pytest.raises(ValueError, match="context"):
+        engine.submit(GenerationRequest("t", (1,), SamplingParams(max_tokens=5000)))
+    engine.submit(GenerationRequest("t", (1, 2)))  # not started: it waits
+    with pytest.raises(EngineOverloaded):
+        engine.submit(GenerationRequest("t", (1, 2)))
