@@ -1,0 +1,164 @@
+"""The fleet tier inside a replica: glue between `PrefixCache` (torch tensors) and the torch-free
+hint index, publisher and T2 transfer.
+
+    tier = PeerTier(cache, fetcher, publisher)       # publisher may be None
+    cache.add_listener(tier.on_block_event)          # stored -> publish, removed -> withdraw
+    app.add_routes(peer_routes(CacheBlockSource(cache), secret))
+    ...
+    hit = cache.lookup(key, token_ids)
+    local_blocks = hit.matched_tokens // 16 if isinstance(hit, Hit) else 0
+    if await tier.fill(key, token_ids, local_blocks):   # fetched more blocks from a peer
+        cache.release(hit) if a hit; hit = cache.lookup(key, token_ids)
+
+`fill` never raises and returns 0 on any failure: the request then prefills what is missing,
+exactly as without a fleet tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent, BlockHash, CacheKey, Hit, block_hashes
+from kvfleet_runtime.fleet.publisher import HintPublisher
+from kvfleet_runtime.fleet.transfer import ExportedRun, FetchedRun, PeerFetcher
+
+if TYPE_CHECKING:
+    from kvfleet_runtime.cache import PrefixCache
+
+__all__ = ["CacheBlockSource", "PeerTier", "chain_hashes"]
+
+log = logging.getLogger(__name__)
+
+
+def chain_hashes(cache: PrefixCache, key: CacheKey, token_ids: Sequence[int]) -> list[BlockHash]:
+    """The chain the cache itself uses for (key, token_ids), platform scoping included."""
+    platform_blocks = 0
+    for prefix in sorted(cache.config.platform_prefixes, key=len, reverse=True):
+        if len(token_ids) >= len(prefix) and tuple(token_ids[: len(prefix)]) == prefix:
+            platform_blocks = len(prefix) // BLOCK_SIZE
+            break
+    return list(block_hashes(key, token_ids, platform_blocks=platform_blocks))
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    # A uint8 view works for every dtype (numpy has no bfloat16); .numpy() shares memory.
+    return t.contiguous().view(torch.uint8).numpy().data.cast("B")
+
+
+class CacheBlockSource:
+    """Serves held runs of a `PrefixCache` to the T2 endpoint.
+
+    Uses `lookup` (which holds refs, so the blocks cannot be evicted mid-read) and `read_blocks`
+    (a copy into fresh CPU tensors), off the event loop."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+
+    async def export(
+        self, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
+    ) -> ExportedRun | None:
+        return await asyncio.to_thread(self._export, key, token_ids, start_block, max_blocks)
+
+    def _export(
+        self, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
+    ) -> ExportedRun | None:
+        hit = self.cache.lookup(key, token_ids)
+        if not isinstance(hit, Hit):
+            return None
+        try:
+            run = hit.blocks[start_block : start_block + max_blocks]
+            if not run:
+                return None
+            kv = self.cache.read_blocks(run, device="cpu")
+        finally:
+            self.cache.release(hit)
+        if kv is None:
+            return None
+        k, v = kv
+        shape = (k.shape[0], k.shape[1], k.shape[2], k.shape[3])
+        return ExportedRun(
+            start_block, tuple(run), self.cache.layout.dtype, shape, _as_bytes(k), _as_bytes(v)
+        )
+
+
+class PeerTier:
+    """Local-miss path to peers (fetch + import) and hint publishing from cache events."""
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        fetcher: PeerFetcher,
+        publisher: HintPublisher | None = None,
+        *,
+        max_fetch_blocks: int = 4096,
+    ) -> None:
+        self.cache = cache
+        self.fetcher = fetcher
+        self.publisher = publisher
+        self.max_fetch_blocks = max_fetch_blocks
+        self.enabled = True
+        """Follows the fleet config's `tiers.t2_peer` toggle; off -> `fill` returns 0 at once."""
+
+    def on_block_event(self, event: BlockEvent) -> None:
+        if self.publisher is None:
+            return
+        if event.kind == "stored":
+            self.publisher.offer_stored(event.block_hashes)
+        else:
+            self.publisher.offer_removed(event.block_hashes)
+
+    def on_local_hit(self, hit: Hit) -> None:
+        """Keep the hints of blocks in use alive (re-published at most every refresh period)."""
+        if self.publisher is not None:
+            self.publisher.offer_stored(hit.blocks, refresh=True)
+
+    async def fill(self, key: CacheKey, token_ids: Sequence[int], local_blocks: int) -> int:
+        """Fetch the blocks after the first `local_blocks` from the best peer and import them;
+        returns the number of blocks now held beyond `local_blocks` (0 on any failure)."""
+        if not self.enabled:
+            return 0
+        try:
+            chain = chain_hashes(self.cache, key, token_ids)
+            chain = chain[: local_blocks + self.max_fetch_blocks]
+            if len(chain) <= local_blocks:
+                return 0
+            layout = self.cache.layout
+            run = await self.fetcher.fetch(
+                key,
+                token_ids,
+                chain,
+                start_block=local_blocks,
+                expected_dtype=layout.dtype,
+                expected_layout=(layout.num_layers, layout.num_kv_heads, layout.head_dim),
+            )
+            if run is None:
+                return 0
+            return await asyncio.to_thread(self._import, key, token_ids, chain, run)
+        except Exception:
+            log.exception("T2 fill failed; recomputing")
+            self.fetcher.stats.count("error")
+            return 0
+
+    def _import(
+        self, key: CacheKey, token_ids: Sequence[int], chain: list[BlockHash], run: FetchedRun
+    ) -> int:
+        dtype = self.cache.dtype
+        k = torch.frombuffer(run.k, dtype=dtype).view(run.shape)
+        v = torch.frombuffer(run.v, dtype=dtype).view(run.shape)
+        start = run.start_block
+        if start:
+            # import_blocks takes the whole prefix: the local part comes from this cache.
+            local = self.cache.read_blocks(chain[:start], device="cpu")
+            if local is None:
+                self.fetcher.stats.count("local_evicted")
+                return 0
+            k = torch.cat([local[0], k], dim=2)
+            v = torch.cat([local[1], v], dim=2)
+        end_block = start + run.num_blocks
+        self.cache.import_blocks(key, token_ids[: end_block * BLOCK_SIZE], k, v)
+        return run.num_blocks
