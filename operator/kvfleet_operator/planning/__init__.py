@@ -1,0 +1,49 @@
+"""Pure planners: no I/O, no clock reads, no Kubernetes client. Handlers call these."""
+
+from kvfleet_operator.planning.fleet import (
+    HomeSetPlan,
+    ReplicaPod,
+    build_fleet_config,
+    config_hash,
+    plan_home_sets,
+    ready_replicas,
+)
+from kvfleet_operator.planning.rollout import (
+    Action,
+    DeleteCanary,
+    EnsureCanary,
+    Event,
+    Observations,
+    ScaleTarget,
+    SetTargetVersion,
+    Transition,
+    Workload,
+    advance,
+    canary_replicas_for,
+    desired_actions,
+)
+from kvfleet_operator.planning.tiers import TierDecision, TierPlan, decide_tiers
+
+__all__ = [
+    "Action",
+    "DeleteCanary",
+    "EnsureCanary",
+    "Event",
+    "HomeSetPlan",
+    "Observations",
+    "ReplicaPod",
+    "ScaleTarget",
+    "SetTargetVersion",
+    "TierDecision",
+    "TierPlan",
+    "Transition",
+    "Workload",
+    "advance",
+    "build_fleet_config",
+    "canary_replicas_for",
+    "config_hash",
+    "decide_tiers",
+    "desired_actions",
+    "plan_home_sets",
+    "ready_replicas",
+]

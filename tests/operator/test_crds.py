@@ -1,0 +1,128 @@
+"""CRDs are generated from the typed models, are structural, and the committed YAML is current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from kvfleet_operator.api import KVCachePolicySpec, ModelRolloutSpec
+from kvfleet_operator.crdgen import main, render_all
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGEST = "sha256:" + "c" * 64
+
+
+def test_committed_crds_are_up_to_date() -> None:
+    for name, text in render_all().items():
+        path = ROOT / "crds" / name
+        assert path.read_text(encoding="utf-8") == text, (
+            f"{path} is stale: run python -m kvfleet_operator.crdgen"
+        )
+
+
+def test_check_mode_reports_a_stale_folder(tmp_path: Path) -> None:
+    assert main(["--check", "--out", str(tmp_path)]) == 1
+    assert main(["--out", str(tmp_path)]) == 0
+    assert main(["--check", "--out", str(tmp_path)]) == 0
+
+
+def _crds() -> dict[str, dict[str, Any]]:
+    out = {}
+    for text in render_all().values():
+        for doc in yaml.safe_load_all(text):
+            out[doc["spec"]["names"]["kind"]] = doc
+    return out
+
+
+def _walk(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    found = [(path, node)]
+    for name, child in node.get("properties", {}).items():
+        found += _walk(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        found += _walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        found += _walk(node["additionalProperties"], f"{path}{{}}")
+    return found
+
+
+@pytest.mark.parametrize("kind", ["KVCachePolicy", "ModelRollout"])
+def test_schema_is_structural(kind: str) -> None:
+    version = _crds()[kind]["spec"]["versions"][0]
+    schema = version["schema"]["openAPIV3Schema"]
+    for path, node in _walk(schema):
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+        for forbidden in ("$ref", "anyOf", "oneOf", "allOf", "title", "const"):
+            assert forbidden not in node, f"{path}: {forbidden}"
+        assert not ("properties" in node and "additionalProperties" in node), path
+        if "exclusiveMinimum" in node:
+            assert node["exclusiveMinimum"] is True and "minimum" in node, path
+    assert version["subresources"] == {"status": {}}
+    assert "default" not in yaml.safe_dump(schema["properties"]["status"])
+
+
+def test_names_columns_and_rules() -> None:
+    crds = _crds()
+    policy, rollout = crds["KVCachePolicy"], crds["ModelRollout"]
+    assert policy["spec"]["group"] == rollout["spec"]["group"] == "kvfleet.dev"
+    assert policy["spec"]["scope"] == rollout["spec"]["scope"] == "Namespaced"
+    assert policy["spec"]["names"]["shortNames"] == ["kvcp", "kvpolicy"]
+    assert rollout["spec"]["names"]["shortNames"] == ["mro", "mrollout"]
+    columns = [c["name"] for c in rollout["spec"]["versions"][0]["additionalPrinterColumns"]]
+    assert columns[:4] == ["Target", "Phase", "Step", "Steps"] and columns[-1] == "Age"
+    spec = rollout["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    rules = [r["rule"] for r in spec["x-kubernetes-validations"]]
+    assert "self.weightsDigest == oldSelf.weightsDigest" in rules
+    assert spec["properties"]["gate"]["properties"]["windowSeconds"]["default"] == 1800
+    assert spec["properties"]["gate"]["properties"]["recoveryPercent"]["default"] == 90
+    assert spec["properties"]["steps"]["default"] == [
+        {"replicas": 1},
+        {"percent": 10},
+        {"percent": 50},
+        {"percent": 100},
+    ]
+
+
+def test_defaults_of_the_models_match_the_design() -> None:
+    spec = ModelRolloutSpec.model_validate({"targetRef": {"name": "llm"}, "weightsDigest": DIGEST})
+    assert [(s.replicas, s.percent) for s in spec.steps] == [
+        (1, None),
+        (None, 10),
+        (None, 50),
+        (None, 100),
+    ]
+    assert (spec.gate.recovery_percent, spec.gate.window_seconds) == (90, 1800)
+    policy = KVCachePolicySpec.model_validate({"selector": {"matchLabels": {"app": "llm"}}})
+    assert (policy.affinity.k, policy.affinity.occupancy_threshold) == (3, 0.85)
+    assert policy.tiers.nvme.shadow is True
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"steps": [{"percent": 50}]}, "the last step must be percent: 100"),
+        ({"steps": [{"replicas": 1, "percent": 10}, {"percent": 100}]}, "exactly one"),
+        ({"surge": {"mode": "Fixed"}}, "mode Fixed needs replicas"),
+        ({"surge": {"mode": "Computed"}}, "replicaPrefillTokensPerSecond"),
+        ({"metrics": {"cacheStats": {"enabled": False}}}, "need a metric source"),
+        ({"weightsDigest": "latest"}, "weightsDigest"),
+        ({"gate": {"recoveryPercent": 0}}, "recoveryPercent"),
+    ],
+)
+def test_model_validators_mirror_the_cel_rules(data: dict[str, Any], message: str) -> None:
+    base: dict[str, Any] = {"targetRef": {"name": "llm"}, "weightsDigest": DIGEST}
+    with pytest.raises(ValidationError, match=message):
+        ModelRolloutSpec.model_validate(base | data)
+
+
+def test_policy_admission_rule() -> None:
+    with pytest.raises(ValidationError, match="hotSightings"):
+        KVCachePolicySpec.model_validate(
+            {
+                "selector": {"matchLabels": {"app": "llm"}},
+                "admission": {"minSightings": 4, "hotSightings": 3},
+            }
+        )
