@@ -1,0 +1,142 @@
+{{/*
+Names and labels. Every label on every object comes from these helpers; no template writes an
+app.kubernetes.io/* label by hand.
+
+The release has several components (operator, router, replica, redis). Each is its own
+application in the sense of app.kubernetes.io/name ("kvfleet-router", ...), so that every
+selector is exactly {app.kubernetes.io/name, app.kubernetes.io/instance}: two labels that never
+change over a release's life (a selector is immutable), and that still tell the router's pods
+from the replicas'. app.kubernetes.io/component and app.kubernetes.io/part-of say the same for
+humans and dashboards; they are never used in a selector.
+
+Helpers that concern one component take a dict: (dict "context" $ "component" "router").
+*/}}
+
+{{/* The chart's name, or nameOverride. */}}
+{{- define "kvfleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+The release's base name for objects: fullnameOverride, else the release name when it already
+contains the chart's name, else "<release>-<chart>". Truncated to 63 characters (DNS label).
+*/}}
+{{- define "kvfleet.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "<chart>-<version>" for the helm.sh/chart label. */}}
+{{- define "kvfleet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* A component's object name: "<fullname>-<component>". */}}
+{{- define "kvfleet.componentFullname" -}}
+{{- printf "%s-%s" (include "kvfleet.fullname" .context) .component | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* A component's application name, the value of app.kubernetes.io/name. */}}
+{{- define "kvfleet.componentName" -}}
+{{- printf "%s-%s" (include "kvfleet.name" .context) .component | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Selector labels: name and instance, nothing else. Immutable over a release's life. */}}
+{{- define "kvfleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvfleet.componentName" . }}
+app.kubernetes.io/instance: {{ .context.Release.Name }}
+{{- end -}}
+
+{{/* The standard labels of every object of a component (and of its pod template). */}}
+{{- define "kvfleet.labels" -}}
+{{ include "kvfleet.selectorLabels" . }}
+app.kubernetes.io/component: {{ .component }}
+app.kubernetes.io/part-of: {{ include "kvfleet.name" .context }}
+app.kubernetes.io/version: {{ .context.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .context.Release.Service }}
+helm.sh/chart: {{ include "kvfleet.chart" .context }}
+{{- with .context.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+An image reference from {registry, repository, tag, digest}: a digest wins over a tag; an empty
+tag means the chart's appVersion.
+*/}}
+{{- define "kvfleet.image" -}}
+{{- $repo := .image.repository -}}
+{{- if .image.registry -}}
+{{- $repo = printf "%s/%s" .image.registry .image.repository -}}
+{{- end -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" $repo .image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repo (default .context.Chart.AppVersion .image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator's ServiceAccount name. */}}
+{{- define "kvfleet.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create -}}
+{{- default (include "kvfleet.componentFullname" (dict "context" . "component" "operator")) .Values.operator.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.operator.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The ConfigMap the operator publishes the fleet config in, and router and replicas mount. */}}
+{{- define "kvfleet.fleetConfigMapName" -}}
+{{- default (printf "%s-fleet" (include "kvfleet.fullname" .)) .Values.fleetConfig.configMapName | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The Secret holding the peer-transfer shared secret (chart-made unless existingSecret). */}}
+{{- define "kvfleet.peerSecretName" -}}
+{{- default (printf "%s-peer" (include "kvfleet.fullname" .)) .Values.peerTransfer.existingSecret -}}
+{{- end -}}
+
+{{/* The Secret holding the router's API-key -> tenant file (chart-made unless existingSecret). */}}
+{{- define "kvfleet.routerKeysSecretName" -}}
+{{- default (printf "%s-router-keys" (include "kvfleet.fullname" .)) .Values.router.apiKeys.existingSecret -}}
+{{- end -}}
+
+{{/*
+Redis: the URL every component uses, or "" when neither the bundled Redis nor an external one is
+configured (the runtime then keeps an in-process hint index: fine for one replica, not a fleet).
+An external URL kept in a Secret is passed by reference instead (see kvfleet.redisUrlEnv).
+*/}}
+{{- define "kvfleet.redisUrl" -}}
+{{- if .Values.redis.bundled.enabled -}}
+{{- printf "redis://%s:%d/0" (include "kvfleet.componentFullname" (dict "context" . "component" "redis")) (int .Values.redis.bundled.port) -}}
+{{- else -}}
+{{- .Values.redis.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the monitoring.coreos.com objects are rendered: create=always, or auto and the API exists. */}}
+{{- define "kvfleet.monitoring.serviceMonitor" -}}
+{{- if or (eq .Values.monitoring.create "always") (and (eq .Values.monitoring.create "auto") (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor")) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{- define "kvfleet.monitoring.prometheusRule" -}}
+{{- if or (eq .Values.monitoring.create "always") (and (eq .Values.monitoring.create "auto") (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/PrometheusRule")) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The components whose Services the ServiceMonitor scrapes (those serving /metrics on "http"). */}}
+{{- define "kvfleet.monitoring.scrapedComponents" -}}
+{{- $out := list -}}
+{{- if .Values.replica.enabled -}}{{- $out = append $out "replica" -}}{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}

@@ -1,0 +1,420 @@
+"""`helm lint` and `helm template` of the chart's main scenarios, asserted on the parsed objects:
+labels and selectors, probes, GPU resources, the mounted fleet ConfigMap and secrets, Redis
+bundled or external, and the monitoring objects rendered only when their API exists."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvfleet_runtime.fleetconfig import FLEET_CONFIG_FILENAME
+from kvfleet_runtime.routing.tenants import load_api_keys
+from tests.chart.conftest import (
+    CHART,
+    CI_VALUES,
+    MONITORING_APIS,
+    NAMESPACE,
+    RELEASE,
+    Render,
+    Rendered,
+    kube_version,
+    run_helm,
+    template_args,
+)
+
+DEFAULT = "default-values.yaml"
+EXTERNAL_REDIS = "external-redis-values.yaml"
+EXTERNAL_SECRETS = "external-redis-secret-values.yaml"
+MONITORING = "monitoring-values.yaml"
+
+STANDARD_LABELS = {
+    "app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of", "app.kubernetes.io/version", "app.kubernetes.io/managed-by",
+    "helm.sh/chart",
+}
+SELECTOR_KEYS = {"app.kubernetes.io/name", "app.kubernetes.io/instance"}
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
+DIGEST = "sha256:" + "ab" * 32
+
+
+def _pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["template"]["spec"]
+
+
+def _container(obj: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in _pod_spec(obj)["containers"] if c["name"] == name]
+    return found
+
+
+def _volume(obj: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [v for v in _pod_spec(obj)["volumes"] if v["name"] == name]
+    return found
+
+
+def _mount(container: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [m for m in container["volumeMounts"] if m["name"] == name]
+    return found
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+# ------------------------------------------------------------------------------------------------
+# helm lint
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CI_VALUES.glob("*-values.yaml")))
+def test_helm_lint_is_clean(helm: Path, helm_env: dict[str, str], name: str) -> None:
+    result = run_helm(
+        helm, helm_env, "lint", "--strict", str(CHART), "--values", str(CI_VALUES / name),
+        "--kube-version", kube_version(),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    problems = [ln for ln in result.stdout.splitlines() if ln.startswith(("[ERROR]", "[WARNING]"))]
+    assert not problems, problems
+
+
+def test_missing_model_volume_fails_with_a_clear_message(
+    helm: Path, helm_env: dict[str, str]
+) -> None:
+    result = run_helm(helm, helm_env, *template_args([]))
+    assert result.returncode != 0
+    assert "replica.model.volume is required" in result.stderr
+
+
+def test_unknown_value_is_refused_by_the_schema(helm: Path, helm_env: dict[str, str]) -> None:
+    result = run_helm(helm, helm_env, *template_args([DEFAULT], ["replica.gpus=2"]))
+    assert result.returncode != 0
+    assert "gpus" in result.stderr and "additional" in result.stderr.lower(), result.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# what the default install renders
+
+
+def test_default_renders_the_fleet(render: Render) -> None:
+    out = render(DEFAULT)
+    names = set(out.names())
+    for expected in (
+        "Deployment/kvfleet-replica", "Service/kvfleet-replica",
+        "Deployment/kvfleet-router", "Service/kvfleet-router", "Secret/kvfleet-router-keys",
+        "Deployment/kvfleet-redis", "Service/kvfleet-redis",
+        "Secret/kvfleet-peer",
+    ):
+        assert expected in names, f"{expected} missing from {sorted(names)}"
+    assert not out.of_kind("ServiceMonitor") and not out.of_kind("PrometheusRule")
+    assert all(o["metadata"].get("namespace", NAMESPACE) == NAMESPACE for o in out)
+
+
+@pytest.mark.parametrize("scenario", [DEFAULT, EXTERNAL_REDIS, EXTERNAL_SECRETS, MONITORING])
+def test_every_object_carries_the_standard_labels(render: Render, scenario: str) -> None:
+    for obj in render(scenario, api_versions=MONITORING_APIS):
+        labels = obj["metadata"].get("labels", {})
+        missing = STANDARD_LABELS - set(labels)
+        assert not missing, f"{obj['kind']}/{obj['metadata']['name']} lacks {missing}"
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+
+
+@pytest.mark.parametrize("scenario", [DEFAULT, MONITORING])
+def test_selectors_are_name_and_instance_only_and_match_their_pods(
+    render: Render, scenario: str
+) -> None:
+    out = render(scenario, api_versions=MONITORING_APIS)
+    pod_labels = {}
+    for kind in WORKLOADS:
+        for obj in out.of_kind(kind):
+            selector = obj["spec"]["selector"]
+            assert set(selector) == {"matchLabels"}, selector
+            match = selector["matchLabels"]
+            assert set(match) == SELECTOR_KEYS, f"{obj['metadata']['name']}: {match}"
+            labels = obj["spec"]["template"]["metadata"]["labels"]
+            assert match.items() <= labels.items()
+            assert set(labels) >= STANDARD_LABELS
+            pod_labels[obj["metadata"]["name"]] = labels
+    assert len({tuple(sorted(s.items())) for s in pod_labels.values()}) == len(pod_labels)
+    for svc in out.of_kind("Service"):
+        selector = svc["spec"]["selector"]
+        assert set(selector) == SELECTOR_KEYS, f"{svc['metadata']['name']}: {selector}"
+        selected = [n for n, labels in pod_labels.items() if selector.items() <= labels.items()]
+        assert selected == [svc["metadata"]["name"]], (
+            f"Service {svc['metadata']['name']} selects the pods of {selected}"
+        )
+        # Every Service port points at a named container port of the pods it selects.
+        workload = out.get("Deployment", selected[0])
+        port_names = {p["name"] for c in _pod_spec(workload)["containers"] for p in c["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in port_names
+
+
+def test_pods_run_as_non_root_without_privileges(render: Render) -> None:
+    for obj in render(DEFAULT).of_kind("Deployment"):
+        spec = _pod_spec(obj)
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        for c in spec["containers"]:
+            ctx = c["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False
+            assert ctx["readOnlyRootFilesystem"] is True
+            assert ctx["capabilities"]["drop"] == ["ALL"]
+
+
+# ------------------------------------------------------------------------------------------------
+# the replica workload
+
+
+def test_replica_asks_for_its_gpus(render: Render) -> None:
+    default = _container(render(DEFAULT).get("Deployment", "kvfleet-replica"), "replica")
+    assert default["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert default["resources"]["requests"]["nvidia.com/gpu"] == 1
+    out = render(MONITORING)
+    tp2 = out.get("Deployment", "kvfleet-replica")
+    assert tp2["spec"]["replicas"] == 4
+    assert _container(tp2, "replica")["resources"]["limits"]["nvidia.com/gpu"] == 2
+    tolerations = _pod_spec(tp2)["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+
+
+def test_replica_probes_use_its_health_endpoints(render: Render) -> None:
+    c = _container(render(DEFAULT).get("Deployment", "kvfleet-replica"), "replica")
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    # Loading weights may take minutes: the startup probe holds liveness off meanwhile.
+    startup = c["startupProbe"]
+    assert startup["httpGet"]["path"] == "/healthz"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
+
+
+def test_replica_runs_the_replica_command_on_the_mounted_model(render: Render) -> None:
+    obj = render(DEFAULT).get("Deployment", "kvfleet-replica")
+    c = _container(obj, "replica")
+    assert c["image"] == "kvfleet/kvfleet-runtime:0.1.0"
+    args = c["args"]
+    assert args[0] == "replica"
+    assert args[args.index("--model-dir") + 1] == "/models/current"
+    assert args[args.index("--port") + 1] == "8000"
+    assert _mount(c, "model") == {"name": "model", "mountPath": "/models/current", "readOnly": True}
+    assert _volume(obj, "model")["persistentVolumeClaim"] == {
+        "claimName": "llama-weights", "readOnly": True,
+    }
+
+
+def test_fleet_config_map_is_mounted_in_router_and_replicas(render: Render) -> None:
+    out = render(DEFAULT)
+    for name, container in (("kvfleet-replica", "replica"), ("kvfleet-router", "router")):
+        obj = out.get("Deployment", name)
+        volume = _volume(obj, "fleet-config")
+        # The operator publishes it: the pods start before it exists and see it when it does.
+        assert volume["configMap"] == {"name": "kvfleet-fleet", "optional": True}
+        mount = _mount(_container(obj, container), "fleet-config")
+        assert mount["mountPath"] == "/etc/kvfleet/fleet" and mount["readOnly"] is True
+    assert FLEET_CONFIG_FILENAME == "fleet.yaml"
+
+
+def test_peer_transfer_secret_is_mounted_in_replicas(render: Render) -> None:
+    out = render(DEFAULT)
+    obj = out.get("Deployment", "kvfleet-replica")
+    volume = _volume(obj, "peer-secret")["secret"]
+    assert volume["secretName"] == "kvfleet-peer"
+    secret = out.get("Secret", "kvfleet-peer")
+    assert set(secret["data"]) == {volume["items"][0]["key"]}
+    assert _mount(_container(obj, "replica"), "peer-secret")["readOnly"] is True
+    # An existing Secret replaces the generated one.
+    out = render(EXTERNAL_SECRETS)
+    assert "Secret/kvfleet-peer" not in out.names()
+    volume = _volume(out.get("Deployment", "kvfleet-replica"), "peer-secret")["secret"]
+    assert volume["secretName"] == "peer-token" and volume["items"][0]["key"] == "token"
+
+
+def test_weights_digest_is_annotated_for_the_operator(render: Render) -> None:
+    obj = render(DEFAULT, set=[f"replica.model.weightsDigest={DIGEST}"]).get(
+        "Deployment", "kvfleet-replica"
+    )
+    annotations = obj["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["kvfleet.dev/weights-digest"] == DIGEST
+    assert _env(_container(obj, "replica"))["KVFLEET_WEIGHTS_DIGEST"] == DIGEST
+
+
+def test_weights_digest_names_match_the_operator() -> None:
+    from kvfleet_operator.constants import DEFAULT_DIGEST_ENV, WEIGHTS_DIGEST_ANNOTATION
+
+    assert WEIGHTS_DIGEST_ANNOTATION == "kvfleet.dev/weights-digest"
+    assert DEFAULT_DIGEST_ENV == "KVFLEET_WEIGHTS_DIGEST"
+
+
+# ------------------------------------------------------------------------------------------------
+# the router
+
+
+def test_router_service_and_keys_file(render: Render, tmp_path: Path) -> None:
+    out = render(MONITORING)
+    svc = out.get("Service", "kvfleet-router")
+    assert svc["spec"]["type"] == "ClusterIP"
+    assert svc["spec"]["ports"] == [
+        {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
+    ]
+    router = out.get("Deployment", "kvfleet-router")
+    assert router["spec"]["replicas"] == 2
+    c = _container(router, "router")
+    assert c["args"][0] == "router"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    secret = out.get("Secret", "kvfleet-router-keys")
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(secret["stringData"]["keys.yaml"])
+    # The file the chart writes is one the router's own loader accepts.
+    keys = load_api_keys(keys_file)
+    assert keys.tenant_for_key("sk-globex-test-1") == "globex"
+    assert keys.tenant_for_key("test") == "acme"  # sha256("test") is acme's digest
+    assert _volume(router, "api-keys")["secret"]["secretName"] == "kvfleet-router-keys"
+    # A changed keys file restarts the routers.
+    assert "checksum/keys" in router["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_router_pods_restart_when_keys_change(render: Render) -> None:
+    def checksum(out: Rendered) -> str:
+        template = out.get("Deployment", "kvfleet-router")["spec"]["template"]
+        return template["metadata"]["annotations"]["checksum/keys"]
+
+    before = checksum(render(DEFAULT))
+    after = checksum(render(DEFAULT, set=["router.apiKeys.tenants.acme[0]=sk-new"]))
+    assert before != after
+
+
+# ------------------------------------------------------------------------------------------------
+# Redis
+
+
+def test_bundled_redis_is_an_ephemeral_hint_store(render: Render) -> None:
+    out = render(DEFAULT)
+    redis = out.get("Deployment", "kvfleet-redis")
+    args = _container(redis, "redis")["args"]
+    assert args[args.index("--save") + 1] == ""
+    assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert out.get("Service", "kvfleet-redis")["spec"]["ports"][0]["port"] == 6379
+
+
+def test_external_redis_replaces_the_bundled_one(render: Render) -> None:
+    for scenario in (EXTERNAL_REDIS, EXTERNAL_SECRETS):
+        names = render(scenario).names()
+        assert not [n for n in names if "redis" in n.lower()], names
+
+
+# ------------------------------------------------------------------------------------------------
+# monitoring
+
+
+def test_monitoring_objects_need_their_api(render: Render) -> None:
+    absent = render(MONITORING)
+    assert not absent.of_kind("ServiceMonitor") and not absent.of_kind("PrometheusRule")
+    present = render(MONITORING, api_versions=MONITORING_APIS)
+    assert len(present.of_kind("ServiceMonitor")) == 1
+    assert len(present.of_kind("PrometheusRule")) == 1
+    never = render(MONITORING, set=["monitoring.create=never"], api_versions=MONITORING_APIS)
+    assert not never.of_kind("ServiceMonitor") and not never.of_kind("PrometheusRule")
+    always = render(MONITORING, set=["monitoring.create=always"])
+    assert always.of_kind("ServiceMonitor") and always.of_kind("PrometheusRule")
+
+
+def test_service_monitor_scrapes_the_replicas(render: Render) -> None:
+    out = render(MONITORING, api_versions=MONITORING_APIS)
+    (sm,) = out.of_kind("ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    selector = sm["spec"]["selector"]
+    svc = out.get("Service", "kvfleet-replica")
+    labels = svc["metadata"]["labels"]
+    assert selector["matchLabels"].items() <= labels.items()
+    (expr,) = selector["matchExpressions"]
+    assert expr["key"] == "app.kubernetes.io/name" and labels[expr["key"]] in expr["values"]
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+
+
+def _rules(out: Rendered) -> list[dict[str, Any]]:
+    (rule,) = out.of_kind("PrometheusRule")
+    return [r for group in rule["spec"]["groups"] for r in group["rules"]]
+
+
+def test_hit_rate_alarm(render: Render) -> None:
+    rules = _rules(render(MONITORING, api_versions=MONITORING_APIS))
+    (alert,) = [r for r in rules if r.get("alert") == "KVFleetCacheHitRateLow"]
+    assert alert["for"] == "15m"
+    assert alert["expr"].rstrip().endswith("< 0.25")
+    (record,) = [r for r in rules if "record" in r]
+    assert alert["expr"].startswith(record["record"] + "{")
+    # The replica Deployment's pods and its canary's, in this namespace only.
+    assert f'namespace="{NAMESPACE}"' in record["expr"]
+    assert 'pod=~"kvfleet-replica-.*"' in record["expr"]
+    assert "{{ $value" in alert["annotations"]["description"]
+
+
+def test_hit_rate_alarm_uses_the_metrics_the_operator_gates_on(render: Render) -> None:
+    from kvfleet_operator.api import DEFAULT_HIT_RATE_QUERY
+
+    rules = _rules(render(MONITORING, api_versions=MONITORING_APIS))
+    (record,) = [r for r in rules if "record" in r]
+    ours = set(re.findall(r"\bkvfleet_[a-z_]+\b", record["expr"]))
+    operators = set(re.findall(r"\bkvfleet_[a-z_]+\b", DEFAULT_HIT_RATE_QUERY))
+    assert ours == operators == {
+        "kvfleet_cache_hit_tokens_total", "kvfleet_cache_lookup_tokens_total",
+    }
+
+
+def test_no_null_or_empty_blocks(render: Render) -> None:
+    """A `with` that renders nothing must not leave `annotations:` or `env:` empty behind."""
+    for scenario in (DEFAULT, EXTERNAL_SECRETS):
+        for obj in render(scenario):
+            text = yaml.safe_dump(obj)
+            assert ": null" not in text, f"{obj['kind']}/{obj['metadata']['name']}:\n{text}"
+
+
+# ------------------------------------------------------------------------------------------------
+# NOTES.txt (helm renders it only on install; a copy of the chart exposes it to `helm template`)
+
+
+def _notes(helm: Path, helm_env: dict[str, str], tmp_path: Path, *args: str) -> str:
+    chart = tmp_path / "kvfleet"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n"
+        'data:\n  notes: {{ include "kvfleet/templates/NOTES.txt" . | quote }}\n'
+    )
+    result = run_helm(
+        helm, helm_env, "template", RELEASE, str(chart), "--namespace", NAMESPACE,
+        "--kube-version", kube_version(), "--show-only", "templates/zz-notes.yaml", *args,
+    )
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)["data"]["notes"]
+
+
+def test_notes_tell_the_next_steps(helm: Path, helm_env: dict[str, str], tmp_path: Path) -> None:
+    notes = _notes(helm, helm_env, tmp_path, "--values", str(CI_VALUES / DEFAULT))
+    start = notes.rindex("\n", 0, notes.index("apiVersion:")) + 1
+    policy = yaml.safe_load(textwrap.dedent(notes[start:notes.index("kubectl get kvcache")]))
+    assert policy["kind"] == "KVCachePolicy"
+    # The policy the notes suggest selects exactly the replica pods and names the mounted ConfigMap.
+    from kvfleet_operator.api import KVCachePolicySpec
+
+    spec = KVCachePolicySpec.model_validate(policy["spec"])
+    assert spec.selector.match_labels == {
+        "app.kubernetes.io/name": "kvfleet-replica", "app.kubernetes.io/instance": RELEASE,
+    }
+    assert spec.config_map_name == "kvfleet-fleet"
+    assert "router.apiKeys.tenants is empty" in notes
+    assert "no monitoring.coreos.com/v1 API" in notes
+
+
+def test_notes_without_redis_warn(helm: Path, helm_env: dict[str, str], tmp_path: Path) -> None:
+    notes = _notes(
+        helm, helm_env, tmp_path, "--values", str(CI_VALUES / DEFAULT),
+        "--set", "redis.bundled.enabled=false",
+    )
+    assert "no Redis is configured" in notes
