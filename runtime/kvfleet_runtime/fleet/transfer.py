@@ -410,6 +410,8 @@ class PeerFetcher:
                 await _read_frames(stream, memoryview(buf))
         except asyncio.IncompleteReadError as exc:
             raise FetchFailed("short_read", f"{len(exc.partial)} of {exc.expected} bytes") from exc
+        except aiohttp.ClientPayloadError as exc:  # the peer closed mid-body
+            raise FetchFailed("short_read", str(exc)) from exc
         except (KeyError, TypeError, ValueError) as exc:
             raise FetchFailed("protocol", repr(exc)) from exc
         return run

@@ -1,0 +1,351 @@
+"""T2 peer transfer between real PrefixCaches over real aiohttp servers on 127.0.0.1, with fault
+injection (corrupted bytes, a peer cut mid-transfer, a stalled peer, a dead peer, stale hints)
+and tenant isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+
+from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, Hit, KVLayout, PrefixCache
+from kvfleet_runtime.fleet import (
+    T2_PATH,
+    TENANT_HEADER,
+    CacheBlockSource,
+    EmbeddedHintIndex,
+    HintPublisher,
+    PeerFetcher,
+    PeerTier,
+    peer_routes,
+    peer_token,
+)
+from kvfleet_runtime.fleet.replica import chain_hashes
+from tests.runtime.fleet.conftest import free_port
+
+SECRET = b"fleet-secret-for-tests"
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
+DIGEST = "sha256:" + "ab" * 32
+KEY_A = CacheKey("tenant-a", "tiny", DIGEST, "float16", "rope0", "sdpa")
+KEY_B = KEY_A._replace(tenant_id="tenant-b")
+TOKENS = list(range(1000, 1000 + 8 * BLOCK_SIZE + 5))  # 8 full blocks and a partial tail
+
+
+def make_cache() -> PrefixCache:
+    return PrefixCache(
+        CacheConfig(num_t0_blocks=64, admit_min_sightings=1, hot_min_sightings=2),
+        LAYOUT,
+        clock=time.monotonic,
+    )
+
+
+def prefill_kv(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-in for recompute: causal like prefill (position t depends on tokens[: t + 1])."""
+    g = torch.Generator().manual_seed(0)
+    shape = (LAYOUT.num_layers, LAYOUT.num_kv_heads, 4096, LAYOUT.head_dim)
+    ids = torch.tensor(tokens, dtype=torch.float32).cumsum(0).view(1, 1, -1, 1) * 1e-3
+    n = len(tokens)
+    return (
+        (torch.randn(shape, generator=g)[:, :, :n] + ids).half(),
+        (torch.randn(shape, generator=g)[:, :, :n] - ids).half(),
+    )
+
+
+def store(cache: PrefixCache, key: CacheKey, tokens: list[int]) -> tuple[torch.Tensor, ...]:
+    k, v = prefill_kv(tokens)
+    cache.store(key, tokens, k, v)
+    cache.drain_store_queue()
+    return k, v
+
+
+def materialized(cache: PrefixCache, key: CacheKey, tokens: list[int]) -> tuple[torch.Tensor, ...]:
+    hit = cache.lookup(key, tokens)
+    assert isinstance(hit, Hit)
+    try:
+        return cache.materialize(hit)
+    finally:
+        cache.release(hit)
+
+
+@dataclass
+class Replica:
+    name: str
+    cache: PrefixCache
+    url: str
+    runner: web.AppRunner
+
+
+async def start_app(app: web.Application) -> tuple[str, web.AppRunner]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return f"http://127.0.0.1:{port}", runner
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]]]:
+    index = EmbeddedHintIndex()
+    runners: list[web.AppRunner] = []
+
+    async def replica(name: str, secret: bytes | None = SECRET) -> Replica:
+        cache = make_cache()
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes(peer_routes(CacheBlockSource(cache), secret))
+        url, runner = await start_app(app)
+        runners.append(runner)
+        await index.register_host(name, url)
+        return Replica(name, cache, url, runner)
+
+    yield index, replica
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def tier_for(cache: PrefixCache, fetcher: PeerFetcher) -> PeerTier:
+    return PeerTier(cache, fetcher)
+
+
+async def publish_all(index: EmbeddedHintIndex, replica: Replica, key: CacheKey) -> None:
+    await index.publish(replica.name, chain_hashes(replica.cache, key, TOKENS))
+
+
+async def test_prefix_stored_on_a_is_fetched_by_b_and_equals_recompute(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    session: aiohttp.ClientSession,
+) -> None:
+    index, replica = fleet
+    a, b = await replica("a"), await replica("b")
+    publisher = HintPublisher(index, "a")
+    a.cache.add_listener(
+        PeerTier(a.cache, PeerFetcher(session, SECRET, index, "a"), publisher).on_block_event
+    )
+    k, v = store(a.cache, KEY_A, TOKENS)
+    await publisher.flush()  # the listener published a's blocks
+
+    fetcher = PeerFetcher(session, SECRET, index, "b")
+    assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 8
+    assert fetcher.stats.outcomes == {"ok": 1}
+    got_k, got_v = materialized(b.cache, KEY_A, TOKENS)
+    n = 8 * BLOCK_SIZE
+    assert torch.equal(got_k, k[:, :, :n]) and torch.equal(got_v, v[:, :, :n])
+
+
+async def test_partial_local_hit_fetches_only_the_rest(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    session: aiohttp.ClientSession,
+) -> None:
+    index, replica = fleet
+    a, b = await replica("a"), await replica("b")
+    k, _v = store(a.cache, KEY_A, TOKENS)
+    await publish_all(index, a, KEY_A)
+    store(b.cache, KEY_A, TOKENS[: 3 * BLOCK_SIZE])
+    fetcher = PeerFetcher(session, SECRET, index, "b")
+    assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 3) == 5
+    assert fetcher.stats.bytes_fetched == 2 * 5 * LAYOUT.bytes_per_block // 2
+    got_k, _ = materialized(b.cache, KEY_A, TOKENS)
+    assert torch.equal(got_k, k[:, :, : 8 * BLOCK_SIZE])
+
+
+async def test_stale_hint_and_dead_peer_fall_back_to_recompute(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    session: aiohttp.ClientSession,
+) -> None:
+    index, replica = fleet
+    a, b = await replica("a"), await replica("b")
+    await publish_all(index, a, KEY_A)  # a never stored it: a stale hint
+    fetcher = PeerFetcher(session, SECRET, index, "b")
+    assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
+    await index.register_host("a", f"http://127.0.0.1:{free_port()}")  # nobody listens
+    assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
+    assert fetcher.stats.outcomes == {"stale": 1, "peer_error": 1}
+    assert isinstance(b.cache.lookup(KEY_A, TOKENS), type(b.cache.lookup(KEY_B, TOKENS)))
+
+
+async def test_unauthenticated_and_wrong_tenant_requests_are_refused(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    session: aiohttp.ClientSession,
+) -> None:
+    _index, replica = fleet
+    a = await replica("a")
+    store(a.cache, KEY_A, TOKENS)
+    body = {"key": KEY_A._asdict(), "token_ids": TOKENS, "start_block": 0}
+
+    async def post(headers: dict[str, str], payload: object = body) -> int:
+        async with session.post(a.url + T2_PATH, json=payload, headers=headers) as r:
+            await r.read()
+            return r.status
+
+    good = {TENANT_HEADER: "tenant-a", "Authorization": f"Bearer {peer_token(SECRET, 'tenant-a')}"}
+    assert await post(good) == 200
+    assert await post({}) == 401
+    assert await post({TENANT_HEADER: "tenant-a"}) == 401
+    assert (
+        await post({**good, "Authorization": "Bearer " + peer_token(b"wrong", "tenant-a")}) == 401
+    )
+    # A credential for tenant B cannot be used with tenant A's name or key.
+    token_b = peer_token(SECRET, "tenant-b")
+    assert await post({TENANT_HEADER: "tenant-a", "Authorization": f"Bearer {token_b}"}) == 401
+    assert await post({TENANT_HEADER: "tenant-b", "Authorization": f"Bearer {token_b}"}) == 403
+    # Tenant B, authenticated, asking for A's exact tokens under its own key: B's chain, nothing.
+    as_b = {"key": KEY_B._asdict(), "token_ids": TOKENS, "start_block": 0}
+    assert (
+        await post({TENANT_HEADER: "tenant-b", "Authorization": f"Bearer {token_b}"}, as_b) == 404
+    )
+    assert await post(good, {"key": {"tenant_id": "tenant-a"}, "token_ids": TOKENS}) == 400
+    assert await post(good, {**body, "token_ids": [-1] * 32}) == 400
+
+
+async def test_tenant_b_can_never_obtain_tenant_a_blocks_through_the_fetcher(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    session: aiohttp.ClientSession,
+) -> None:
+    index, replica = fleet
+    a, b = await replica("a"), await replica("b")
+    store(a.cache, KEY_A, TOKENS)
+    await publish_all(index, a, KEY_A)
+    # Even told (by a poisoned index) that a holds B's chain, the fetch finds nothing.
+    await publish_all(index, a, KEY_B)
+    fetcher = PeerFetcher(session, SECRET, index, "b")
+    assert await tier_for(b.cache, fetcher).fill(KEY_B, TOKENS, 0) == 0
+    assert fetcher.stats.outcomes == {"stale": 1}
+    assert not isinstance(b.cache.lookup(KEY_B, TOKENS), Hit)
+
+
+async def test_disabled_without_secret(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    session: aiohttp.ClientSession,
+) -> None:
+    index, replica = fleet
+    a = await replica("a", secret=None)
+    b = await replica("b")
+    store(a.cache, KEY_A, TOKENS)
+    await publish_all(index, a, KEY_A)
+    fetcher = PeerFetcher(session, SECRET, index, "b")
+    assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
+    assert fetcher.stats.outcomes == {"http": 1}  # 503 from a
+    no_secret = PeerFetcher(session, None, index, "b")
+    assert await tier_for(b.cache, no_secret).fill(KEY_A, TOKENS, 0) == 0
+    assert no_secret.stats.outcomes == {"disabled": 1}
+
+
+# -- a loopback TCP proxy that corrupts, cuts or stalls the peer's reply -------------------------
+
+
+@contextlib.asynccontextmanager
+async def faulty_proxy(target_port: int, mode: str, at_byte: int) -> AsyncIterator[str]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", target_port)
+
+        async def upstream() -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await reader.read(65536):
+                    up_w.write(data)
+                    await up_w.drain()
+
+        task = asyncio.create_task(upstream())
+        seen = 0
+        try:
+            while data := await up_r.read(65536):
+                if seen <= at_byte < seen + len(data):
+                    i = at_byte - seen
+                    if mode == "flip":
+                        data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
+                    elif mode == "cut":
+                        writer.write(data[:i])
+                        await writer.drain()
+                        return
+                    elif mode == "stall":
+                        writer.write(data[:i])
+                        await writer.drain()
+                        await asyncio.sleep(30)
+                seen += len(data)
+                writer.write(data)
+                await writer.drain()
+        finally:
+            task.cancel()
+            writer.close()
+            up_w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "outcome"),
+    [("flip", "checksum"), ("cut", "short_read"), ("stall", "timeout")],
+)
+async def test_faults_in_transit_give_recompute_never_wrong_kv(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    session: aiohttp.ClientSession,
+    mode: str,
+    outcome: str,
+) -> None:
+    index, replica = fleet
+    a, b = await replica("a"), await replica("b")
+    store(a.cache, KEY_A, TOKENS)
+    await publish_all(index, a, KEY_A)
+    port = int(a.url.rsplit(":", 1)[1])
+    # Past the HTTP and protocol headers, inside the first K frame.
+    async with faulty_proxy(port, mode, at_byte=2500) as proxy_url:
+        await index.register_host("a", proxy_url)
+        fetcher = PeerFetcher(session, SECRET, index, "b", timeout_s=0.5)
+        assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
+    assert fetcher.stats.outcomes == {outcome: 1}
+    assert not isinstance(b.cache.lookup(KEY_A, TOKENS), Hit)
+
+
+async def test_concurrency_limit_sends_the_overflow_to_recompute(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    session: aiohttp.ClientSession,
+) -> None:
+    index, replica = fleet
+    a, b = await replica("a"), await replica("b")
+    store(a.cache, KEY_A, TOKENS)
+    await publish_all(index, a, KEY_A)
+    port = int(a.url.rsplit(":", 1)[1])
+    async with faulty_proxy(port, "stall", at_byte=2500) as proxy_url:
+        await index.register_host("a", proxy_url)
+        fetcher = PeerFetcher(session, SECRET, index, "b", timeout_s=0.5, max_concurrency=1)
+        results = await asyncio.gather(
+            tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0),
+            tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0),
+        )
+    assert results == [0, 0]
+    assert fetcher.stats.outcomes == {"timeout": 1, "busy": 1}
+
+
+async def test_hash_and_layout_mismatches_are_rejected(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    session: aiohttp.ClientSession,
+) -> None:
+    index, replica = fleet
+    a, b = await replica("a"), await replica("b")
+    store(a.cache, KEY_A, TOKENS)
+    await publish_all(index, a, KEY_A)
+    fetcher = PeerFetcher(session, SECRET, index, "b")
+    chain = chain_hashes(b.cache, KEY_A, TOKENS)
+    wrong = [bytes(16), *chain[1:]]
+    # The index is asked about the wrong chain, so point it there too.
+    await index.publish("a", wrong)
+    assert await fetcher.fetch(KEY_A, TOKENS, wrong) is None
+    assert await fetcher.fetch(KEY_A, TOKENS, chain, expected_dtype="bfloat16") is None
+    assert await fetcher.fetch(KEY_A, TOKENS, chain, expected_layout=(2, 2, 16)) is None
+    assert fetcher.stats.outcomes == {"hash_mismatch": 1, "layout_mismatch": 2}
