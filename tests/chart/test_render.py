@@ -364,7 +364,7 @@ def test_hit_rate_alarm_uses_the_metrics_the_operator_gates_on(render: Render) -
     ours = set(re.findall(r"\bkvfleet_[a-z_]+\b", record["expr"]))
     operators = set(re.findall(r"\bkvfleet_[a-z_]+\b", DEFAULT_HIT_RATE_QUERY))
     assert ours == operators == {
-        "kvfleet_cache_hit_tokens_total", "kvfleet_cache_lookup_tokens_total",
+        "kvfleet_cache_matched_tokens_total", "kvfleet_cache_lookup_tokens_total",
     }
 
 
