@@ -380,13 +380,15 @@ class SurgeSpec(_Spec):
         return self
 
 
+# The replica's cache exports kvfleet_cache_{lookup,matched}_tokens_total (per tenant).
 DEFAULT_HIT_RATE_QUERY = (
-    'sum(rate(kvfleet_cache_hit_tokens_total{namespace="${namespace}",pod=~"${pod_regex}"}[1m]))'
-    ' / sum(rate(kvfleet_cache_lookup_tokens_total{namespace="${namespace}",'
+    'sum(rate(kvfleet_cache_matched_tokens_total{namespace="${namespace}",pod=~"${pod_regex}"}'
+    '[1m])) / sum(rate(kvfleet_cache_lookup_tokens_total{namespace="${namespace}",'
     'pod=~"${pod_regex}"}[1m]))'
 )
 DEFAULT_SAVED_PREFILL_QUERY = (
-    'sum(rate(kvfleet_cache_hit_tokens_total{namespace="${namespace}",pod=~"${pod_regex}"}[5m]))'
+    'sum(rate(kvfleet_cache_matched_tokens_total{namespace="${namespace}",pod=~"${pod_regex}"}'
+    "[5m]))"
 )
 
 
@@ -555,6 +557,7 @@ class ModelRolloutStatus(_Status):
     previous: PreviousVersion | None = None
     baseline_hit_rate: float | None = None
     canary_hit_rate: float | None = None
+    metric_source: Annotated[str, Field(description="where the last hit rates came from")] = ""
     promotion_started_at: str = ""
     handoff_started_at: str = ""
     paused_at: str = ""

@@ -1,5 +1,7 @@
-"""Generates `crds/*.yaml` from the typed models in `api.py`; the committed files must equal the
-output (a test checks it). Run `python -m kvfleet_operator.crdgen [--check] [--out crds]`.
+"""Generates `crds/*.yaml` from the typed models in `api.py`, and the operator's ClusterRole
+`operator/rbac/clusterrole.yaml` from `rbac.py`; the committed files must equal the output (a test
+checks it). Run `python -m kvfleet_operator.crdgen [--check] [--root .]` from the repository root
+(or `kvfleet-operator manifests`).
 
 Pydantic emits JSON Schema (draft 2020-12: `$ref`, `anyOf` with null, `exclusiveMinimum` as a
 number); a CRD needs a *structural* OpenAPI v3.0 schema: everything inlined, every node typed, no
@@ -31,6 +33,7 @@ from kvfleet_operator.constants import (
     ROLLOUT_PLURAL,
     VERSION,
 )
+from kvfleet_operator.rbac import cluster_role
 
 __all__ = ["render_all", "to_structural"]
 
@@ -238,7 +241,7 @@ def _peering_crd(kind: str, plural: str, scope: str) -> dict[str, Any]:
 
 
 def render_all() -> dict[str, str]:
-    """File name -> YAML text of every CRD the operator needs."""
+    """Path (from the repository root) -> YAML text of every CRD and the ClusterRole."""
     policy = _crd(
         POLICY_KIND,
         POLICY_PLURAL,
@@ -282,29 +285,33 @@ def render_all() -> dict[str, str]:
             _peering_crd("KopfPeering", "kopfpeerings", "Namespaced"),
         ],
     }
-    return {
-        name: _HEADER
+    out = {
+        f"crds/{name}": _HEADER
         + "---\n".join(yaml.safe_dump(doc, sort_keys=False, width=100) for doc in docs)
         for name, docs in documents.items()
     }
+    out["operator/rbac/clusterrole.yaml"] = _HEADER.replace("api.py", "rbac.py") + yaml.safe_dump(
+        cluster_role(), sort_keys=False, width=100
+    )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvfleet_operator.crdgen", description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("crds"), help="folder to write into")
+    parser.add_argument("--root", type=Path, default=Path("."), help="the repository root")
     parser.add_argument(
         "--check", action="store_true", help="exit 1 if the folder is not up to date"
     )
     args = parser.parse_args(argv)
     stale = []
     for name, text in render_all().items():
-        path = args.out / name
+        path = args.root / name
         current = path.read_text(encoding="utf-8") if path.exists() else None
         if current == text:
             continue
         stale.append(str(path))
         if not args.check:
-            args.out.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
     if args.check and stale:
         sys.stderr.write(f"stale: {', '.join(stale)}; run python -m kvfleet_operator.crdgen\n")

@@ -1,0 +1,107 @@
+"""The kopf operator: decorators only. Each handler is a docstring and one call into `handlers`.
+
+Run it as `kvfleet-operator run` (see `run`), or `kopf run -m kvfleet_operator.main`.
+
+Two operator replicas never act at once: kopf peering (a ClusterKopfPeering named "kvfleet") lets
+only the highest-priority live operator handle anything; the others pause until it disappears.
+Every replica gets a distinct random priority unless one is given, so exactly one is active.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import kopf
+
+from kvfleet_operator import handlers
+from kvfleet_operator.constants import GROUP, KOPF_ANNOTATION_PREFIX, POLICY_PLURAL, ROLLOUT_PLURAL
+from kvfleet_operator.kube import Kube
+
+__all__ = ["run"]
+
+POLICY_INTERVAL_S = float(os.environ.get("KVFLEET_OPERATOR_POLICY_INTERVAL_S", "10"))
+ROLLOUT_INTERVAL_S = float(os.environ.get("KVFLEET_OPERATOR_ROLLOUT_INTERVAL_S", "5"))
+PEERING_NAME = "kvfleet"
+_POLICY = (GROUP, POLICY_PLURAL)
+_ROLLOUT = (GROUP, ROLLOUT_PLURAL)
+
+
+class _Locks:
+    """One lock per object: a timer tick and an update handler of the same object never overlap
+    (kopf runs them concurrently; sync handlers run in threads)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[str, str, str], threading.Lock] = {}
+
+    def of(self, kind: str, namespace: str, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault((kind, namespace, name), threading.Lock())
+
+
+def _ns(namespace: str | None) -> str:
+    assert namespace is not None, "KVCachePolicy and ModelRollout are namespaced"
+    return namespace
+
+
+def _kube(memo: Any) -> Kube:
+    kube: Kube = memo["kube"]
+    return kube
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """kopf's bookkeeping goes to annotations (our status schema is ours); peering on."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=KOPF_ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=KOPF_ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.level = 20
+    settings.execution.max_workers = int(os.environ.get("KVFLEET_OPERATOR_WORKERS", "8"))
+    memo["kube"] = Kube.from_environment()
+    memo["locks"] = _Locks()
+    if not settings.peering.standalone:
+        memo["kube"].ensure_cluster_peering(settings.peering.name)
+
+
+@kopf.on.resume(*_POLICY)
+@kopf.on.create(*_POLICY)
+@kopf.on.update(*_POLICY)
+def policy_changed(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    """Reconcile a KVCachePolicy as soon as it appears or its spec changes."""
+    with memo["locks"].of("policy", _ns(namespace), name):
+        handlers.reconcile_policy(_kube(memo), _ns(namespace), name)
+
+
+@kopf.timer(*_POLICY, interval=POLICY_INTERVAL_S, initial_delay=POLICY_INTERVAL_S)
+def policy_tick(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    """Re-plan home sets as replica pods come and go (level-triggered: a no-op when unchanged)."""
+    with memo["locks"].of("policy", _ns(namespace), name):
+        handlers.reconcile_policy(_kube(memo), _ns(namespace), name)
+
+
+@kopf.on.resume(*_ROLLOUT)
+@kopf.on.create(*_ROLLOUT)
+@kopf.on.update(*_ROLLOUT)
+def rollout_changed(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    """Evaluate a ModelRollout now: it was created, resumed after a restart, paused or aborted."""
+    with memo["locks"].of("rollout", _ns(namespace), name):
+        handlers.reconcile_rollout(_kube(memo), _ns(namespace), name)
+
+
+@kopf.timer(*_ROLLOUT, interval=ROLLOUT_INTERVAL_S)
+def rollout_tick(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    """Evaluate the rollout's gate on a clock: pods get ready, hit rates recover by themselves."""
+    with memo["locks"].of("rollout", _ns(namespace), name):
+        handlers.reconcile_rollout(_kube(memo), _ns(namespace), name)
+
+
+def run() -> None:
+    """The `kvfleet-operator` console script."""
+    from kvfleet_operator.cli import main
+
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""Where a rollout's hit rates come from: the Prometheus HTTP API, else the replicas themselves.
+
+Prometheus (`/api/v1/query`, instant queries from the ModelRollout's templates) gives windowed
+rates. When it is not configured, unreachable or has no data, the fallback reads `GET /cache/stats`
+on every ready pod of the Deployment and divides the summed matched tokens by the summed looked-up
+tokens. Those counters are cumulative since each pod started; for a canary (whose pods are new)
+that lags the instantaneous rate, so the fallback can only delay a promotion, never hasten one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from string import Template
+from typing import Any
+
+from kvfleet_operator.api import CacheStatsSource, MetricsSpec, PrometheusSource
+
+__all__ = [
+    "DeploymentPods",
+    "MetricReading",
+    "pod_regex",
+    "prometheus_query",
+    "read_cache_stats",
+    "read_hit_rates",
+    "render_query",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentPods:
+    namespace: str
+    deployment: str
+    pod_ips: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricReading:
+    target_hit_rate: float | None
+    canary_hit_rate: float | None
+    target_saved_prefill_tokens_per_s: float | None
+    source: str
+
+
+def pod_regex(deployment: str) -> str:
+    """Pods of a Deployment are `<deployment>-<replicaset hash>-<suffix>`; the canary's
+    (`<deployment>-canary-...`) have one more dash and do not match the target's regex."""
+    return f"{deployment}-[a-z0-9]+-[a-z0-9]+"
+
+
+def render_query(template: str, namespace: str, deployment: str) -> str:
+    return Template(template).safe_substitute(
+        namespace=namespace, deployment=deployment, pod_regex=pod_regex(deployment)
+    )
+
+
+def prometheus_query(source: PrometheusSource, query: str) -> float | None:
+    """The first sample of an instant query; None when there is no sample or it is NaN.
+    Raises OSError when Prometheus cannot be reached or answers with an error."""
+    url = source.url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=source.timeout_seconds) as response:
+        body: dict[str, Any] = json.loads(response.read())
+    if body.get("status") != "success":
+        raise OSError(f"prometheus query failed: {body.get('error', body)}")
+    result = body.get("data", {}).get("result", [])
+    if not result:
+        return None
+    value = result[0].get("value", [None, "NaN"])[1]
+    number = float(value)
+    return None if math.isnan(number) or math.isinf(number) else number
+
+
+def read_cache_stats(source: CacheStatsSource, pod_ips: Sequence[str]) -> float | None:
+    """Hit rate over the pods' cumulative token counters; pods that do not answer are skipped."""
+    matched = looked_up = 0
+    answered = False
+    for ip in pod_ips:
+        url = f"http://{ip}:{source.port}{source.path}"
+        try:
+            with urllib.request.urlopen(url, timeout=source.timeout_seconds) as response:
+                data: dict[str, Any] = json.loads(response.read())
+        except (OSError, ValueError):
+            continue
+        totals = data.get("totals") or {}
+        matched += int(totals.get("num_matched_tokens", 0))
+        looked_up += int(totals.get("num_lookup_tokens", 0))
+        answered = True
+    if not answered or looked_up == 0:
+        return None
+    return matched / looked_up
+
+
+def read_hit_rates(
+    spec: MetricsSpec, target: DeploymentPods, canary: DeploymentPods | None
+) -> MetricReading:
+    prometheus = spec.prometheus
+    if prometheus is not None:
+        try:
+
+            def ask(template: str, pods: DeploymentPods) -> float | None:
+                return prometheus_query(
+                    prometheus, render_query(template, pods.namespace, pods.deployment)
+                )
+
+            target_rate = ask(prometheus.hit_rate_query, target)
+            canary_rate = None if canary is None else ask(prometheus.hit_rate_query, canary)
+            saved = ask(prometheus.saved_prefill_query, target)
+            if target_rate is not None or canary_rate is not None or not spec.cache_stats.enabled:
+                return MetricReading(target_rate, canary_rate, saved, "prometheus")
+        except (OSError, ValueError) as exc:
+            if not spec.cache_stats.enabled:
+                return MetricReading(None, None, None, f"prometheus unavailable: {exc}"[:200])
+    stats = spec.cache_stats
+    return MetricReading(
+        read_cache_stats(stats, target.pod_ips),
+        None if canary is None else read_cache_stats(stats, canary.pod_ips),
+        None,
+        "cache-stats",
+    )

@@ -1,0 +1,129 @@
+"""The metric source: PromQL templates, the Prometheus HTTP API, the /cache/stats fallback.
+Real HTTP servers on loopback (small stand-ins that speak the same JSON)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from kvfleet_operator.api import MetricsSpec
+from kvfleet_operator.metrics import DeploymentPods, pod_regex, read_hit_rates, render_query
+
+Responder = Callable[[str, dict[str, list[str]]], Any]
+
+
+@pytest.fixture
+def http_server() -> Iterator[Callable[[Responder], int]]:
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(respond: Responder) -> int:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                url = urlparse(self.path)
+                body = json.dumps(respond(url.path, parse_qs(url.query))).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return int(server.server_address[1])
+
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+def test_pod_regex_separates_target_and_canary() -> None:
+    regex = re.compile(pod_regex("llm"))
+    assert regex.fullmatch("llm-7d9f8b6c5-x2x9z")
+    assert not regex.fullmatch("llm-canary-7d9f8b6c5-x2x9z")
+    assert re.compile(pod_regex("llm-canary")).fullmatch("llm-canary-7d9f8b6c5-x2x9z")
+
+
+def test_query_template_substitution() -> None:
+    text = render_query('x{namespace="${namespace}",pod=~"${pod_regex}"}', "ns", "llm")
+    assert text == 'x{namespace="ns",pod=~"llm-[a-z0-9]+-[a-z0-9]+"}'
+
+
+def test_prometheus_is_asked_per_deployment(http_server: Callable[[Responder], int]) -> None:
+    asked: list[str] = []
+
+    def respond(path: str, query: dict[str, list[str]]) -> Any:
+        assert path == "/api/v1/query"
+        promql = query["query"][0]
+        asked.append(promql)
+        if "kvfleet_cache_lookup_tokens_total" not in promql:
+            return {
+                "status": "success",
+                "data": {
+                    "resultType": "vector",
+                    "result": [{"metric": {}, "value": [0, "1234.5"]}],
+                },
+            }
+        value = "0.25" if "canary" in promql else "0.6"
+        return {
+            "status": "success",
+            "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, value]}]},
+        }
+
+    port = http_server(respond)
+    spec = MetricsSpec.model_validate({"prometheus": {"url": f"http://127.0.0.1:{port}"}})
+    reading = read_hit_rates(
+        spec, DeploymentPods("ns", "llm", ()), DeploymentPods("ns", "llm-canary", ())
+    )
+    assert (reading.target_hit_rate, reading.canary_hit_rate) == (0.6, 0.25)
+    assert reading.target_saved_prefill_tokens_per_s == 1234.5
+    assert reading.source == "prometheus"
+    assert len(asked) == 3
+
+
+def test_nan_and_empty_results_are_no_data(http_server: Callable[[Responder], int]) -> None:
+    def respond(path: str, query: dict[str, list[str]]) -> Any:
+        result = [] if "canary" in query["query"][0] else [{"metric": {}, "value": [0, "NaN"]}]
+        return {"status": "success", "data": {"resultType": "vector", "result": result}}
+
+    port = http_server(respond)
+    spec = MetricsSpec.model_validate(
+        {"prometheus": {"url": f"http://127.0.0.1:{port}"}, "cacheStats": {"enabled": False}}
+    )
+    reading = read_hit_rates(
+        spec, DeploymentPods("ns", "llm", ()), DeploymentPods("ns", "llm-canary", ())
+    )
+    assert (reading.target_hit_rate, reading.canary_hit_rate) == (None, None)
+
+
+def test_unreachable_prometheus_falls_back_to_cache_stats(
+    http_server: Callable[[Responder], int],
+) -> None:
+    def stats(path: str, query: dict[str, list[str]]) -> Any:
+        assert path == "/cache/stats"
+        return {"totals": {"num_lookup_tokens": 1000, "num_matched_tokens": 600}}
+
+    port = http_server(stats)
+    spec = MetricsSpec.model_validate(
+        {
+            "prometheus": {"url": "http://127.0.0.1:9", "timeoutSeconds": 0.5},
+            "cacheStats": {"port": port},
+        }
+    )
+    reading = read_hit_rates(
+        spec,
+        DeploymentPods("ns", "llm", ("127.0.0.1", "127.0.0.1")),
+        DeploymentPods("ns", "llm-canary", ()),
+    )
+    assert reading.source == "cache-stats"
+    assert reading.target_hit_rate == pytest.approx(0.6)
+    assert reading.canary_hit_rate is None  # no pods answered: no data, not zero
