@@ -21,6 +21,7 @@ from tests.chart.conftest import (
     MONITORING_APIS,
     NAMESPACE,
     RELEASE,
+    ROOT,
     Render,
     Rendered,
     kube_version,
@@ -41,6 +42,7 @@ STANDARD_LABELS = {
 SELECTOR_KEYS = {"app.kubernetes.io/name", "app.kubernetes.io/instance"}
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
 DIGEST = "sha256:" + "ab" * 32
+CI_DIGEST = "sha256:4f1c7fb2a0c94f7c6b57e2a1d5b3e8c9a0f1e2d3c4b5a69788796a5b4c3d2e1f"
 
 
 def _pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +89,19 @@ def test_missing_model_volume_fails_with_a_clear_message(
     result = run_helm(helm, helm_env, *template_args([]))
     assert result.returncode != 0
     assert "replica.model.volume is required" in result.stderr
+
+
+def test_missing_weights_digest_fails_with_a_clear_message(
+    helm: Path, helm_env: dict[str, str]
+) -> None:
+    result = run_helm(
+        helm, helm_env, *template_args([DEFAULT], ["replica.model.weightsDigest="])
+    )
+    assert result.returncode != 0
+    assert "replica.model.weightsDigest is required" in result.stderr
+    # A fixed folder needs no digest.
+    fixed = ["replica.model.weightsDigest=", "replica.model.dir=/models/llama"]
+    assert run_helm(helm, helm_env, *template_args([DEFAULT], fixed)).returncode == 0
 
 
 def test_unknown_value_is_refused_by_the_schema(helm: Path, helm_env: dict[str, str]) -> None:
@@ -198,9 +213,12 @@ def test_replica_runs_the_replica_command_on_the_mounted_model(render: Render) -
     assert c["image"] == "kvfleet/kvfleet-runtime:0.1.0"
     args = c["args"]
     assert args[0] == "replica"
-    assert args[args.index("--model-dir") + 1] == "/models/current"
+    # Kubernetes expands $(KVFLEET_WEIGHTS_DIGEST) from the container's env: the folder of the
+    # digest this template runs, which a ModelRollout's canary replaces.
+    assert args[args.index("--model-dir") + 1] == "/models/$(KVFLEET_WEIGHTS_DIGEST)"
+    assert _env(c)["KVFLEET_WEIGHTS_DIGEST"] == CI_DIGEST
     assert args[args.index("--port") + 1] == "8000"
-    assert _mount(c, "model") == {"name": "model", "mountPath": "/models/current", "readOnly": True}
+    assert _mount(c, "model") == {"name": "model", "mountPath": "/models", "readOnly": True}
     assert _volume(obj, "model")["persistentVolumeClaim"] == {
         "claimName": "llama-weights", "readOnly": True,
     }
@@ -418,3 +436,146 @@ def test_notes_without_redis_warn(helm: Path, helm_env: dict[str, str], tmp_path
         "--set", "redis.bundled.enabled=false",
     )
     assert "no Redis is configured" in notes
+
+
+def test_operator_reads_and_rolls_the_rendered_replica_template(render: Render) -> None:
+    """The operator's own manifest builders on the chart's replica Deployment: it reads the
+    version the chart pinned, and its canary loads the new digest's folder and is selected by the
+    chart's replica Service (so it is scraped, and counted by the alarm)."""
+    from kvfleet_operator.constants import DEFAULT_DIGEST_ENV
+    from kvfleet_operator.manifests import canary_deployment, template_version
+
+    out = render(DEFAULT)
+    target = out.get("Deployment", "kvfleet-replica")
+    template = target["spec"]["template"]
+    assert template_version(template, "replica", DEFAULT_DIGEST_ENV) == (
+        CI_DIGEST, "kvfleet/kvfleet-runtime:0.1.0",
+    )
+    canary = canary_deployment(
+        target, "llama-v2", "uid-1", "replica", DEFAULT_DIGEST_ENV, DIGEST, "", 1
+    )
+    assert canary["metadata"]["name"].startswith("kvfleet-replica-")  # the alarm's pod regex
+    c = _container(canary, "replica")
+    assert _env(c)[DEFAULT_DIGEST_ENV] == DIGEST
+    assert "--model-dir" in c["args"] and "/models/$(KVFLEET_WEIGHTS_DIGEST)" in c["args"]
+    svc_selector = out.get("Service", "kvfleet-replica")["spec"]["selector"]
+    assert svc_selector.items() <= canary["spec"]["template"]["metadata"]["labels"].items()
+
+
+# ------------------------------------------------------------------------------------------------
+# the operator
+
+
+def _operator_rules() -> list[dict[str, Any]]:
+    source = yaml.safe_load((ROOT / "operator" / "rbac" / "clusterrole.yaml").read_text())
+    return source["rules"]
+
+
+def test_operator_clusterrole_is_the_operators_own(render: Render) -> None:
+    out = render(DEFAULT)
+    role = out.get("ClusterRole", "kvfleet-operator")
+    assert role["rules"] == _operator_rules()
+    assert "namespace" not in role["metadata"]
+
+
+def test_operator_rbac_is_least_privilege(render: Render) -> None:
+    roles = render(DEFAULT).of_kind("ClusterRole") + render(DEFAULT).of_kind("Role")
+    for role in roles:
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+            assert "*" not in rule["apiGroups"], rule
+            assert "secrets" not in rule["resources"], "the operator never reads Secrets"
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+
+
+def _allowed(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
+    return any(
+        group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+        for r in rules
+    )
+
+
+@pytest.mark.parametrize(
+    ("group", "resource", "verb", "why"),
+    [
+        ("kvfleet.dev", "kvcachepolicies", "watch", "reconcile policies"),
+        ("kvfleet.dev", "modelrollouts/status", "patch", "rollout status"),
+        ("", "configmaps", "create", "publish the fleet ConfigMap the chart mounts"),
+        ("", "configmaps", "patch", "update the fleet ConfigMap"),
+        ("", "pods", "list", "home sets over the replica pods"),
+        ("apps", "deployments", "create", "the canary Deployment"),
+        ("apps", "deployments", "patch", "scale and re-template the chart's replica Deployment"),
+        ("kopf.dev", "clusterkopfpeerings", "patch", "peering with the chart's peering object"),
+        ("", "events", "create", "events on transitions"),
+    ],
+)
+def test_operator_may_do_what_the_chart_asks_of_it(
+    render: Render, group: str, resource: str, verb: str, why: str
+) -> None:
+    rules = render(DEFAULT).get("ClusterRole", "kvfleet-operator")["rules"]
+    assert _allowed(rules, group, resource, verb), f"{verb} {group}/{resource}: {why}"
+
+
+def test_operator_runs_as_its_bound_service_account(render: Render) -> None:
+    out = render(DEFAULT)
+    deploy = out.get("Deployment", "kvfleet-operator")
+    sa = _pod_spec(deploy)["serviceAccountName"]
+    assert out.get("ServiceAccount", sa)["metadata"]["namespace"] == NAMESPACE
+    binding = out.get("ClusterRoleBinding", "kvfleet-operator")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kvfleet-operator",
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+    # Only the operator talks to the API server.
+    for name in ("kvfleet-replica", "kvfleet-router", "kvfleet-redis"):
+        assert _pod_spec(out.get("Deployment", name))["automountServiceAccountToken"] is False
+
+
+def _operator_cli_args(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """What the operator's own command line makes of `argv` (without starting kopf)."""
+    from kvfleet_operator import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_run", lambda args: seen.append(args) or 0)
+    assert cli.main(argv) == 0
+    return seen[0]
+
+
+def test_operator_command_line_is_the_operators(
+    render: Render, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deploy = render(DEFAULT).get("Deployment", "kvfleet-operator")
+    c = _container(deploy, "operator")
+    args = _operator_cli_args(c["args"], monkeypatch)
+    assert args.standalone is False and args.namespace is None  # cluster-wide, peering on
+    assert args.liveness == "http://0.0.0.0:8080/healthz"
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in c["ports"]
+    assert c["image"] == "kvfleet/kvfleet-operator:0.1.0"
+
+
+def test_operator_peering(render: Render, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfleet_operator.main import PEERING_NAME
+
+    out = render(DEFAULT, set=["operator.replicas=2"])
+    (peering,) = out.of_kind("ClusterKopfPeering")
+    assert peering["apiVersion"] == "kopf.dev/v1"
+    assert peering["metadata"]["name"] == PEERING_NAME
+    assert out.get("Deployment", "kvfleet-operator")["spec"]["replicas"] == 2
+    # The chart installs the peering CRD with the others.
+    crds = render(DEFAULT, include_crds=True).of_kind("CustomResourceDefinition")
+    assert "clusterkopfpeerings.kopf.dev" in {c["metadata"]["name"] for c in crds}
+    standalone = render(DEFAULT, set=["operator.peering.enabled=false"])
+    assert not standalone.of_kind("ClusterKopfPeering")
+    c = _container(standalone.get("Deployment", "kvfleet-operator"), "operator")
+    assert _operator_cli_args(c["args"], monkeypatch).standalone is True
+
+
+def test_operator_replicas_without_peering_are_refused(
+    helm: Path, helm_env: dict[str, str]
+) -> None:
+    result = run_helm(
+        helm, helm_env,
+        *template_args([DEFAULT], ["operator.peering.enabled=false", "operator.replicas=2"]),
+    )
+    assert result.returncode != 0 and "needs operator.peering.enabled" in result.stderr

@@ -30,3 +30,15 @@ def test_chart_crd_equals_the_generated_one(crd: Path) -> None:
         f"charts/kvfleet/crds/{crd.name} differs from crds/{crd.name}: "
         f"cp crds/{crd.name} charts/kvfleet/crds/"
     )
+
+
+# The operator's least-privilege ClusterRole (generated from kvfleet_operator/rbac.py). The chart
+# renders its rules from files/operator-clusterrole.yaml, a copy of this file.
+OPERATOR_CLUSTERROLE = ROOT / "operator" / "rbac" / "clusterrole.yaml"
+CHART_CLUSTERROLE = CHART / "files" / "operator-clusterrole.yaml"
+
+
+def test_chart_clusterrole_file_equals_the_operators() -> None:
+    assert CHART_CLUSTERROLE.read_bytes() == OPERATOR_CLUSTERROLE.read_bytes(), (
+        "cp operator/rbac/clusterrole.yaml charts/kvfleet/files/operator-clusterrole.yaml"
+    )

@@ -1,0 +1,33 @@
+# syntax=docker/dockerfile:1
+# The operator image: `kvfleet-operator` (kopf), without torch and without the model runtime.
+# Build from the repository root (the context is the repository; .dockerignore keeps it small):
+#   docker build -f docker/operator.Dockerfile -t kvfleet/kvfleet-operator:0.1.0 .
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/kvfleet
+WORKDIR /src
+COPY pyproject.toml requirements.lock README.md ./
+COPY runtime/ runtime/
+COPY operator/ operator/
+# The project without its declared dependencies (they include torch for the replicas), then only
+# the distributions the operator imports, at the lock's versions. tests/chart/test_images.py
+# checks this list against what `kvfleet_operator` really imports.
+RUN /opt/kvfleet/bin/pip install --no-deps . \
+ && /opt/kvfleet/bin/pip install --constraint requirements.lock \
+      kopf kubernetes pydantic pyyaml aiohttp prometheus-client
+
+FROM ${PYTHON_IMAGE}
+RUN groupadd --gid 10001 kvfleet \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin kvfleet
+COPY --from=build /opt/kvfleet /opt/kvfleet
+ENV PATH=/opt/kvfleet/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+USER 10001:10001
+ENTRYPOINT ["kvfleet-operator"]
+# The chart passes its own arguments (`run --liveness ...`); alone, the image runs the operator.
+CMD ["run"]
