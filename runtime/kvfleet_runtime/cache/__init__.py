@@ -1,0 +1,100 @@
+"""The prefix-KV cache inside every replica (../shared/DESIGN.md §2; seed §4, §7, §8, R3-R5).
+
+Public facade (what the replica engine and, later, the fleet tier code against)::
+
+    key = CacheKey(tenant_id, model_id, weights_digest="sha256:<64 hex>", kv_dtype,
+                   rope_config_hash, attn_impl_id)          # TP degree is not part of it
+    cache = PrefixCache(CacheConfig(num_t0_blocks=..., num_t1_blocks=...),
+                        KVLayout(num_layers, num_kv_heads, head_dim, dtype="float16"),
+                        clock=time.monotonic, device="cuda", registry=prometheus_registry)
+
+    hit = cache.lookup(key, token_ids)            # -> Hit | Miss; a Hit holds refs on its blocks
+    if isinstance(hit, Hit):
+        k, v = cache.materialize(hit, tp_degree=4, tp_rank=r)
+        #   [num_layers, num_kv_heads // 4, hit.matched_tokens, head_dim], heads h % 4 == r
+        ...prefill token_ids[hit.matched_tokens:] on top of k, v...
+        cache.release(hit)                        # at request end
+    cache.store(key, token_ids, k_all, v_all)     # after every prefill; -> StoreOutcome
+    cache.drain_store_queue()                     # background thread / asyncio.to_thread
+    cache.invalidate(weights_digest) -> int       # POST /cache/invalidate {model_version}
+    cache.stats(tenant=None) -> CacheStats        # GET /cache/stats?tenant=
+
+    # Hooks for the fleet tier (T2), which this package does not build:
+    cache.read_blocks(hashes) -> (k, v) | None    # export held blocks, canonical layout
+    cache.import_blocks(key, token_ids, k, v)     # insert blocks fetched from a peer
+    cache.add_listener(callback)                  # BlockEvent("stored"|"removed", key, hashes)
+
+Stored layout, per tier pool: K and V `[num_layers, num_kv_heads, num_blocks, 16, head_dim]`.
+Chained hashes: `block_hashes(key, token_ids)` (blake2b-128, see `_keys.py`). Thread-safety:
+`PrefixCache` takes one lock per call; the store queue is a thread-safe bounded priority queue.
+
+Modules, top to bottom: `_cache` (facade, torch) -> `_manager` (admission, placement, stats) ->
+`_index` (radix index, tiers, refs, eviction) -> `_allocator` (free slots); `_pool` holds the
+tensors; `_keys`, `_sketch`, `_policy`, `_store_queue`, `_stats`, `_metrics`, `_config` and the
+`sim` module are pure. Importing this package does not import torch: `PrefixCache`, `Hit`, `Miss`
+and `TensorPool` load `_cache` on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvfleet_runtime.cache._config import CacheConfig, KVLayout
+from kvfleet_runtime.cache._index import BlockIndex, Tier
+from kvfleet_runtime.cache._keys import (
+    BLOCK_SIZE,
+    PLATFORM_TENANT,
+    BlockHash,
+    CacheKey,
+    block_hashes,
+    iter_block_hashes,
+)
+from kvfleet_runtime.cache._manager import BlockEvent, CacheManager, StoreOutcome
+from kvfleet_runtime.cache._policy import Placement
+from kvfleet_runtime.cache._sketch import CountMinSketch
+from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
+from kvfleet_runtime.cache._store_queue import StoreQueue
+
+if TYPE_CHECKING:
+    from kvfleet_runtime.cache._cache import Hit, Miss, PrefixCache
+    from kvfleet_runtime.cache._pool import TensorPool
+
+__all__ = [
+    "BLOCK_SIZE",
+    "PLATFORM_TENANT",
+    "BlockEvent",
+    "BlockHash",
+    "BlockIndex",
+    "CacheConfig",
+    "CacheKey",
+    "CacheManager",
+    "CacheStats",
+    "CountMinSketch",
+    "Hit",
+    "KVLayout",
+    "Miss",
+    "Placement",
+    "PrefixCache",
+    "StoreOutcome",
+    "StoreQueue",
+    "TenantStats",
+    "TensorPool",
+    "Tier",
+    "TierStats",
+    "block_hashes",
+    "iter_block_hashes",
+]
+
+_TORCH_EXPORTS = {"Hit": "_cache", "Miss": "_cache", "PrefixCache": "_cache", "TensorPool": "_pool"}
+
+
+def __getattr__(name: str) -> Any:
+    # Deferred so the pure core (and the router and operator importing it) never pulls torch.
+    module = _TORCH_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

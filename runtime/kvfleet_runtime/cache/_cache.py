@@ -1,0 +1,335 @@
+"""`PrefixCache`: the facade the replica engine codes against (and, later, the fleet tier T2).
+
+Layering, top to bottom (vLLM v1 style): this facade (tensors, locking, the store queue) ->
+`CacheManager` (keys, admission, placement, stats; pure) -> `BlockIndex` (radix index, tiers, ref
+counts, eviction; pure) -> `BlockAllocator` (free slots; pure), with `TensorPool` holding each
+tier's tensors. Thread-safe: every public method takes one lock, so request threads and a drain
+thread (or `asyncio.to_thread(cache.drain_store_queue)`) may call it concurrently.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from prometheus_client.registry import CollectorRegistry
+
+from kvfleet_runtime.cache._config import CacheConfig, KVLayout
+from kvfleet_runtime.cache._index import BlockNode, Tier
+from kvfleet_runtime.cache._keys import BLOCK_SIZE, BlockHash, CacheKey
+from kvfleet_runtime.cache._manager import (
+    BlockEvent,
+    CacheManager,
+    StoreOutcome,
+    StorePlan,
+)
+from kvfleet_runtime.cache._metrics import CacheCollector
+from kvfleet_runtime.cache._policy import Placement
+from kvfleet_runtime.cache._pool import TensorPool, execute_moves, torch_dtype
+from kvfleet_runtime.cache._stats import CacheStats
+from kvfleet_runtime.cache._store_queue import StoreQueue
+
+__all__ = ["Hit", "Miss", "PrefixCache"]
+
+
+@dataclass(slots=True, eq=False)
+class Hit:
+    """A matched block-aligned prefix. Holds a ref on its blocks until `PrefixCache.release`."""
+
+    matched_tokens: int
+    blocks: tuple[BlockHash, ...]
+    """Chain hashes of the matched blocks, root first."""
+    tier: Tier
+    """The coldest tier holding one of the blocks at lookup time (T1 means a copy from host)."""
+    key: CacheKey
+    _path: list[BlockNode] = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+
+@dataclass(slots=True, frozen=True)
+class Miss:
+    """No block of the prompt is cached: prefill everything."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    plan: StorePlan
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class PrefixCache:
+    """Prefix KV cache of one replica: T0 device pool and T1 host pool behind a radix index."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        layout: KVLayout,
+        *,
+        clock: Callable[[], float],
+        device: str | torch.device = "cpu",
+        registry: CollectorRegistry | None = None,
+        metrics_prefix: str = "kvfleet_cache",
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(layout.dtype)
+        self._manager = CacheManager(config, bytes_per_block=layout.bytes_per_block, clock=clock)
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self._pools: tuple[TensorPool | None, TensorPool | None] = (
+            TensorPool(layout, config.num_t0_blocks, self.device, pin_memory=False)
+            if config.num_t0_blocks
+            else None,
+            TensorPool(layout, config.num_t1_blocks, torch.device("cpu"), pin_memory=pin)
+            if config.num_t1_blocks
+            else None,
+        )
+        self._queue: StoreQueue[_Pending] = StoreQueue(config.store_queue_max_entries)
+        self._lock = threading.RLock()
+        self._listeners: list[Callable[[BlockEvent], None]] = []
+        self.collector = CacheCollector(self._metrics_snapshot, metrics_prefix)
+        if registry is not None:
+            registry.register(self.collector)
+
+    # -- request path ----------------------------------------------------------------------
+
+    def lookup(self, key: CacheKey, token_ids: Sequence[int]) -> Hit | Miss:
+        """Longest cached block-aligned prefix of `token_ids` under `key`."""
+        with self._lock:
+            hashes, _ = self._manager.hashes(key, token_ids)
+            path = self._manager.lookup(key, hashes, len(token_ids))
+        if not path:
+            return Miss()
+        return Hit(
+            matched_tokens=len(path) * BLOCK_SIZE,
+            blocks=tuple(n.block_hash for n in path),
+            tier=Tier(path[-1].tier),
+            key=key,
+            _path=path,
+        )
+
+    def materialize(
+        self, hit: Hit, *, tp_degree: int = 1, tp_rank: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the hit, `[num_layers, num_kv_heads // tp_degree, matched_tokens, head_dim]`
+        on the cache's device, for rank `tp_rank` (heads h with h % tp_degree == tp_rank).
+
+        T1 blocks are promoted into T0 first when T0 has room (one copy per run); the result is a
+        fresh tensor, never a view of the pool, so it stays valid after `release`."""
+        heads = self._heads(tp_degree, tp_rank)
+        layout = self.layout
+        with self._lock:
+            self._check_live(hit)
+            path = hit._path
+            moves = self._manager.promote(path)
+            execute_moves(self._pools, moves)
+            shape = (
+                layout.num_layers,
+                layout.num_kv_heads // tp_degree,
+                hit.matched_tokens,
+                layout.head_dim,
+            )
+            out_k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            out_v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._gather(path, out_k, out_v, heads)
+            events = self._manager.drain_events()
+        self._dispatch(events)
+        return out_k, out_v
+
+    def release(self, hit: Hit) -> None:
+        """End of the request: the hit's blocks become evictable again."""
+        with self._lock:
+            self._check_live(hit)
+            hit._released = True
+            self._manager.release(hit._path)
+
+    def store(
+        self, key: CacheKey, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+    ) -> StoreOutcome:
+        """Offer a prefilled prompt (`k`/`v` `[num_layers, num_kv_heads, len(token_ids),
+        head_dim]`). Best effort and non-blocking: counts a sighting of every full block, queues
+        the admissible new blocks, and returns at once; the copy happens in `drain_store_queue`.
+
+        Call it after every prefill, hit or miss: sightings are how reuse is inferred. The queue
+        keeps references to `k`/`v`, so the caller must not write into them afterwards."""
+        self._check_kv(k, v, len(token_ids), "store")
+        with self._lock:
+            hashes, platform_blocks = self._manager.hashes(key, token_ids)
+            plan = self._manager.plan_store(key, list(hashes), platform_blocks)
+            if not isinstance(plan, StorePlan):
+                return plan
+            pending = _Pending(plan, k, v)
+            dropped = self._queue.push(plan.priority, pending)
+            if dropped is not None:
+                self._manager.note_dropped(dropped.plan)
+        return StoreOutcome.DROPPED if dropped is pending else StoreOutcome.QUEUED
+
+    # -- background ------------------------------------------------------------------------
+
+    def drain_store_queue(self, max_entries: int | None = None) -> int:
+        """Write pending stores into the pools, most valuable first; returns blocks written.
+        Meant for a background thread or `asyncio.to_thread`; never called on the request path."""
+        written = 0
+        done = 0
+        while max_entries is None or done < max_entries:
+            pending = self._queue.pop()
+            if pending is None:
+                break
+            done += 1
+            with self._lock:
+                written += self._write(pending.plan, pending.k, pending.v)
+                events = self._manager.drain_events()
+            self._dispatch(events)
+        return written
+
+    def _write(self, plan: StorePlan, k: torch.Tensor, v: torch.Tensor) -> int:
+        commit = self._manager.commit(plan)
+        try:
+            execute_moves(self._pools, commit.moves)
+            first = commit.first_block
+            for tier in (Tier.T0, Tier.T1):
+                idx = [i for i, n in enumerate(commit.nodes) if n.tier == tier]
+                if not idx:
+                    continue
+                pool = self._pools[tier]
+                assert pool is not None
+                # Nodes of one tier form a contiguous stretch of the chain (tiers are monotone).
+                lo, hi = (first + idx[0]) * BLOCK_SIZE, (first + idx[-1] + 1) * BLOCK_SIZE
+                pool.write([commit.nodes[i].block_id for i in idx], k[:, :, lo:hi], v[:, :, lo:hi])
+        finally:
+            self._manager.finish_commit(commit)
+        return len(commit.nodes)
+
+    # -- control plane ---------------------------------------------------------------------
+
+    def invalidate(self, weights_digest: str) -> int:
+        """Make every block of a weights version unreachable now (and its slots reclaimable, at
+        once or at the release of the hits that hold them); drops its pending writes. Returns the
+        number of blocks removed from the index."""
+        with self._lock:
+            removed = self._manager.invalidate(weights_digest)
+            self._queue.remove_if(lambda p: p.plan.key.weights_digest == weights_digest)
+            events = self._manager.drain_events()
+        self._dispatch(events)
+        return removed
+
+    def stats(self, tenant: str | None = None) -> CacheStats:
+        with self._lock:
+            return self._manager.stats(tenant, store_queue_len=len(self._queue))
+
+    def tenants(self) -> list[str]:
+        with self._lock:
+            return self._manager.tenants()
+
+    # -- fleet-tier hooks ------------------------------------------------------------------
+
+    def add_listener(self, callback: Callable[[BlockEvent], None]) -> None:
+        """Called (outside the cache lock, on the thread that caused it) with "stored" events for
+        blocks written and "removed" events for blocks dropped or invalidated: what a global hint
+        index publishes and withdraws. Demotions T0 -> T1 keep a block on the host: no event."""
+        self._listeners.append(callback)
+
+    def read_blocks(
+        self, hashes: Sequence[BlockHash], *, device: str | torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Export blocks held here, by chain hash, in canonical layout `[num_layers,
+        num_kv_heads, len(hashes) * 16, head_dim]`; None unless every block is held."""
+        target = self.device if device is None else torch.device(device)
+        layout = self.layout
+        with self._lock:
+            nodes = [self._manager.index.get(h) for h in hashes]
+            path = [n for n in nodes if n is not None]
+            if len(path) != len(hashes) or not path:
+                return None
+            shape = (
+                layout.num_layers,
+                layout.num_kv_heads,
+                len(path) * BLOCK_SIZE,
+                layout.head_dim,
+            )
+            out_k = torch.empty(shape, dtype=self.dtype, device=target)
+            out_v = torch.empty(shape, dtype=self.dtype, device=target)
+            self._gather(path, out_k, out_v, slice(None))
+        return out_k, out_v
+
+    def import_blocks(
+        self, key: CacheKey, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+    ) -> int:
+        """Insert KV fetched from a peer for the full blocks of `token_ids` (canonical layout as
+        in `store`). Synchronous: it was fetched because a request wants it now. Counts as one
+        sighting and then competes for room like any write. Returns blocks written."""
+        self._check_kv(k, v, len(token_ids), "import_blocks")
+        with self._lock:
+            hashes, platform_blocks = self._manager.hashes(key, token_ids)
+            chain = list(hashes)
+            for h in chain:
+                self._manager.sketch.increment(h)
+            resident = self._manager.index.match(chain)
+            if len(resident) == len(chain):
+                return 0
+            plan = StorePlan(
+                key, chain, len(resident), platform_blocks, Placement.REUSED, priority=0
+            )
+            written = self._write(plan, k, v)
+            events = self._manager.drain_events()
+        self._dispatch(events)
+        return written
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _gather(
+        self, path: list[BlockNode], out_k: torch.Tensor, out_v: torch.Tensor, heads: slice
+    ) -> int:
+        """Copy the path's blocks into the outputs, one copy per run of consecutive slots."""
+        num_copies = 0
+        for tier in (Tier.T0, Tier.T1):
+            positions = [i for i, n in enumerate(path) if n.tier == tier]
+            if positions:
+                pool = self._pools[tier]
+                assert pool is not None
+                ids = [path[i].block_id for i in positions]
+                num_copies += pool.read_into(out_k, out_v, ids, positions, heads)
+        return num_copies
+
+    def _heads(self, tp_degree: int, tp_rank: int) -> slice:
+        n = self.layout.num_kv_heads
+        if tp_degree <= 0 or n % tp_degree:
+            raise ValueError(f"tp_degree must divide num_kv_heads={n}, got {tp_degree}")
+        if not 0 <= tp_rank < tp_degree:
+            raise ValueError(f"tp_rank must be in [0, {tp_degree}), got {tp_rank}")
+        return slice(tp_rank, None, tp_degree)
+
+    def _check_live(self, hit: Hit) -> None:
+        if not isinstance(hit, Hit):
+            raise ValueError(f"expected a Hit, got {hit!r}")
+        if hit._released:
+            raise ValueError(f"hit already released: {hit!r}")
+
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, num_tokens: int, what: str) -> None:
+        layout = self.layout
+        expected = (layout.num_layers, layout.num_kv_heads, num_tokens, layout.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expected:
+                raise ValueError(
+                    f"{what}: {name} must have shape {expected} "
+                    f"[layers, kv_heads, tokens, head_dim], got {tuple(t.shape)}"
+                )
+            if t.dtype != self.dtype:
+                raise ValueError(f"{what}: {name} must be {self.dtype}, got {t.dtype}")
+
+    def _dispatch(self, events: list[BlockEvent]) -> None:
+        for event in events:
+            for callback in self._listeners:
+                callback(event)
+
+    def _metrics_snapshot(self) -> tuple[CacheStats, dict[str, CacheStats]]:
+        with self._lock:
+            qlen = len(self._queue)
+            total = self._manager.stats(None, store_queue_len=qlen)
+            per_tenant = {
+                t: self._manager.stats(t, store_queue_len=qlen) for t in self._manager.tenants()
+            }
+        return total, per_tenant

@@ -1,0 +1,107 @@
+"""Configuration records of the cache: pool sizes, admission knobs, and the KV layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfleet_runtime.cache._keys import BLOCK_SIZE
+
+__all__ = ["DTYPE_BYTES", "CacheConfig", "KVLayout"]
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    """Shape of the KV one model produces. Pools store it canonically, TP-agnostic:
+    K and V each `[num_layers, num_kv_heads, num_blocks, BLOCK_SIZE, head_dim]`."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(
+                f"KVLayout.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}"
+            )
+
+    @property
+    def bytes_per_element(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers and heads (70B GQA-8 FP16: 327,680 B)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_element
+
+    @property
+    def bytes_per_block(self) -> int:
+        return BLOCK_SIZE * self.bytes_per_token
+
+
+@dataclass(slots=True, frozen=True)
+class CacheConfig:
+    """Sizes and knobs. Nothing here declares a per-prefix policy: that is inferred (R4)."""
+
+    num_t0_blocks: int
+    """Device pool (T0) capacity in blocks."""
+    num_t1_blocks: int = 0
+    """Host pool (T1) capacity in blocks; 0 disables the tier."""
+    admit_min_sightings: int = 2
+    """A block is stored only from this sighting on (one-shot prefixes never enter)."""
+    hot_min_sightings: int = 3
+    """From this sighting a small prefix is pinned in T0 (an agent loop earns it by step 3)."""
+    pin_max_bytes: int = 2048 * 320 * 1024
+    """"Small": a prefix up to this many bytes may be pinned (default ~2k tokens of a 70B model)."""
+    pin_max_fraction: float = 0.5
+    """At most this share of T0 is pinned, so hot prefixes cannot starve everything else."""
+    store_queue_max_entries: int = 64
+    """Pending writes held at once; a full queue drops its least valuable entry."""
+    sketch_width: int = 1 << 16
+    sketch_depth: int = 4
+    thrash_ratio: float = 0.9
+    """Thrashing: blocks dropped / blocks offered above this, sustained."""
+    thrash_window_s: float = 10.0
+    thrash_sustain_s: float = 30.0
+    thrash_min_blocks: int = 64
+    """A window with fewer offered blocks than this says nothing about thrash."""
+    platform_prefixes: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    """Explicit allow-list of platform-owned token prefixes (whole blocks), the only KV shared
+    across tenants."""
+
+    def __post_init__(self) -> None:
+        if self.num_t0_blocks < 0 or self.num_t1_blocks < 0:
+            raise ValueError(
+                f"pool sizes must be >= 0, got num_t0_blocks={self.num_t0_blocks} "
+                f"num_t1_blocks={self.num_t1_blocks}"
+            )
+        if self.num_t0_blocks + self.num_t1_blocks == 0:
+            raise ValueError("at least one tier needs blocks, got 0 and 0")
+        if not 1 <= self.admit_min_sightings <= self.hot_min_sightings:
+            raise ValueError(
+                f"need 1 <= admit_min_sightings <= hot_min_sightings, got "
+                f"{self.admit_min_sightings} and {self.hot_min_sightings}"
+            )
+        if not 0.0 <= self.pin_max_fraction <= 1.0:
+            raise ValueError(f"pin_max_fraction must be in [0, 1], got {self.pin_max_fraction}")
+        if self.store_queue_max_entries <= 0:
+            raise ValueError(
+                f"store_queue_max_entries must be > 0, got {self.store_queue_max_entries}"
+            )
+        if self.thrash_window_s <= 0 or self.thrash_sustain_s < self.thrash_window_s:
+            raise ValueError(
+                f"need 0 < thrash_window_s <= thrash_sustain_s, got "
+                f"{self.thrash_window_s} and {self.thrash_sustain_s}"
+            )
+        for prefix in self.platform_prefixes:
+            if not prefix or len(prefix) % BLOCK_SIZE:
+                raise ValueError(
+                    f"a platform prefix must be a non-empty whole number of "
+                    f"{BLOCK_SIZE}-token blocks, got {len(prefix)} tokens"
+                )

@@ -1,0 +1,409 @@
+"""The radix index over blocks and the tiered block accounting: which chain hash lives where.
+
+Pure and torch-free. Nodes are blocks; a node's parent is the block before it in its chain, so the
+index is a radix tree per (tenant, key) whose edges are 16-token blocks (chained hashes already
+commit to the whole prefix, so a flat hash map finds a node and the parent link re-checks the
+chain). Data movement is *planned* here and executed by the tensor pool: every operation that moves
+or overwrites data returns `Move`s / block ids in the order they must be carried out.
+
+Invariants (checked by `check_invariants`, exercised by the property tests):
+- a referenced block (ref_count > 0) is never freed, moved out of, or overwritten;
+- refs are path-closed: a hit references every block from the root to its deepest match;
+- tiers are monotone along a chain: a T0 block never hangs below a T1 block, so a hit is a T0
+  prefix followed by a T1 suffix;
+- only leaves are dropped: an interior block is never evicted before its descendants;
+- every slot of every tier is either free or held by exactly one block.
+
+Eviction is TinyLFU-style: victims come from a heap of evictable blocks ordered (unpinned first,
+least recently used first), and a newcomer takes a victim's slot only if the count-min sketch says
+it is at least as frequent ("the duel"); a demotion T0 -> T1 must win the same duel in T1.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kvfleet_runtime.cache._allocator import BlockAllocator
+from kvfleet_runtime.cache._keys import BlockHash, CacheKey
+from kvfleet_runtime.cache._sketch import CountMinSketch
+
+__all__ = ["BlockIndex", "BlockNode", "Move", "Namespace", "Tier", "TierCounters"]
+
+
+class Tier(enum.IntEnum):
+    T0 = 0
+    """Device memory (HBM; CPU tensors when there is no GPU)."""
+    T1 = 1
+    """Host DRAM (pinned when CUDA is present)."""
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+_GONE = -1
+"""`BlockNode.tier` of a block whose slot has been freed."""
+
+
+@dataclass(slots=True, eq=False)
+class Namespace:
+    """One scoped cache key: the radix tree root of a (tenant, key)."""
+
+    key: CacheKey
+    valid: bool = True
+    num_blocks: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class BlockNode:
+    """Metadata of one indexed block. Kept to a handful of slots: the index holds 100k+ of these
+    and the budget is 256 B per block (see the bench)."""
+
+    block_hash: BlockHash
+    parent: BlockNode | None
+    namespace: Namespace
+    tier: int
+    block_id: int
+    num_children: int = 0
+    num_t0_children: int = 0
+    ref_count: int = 0
+    last_tick: int = 0
+    pinned: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class Move:
+    """Copy block `src_id` of `src_tier` into `dst_id` of `dst_tier` (executed in list order)."""
+
+    src_tier: Tier
+    src_id: int
+    dst_tier: Tier
+    dst_id: int
+
+
+@dataclass(slots=True)
+class TierCounters:
+    num_evictions: int = 0
+    """Blocks dropped from the cache out of this tier."""
+    num_demotions: int = 0
+    num_promotions: int = 0
+    num_stored: int = 0
+
+
+@dataclass(slots=True)
+class _Plan:
+    moves: list[Move] = field(default_factory=list)
+    dropped: list[BlockNode] = field(default_factory=list)
+
+
+class BlockIndex:
+    """Chain hash -> block node, plus per-tier slot accounting, ref counts and eviction."""
+
+    def __init__(self, num_blocks: tuple[int, int], sketch: CountMinSketch) -> None:
+        self.sketch = sketch
+        self.allocators = (BlockAllocator(num_blocks[0]), BlockAllocator(num_blocks[1]))
+        self.counters = (TierCounters(), TierCounters())
+        self.num_pinned = 0
+        self.pin_limit = 0
+        self._nodes: dict[BlockHash, BlockNode] = {}
+        self._namespaces: dict[CacheKey, Namespace] = {}
+        self._heaps: tuple[list[tuple[bool, int, int, BlockNode]], ...] = ([], [])
+        self._seq = itertools.count()
+        self._tick = 0
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def get(self, block_hash: BlockHash) -> BlockNode | None:
+        return self._nodes.get(block_hash)
+
+    def nodes(self) -> Iterator[BlockNode]:
+        return iter(self._nodes.values())
+
+    def namespaces(self) -> list[Namespace]:
+        return list(self._namespaces.values())
+
+    def namespace(self, key: CacheKey) -> Namespace:
+        ns = self._namespaces.get(key)
+        if ns is None:
+            ns = self._namespaces[key] = Namespace(key)
+        return ns
+
+    def match(self, hashes: Iterable[BlockHash]) -> list[BlockNode]:
+        """The longest chain of indexed blocks along `hashes` (stops hashing at the first miss)."""
+        nodes = self._nodes
+        path: list[BlockNode] = []
+        parent: BlockNode | None = None
+        for h in hashes:
+            node = nodes.get(h)
+            # The parent check is belt and braces: a chained hash already commits to its prefix.
+            if node is None or node.parent is not parent:
+                break
+            path.append(node)
+            parent = node
+        return path
+
+    # -- refs ------------------------------------------------------------------------------
+
+    def acquire(self, path: list[BlockNode]) -> None:
+        self._tick += 1
+        tick = self._tick
+        for node in path:
+            node.ref_count += 1
+            node.last_tick = tick
+
+    def release(self, path: list[BlockNode]) -> list[BlockNode]:
+        """Drop one ref on each block; returns blocks freed because they were invalidated."""
+        freed: list[BlockNode] = []
+        for node in reversed(path):
+            assert node.ref_count > 0, "release of a block that holds no ref"
+            node.ref_count -= 1
+            if node.ref_count == 0:
+                if not node.namespace.valid:
+                    if node.tier != _GONE:
+                        self._free_slot(node)
+                        freed.append(node)
+                else:
+                    self._push(node)
+        return freed
+
+    def touch(self, path: list[BlockNode]) -> None:
+        self._tick += 1
+        for node in path:
+            node.last_tick = self._tick
+            self._push(node)
+
+    # -- eviction --------------------------------------------------------------------------
+
+    def _evictable(self, node: BlockNode, tier: int) -> bool:
+        if node.tier != tier or node.ref_count or not node.namespace.valid:
+            return False
+        return node.num_t0_children == 0 if tier == Tier.T0 else node.num_children == 0
+
+    def _push(self, node: BlockNode) -> None:
+        tier = node.tier
+        if tier != _GONE and self._evictable(node, tier):
+            heapq.heappush(self._heaps[tier], (node.pinned, node.last_tick, next(self._seq), node))
+            if len(self._heaps[tier]) > 4 * len(self._nodes) + 1024:
+                self._compact(tier)
+
+    def _compact(self, tier: int) -> None:
+        heap = [e for e in self._heaps[tier] if self._valid_entry(e, tier)]
+        heapq.heapify(heap)
+        self._heaps[tier][:] = heap
+
+    def _valid_entry(self, entry: tuple[bool, int, int, BlockNode], tier: int) -> bool:
+        pinned, tick, _, node = entry
+        return node.last_tick == tick and node.pinned == pinned and self._evictable(node, tier)
+
+    def _pop_victim(self, tier: int) -> BlockNode | None:
+        heap = self._heaps[tier]
+        while heap:
+            entry = heapq.heappop(heap)
+            if self._valid_entry(entry, tier):
+                return entry[3]
+        return None
+
+    def _free_slot(self, node: BlockNode) -> None:
+        tier = node.tier
+        self.allocators[tier].free([node.block_id])
+        if node.pinned:
+            self.num_pinned -= 1
+            node.pinned = False
+        node.tier = _GONE
+
+    def _drop(self, node: BlockNode, plan: _Plan) -> None:
+        """Remove a leaf from the index and free its slot."""
+        assert node.num_children == 0 and node.ref_count == 0
+        tier = node.tier
+        self.counters[tier].num_evictions += 1
+        self._free_slot(node)
+        del self._nodes[node.block_hash]
+        node.namespace.num_blocks -= 1
+        parent = node.parent
+        if parent is not None:
+            parent.num_children -= 1
+            if tier == Tier.T0:
+                parent.num_t0_children -= 1
+            self._push(parent)
+        plan.dropped.append(node)
+
+    def _reserve(self, tier: int, n: int, candidate_freq: int | None, plan: _Plan) -> list[int]:
+        """Up to `n` free slots of `tier`, evicting victims that lose the frequency duel.
+
+        Returns fewer than `n` ids when the tier is full of referenced blocks or of blocks more
+        frequent than the candidate (not enough room is not an error)."""
+        alloc = self.allocators[tier]
+        ids = alloc.allocate(min(n, alloc.num_free)) or []
+        skipped: list[BlockNode] = []
+        while len(ids) < n:
+            victim = self._pop_victim(tier)
+            if victim is None:
+                break
+            if candidate_freq is not None and self.sketch.estimate(victim.block_hash) > (
+                candidate_freq
+            ):
+                skipped.append(victim)
+                break
+            if not self._evict(victim, plan):
+                skipped.append(victim)
+                continue
+            got = alloc.allocate(1)
+            assert got is not None
+            ids.extend(got)
+        for node in skipped:
+            self._push(node)
+        return ids
+
+    def _evict(self, victim: BlockNode, plan: _Plan) -> bool:
+        """Free the victim's slot: demote T0 -> T1 if T1 admits it, else drop it if it is a leaf.
+        False when neither is possible (an interior T0 block T1 cannot take)."""
+        if victim.tier == Tier.T0 and self.allocators[Tier.T1].num_blocks:
+            freq = self.sketch.estimate(victim.block_hash)
+            interior = victim.num_children > 0
+            victim.ref_count += 1  # its own demotion must not pick it as a T1 victim
+            got = self._reserve(Tier.T1, 1, None if interior else freq, plan)
+            victim.ref_count -= 1
+            if got:
+                plan.moves.append(Move(Tier.T0, victim.block_id, Tier.T1, got[0]))
+                self.allocators[Tier.T0].free([victim.block_id])
+                if victim.pinned:
+                    self.num_pinned -= 1
+                    victim.pinned = False
+                victim.tier, victim.block_id = Tier.T1, got[0]
+                self.counters[Tier.T0].num_demotions += 1
+                if victim.parent is not None:
+                    victim.parent.num_t0_children -= 1
+                    self._push(victim.parent)
+                self._push(victim)
+                return True
+        if victim.num_children:
+            return False
+        self._drop(victim, plan)
+        return True
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def insert(
+        self,
+        namespace: Namespace,
+        parent: BlockNode | None,
+        hashes: list[BlockHash],
+        *,
+        tier: Tier,
+        pinned: bool,
+    ) -> tuple[list[BlockNode], _Plan]:
+        """Index new blocks below `parent` (the chain's resident prefix), as many as fit.
+
+        The returned nodes are referenced (the caller writes their data, then releases them), so
+        the blocks cannot be evicted before their data is there."""
+        plan = _Plan()
+        if parent is not None:
+            tier = max(tier, Tier(parent.tier))  # monotone tiers along a chain
+            parent.ref_count += 1
+        if tier != Tier.T0 or self.num_pinned + len(hashes) > self.pin_limit:
+            pinned = False
+        freq = min((self.sketch.estimate(h) for h in hashes), default=0)
+        ids = self._reserve(tier, len(hashes), freq, plan)
+        if parent is not None:
+            parent.ref_count -= 1
+            self._push(parent)
+        self._tick += 1
+        nodes: list[BlockNode] = []
+        for h, block_id in zip(hashes, ids, strict=False):
+            assert h not in self._nodes, "insert of a block that is already indexed"
+            node = BlockNode(
+                h,
+                parent,
+                namespace,
+                tier,
+                block_id,
+                ref_count=1,
+                last_tick=self._tick,
+                pinned=pinned,
+            )
+            self._nodes[h] = node
+            namespace.num_blocks += 1
+            if parent is not None:
+                parent.num_children += 1
+                if tier == Tier.T0:
+                    parent.num_t0_children += 1
+            nodes.append(node)
+            parent = node
+        if pinned:
+            self.num_pinned += len(nodes)
+        self.counters[tier].num_stored += len(nodes)
+        return nodes, plan
+
+    def promote(self, path: list[BlockNode]) -> _Plan:
+        """Move the T1 suffix of a referenced path into T0, as far as T0 has room."""
+        plan = _Plan()
+        t1_nodes = [n for n in path if n.tier == Tier.T1]
+        if not t1_nodes or not self.allocators[Tier.T0].num_blocks:
+            return plan
+        freq = self.sketch.estimate(t1_nodes[0].block_hash)
+        ids = self._reserve(Tier.T0, len(t1_nodes), freq, plan)
+        for node, block_id in zip(t1_nodes, ids, strict=False):
+            plan.moves.append(Move(Tier.T1, node.block_id, Tier.T0, block_id))
+            self.allocators[Tier.T1].free([node.block_id])
+            node.tier, node.block_id = Tier.T0, block_id
+            if node.parent is not None:
+                node.parent.num_t0_children += 1
+            self.counters[Tier.T1].num_promotions += 1
+        return plan
+
+    def invalidate(self, weights_digest: str) -> tuple[int, list[BlockNode]]:
+        """Make every block of a weights version unreachable; free the unreferenced ones now and
+        the referenced ones at their release. Returns (blocks unindexed, blocks freed now)."""
+        stale = [ns for k, ns in self._namespaces.items() if k.weights_digest == weights_digest]
+        if not stale:
+            return 0, []
+        for ns in stale:
+            ns.valid = False
+            del self._namespaces[ns.key]
+        gone = [n for n in self._nodes.values() if not n.namespace.valid]
+        freed: list[BlockNode] = []
+        for node in gone:
+            del self._nodes[node.block_hash]
+            node.namespace.num_blocks -= 1
+            if node.ref_count == 0:
+                self._free_slot(node)
+                freed.append(node)
+        return len(gone), freed
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def check_invariants(self, held: Iterable[BlockNode] = ()) -> None:
+        """O(n) audit used by tests: accounting, tree shape, tier monotonicity."""
+        owners: dict[tuple[int, int], BlockNode] = {}
+        children: dict[int, int] = {}
+        t0_children: dict[int, int] = {}
+        live = list(self._nodes.values())
+        detached = [n for n in held if not n.namespace.valid and n.tier != _GONE]
+        for node in live + detached:
+            assert node.tier != _GONE, "indexed block without a slot"
+            slot = (node.tier, node.block_id)
+            other = owners.setdefault(slot, node)
+            assert other is node, f"slot {slot} held by two blocks"
+            assert not self.allocators[node.tier].is_free(node.block_id), f"slot {slot} is free"
+        for node in live:
+            parent = node.parent
+            if parent is not None:
+                assert self._nodes.get(parent.block_hash) is parent, "orphaned block"
+                assert parent.tier <= node.tier, "T0 block below a T1 block"
+                children[id(parent)] = children.get(id(parent), 0) + 1
+                if node.tier == Tier.T0:
+                    t0_children[id(parent)] = t0_children.get(id(parent), 0) + 1
+        for node in live:
+            assert node.num_children == children.get(id(node), 0), "child count drift"
+            assert node.num_t0_children == t0_children.get(id(node), 0), "T0 child count drift"
+        for tier in (Tier.T0, Tier.T1):
+            used = sum(1 for t, _ in owners if t == tier)
+            assert used == self.allocators[tier].num_used, f"{tier.label}: leaked slots"
+        assert self.num_pinned == sum(1 for n in live + detached if n.pinned), "pin count drift"

@@ -1,0 +1,171 @@
+"""Cache keys and chained block hashes: the identity of every cached block.
+
+A block's hash commits to the whole `CacheKey` and to every token before it, so two sequences that
+diverge at block 3 can never share block 4, and changing any key field (a new weights digest, an
+FP8 KV dtype, another RoPE config) changes every hash: a rollout needs no invalidation sweep.
+
+Hash construction (version 1; the fixed vectors in the tests pin it):
+
+    key_digest = blake2b-128(person="kvfleet-key-v1", len-prefixed UTF-8 of the 6 key fields)
+    h[0]       = blake2b-128(person="kvfleet-blk-v1", key_digest || tokens[0:16], uint32 LE)
+    h[i]       = blake2b-128(person="kvfleet-blk-v1", h[i-1] || tokens[16i:16i+16], uint32 LE)
+
+A platform-owned prefix (an explicit allow-list) is hashed under the platform tenant; the first
+tenant block after it chains from `blake2b-128(person="kvfleet-scope-v1", tenant key_digest ||
+h[p-1])`, so the platform blocks are shared across tenants and nothing after them is.
+Python's `hash()` is never used: it is salted per process (PYTHONHASHSEED).
+"""
+
+from __future__ import annotations
+
+import array
+import functools
+import hashlib
+import itertools
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple, NewType
+
+__all__ = [
+    "BLOCK_SIZE",
+    "PLATFORM_TENANT",
+    "BlockHash",
+    "CacheKey",
+    "block_hashes",
+    "iter_block_hashes",
+    "key_digest",
+    "platform_key",
+    "token_bytes",
+]
+
+BLOCK_SIZE = 16
+"""Tokens per block: a match ends on a block boundary (1,507 matched tokens -> 1,504)."""
+
+HASH_BYTES = 16
+"""128-bit digests: collision resistance of 2^64 work, far beyond any cache's lifetime."""
+
+PLATFORM_TENANT = "__platform__"
+"""Tenant component of keys for allow-listed platform prefixes, the only cross-tenant sharing."""
+
+BlockHash = NewType("BlockHash", bytes)
+
+_KEY_PERSON = b"kvfleet-key-v1"
+_BLOCK_PERSON = b"kvfleet-blk-v1"
+_SCOPE_PERSON = b"kvfleet-scope-v1"
+_BLOCK_PROTO = hashlib.blake2b(digest_size=HASH_BYTES, person=_BLOCK_PERSON)
+_DIGEST_RE = re.compile(r"^(sha256:[0-9a-f]{64}|sha512:[0-9a-f]{128}|blake2b:[0-9a-f]{32,128})$")
+_BLOCK_BYTES = BLOCK_SIZE * 4
+
+
+class CacheKey(NamedTuple):
+    """Everything prefill output depends on besides the tokens. TP degree is deliberately absent:
+    KV is stored in a TP-agnostic layout and sharded on materialization."""
+
+    tenant_id: str
+    model_id: str
+    weights_digest: str
+    """A content digest such as "sha256:<64 hex>"; a tag ("latest", "v2") is rejected."""
+    kv_dtype: str
+    rope_config_hash: str
+    attn_impl_id: str
+
+
+def validate_weights_digest(weights_digest: str) -> str:
+    if not isinstance(weights_digest, str) or not _DIGEST_RE.match(weights_digest):
+        raise ValueError(
+            f"weights_digest must be a content digest like 'sha256:<64 hex>', "
+            f"not a tag: {weights_digest!r}"
+        )
+    return weights_digest
+
+
+@functools.lru_cache(maxsize=4096)
+def key_digest(key: CacheKey) -> bytes:
+    """The 16-byte digest every chain starts from. Validates the key once per distinct key."""
+    if not isinstance(key, CacheKey):
+        raise ValueError(f"expected a CacheKey, got {type(key).__name__}: {key!r}")
+    for name, value in zip(CacheKey._fields, key, strict=True):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"CacheKey.{name} must be a non-empty string, got {value!r}")
+    validate_weights_digest(key.weights_digest)
+    h = hashlib.blake2b(digest_size=HASH_BYTES, person=_KEY_PERSON)
+    for value in key:
+        raw = value.encode("utf-8")
+        # Length prefixes make the encoding injective: ("ab","c") and ("a","bc") differ.
+        h.update(len(raw).to_bytes(4, "little"))
+        h.update(raw)
+    return h.digest()
+
+
+def platform_key(key: CacheKey) -> CacheKey:
+    """The same key with the platform tenant: used for allow-listed platform prefixes only."""
+    return key._replace(tenant_id=PLATFORM_TENANT)
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as uint32 little-endian, the stable byte form that is hashed."""
+    try:
+        raw = array.array("I", token_ids)
+    except (OverflowError, TypeError) as exc:
+        bad = next(
+            (t for t in token_ids if not isinstance(t, int) or not 0 <= t < 2**32), token_ids
+        )
+        raise ValueError(f"token ids must be integers in [0, 2**32), got {bad!r}") from exc
+    if raw.itemsize != 4:  # pragma: no cover - every supported platform has a 4-byte 'I'
+        raise AssertionError("array('I') is not 32-bit on this platform")
+    if sys.byteorder == "big":  # pragma: no cover - hashes must not depend on the machine
+        raw.byteswap()
+    return raw.tobytes()
+
+
+def _step(prev: bytes, chunk: bytes) -> bytes:
+    h = _BLOCK_PROTO.copy()
+    h.update(prev + chunk)
+    return h.digest()
+
+
+def _scope_seed(tenant_digest: bytes, platform_tail: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=HASH_BYTES, person=_SCOPE_PERSON)
+    h.update(tenant_digest + platform_tail)
+    return h.digest()
+
+
+def iter_block_hashes(
+    key: CacheKey, token_ids: Sequence[int], *, platform_blocks: int = 0
+) -> Iterator[BlockHash]:
+    """Lazily yield the chained hashes of the full blocks of `token_ids`.
+
+    Lazy so that a lookup stops hashing at its first miss. The first `platform_blocks` blocks are
+    hashed under the platform tenant (the caller has checked them against the allow-list).
+    """
+    data = token_bytes(token_ids)
+    num_blocks = len(data) // _BLOCK_BYTES
+    if not 0 <= platform_blocks <= num_blocks:
+        raise ValueError(f"platform_blocks must be in [0, {num_blocks}], got {platform_blocks}")
+    chunks = [data[i : i + _BLOCK_BYTES] for i in range(0, num_blocks * _BLOCK_BYTES, _BLOCK_BYTES)]
+    step: Callable[[bytes, bytes], bytes] = _step
+    if platform_blocks == 0:
+        hashes = itertools.accumulate(chunks, step, initial=key_digest(key))
+        next(hashes)  # the seed itself
+        return map(BlockHash, hashes)
+    return _scoped_hashes(key, chunks, platform_blocks)
+
+
+def _scoped_hashes(key: CacheKey, chunks: list[bytes], platform_blocks: int) -> Iterator[BlockHash]:
+    prev = key_digest(platform_key(key))
+    for chunk in chunks[:platform_blocks]:
+        prev = _step(prev, chunk)
+        yield BlockHash(prev)
+    prev = _scope_seed(key_digest(key), prev)
+    for chunk in chunks[platform_blocks:]:
+        prev = _step(prev, chunk)
+        yield BlockHash(prev)
+
+
+def block_hashes(
+    key: CacheKey, token_ids: Sequence[int], *, platform_blocks: int = 0
+) -> list[BlockHash]:
+    """The chained hashes of every full 16-token block of `token_ids` (a partial tail is not
+    hashed: only full blocks are cached)."""
+    return list(iter_block_hashes(key, token_ids, platform_blocks=platform_blocks))

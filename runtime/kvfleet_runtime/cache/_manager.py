@@ -1,0 +1,308 @@
+"""The pure cache manager: keys -> hashes -> index, admission, placement, stats and events.
+
+Everything the cache decides, without tensors: the `PrefixCache` facade adds the pools and the
+copies, and the hit-rate simulator (`kvfleet_runtime.cache.sim`) drives this same class with
+precomputed hashes, so the simulated policy is the shipped policy. Not thread-safe by itself: the
+facade serializes calls under its lock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvfleet_runtime.cache._config import CacheConfig
+from kvfleet_runtime.cache._index import BlockIndex, BlockNode, Move, Tier, _Plan
+from kvfleet_runtime.cache._keys import (
+    BLOCK_SIZE,
+    PLATFORM_TENANT,
+    BlockHash,
+    CacheKey,
+    iter_block_hashes,
+    key_digest,
+    platform_key,
+    validate_weights_digest,
+)
+from kvfleet_runtime.cache._policy import Placement, ThrashDetector, place
+from kvfleet_runtime.cache._sketch import CountMinSketch
+from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
+
+__all__ = ["BlockEvent", "CacheManager", "Commit", "StoreOutcome", "StorePlan", "check_key"]
+
+
+class StoreOutcome(enum.Enum):
+    QUEUED = "queued"
+    RESIDENT = "resident"
+    """Every admissible block is already cached: nothing to write."""
+    REFUSED = "refused"
+    """Not seen often enough yet (one-shot so far): not worth a queue slot."""
+    DROPPED = "dropped"
+    """The store queue was full of more valuable writes."""
+
+
+@dataclass(slots=True, frozen=True)
+class BlockEvent:
+    """What a global hint index needs to publish ("stored") or withdraw ("removed")."""
+
+    kind: Literal["stored", "removed"]
+    key: CacheKey
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(slots=True)
+class StorePlan:
+    """An admitted write: blocks [start_block, len(hashes)) of the chain `hashes`."""
+
+    key: CacheKey
+    hashes: list[BlockHash]
+    start_block: int
+    platform_blocks: int
+    placement: Placement
+    priority: int
+
+
+@dataclass(slots=True)
+class Commit:
+    """Result of committing a plan: carry out `moves` first, then write `nodes`' data, then call
+    `CacheManager.finish_commit(commit)` (the nodes are referenced until then)."""
+
+    nodes: list[BlockNode]
+    first_block: int
+    """Index in the chain of nodes[0], i.e. the token offset is first_block * BLOCK_SIZE."""
+    moves: list[Move] = field(default_factory=list)
+
+
+def check_key(key: CacheKey) -> CacheKey:
+    if isinstance(key, CacheKey) and key.tenant_id == PLATFORM_TENANT:
+        raise ValueError(
+            f"tenant_id {PLATFORM_TENANT!r} is reserved for allow-listed platform "
+            f"prefixes, got key {key!r}"
+        )
+    key_digest(key)  # validates every field once per distinct key (cached)
+    return key
+
+
+class CacheManager:
+    def __init__(
+        self, config: CacheConfig, *, bytes_per_block: int, clock: Callable[[], float]
+    ) -> None:
+        self.config = config
+        self.bytes_per_block = bytes_per_block
+        self.clock = clock
+        self.sketch = CountMinSketch(config.sketch_width, config.sketch_depth)
+        self.index = BlockIndex((config.num_t0_blocks, config.num_t1_blocks), self.sketch)
+        self.index.pin_limit = int(config.pin_max_fraction * config.num_t0_blocks)
+        self.thrash = ThrashDetector(
+            ratio=config.thrash_ratio,
+            window_s=config.thrash_window_s,
+            sustain_s=config.thrash_sustain_s,
+            min_blocks=config.thrash_min_blocks,
+        )
+        self.events: list[BlockEvent] = []
+        self._tenants: dict[str, TenantStats] = {}
+        # Longest first, so the longest allow-listed prefix a request starts with wins.
+        self._platform = sorted(config.platform_prefixes, key=len, reverse=True)
+
+    # -- keys ------------------------------------------------------------------------------
+
+    def platform_blocks(self, token_ids: Sequence[int]) -> int:
+        for prefix in self._platform:
+            n = len(prefix)
+            if len(token_ids) >= n and tuple(token_ids[:n]) == prefix:
+                return n // BLOCK_SIZE
+        return 0
+
+    def hashes(self, key: CacheKey, token_ids: Sequence[int]) -> tuple[Iterable[BlockHash], int]:
+        check_key(key)
+        platform_blocks = self.platform_blocks(token_ids)
+        return iter_block_hashes(key, token_ids, platform_blocks=platform_blocks), platform_blocks
+
+    def _tenant(self, tenant_id: str) -> TenantStats:
+        stats = self._tenants.get(tenant_id)
+        if stats is None:
+            stats = self._tenants[tenant_id] = TenantStats()
+        return stats
+
+    # -- lookup ----------------------------------------------------------------------------
+
+    def lookup(
+        self, key: CacheKey, hashes: Iterable[BlockHash], num_tokens: int
+    ) -> list[BlockNode]:
+        """The longest cached chain along `hashes`, referenced (release it with `release`)."""
+        path = self.index.match(hashes)
+        stats = self._tenant(key.tenant_id)
+        stats.num_lookups += 1
+        stats.num_lookup_tokens += num_tokens
+        if path:
+            self.index.acquire(path)
+            stats.num_hits += 1
+            stats.num_matched_tokens += len(path) * BLOCK_SIZE
+        return path
+
+    def release(self, path: list[BlockNode]) -> None:
+        freed = self.index.release(path)
+        # Blocks of an invalidated version were withdrawn from the hint index at invalidation.
+        assert all(not n.namespace.valid for n in freed)
+
+    # -- store -----------------------------------------------------------------------------
+
+    def plan_store(
+        self, key: CacheKey, hashes: list[BlockHash], platform_blocks: int = 0
+    ) -> StorePlan | StoreOutcome:
+        """Count one sighting of each block and decide what, if anything, is worth writing."""
+        stats = self._tenant(key.tenant_id)
+        stats.num_store_requests += 1
+        stats.num_blocks_offered += len(hashes)
+        self.thrash.record(self.clock(), offered=len(hashes))
+        counts = [self.sketch.increment(h) for h in hashes]
+        resident = self.index.match(hashes)
+        if resident:
+            self.index.touch(resident)
+        cfg = self.config
+        thrashing = self.thrash.thrashing
+        admitted = 0
+        placement = Placement.NOT_STORED
+        for i, count in enumerate(counts):
+            decision = place(
+                count,
+                (i + 1) * self.bytes_per_block,
+                admit_min_sightings=cfg.admit_min_sightings,
+                hot_min_sightings=cfg.hot_min_sightings,
+                pin_max_bytes=cfg.pin_max_bytes,
+                thrashing=thrashing,
+            )
+            if decision is Placement.NOT_STORED:
+                break
+            admitted, placement = i + 1, decision
+        if admitted < len(hashes):
+            stats.num_admissions_refused += len(hashes) - max(admitted, len(resident))
+        if admitted <= len(resident):
+            return StoreOutcome.RESIDENT if resident else StoreOutcome.REFUSED
+        priority = admitted * BLOCK_SIZE * counts[admitted - 1]
+        return StorePlan(
+            key, hashes[:admitted], len(resident), platform_blocks, placement, priority
+        )
+
+    def note_dropped(self, plan: StorePlan) -> None:
+        self._tenant(plan.key.tenant_id).num_store_drops += 1
+
+    def commit(self, plan: StorePlan) -> Commit:
+        """Index the plan's new blocks (as many as fit) and say where their data goes."""
+        index = self.index
+        resident = index.match(plan.hashes)
+        start = len(resident)
+        parent = resident[-1] if resident else None
+        if plan.placement is Placement.PINNED and index.allocators[Tier.T0].num_blocks:
+            tier, pinned = Tier.T0, True
+        elif index.allocators[Tier.T1].num_blocks:
+            tier, pinned = Tier.T1, False
+        else:
+            tier, pinned = Tier.T0, False
+        commit = Commit([], start)
+        segments = []
+        if start < plan.platform_blocks:
+            segments.append((platform_key(plan.key), start, plan.platform_blocks))
+        segments.append((plan.key, max(start, plan.platform_blocks), len(plan.hashes)))
+        for key, lo, hi in segments:
+            if lo >= hi:
+                continue
+            nodes, moves = index.insert(
+                index.namespace(key), parent, plan.hashes[lo:hi], tier=tier, pinned=pinned
+            )
+            self._after(moves)
+            commit.moves.extend(moves.moves)
+            commit.nodes.extend(nodes)
+            if nodes:
+                self.events.append(BlockEvent("stored", key, tuple(n.block_hash for n in nodes)))
+                parent = nodes[-1]
+            if len(nodes) < hi - lo:
+                break
+        self._tenant(plan.key.tenant_id).num_blocks_stored += len(commit.nodes)
+        return commit
+
+    def finish_commit(self, commit: Commit) -> None:
+        self.index.release(commit.nodes)
+
+    def promote(self, path: list[BlockNode]) -> list[Move]:
+        plan = self.index.promote(path)
+        self._after(plan)
+        return plan.moves
+
+    def _after(self, plan: _Plan) -> None:
+        """Account for the blocks an operation dropped and queue their withdrawal events."""
+        if not plan.dropped:
+            return
+        self.thrash.record(self.clock(), dropped=len(plan.dropped))
+        by_key: dict[CacheKey, list[BlockHash]] = {}
+        for node in plan.dropped:
+            by_key.setdefault(node.namespace.key, []).append(node.block_hash)
+            self._tenant(node.namespace.key.tenant_id).num_evictions += 1
+        for key, hashes in by_key.items():
+            self.events.append(BlockEvent("removed", key, tuple(hashes)))
+
+    # -- invalidation and stats ------------------------------------------------------------
+
+    def invalidate(self, weights_digest: str) -> int:
+        validate_weights_digest(weights_digest)
+        stale_keys = {
+            n.namespace.key
+            for n in self.index.nodes()
+            if n.namespace.key.weights_digest == weights_digest
+        }
+        withdrawn: dict[CacheKey, list[BlockHash]] = {k: [] for k in stale_keys}
+        for node in self.index.nodes():
+            if node.namespace.key in withdrawn:
+                withdrawn[node.namespace.key].append(node.block_hash)
+        num_unindexed, _ = self.index.invalidate(weights_digest)
+        for key, hashes in withdrawn.items():
+            self.events.append(BlockEvent("removed", key, tuple(hashes)))
+        return num_unindexed
+
+    def drain_events(self) -> list[BlockEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def stats(self, tenant: str | None = None, *, store_queue_len: int = 0) -> CacheStats:
+        resident: dict[str, int] = {}
+        for ns in self.index.namespaces():
+            resident[ns.key.tenant_id] = resident.get(ns.key.tenant_id, 0) + ns.num_blocks
+        totals = TenantStats()
+        for name, tenant_stats in self._tenants.items():
+            if tenant is None or name == tenant:
+                totals.add(tenant_stats)
+        totals.num_blocks = sum(
+            n for name, n in resident.items() if tenant is None or name == tenant
+        )
+        totals.num_bytes = totals.num_blocks * self.bytes_per_block
+        tiers = []
+        for tier in Tier:
+            alloc = self.index.allocators[tier]
+            counters = self.index.counters[tier]
+            tiers.append(
+                TierStats(
+                    tier=tier.label,
+                    num_blocks_capacity=alloc.num_blocks,
+                    num_blocks_used=alloc.num_used,
+                    num_blocks_pinned=self.index.num_pinned if tier == Tier.T0 else 0,
+                    num_bytes_capacity=alloc.num_blocks * self.bytes_per_block,
+                    num_bytes_used=alloc.num_used * self.bytes_per_block,
+                    num_stored=counters.num_stored,
+                    num_evictions=counters.num_evictions,
+                    num_demotions=counters.num_demotions,
+                    num_promotions=counters.num_promotions,
+                )
+            )
+        return CacheStats(
+            tenant=tenant,
+            totals=totals,
+            tiers=tuple(tiers),
+            thrashing=self.thrash.thrashing,
+            num_thrash_episodes=self.thrash.num_episodes,
+            store_queue_len=store_queue_len,
+            num_indexed_blocks=len(self.index),
+        )
+
+    def tenants(self) -> list[str]:
+        return sorted(self._tenants)

@@ -1,0 +1,136 @@
+"""Count-min sketch with aging, the bounded priority store queue, inferred placement, thrash."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvfleet_runtime.cache import CountMinSketch, Placement, StoreQueue
+from kvfleet_runtime.cache._policy import ThrashDetector, place
+
+
+def test_sketch_counts_saturate_and_age() -> None:
+    sketch = CountMinSketch(width=64, depth=4, sample_size=1000)
+    h = bytes(range(16))
+    assert sketch.estimate(h) == 0
+    assert [sketch.increment(h) for _ in range(3)] == [1, 2, 3]
+    for _ in range(20):
+        sketch.increment(h)
+    assert sketch.estimate(h) == 15  # saturates: four bits of information, as in TinyLFU
+    sketch.age()
+    assert sketch.estimate(h) == 7 and sketch.num_resets == 1
+
+
+def test_sketch_ages_itself_after_sample_size_increments() -> None:
+    sketch = CountMinSketch(width=64, depth=2, sample_size=8)
+    h = bytes(16)
+    for _ in range(7):
+        sketch.increment(h)
+    assert sketch.estimate(h) == 7
+    sketch.increment(h)  # the 8th increment triggers the halving
+    assert sketch.estimate(h) == 4 and sketch.num_resets == 1
+
+
+@pytest.mark.parametrize(("width", "depth"), [(0, 4), (100, 4), (64, 0), (64, 5)])
+def test_sketch_rejects_bad_shapes(width: int, depth: int) -> None:
+    with pytest.raises(ValueError, match=str(width if width in (0, 100) else depth)):
+        CountMinSketch(width=width, depth=depth)
+
+
+def test_queue_drops_the_least_valuable_entry_not_the_newest() -> None:
+    q: StoreQueue[str] = StoreQueue(3)
+    assert q.push(10, "a") is None
+    assert q.push(50, "b") is None
+    assert q.push(30, "c") is None
+    assert q.push(40, "d") == "a"  # full: the lowest priority goes, the newcomer stays
+    assert q.push(5, "e") == "e"  # a newcomer worth less than everything pending is refused
+    assert q.push(30, "f") == "c"  # ties: the older of equal value goes
+    assert q.priorities() == [30, 40, 50]
+    assert [q.pop(), q.pop(), q.pop(), q.pop()] == ["b", "d", "f", None]
+
+
+def test_queue_pops_the_oldest_among_equal_priorities() -> None:
+    q: StoreQueue[str] = StoreQueue(4)
+    for name in "xyz":
+        q.push(7, name)
+    assert [q.pop(), q.pop(), q.pop()] == ["x", "y", "z"]
+
+
+def test_queue_is_safe_under_concurrent_push_and_pop() -> None:
+    q: StoreQueue[int] = StoreQueue(16)
+    popped: list[int] = []
+    dropped: list[int] = []
+
+    def producer(base: int) -> None:
+        for i in range(500):
+            d = q.push(i % 37, base + i)
+            if d is not None:
+                dropped.append(d)
+
+    def consumer() -> None:
+        for _ in range(2000):
+            item = q.pop()
+            if item is not None:
+                popped.append(item)
+
+    threads = [threading.Thread(target=producer, args=(b,)) for b in (0, 10_000)]
+    threads.append(threading.Thread(target=consumer))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    while (item := q.pop()) is not None:
+        popped.append(item)
+    assert sorted(popped + dropped) == sorted([*range(500), *range(10_000, 10_500)])
+
+
+@pytest.mark.parametrize(
+    ("sightings", "prefix_bytes", "thrashing", "expected"),
+    [
+        (1, 10, False, Placement.NOT_STORED),  # one-shot so far
+        (2, 10, False, Placement.REUSED),
+        (3, 10, False, Placement.PINNED),  # hot and small
+        (3, 10**9, False, Placement.REUSED),  # hot but large
+        (2, 10, True, Placement.NOT_STORED),  # thrashing: stricter admission
+        (3, 10, True, Placement.PINNED),
+    ],
+)
+def test_placement_is_inferred_from_reuse(
+    sightings: int, prefix_bytes: int, thrashing: bool, expected: Placement
+) -> None:
+    got = place(
+        sightings,
+        prefix_bytes,
+        admit_min_sightings=2,
+        hot_min_sightings=3,
+        pin_max_bytes=1000,
+        thrashing=thrashing,
+    )
+    assert got is expected
+
+
+def test_thrash_detector_needs_sustained_pressure_and_has_hysteresis() -> None:
+    d = ThrashDetector(ratio=0.9, window_s=10.0, sustain_s=30.0, min_blocks=10)
+    t = 0.0
+    for _ in range(3):  # three windows where almost every offered block is evicted
+        d.record(t, offered=100, dropped=95)
+        t += 10.0
+    d.record(t)
+    assert d.thrashing and d.num_episodes == 1
+    d.record(t, offered=100, dropped=80)  # below 0.9 but above 0.45: stays engaged
+    t += 10.0
+    d.record(t)
+    assert d.thrashing
+    d.record(t, offered=100, dropped=10)
+    d.record(t + 10.0)
+    assert not d.thrashing
+
+
+def test_thrash_detector_ignores_short_bursts() -> None:
+    d = ThrashDetector(ratio=0.9, window_s=10.0, sustain_s=30.0, min_blocks=10)
+    d.record(0.0, offered=100, dropped=100)
+    d.record(10.0, offered=100, dropped=0)
+    d.record(20.0, offered=100, dropped=100)
+    d.record(30.0)
+    assert not d.thrashing

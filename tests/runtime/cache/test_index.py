@@ -1,0 +1,174 @@
+"""The radix index and tier accounting on tiny pools, with exact block ids and eviction order."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet_runtime.cache import BlockHash, BlockIndex, CountMinSketch, Tier
+from kvfleet_runtime.cache._allocator import BlockAllocator, contiguous_runs, paired_runs
+from kvfleet_runtime.cache._index import BlockNode, Move, Namespace
+from tests.runtime.cache.conftest import DIGEST_A, DIGEST_B, make_key
+
+
+def h(name: str) -> BlockHash:
+    return BlockHash(name.encode().ljust(16, b"."))
+
+
+def chain(prefix: str, n: int) -> list[BlockHash]:
+    return [h(f"{prefix}{i}") for i in range(n)]
+
+
+def make_index(t0: int, t1: int = 0) -> tuple[BlockIndex, Namespace]:
+    index = BlockIndex((t0, t1), CountMinSketch(width=1024))
+    return index, index.namespace(make_key())
+
+
+def put(
+    index: BlockIndex,
+    ns: Namespace,
+    hashes: list[BlockHash],
+    tier: Tier = Tier.T0,
+    pinned: bool = False,
+) -> list[BlockNode]:
+    """Insert the part of `hashes` not yet indexed, then drop the write refs."""
+    resident = index.match(hashes)
+    nodes, _ = index.insert(
+        ns, resident[-1] if resident else None, hashes[len(resident) :], tier=tier, pinned=pinned
+    )
+    index.release(nodes)
+    index.check_invariants()
+    return nodes
+
+
+def test_allocator_hands_out_lowest_ids_and_refuses_without_room() -> None:
+    alloc = BlockAllocator(4)
+    assert alloc.allocate(3) == [0, 1, 2]
+    assert alloc.allocate(2) is None and alloc.num_free == 1
+    alloc.free([1])
+    assert alloc.allocate(2) == [1, 3]
+    with pytest.raises(AssertionError, match="double free"):
+        alloc.free([1, 1])
+
+
+def test_runs() -> None:
+    assert contiguous_runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+    assert paired_runs([3, 4, 5, 6], [0, 1, 7, 8]) == [(3, 0, 2), (5, 7, 2)]
+    assert paired_runs([], []) == []
+
+
+def test_match_returns_the_longest_indexed_prefix_only() -> None:
+    index, ns = make_index(8)
+    put(index, ns, chain("a", 3))
+    assert [n.block_hash for n in index.match(chain("a", 5))] == chain("a", 3)
+    # Not a prefix: a chain starting elsewhere matches nothing even if later hashes exist.
+    assert index.match([h("zz"), *chain("a", 3)]) == []
+    assert index.match(chain("a", 3)[1:]) == []
+
+
+def test_lru_leaf_first_eviction_order_on_a_four_block_pool() -> None:
+    index, ns = make_index(4)
+    a = put(index, ns, chain("a", 2))  # ids 0, 1
+    b = put(index, ns, chain("b", 2))  # ids 2, 3
+    assert [n.block_id for n in a + b] == [0, 1, 2, 3]
+    index.touch(index.match(chain("a", 2)))  # a is now more recent than b
+    c = put(index, ns, chain("c", 2))
+    # b's leaf goes first, then b's root (now a leaf); the interior block never before its child.
+    assert [n.block_id for n in c] == [3, 2]
+    assert index.match(chain("b", 2)) == [] and len(index.match(chain("a", 2))) == 2
+
+
+def test_referenced_blocks_are_never_evicted_and_not_enough_room_is_partial() -> None:
+    index, ns = make_index(3)
+    put(index, ns, chain("a", 3))
+    held = index.match(chain("a", 3))
+    index.acquire(held)
+    nodes, _ = index.insert(ns, None, chain("b", 2), tier=Tier.T0, pinned=False)
+    assert nodes == []  # everything is referenced: nothing to evict, nothing written
+    index.release(held)
+    nodes, _ = index.insert(ns, None, chain("b", 2), tier=Tier.T0, pinned=False)
+    index.release(nodes)
+    assert [n.block_id for n in nodes] == [2, 1]
+    index.check_invariants()
+
+
+def test_frequency_duel_keeps_frequent_blocks_against_a_colder_newcomer() -> None:
+    index, ns = make_index(2)
+    hot = chain("hot", 2)
+    for _ in range(5):
+        for x in hot:
+            index.sketch.increment(x)
+    put(index, ns, hot)
+    cold = chain("cold", 2)
+    index.sketch.increment(cold[0])
+    nodes, _ = index.insert(ns, None, cold, tier=Tier.T0, pinned=False)
+    assert nodes == [] and len(index.match(hot)) == 2
+
+
+def test_unpinned_blocks_are_evicted_before_pinned_ones() -> None:
+    index, ns = make_index(4)
+    index.pin_limit = 2
+    put(index, ns, chain("p", 2), pinned=True)  # ids 0, 1
+    put(index, ns, chain("u", 2))  # ids 2, 3, more recent than p
+    assert index.num_pinned == 2
+    nodes = put(index, ns, chain("n", 2))
+    assert [n.block_id for n in nodes] == [3, 2]
+    assert len(index.match(chain("p", 2))) == 2
+
+
+def test_pin_limit_caps_pinned_blocks() -> None:
+    index, ns = make_index(4)
+    index.pin_limit = 1
+    nodes = put(index, ns, chain("p", 2), pinned=True)
+    assert index.num_pinned == 0 and not any(n.pinned for n in nodes)
+
+
+def test_t0_eviction_demotes_to_t1_and_a_hit_promotes_back() -> None:
+    index, ns = make_index(2, 2)
+    put(index, ns, chain("a", 2))  # T0 ids 0, 1
+    for x in chain("b", 2):
+        index.sketch.increment(x)
+    nodes, plan = index.insert(ns, None, chain("b", 2), tier=Tier.T0, pinned=False)
+    index.release(nodes)
+    # a's leaf then a's root were demoted (T1 ids 0 then 1): their data moves before b lands.
+    assert plan.moves == [Move(Tier.T0, 1, Tier.T1, 0), Move(Tier.T0, 0, Tier.T1, 1)]
+    a = index.match(chain("a", 2))
+    assert [(n.tier, n.block_id) for n in a] == [(Tier.T1, 1), (Tier.T1, 0)]
+    index.check_invariants()
+    index.acquire(a)
+    for x in chain("a", 2):
+        index.sketch.increment(x)
+        index.sketch.increment(x)
+    plan = index.promote(a)
+    # b could not be demoted (T1 is full of a's referenced blocks): b's leaf (T0 id 0) and then
+    # b's root (id 1) were dropped, and a moved into those slots.
+    assert [(n.tier, n.block_id) for n in a] == [(Tier.T0, 0), (Tier.T0, 1)]
+    assert plan.moves == [Move(Tier.T1, 1, Tier.T0, 0), Move(Tier.T1, 0, Tier.T0, 1)]
+    assert [n.block_hash for n in plan.dropped] == [chain("b", 2)[1], chain("b", 2)[0]]
+    index.release(a)
+    index.check_invariants()
+
+
+def test_a_new_block_below_a_t1_parent_goes_to_t1() -> None:
+    index, ns = make_index(2, 4)
+    parent = put(index, ns, chain("a", 1), tier=Tier.T1)
+    nodes, _ = index.insert(ns, parent[0], chain("a", 2)[1:], tier=Tier.T0, pinned=True)
+    index.release(nodes)
+    assert nodes[0].tier == Tier.T1 and not nodes[0].pinned
+    index.check_invariants()
+
+
+def test_invalidate_unindexes_now_and_frees_held_blocks_at_release() -> None:
+    index, ns = make_index(4)
+    other = index.namespace(make_key(digest=DIGEST_B))
+    put(index, ns, chain("a", 2))
+    put(index, other, chain("b", 1))
+    held = index.match(chain("a", 2))
+    index.acquire(held)
+    removed, freed = index.invalidate(DIGEST_A)
+    assert removed == 2 and freed == []
+    assert index.match(chain("a", 2)) == [] and len(index.match(chain("b", 1))) == 1
+    assert index.allocators[Tier.T0].num_used == 3
+    index.check_invariants(held)
+    assert len(index.release(held)) == 2
+    assert index.allocators[Tier.T0].num_used == 1
+    index.check_invariants()
