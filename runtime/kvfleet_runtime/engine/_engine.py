@@ -431,10 +431,12 @@ class Engine:
 
     def _first_token(self, seq: _Sequence) -> None:
         assert seq.last_logits is not None
-        self._accept(seq, seq.sampler.sample(seq.last_logits))
+        token = seq.sampler.sample(seq.last_logits)
         seq.last_logits = None
+        self._push_token(seq, token)  # the first token is on its way before the store copy
         self.metrics.ttft.observe(time.monotonic() - seq.submitted_s)
-        self._store_prompt(seq)
+        self._store_prompt(seq)  # before a finish can free the blocks
+        self._finish_if_done(seq, token)
 
     def _store_prompt(self, seq: _Sequence) -> None:
         """Offer the prompt's full blocks to the cache (after the first token is out).
@@ -461,9 +463,15 @@ class Engine:
             self._accept(seq, seq.sampler.sample(row))
 
     def _accept(self, seq: _Sequence, token: int) -> None:
+        self._push_token(seq, token)
+        self._finish_if_done(seq, token)
+
+    def _push_token(self, seq: _Sequence, token: int) -> None:
         seq.output.append(token)
         self.metrics.generated_tokens.inc()
         self._emit(seq, TokenEvent(token_id=token, cached_tokens=seq.cached_tokens))
+
+    def _finish_if_done(self, seq: _Sequence, token: int) -> None:
         params = seq.request.params
         if token == EOS_ID and not params.ignore_eos:
             self._finish(seq, "stop")

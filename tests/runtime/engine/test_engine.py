@@ -178,6 +178,21 @@ def test_key_fields_come_from_the_model(
     assert theta.weights_digest == base.weights_digest  # same tensors, only the config differs
 
 
+async def test_a_one_token_request_still_stores_its_prompt(
+    loaded: LoadedModel, make_engine: EngineFactory
+) -> None:
+    engine = make_engine(make_cache(loaded))
+    await engine.start()
+    try:
+        prompt = tokens(40, seed=12)
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        await run(engine, "acme", prompt, one)
+        assert (await run(engine, "acme", prompt, one))[1] == 32
+        assert engine.metrics.cache_errors.labels("store")._value.get() == 0
+    finally:
+        await engine.stop()
+
+
 @pytest.mark.parametrize("offset", [16, 5])
 async def test_same_tokens_at_another_offset_never_hit(
     loaded: LoadedModel, make_engine: EngineFactory, offset: int

@@ -1,0 +1,37 @@
+"""The replica HTTP server: OpenAI-compatible completions over the engine, cache control, probes."""
+
+from kvfleet_runtime.server._app import (
+    ApiError,
+    Replica,
+    apply_config,
+    build_replica,
+    create_app,
+    openapi_document,
+)
+from kvfleet_runtime.server._config import (
+    ENV_PREFIX,
+    CacheSettings,
+    EngineSettings,
+    Limits,
+    ReplicaConfig,
+    load_config,
+)
+from kvfleet_runtime.server._schemas import TENANT_HEADER, CompletionRequest, InvalidateRequest
+
+__all__ = [
+    "ENV_PREFIX",
+    "TENANT_HEADER",
+    "ApiError",
+    "CacheSettings",
+    "CompletionRequest",
+    "EngineSettings",
+    "InvalidateRequest",
+    "Limits",
+    "Replica",
+    "ReplicaConfig",
+    "apply_config",
+    "build_replica",
+    "create_app",
+    "load_config",
+    "openapi_document",
+]

@@ -1,0 +1,154 @@
+"""Replica configuration: a YAML or JSON file (the ConfigMap the operator writes) plus environment.
+
+Precedence, lowest first: defaults, the file, `KVFLEET_REPLICA_*` environment variables (nested
+fields with `__`: `KVFLEET_REPLICA_LIMITS__MAX_TOKENS=64`), then command-line flags. The file is
+watched; a change to a live field (limits, batching, `cache.enabled`) applies without a restart,
+a change to anything else is reported as needing one, and a broken file keeps the last good config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "ENV_PREFIX",
+    "LIVE_FIELDS",
+    "CacheSettings",
+    "EngineSettings",
+    "Limits",
+    "ReplicaConfig",
+    "load_config",
+    "restart_fields",
+]
+
+ENV_PREFIX = "KVFLEET_REPLICA_"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Limits(_Strict):
+    max_prompt_tokens: int = Field(default=2048, ge=1)
+    """Longer prompts are refused with 400 (the model's context is a hard limit too)."""
+    max_tokens: int = Field(default=1024, ge=1)
+    """Largest `max_tokens` a request may ask for."""
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    """Larger request bodies are refused with 413."""
+
+
+class EngineSettings(_Strict):
+    num_kv_blocks: int = Field(default=1024, ge=1)
+    max_batch_size: int = Field(default=32, ge=1)
+    max_waiting: int = Field(default=256, ge=1)
+    prefill_chunks_per_step: int = Field(default=8, ge=1)
+
+
+class CacheSettings(_Strict):
+    enabled: bool = True
+    """Off: every request is a miss and nothing is stored (live: the pools stay allocated)."""
+    num_t0_blocks: int = Field(default=512, ge=0)
+    num_t1_blocks: int = Field(default=2048, ge=0)
+    admit_min_sightings: int = Field(default=2, ge=1)
+    store_queue_max_entries: int = Field(default=64, ge=1)
+
+
+class ReplicaConfig(_Strict):
+    model_dir: str = ""
+    model_id: str = ""
+    """Served model name and the cache key's model id; defaults to the model folder's name."""
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=0, le=65535)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attn_impl: Literal["eager", "sdpa"] | None = None
+    """Overrides the checkpoint's attention implementation (changes the cache key)."""
+    config_poll_interval_s: float = Field(default=2.0, gt=0)
+    limits: Limits = Field(default_factory=Limits)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+
+
+LIVE_FIELDS = frozenset({
+    "limits", "engine.max_batch_size", "engine.max_waiting", "engine.prefill_chunks_per_step",
+    "cache.enabled", "config_poll_interval_s",
+})
+
+
+def restart_fields(old: ReplicaConfig, new: ReplicaConfig) -> list[str]:
+    """Changed fields that only take effect after a restart."""
+    changed = []
+    for name, value in new:
+        old_value = getattr(old, name)
+        if isinstance(value, BaseModel):
+            for sub, sub_value in value:
+                if sub_value != getattr(old_value, sub) and (
+                    name not in LIVE_FIELDS and f"{name}.{sub}" not in LIVE_FIELDS
+                ):
+                    changed.append(f"{name}.{sub}")
+        elif value != old_value and name not in LIVE_FIELDS:
+            changed.append(name)
+    return changed
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = name[len(ENV_PREFIX):].lower().split("__")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        if isinstance(value, (int, float)) and path[-1] in {"model_id", "model_dir", "host"}:
+            value = raw
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(merged.get(k), dict):
+            merged[k] = _merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def load_config(
+    path: Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ReplicaConfig:
+    """Build the config; raises ValueError naming the bad file, field or value."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"cannot read config file {path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping, got {type(loaded).__name__}")
+        data = loaded
+    data = _merge(data, _env_overrides(os.environ if environ is None else environ))
+    data = _merge(data, overrides or {})
+    try:
+        return ReplicaConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
+            for e in exc.errors()
+        )
+        raise ValueError(f"invalid replica config: {problems}") from exc

@@ -1,0 +1,81 @@
+"""A real replica on 127.0.0.1 (its own thread and event loop) over a tiny checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from aiohttp import web
+
+from kvfleet_runtime.model import ModelArgs, generate_checkpoint
+from kvfleet_runtime.server import Replica, build_replica, create_app, load_config
+
+TEST_CONFIG: dict[str, Any] = {
+    "model_id": "tiny",
+    "device": "cpu",
+    "config_poll_interval_s": 0.1,
+    "limits": {"max_prompt_tokens": 256, "max_tokens": 32, "max_body_bytes": 65536},
+    "engine": {"num_kv_blocks": 512, "max_batch_size": 16, "max_waiting": 512},
+    "cache": {"num_t0_blocks": 256, "num_t1_blocks": 512, "admit_min_sightings": 2},
+}
+
+
+@dataclass
+class RunningReplica:
+    replica: Replica
+    base_url: str
+    config_path: Path
+
+
+class ServerThread:
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="replica-under-test", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.runner = web.AppRunner(create_app(self.replica))
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = self.runner.addresses[0][1]
+        self._started.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.close()
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        assert self._started.wait(60), "replica did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-server") / "tiny"
+    generate_checkpoint(out, ModelArgs.from_preset("tiny"), seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def running(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningReplica]:
+    config_path = tmp_path_factory.mktemp("replica-config") / "replica.yaml"
+    config_path.write_text(yaml.safe_dump(TEST_CONFIG))
+    overrides = {"model_dir": str(model_dir)}
+    config = load_config(config_path, environ={}, overrides=overrides)
+    replica = build_replica(config, config_path=config_path, overrides=overrides)
+    with ServerThread(replica) as server:
+        yield RunningReplica(replica, f"http://127.0.0.1:{server.port}", config_path)

@@ -1,0 +1,207 @@
+"""The replica over HTTP: the openai client, bad input, cache control, probes, metrics, reload."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import openai
+import pytest
+import requests
+import yaml
+
+from .conftest import TEST_CONFIG, RunningReplica
+
+TENANT = {"X-Kvfleet-Tenant": "acme"}
+
+
+def client(running: RunningReplica, tenant: str = "acme") -> openai.OpenAI:
+    return openai.OpenAI(base_url=running.base_url + "/v1", api_key="unused", max_retries=0,
+                         default_headers={"X-Kvfleet-Tenant": tenant})
+
+
+def post(running: RunningReplica, body: Any, headers: dict[str, str] | None = None,
+         path: str = "/v1/completions") -> requests.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return requests.post(running.base_url + path, data=content, timeout=30,
+                      headers={"Content-Type": "application/json",
+                               **(TENANT if headers is None else headers)})
+
+
+def test_openai_client_token_ids_and_cached_tokens(running: RunningReplica) -> None:
+    c = client(running, tenant="openai-ids")
+    prompt = [(7 * i + 3) % 256 for i in range(70)]
+    results = [c.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+               for _ in range(3)]
+    cached = [r.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+              for r in results]
+    # Sighting 1: not admitted; sighting 2: stored; the third request hits 4 full blocks.
+    assert cached == [0, 0, 64]
+    texts = {r.choices[0].text for r in results}
+    assert len(texts) == 1 and results[0].usage.prompt_tokens == 70  # type: ignore[union-attr]
+    assert results[0].choices[0].finish_reason in ("length", "stop")
+
+
+def test_openai_client_text_prompt_and_seed(running: RunningReplica) -> None:
+    c = client(running)
+    a = c.completions.create(model="tiny", prompt="Hello, kvfleet!", max_tokens=8,
+                             temperature=0.9, seed=42)
+    b = c.completions.create(model="tiny", prompt="Hello, kvfleet!", max_tokens=8,
+                             temperature=0.9, seed=42)
+    assert a.choices[0].text == b.choices[0].text
+    assert a.usage is not None and a.usage.prompt_tokens == len("Hello, kvfleet!") + 1  # BOS
+
+
+def test_openai_client_streaming(running: RunningReplica) -> None:
+    c = client(running)
+    prompt = [(5 * i) % 256 for i in range(20)]
+    whole = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+    chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finals[-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 20
+
+
+def test_openai_client_sees_errors_as_errors(running: RunningReplica) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client(running).completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="out of range"):
+        client(running).completions.create(model="tiny", prompt=[1, 999], max_tokens=1)
+
+
+BIG = 70000
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "needle"),
+    [
+        ({"prompt": [1, 2]}, {}, 400, "X-Kvfleet-Tenant"),
+        ({"prompt": [1, 2]}, {"X-Kvfleet-Tenant": "bad tenant!"}, 400, "does not match"),
+        ({"prompt": [1, 2], "n": 2}, None, 400, "n: Extra inputs are not permitted"),
+        ({"prompt": [1, 2], "max_tokens": "4"}, None, 400,
+         "max_tokens: Input should be a valid integer"),
+        ({"prompt": [1, 2], "max_tokens": True}, None, 400, "max_tokens"),
+        ({"prompt": [1, 2], "temperature": "hot"}, None, 400, "temperature"),
+        ({"prompt": [1, 2], "temperature": 3.5}, None, 400, "temperature: Input should be less"),
+        ({"prompt": [1, 300]}, None, 400, "token id 300 is out of range [0, 259)"),
+        ({"prompt": [1, -1]}, None, 400, "prompt.1: Input should be greater than or equal to 0"),
+        ({"prompt": [1, 2.5]}, None, 400, "prompt.1"),
+        ({"prompt": []}, None, 400, "prompt: List should have at least 1 item"),
+        ({"prompt": ""}, None, 400, "prompt: String should have at least 1 character"),
+        ({"prompt": {"a": 1}}, None, 400, "prompt"),
+        ({}, None, 400, "prompt: Field required"),
+        ({"prompt": [*range(1, 256), 1, 2]}, None, 400, "prompt has 257 tokens; the limit is 256"),
+        ({"prompt": "x" * 300}, None, 400, "prompt has 300 characters"),
+        ({"prompt": [1], "max_tokens": 33}, None, 400, "max_tokens 33 exceeds the limit of 32"),
+        ({"prompt": [1], "max_tokens": 0}, None, 400, "max_tokens"),
+        ({"prompt": [1], "model": "other"}, None, 404, "model 'other' is not served here"),
+        ({"prompt": [1], "seed": -1}, None, 400, "seed"),
+        ({"prompt": [1], "stream": "yes"}, None, 400, "stream"),
+        (b"{not json", None, 400, "not valid JSON"),
+        (b"[1, 2]", None, 400, "must be a JSON object, got list"),
+        (json.dumps({"prompt": "y" * BIG}).encode(), None, 413, "exceeds the limit of 65536 bytes"),
+    ],
+)
+def test_bad_input_is_a_4xx_naming_the_problem_and_the_server_keeps_serving(
+    running: RunningReplica, body: Any, headers: dict[str, str] | None, status: int, needle: str
+) -> None:
+    resp = post(running, body, headers)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert needle in error["message"]
+    ok = post(running, {"prompt": [1, 2, 3], "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_unknown_route_and_method_are_json_errors(running: RunningReplica) -> None:
+    resp = requests.get(running.base_url + "/nope")
+    assert resp.status_code == 404 and "error" in resp.json()
+    resp = requests.get(running.base_url + "/v1/completions")
+    assert resp.status_code == 405 and "error" in resp.json()
+
+
+def test_cache_stats_and_invalidate(running: RunningReplica) -> None:
+    prompt = [(11 * i + 1) % 256 for i in range(40)]
+    for _ in range(3):
+        r = post(running, {"prompt": prompt, "max_tokens": 1}, {"X-Kvfleet-Tenant": "inv"})
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    stats = requests.get(running.base_url + "/cache/stats", params={"tenant": "inv"}).json()
+    assert stats["tenant"] == "inv" and stats["totals"]["num_hits"] >= 1
+    assert stats["totals"]["num_blocks"] >= 2
+    assert {t["tier"] for t in stats["tiers"]} == {"t0", "t1"}
+    stats_url = running.base_url + "/cache/stats"
+    assert requests.get(stats_url, params={"tenant": "a b"}).status_code == 400
+    assert requests.get(stats_url, params={"x": "1"}).status_code == 400
+
+    bad = post(running, {"model_version": "latest"}, {}, path="/cache/invalidate")
+    assert bad.status_code == 400 and "model_version" in bad.json()["error"]["message"]
+    digest = running.replica.loaded.weights_digest
+    resp = post(running, {"model_version": digest}, {}, path="/cache/invalidate")
+    assert resp.status_code == 202 and resp.json() == {"model_version": digest,
+                                                       "status": "accepted"}
+    deadline = time.monotonic() + 10
+    while True:
+        r = post(running, {"prompt": prompt, "max_tokens": 1}, {"X-Kvfleet-Tenant": "inv"})
+        if r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0:
+            break
+        assert time.monotonic() < deadline, "invalidate did not take effect"
+        time.sleep(0.05)
+
+
+def test_metrics_and_probes(running: RunningReplica) -> None:
+    post(running, {"prompt": [1, 2, 3], "max_tokens": 1})
+    text = requests.get(running.base_url + "/metrics").text
+    for name in ("kvfleet_replica_requests_total", "kvfleet_replica_time_to_first_token_seconds",
+                 "kvfleet_replica_cached_prompt_tokens_total", "kvfleet_cache_"):
+        assert name in text
+    assert requests.get(running.base_url + "/healthz").json() == {"status": "ok"}
+    ready = requests.get(running.base_url + "/readyz")
+    assert ready.status_code == 200 and ready.json()["weights_digest"].startswith("sha256:")
+    models = requests.get(running.base_url + "/v1/models").json()
+    assert models["data"][0]["id"] == "tiny"
+
+
+def test_openapi_document(running: RunningReplica) -> None:
+    doc = requests.get(running.base_url + "/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    assert {"/v1/completions", "/cache/stats", "/cache/invalidate", "/metrics", "/healthz",
+            "/readyz"} <= set(doc["paths"])
+    req = doc["components"]["schemas"]["CompletionRequest"]
+    assert req["additionalProperties"] is False
+    assert req["properties"]["max_tokens"]["maximum"] == 32
+
+
+def _rewrite_config(running: RunningReplica, text: str) -> None:
+    running.config_path.write_text(text)
+
+
+def _wait_for(predicate: Any, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_config_file_is_reloaded_on_change(running: RunningReplica) -> None:
+    replica = running.replica
+    try:
+        changed = json.loads(json.dumps(TEST_CONFIG))
+        changed["limits"]["max_tokens"] = 4
+        changed["engine"]["num_kv_blocks"] = 999  # needs a restart: reported, not applied
+        _rewrite_config(running, yaml.safe_dump(changed))
+        _wait_for(lambda: replica.config.limits.max_tokens == 4)
+        assert replica.restart_pending == ["engine.num_kv_blocks"]
+        resp = post(running, {"prompt": [1], "max_tokens": 5})
+        assert resp.status_code == 400 and "limit of 4" in resp.text
+
+        before = replica.reloads.labels("rejected")._value.get()  # type: ignore[union-attr]
+        _rewrite_config(running, "limits: {max_tokens: -3}\n")
+        _wait_for(lambda: replica.reloads.labels("rejected")._value.get() > before)  # type: ignore[union-attr]
+        assert replica.config.limits.max_tokens == 4  # the last good config stays
+    finally:
+        _rewrite_config(running, yaml.safe_dump(TEST_CONFIG))
+        _wait_for(lambda: replica.config.limits.max_tokens == 32)
