@@ -128,3 +128,24 @@ def test_policy_admission_rule() -> None:
                 "admission": {"minSightings": 4, "hotSightings": 3},
             }
         )
+
+
+@pytest.mark.parametrize(
+    ("path", "model"),
+    [
+        ("examples/kvcachepolicy.yaml", KVCachePolicySpec),
+        ("examples/modelrollout.yaml", ModelRolloutSpec),
+    ],
+)
+def test_examples_are_valid(path: str, model: type[KVCachePolicySpec | ModelRolloutSpec]) -> None:
+    doc = yaml.safe_load((ROOT / path).read_text(encoding="utf-8"))
+    assert doc["apiVersion"] == "kvfleet.dev/v1alpha1"
+    model.model_validate(doc["spec"])
+
+
+def test_cluster_role_is_generated_and_grants_no_secrets() -> None:
+    role = yaml.safe_load(render_all()["operator/rbac/clusterrole.yaml"])
+    resources = {r for rule in role["rules"] for r in rule["resources"]}
+    assert "secrets" not in resources and "*" not in resources
+    verbs = {v for rule in role["rules"] for v in rule["verbs"]}
+    assert "*" not in verbs and "escalate" not in verbs

@@ -1,0 +1,679 @@
+"""The operator against the real control plane (tests/cluster): CRDs, RBAC, policies, rollouts.
+
+The operator runs as a subprocess (`kvfleet-operator run`) authenticated as its own ServiceAccount,
+bound to the generated ClusterRole (operator/rbac/clusterrole.yaml) and nothing else; its log must
+not contain a single 403. CRs are applied with kubectl; bad ones must be refused by the API server
+with the field path. Rollouts are gated on a real Prometheus (see promstub.py for what it scrapes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfleet_operator.constants import WEIGHTS_DIGEST_ANNOTATION
+from kvfleet_runtime.fleetconfig import parse_fleet_config
+from tests.cluster.fixtures import Cluster, CommandError, Identity
+from tests.operator.promstub import CacheMetricsServer, Profiles, Prometheus
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+OLD = "sha256:" + "a" * 64
+NEW = "sha256:" + "b" * 64
+WAIT_S = 90.0
+CRDS = ("kvcachepolicies.kvfleet.dev", "modelrollouts.kvfleet.dev", "clusterkopfpeerings.kopf.dev")
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (CommandError, KeyError, TypeError, IndexError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not true after {timeout_s:.0f} s (last: {last!r})")
+
+
+def get(cluster: Cluster, ns: str, *what: str) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(cluster.kubectl("get", "-n", ns, *what, "-o", "json").stdout)
+    return out
+
+
+def apply(cluster: Cluster, ns: str, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", ns, "-f", "-", stdin=json.dumps(obj))
+
+
+def replica_deployment(name: str, replicas: int, digest: str = OLD) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "strategy": {"rollingUpdate": {"maxSurge": "100%", "maxUnavailable": 0}},
+            "template": {
+                "metadata": {
+                    "labels": {"app": name},
+                    "annotations": {WEIGHTS_DIGEST_ANNOTATION: digest},
+                },
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "replica",
+                            "image": "registry.invalid/kvfleet:1",
+                            "env": [{"name": "KVFLEET_WEIGHTS_DIGEST", "value": digest}],
+                        }
+                    ]
+                },
+            },
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures: CRDs + ClusterRole, the operator's identity, the operator process
+
+
+@pytest.fixture(scope="module")
+def installed(k8s_cluster: Cluster) -> Cluster:
+    k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    for crd in CRDS:
+        k8s_cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    k8s_cluster.kubectl("apply", "-f", str(ROOT / "operator" / "rbac" / "clusterrole.yaml"))
+    return k8s_cluster
+
+
+@pytest.fixture(scope="module")
+def operator_identity(installed: Cluster) -> Iterator[Identity]:
+    ns = installed.create_namespace("kvfleet-system")
+    identity = installed.mint_identity(ns, "kvfleet-operator")
+    binding = f"kvfleet-operator-{ns}"
+    installed.kubectl(
+        "create",
+        "clusterrolebinding",
+        binding,
+        "--clusterrole=kvfleet-operator",
+        f"--serviceaccount={ns}:kvfleet-operator",
+    )
+    yield identity
+    installed.kubectl("delete", "clusterrolebinding", binding, "--ignore-not-found")
+    installed.delete_namespace(ns)
+
+
+@dataclass
+class OperatorProcess:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def start_operator(identity: Identity, log_path: Path, priority: int) -> OperatorProcess:
+    env = dict(os.environ)
+    env.update(
+        KUBECONFIG=str(identity.kubeconfig),
+        KVFLEET_OPERATOR_ROLLOUT_INTERVAL_S="1",
+        KVFLEET_OPERATOR_POLICY_INTERVAL_S="2",
+    )
+    script = Path(sys.executable).with_name("kvfleet-operator")
+    log = log_path.open("ab")
+    proc = subprocess.Popen(
+        [str(script), "run", "--priority", str(priority), "--verbose"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=ROOT,
+    )
+    op = OperatorProcess(proc, log_path)
+    wait_for(
+        lambda: "'configure' succeeded" in op.log() or proc.poll() is not None,
+        "operator startup",
+        60,
+    )
+    assert proc.poll() is None, op.log()[-3000:]
+    return op
+
+
+@pytest.fixture(scope="module")
+def operator_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("operator")
+
+
+@pytest.fixture(scope="module")
+def operator(operator_identity: Identity, operator_logs: Path) -> Iterator[OperatorProcess]:
+    op = start_operator(operator_identity, operator_logs / "operator.log", priority=100)
+    yield op
+    op.stop()
+
+
+def assert_no_forbidden(log: str) -> None:
+    bad = [line for line in log.splitlines() if "403" in line or "Forbidden" in line]
+    assert not bad, "\n".join(bad[:20])
+
+
+# ---------------------------------------------------------------------------------------------
+# schema: bad CRs are refused with the field path
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "message"),
+    [
+        (
+            "KVCachePolicy",
+            {"selector": {"matchLabels": {"a": "b"}}, "affinity": {"k": 0}},
+            "spec.affinity.k",
+        ),
+        (
+            "KVCachePolicy",
+            {
+                "selector": {"matchLabels": {"a": "b"}},
+                "admission": {"minSightings": 5, "hotSightings": 3},
+            },
+            "spec.admission.hotSightings: Invalid value",
+        ),
+        (
+            "KVCachePolicy",
+            {
+                "selector": {"matchLabels": {"a": "b"}},
+                "tiers": {"nvme": {"mode": "Disabled", "measuredBandwidthGBps": 6}},
+            },
+            "spec.tiers.nvme.measuredBandwidthGBps",
+        ),
+        (
+            "KVCachePolicy",
+            {"selector": {"matchLabels": {"a": "b"}}, "fleet": "Streaming"},
+            'spec.fleet: Unsupported value: "Streaming"',
+        ),
+        ("KVCachePolicy", {"affinity": {"k": 3}}, "spec.selector: Required value"),
+        (
+            "ModelRollout",
+            {"targetRef": {"name": "llm"}, "weightsDigest": "latest"},
+            "spec.weightsDigest",
+        ),
+        (
+            "ModelRollout",
+            {"targetRef": {"name": "llm"}, "weightsDigest": NEW, "steps": [{"percent": 10}]},
+            "the last step must be percent: 100",
+        ),
+        (
+            "ModelRollout",
+            {
+                "targetRef": {"name": "llm"},
+                "weightsDigest": NEW,
+                "steps": [{"replicas": 1, "percent": 5}, {"percent": 100}],
+            },
+            "spec.steps[0]",
+        ),
+        (
+            "ModelRollout",
+            {"targetRef": {"name": "llm"}, "weightsDigest": NEW, "surge": {"mode": "Computed"}},
+            "spec.surge.replicaPrefillTokensPerSecond",
+        ),
+        (
+            "ModelRollout",
+            {"targetRef": {"name": "llm"}, "weightsDigest": NEW, "gate": {"recoveryPercent": 150}},
+            "spec.gate.recoveryPercent",
+        ),
+    ],
+)
+def test_bad_resources_are_refused_with_the_field_path(
+    installed: Cluster, k8s_namespace: str, kind: str, spec: dict[str, Any], message: str
+) -> None:
+    obj = {
+        "apiVersion": "kvfleet.dev/v1alpha1",
+        "kind": kind,
+        "metadata": {"name": "bad"},
+        "spec": spec,
+    }
+    with pytest.raises(CommandError) as info:
+        apply(installed, k8s_namespace, obj)
+    assert message in info.value.stderr
+
+
+def test_rollout_identity_fields_are_immutable(installed: Cluster, k8s_namespace: str) -> None:
+    obj = {
+        "apiVersion": "kvfleet.dev/v1alpha1",
+        "kind": "ModelRollout",
+        "metadata": {"name": "r"},
+        "spec": {"targetRef": {"name": "nothing-here"}, "weightsDigest": NEW},
+    }
+    apply(installed, k8s_namespace, obj)
+    got = get(installed, k8s_namespace, "modelrollout", "r")
+    assert got["spec"]["gate"]["windowSeconds"] == 1800  # defaults applied by the API server
+    assert len(got["spec"]["steps"]) == 4
+    obj["spec"]["weightsDigest"] = OLD
+    with pytest.raises(CommandError) as info:
+        apply(installed, k8s_namespace, obj)
+    assert "spec.weightsDigest: Invalid value" in info.value.stderr
+    assert "weightsDigest is immutable" in info.value.stderr
+    installed.kubectl(
+        "patch", "-n", k8s_namespace, "mro", "r", "--type=merge", "-p", '{"spec": {"abort": true}}'
+    )
+    with pytest.raises(CommandError, match="abort cannot be undone"):
+        installed.kubectl(
+            "patch",
+            "-n",
+            k8s_namespace,
+            "mro",
+            "r",
+            "--type=merge",
+            "-p",
+            '{"spec": {"abort": false}}',
+        )
+
+
+def test_the_operator_identity_has_exactly_the_cluster_role(
+    operator_identity: Identity, installed: Cluster
+) -> None:
+    def can(*args: str) -> bool:
+        out = operator_identity.kubectl("auth", "can-i", *args, check=False).stdout.strip()
+        return out == "yes"
+
+    assert can("patch", "modelrollouts.kvfleet.dev/status", "-A")
+    assert can("create", "deployments.apps", "-A")
+    assert can("list", "pods", "-A")
+    assert not can("delete", "pods", "-A")
+    assert not can("get", "secrets", "-A")
+    assert not can("delete", "configmaps", "-A")
+    assert not can("create", "clusterrolebindings")
+
+
+# ---------------------------------------------------------------------------------------------
+# KVCachePolicy
+
+
+def policy(name: str, **spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "selector": {"matchLabels": {"app": "llm"}},
+        "tenants": [f"tenant-{i}" for i in range(50)],
+        "platformPrefixes": ["sys-preamble-v1"],
+    }
+    return {
+        "apiVersion": "kvfleet.dev/v1alpha1",
+        "kind": "KVCachePolicy",
+        "metadata": {"name": name},
+        "spec": base | spec,
+    }
+
+
+def test_policy_publishes_tiers_and_home_sets(
+    installed: Cluster, operator: OperatorProcess, k8s_namespace: str
+) -> None:
+    ns = k8s_namespace
+    apply(installed, ns, replica_deployment("llm", 3))
+    installed.kubectl("rollout", "status", "-n", ns, "deployment/llm", "--timeout=90s")
+    started = time.monotonic()
+    apply(installed, ns, policy("kv"))
+
+    def status() -> dict[str, Any]:
+        return get(installed, ns, "kvcachepolicy", "kv").get("status") or {}
+
+    wait_for(lambda: status().get("homeSets", {}).get("numReplicas") == 3, "home sets over 3 pods")
+    first_status_s = time.monotonic() - started
+    st = status()
+    assert st["observedGeneration"] == 1
+    assert st["tiersSummary"] == "device,host,peer"
+    nvme = next(t for t in st["tiers"] if t["tier"] == "nvme")
+    assert nvme["enabled"] is False
+    assert nvme["reason"].startswith("break-even 9.26 GB/s vs nvme-gen4 profile 7 GB/s: off")
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True"
+
+    cm = get(installed, ns, "configmap", "kv-fleet")
+    config = parse_fleet_config(cm["data"]["fleet.yaml"])
+    pods = get(installed, ns, "pods", "-l", "app=llm")["items"]
+    assert {r.name for r in config.replicas} == {p["metadata"]["name"] for p in pods}
+    assert all(r.weights_digest == OLD for r in config.replicas)
+    assert len(config.home_sets) == 50 and all(len(h) == 3 for h in config.home_sets.values())
+    assert config.tiers.nvme is False and config.tiers.nvme_shadow is True
+    assert config.policy == f"{ns}/kv" and config.platform_prefixes == ("sys-preamble-v1",)
+    assert cm["metadata"]["ownerReferences"][0]["kind"] == "KVCachePolicy"
+
+    # Level-triggered and idempotent: timer ticks on an unchanged world write nothing.
+    versions = (
+        cm["metadata"]["resourceVersion"],
+        get(installed, ns, "kvcachepolicy", "kv")["metadata"]["resourceVersion"],
+    )
+    time.sleep(6)
+    assert versions == (
+        get(installed, ns, "configmap", "kv-fleet")["metadata"]["resourceVersion"],
+        get(installed, ns, "kvcachepolicy", "kv")["metadata"]["resourceVersion"],
+    )
+
+    # A replica joins: the home sets follow.
+    installed.kubectl("scale", "-n", ns, "deployment/llm", "--replicas=4")
+    wait_for(lambda: status()["homeSets"]["numReplicas"] == 4, "home sets over 4 pods")
+    config = parse_fleet_config(get(installed, ns, "configmap", "kv-fleet")["data"]["fleet.yaml"])
+    assert len(config.replicas) == 4
+
+    # A measured NVMe bandwidth above the break-even turns the tier on (R6).
+    installed.kubectl(
+        "patch",
+        "-n",
+        ns,
+        "kvcp",
+        "kv",
+        "--type=merge",
+        "-p",
+        '{"spec": {"tiers": {"nvme": {"measuredBandwidthGBps": 12}}}}',
+    )
+    wait_for(lambda: status()["observedGeneration"] == 2, "generation 2 observed")
+    nvme = next(t for t in status()["tiers"] if t["tier"] == "nvme")
+    assert nvme["enabled"] is True
+    assert nvme["reason"] == "break-even 9.26 GB/s vs measured 12 GB/s: on"
+    config = parse_fleet_config(get(installed, ns, "configmap", "kv-fleet")["data"]["fleet.yaml"])
+    assert config.tiers.nvme is True and config.generation == 2
+    (operator.log_path.parent / "reconcile_to_status_s.txt").write_text(f"{first_status_s:.3f}\n")
+
+
+def test_invalid_policy_reports_a_condition(
+    installed: Cluster, operator: OperatorProcess, k8s_namespace: str
+) -> None:
+    apply(installed, k8s_namespace, policy("tp3", model={"tpDegree": 3}))
+
+    def condition() -> dict[str, Any] | None:
+        st = get(installed, k8s_namespace, "kvcp", "tp3").get("status") or {}
+        return next((c for c in st.get("conditions", []) if c["type"] == "Ready"), None)
+
+    cond = wait_for(condition, "Ready condition")
+    assert (cond["status"], cond["reason"]) == ("False", "InvalidSpec")
+    assert "TP degree 3 does not divide the 8 KV heads" in cond["message"]
+
+
+def test_a_second_operator_waits_for_the_first(
+    operator_identity: Identity, operator_logs: Path, operator: OperatorProcess
+) -> None:
+    """Peering: two replicas of the operator never act at once; the lower priority one pauses."""
+    if operator.proc.poll() is not None:
+        pytest.skip("the module's operator was replaced by the restart test")
+    second = start_operator(operator_identity, operator_logs / "operator-low.log", 1)
+    try:
+        wait_for(
+            lambda: "Pausing operations in favour of" in second.log(),
+            "the lower-priority operator pauses",
+            60,
+        )
+    finally:
+        second.stop()
+    assert_no_forbidden(second.log())
+
+
+# ---------------------------------------------------------------------------------------------
+# ModelRollout gated on a real Prometheus
+
+
+@pytest.fixture(scope="module")
+def prometheus(
+    installed: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Prometheus, Profiles]]:
+    profiles = Profiles(ramp_s=6.0)
+    metrics = CacheMetricsServer(profiles)
+    prom = Prometheus(tmp_path_factory.mktemp("prometheus"))
+    stop = threading.Event()
+
+    def follow_pods() -> None:
+        # What kubernetes_sd would do: every test pod becomes a target with namespace/pod labels.
+        while not stop.is_set():
+            try:
+                pods = json.loads(
+                    installed.kubectl(
+                        "get", "pods", "-A", "-l", "app=llm", "-o", "json", timeout_s=10
+                    ).stdout
+                )["items"]
+                targets = [
+                    (p["metadata"]["namespace"], p["metadata"]["name"])
+                    for p in pods
+                    if p.get("status", {}).get("phase") == "Running"
+                ]
+                prom.write_targets(metrics.port, targets)
+            except (CommandError, ValueError):
+                pass
+            stop.wait(1.0)
+
+    thread = threading.Thread(target=follow_pods, daemon=True)
+    thread.start()
+    yield prom, profiles
+    stop.set()
+    thread.join(5)
+    prom.close()
+    metrics.close()
+
+
+HIT_RATE_QUERY = (
+    'sum(rate(kvfleet_cache_matched_tokens_total{namespace="${namespace}",pod=~"${pod_regex}"}'
+    '[8s])) / sum(rate(kvfleet_cache_lookup_tokens_total{namespace="${namespace}",'
+    'pod=~"${pod_regex}"}[8s]))'
+)
+
+
+def rollout(name: str, prom_url: str, **spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "targetRef": {"name": "llm"},
+        "weightsDigest": NEW,
+        "gate": {
+            "recoveryPercent": 90,
+            "windowSeconds": 60,
+            "holdSeconds": 3,
+            "readyTimeoutSeconds": 90,
+            "checkIntervalSeconds": 1,
+        },
+        "surge": {"mode": "Fixed", "replicas": 1},
+        "metrics": {
+            "prometheus": {"url": prom_url, "hitRateQuery": HIT_RATE_QUERY},
+            "cacheStats": {"enabled": False},
+        },
+    }
+    return {
+        "apiVersion": "kvfleet.dev/v1alpha1",
+        "kind": "ModelRollout",
+        "metadata": {"name": name},
+        "spec": base | spec,
+    }
+
+
+def events(cluster: Cluster, ns: str, name: str) -> list[str]:
+    items = get(
+        cluster,
+        ns,
+        "events",
+        "--field-selector",
+        f"involvedObject.name={name},involvedObject.kind=ModelRollout",
+    )["items"]
+    items.sort(
+        key=lambda e: (
+            e.get("lastTimestamp") or e.get("eventTime") or "",
+            e["metadata"]["creationTimestamp"],
+        )
+    )
+    return [e["reason"] for e in items]
+
+
+def test_rollout_that_recovers_is_promoted_step_by_step_across_an_operator_kill(
+    installed: Cluster,
+    operator: OperatorProcess,
+    operator_identity: Identity,
+    operator_logs: Path,
+    prometheus: tuple[Prometheus, Profiles],
+    k8s_namespace: str,
+) -> None:
+    prom, profiles = prometheus
+    ns = k8s_namespace
+    profiles.canary[ns] = "ramp"
+    apply(installed, ns, replica_deployment("llm", 4))
+    installed.kubectl("rollout", "status", "-n", ns, "deployment/llm", "--timeout=90s")
+    wait_for(
+        lambda: prom.query(f'kvfleet_cache_lookup_tokens_total{{namespace="{ns}"}}'),
+        "prometheus scrapes the stable pods",
+    )
+    apply(installed, ns, rollout("roll", prom.url))
+
+    def status() -> dict[str, Any]:
+        return get(installed, ns, "mro", "roll").get("status") or {}
+
+    wait_for(lambda: status().get("currentStep") == 2, "step 2 started", 120)
+    # Kill the operator without warning in the middle of the rollout, start a fresh one.
+    operator.stop(signal.SIGKILL)
+    replacement = start_operator(operator_identity, operator_logs / "operator-2.log", 100)
+    try:
+        wait_for(lambda: status().get("phase") == "Succeeded", "rollout succeeded", 300)
+    finally:
+        replacement.stop()
+        assert_no_forbidden(replacement.log())
+    st = status()
+    assert [s["index"] for s in st["steps"]] == [0, 1, 2, 3]
+    assert [s["result"] for s in st["steps"]] == ["Passed"] * 4
+    assert [
+        (s["canaryReplicas"], s["stableReplicas"], s["surgeReplicas"]) for s in st["steps"]
+    ] == [(1, 3, 1), (1, 3, 1), (2, 2, 1), (4, 0, 1)]
+    for s in st["steps"]:
+        assert s["observedHitRate"] >= s["targetHitRate"] > 0.4
+    started = [h["step"] for h in st["history"] if h["reason"] == "StepStarted"]
+    assert started == [1, 2, 3, 4]  # nothing skipped, nothing repeated across the kill
+    assert st["metricSource"] == "prometheus"
+    target = get(installed, ns, "deployment", "llm")
+    tpl = target["spec"]["template"]
+    assert tpl["metadata"]["annotations"][WEIGHTS_DIGEST_ANNOTATION] == NEW
+    assert target["spec"]["replicas"] == 4
+    wait_for(
+        lambda: (
+            installed.kubectl("get", "-n", ns, "deployment", "llm-canary", check=False).returncode
+            != 0
+        ),
+        "canary deleted",
+    )
+    reasons = events(installed, ns, "roll")
+    for reason in (
+        "StepStarted",
+        "CanaryReady",
+        "StepPassed",
+        "Promoting",
+        "TargetReady",
+        "Succeeded",
+    ):
+        assert reason in reasons
+
+
+def test_rollout_that_never_recovers_is_rolled_back(
+    installed: Cluster,
+    operator_identity: Identity,
+    operator_logs: Path,
+    prometheus: tuple[Prometheus, Profiles],
+    k8s_namespace: str,
+) -> None:
+    prom, profiles = prometheus
+    ns = k8s_namespace
+    profiles.canary[ns] = "broken"
+    op = start_operator(operator_identity, operator_logs / "operator-3.log", 100)
+    try:
+        apply(installed, ns, replica_deployment("llm", 4))
+        installed.kubectl("rollout", "status", "-n", ns, "deployment/llm", "--timeout=90s")
+        wait_for(
+            lambda: prom.query(f'kvfleet_cache_lookup_tokens_total{{namespace="{ns}"}}'),
+            "prometheus scrapes the stable pods",
+        )
+        spec = rollout("bad", prom.url)
+        spec["spec"]["gate"]["windowSeconds"] = 20
+        apply(installed, ns, spec)
+
+        def status() -> dict[str, Any]:
+            return get(installed, ns, "mro", "bad").get("status") or {}
+
+        wait_for(lambda: status().get("phase") == "RolledBack", "rolled back", 180)
+        st = status()
+        assert st["reason"] == "HitRateNotRecovered"
+        assert "a cache-key field probably changed" in st["message"]
+        assert st["steps"][0]["result"] == "TimedOut"
+        assert st["steps"][0]["observedHitRate"] < 0.2
+        assert st["previous"] == {
+            "weightsDigest": OLD,
+            "image": "registry.invalid/kvfleet:1",
+            "replicas": 4,
+        }
+        target = get(installed, ns, "deployment", "llm")
+        assert target["spec"]["replicas"] == 4
+        tpl = target["spec"]["template"]
+        assert tpl["metadata"]["annotations"][WEIGHTS_DIGEST_ANNOTATION] == OLD
+        wait_for(
+            lambda: (
+                installed.kubectl(
+                    "get", "-n", ns, "deployment", "llm-canary", check=False
+                ).returncode
+                != 0
+            ),
+            "canary deleted",
+        )
+        reasons = events(installed, ns, "bad")
+        assert "HitRateNotRecovered" in reasons and "RolledBack" in reasons
+        ready = next(c for c in st["conditions"] if c["type"] == "Degraded")
+        assert ready["status"] == "True"
+    finally:
+        op.stop()
+    assert_no_forbidden(op.log())
+
+
+def test_pause_and_abort_through_the_spec(
+    installed: Cluster,
+    operator_identity: Identity,
+    operator_logs: Path,
+    prometheus: tuple[Prometheus, Profiles],
+    k8s_namespace: str,
+) -> None:
+    prom, profiles = prometheus
+    ns = k8s_namespace
+    profiles.canary[ns] = "broken"
+    op = start_operator(operator_identity, operator_logs / "operator-4.log", 100)
+    try:
+        apply(installed, ns, replica_deployment("llm", 2))
+        installed.kubectl("rollout", "status", "-n", ns, "deployment/llm", "--timeout=90s")
+        apply(installed, ns, rollout("p", prom.url))
+
+        def status() -> dict[str, Any]:
+            return get(installed, ns, "mro", "p").get("status") or {}
+
+        wait_for(lambda: status().get("stepState") == "Gating", "gating")
+        installed.kubectl(
+            "patch", "-n", ns, "mro", "p", "--type=merge", "-p", '{"spec": {"paused": true}}'
+        )
+        wait_for(lambda: status().get("phase") == "Paused", "paused")
+        installed.kubectl(
+            "patch", "-n", ns, "mro", "p", "--type=merge", "-p", '{"spec": {"abort": true}}'
+        )
+        wait_for(lambda: status().get("phase") == "RolledBack", "aborted", 120)
+        assert status()["reason"] == "Aborted"
+        assert get(installed, ns, "deployment", "llm")["spec"]["replicas"] == 2
+    finally:
+        op.stop()
+    assert_no_forbidden(op.log())
+
+
+def test_operator_log_has_no_forbidden(operator: OperatorProcess, operator_logs: Path) -> None:
+    for path in sorted(operator_logs.glob("operator*.log")):
+        assert_no_forbidden(path.read_text(encoding="utf-8", errors="replace"))
