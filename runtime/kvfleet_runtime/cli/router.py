@@ -1,0 +1,92 @@
+"""`kvfleet router`: the fleet's OpenAI-compatible front door."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvfleet_runtime.cli._app import app, fail
+
+__all__ = ["router"]
+
+
+def _parse_replicas(items: list[str]) -> dict[str, str]:
+    replicas: dict[str, str] = {}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            fail(f"--replica expects NAME=http://host:port, got {item!r}")
+        if name in replicas:
+            fail(f"--replica {name!r} given twice")
+        replicas[name] = url
+    return replicas
+
+
+@app.command()
+def router(
+    keys: Annotated[
+        Path, typer.Option(help="API keys file (YAML: tenants: tenant -> list of keys).")
+    ],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8080,
+    fleet_config: Annotated[
+        Path | None, typer.Option(help="The operator's fleet config file (watched).")
+    ] = None,
+    replica: Annotated[
+        list[str] | None,
+        typer.Option(help="NAME=URL of a replica; used when no fleet config lists replicas."),
+    ] = None,
+    redis_url: Annotated[
+        str | None, typer.Option(help="Hint index for the cache-aware override (redis://...).")
+    ] = None,
+    k: Annotated[int, typer.Option(help="Home replicas per tenant (config overrides).")] = 3,
+    occupancy_threshold: Annotated[
+        float, typer.Option(help="Spill when every home's KV occupancy is at or above this.")
+    ] = 0.85,
+    recompute_s_per_token: Annotated[
+        float | None,
+        typer.Option(help="Prefill seconds per token; enables the cache-aware override."),
+    ] = None,
+    poll_interval_s: Annotated[float, typer.Option(help="Replica load poll period.")] = 0.5,
+    log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
+) -> None:
+    """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware)."""
+    from aiohttp import web
+
+    from kvfleet_runtime.fleet.index import RedisHintIndex
+    from kvfleet_runtime.router import FleetView, RouterState, create_router_app
+    from kvfleet_runtime.routing import load_api_keys
+
+    if not 1 <= k <= 16:
+        fail(f"--k must be in [1, 16], got {k}")
+    if not 0 < occupancy_threshold <= 1:
+        fail(f"--occupancy-threshold must be in (0, 1], got {occupancy_threshold}")
+    if poll_interval_s <= 0:
+        fail(f"--poll-interval-s must be > 0, got {poll_interval_s}")
+    if recompute_s_per_token is not None and recompute_s_per_token <= 0:
+        fail(f"--recompute-s-per-token must be > 0, got {recompute_s_per_token}")
+    replicas = _parse_replicas(replica or [])
+    if fleet_config is None and not replicas:
+        fail("give --fleet-config or at least one --replica NAME=URL")
+    try:
+        api_keys = load_api_keys(keys)
+    except ValueError as exc:
+        fail(str(exc))
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    view = FleetView(
+        static_replicas=replicas,
+        config_path=fleet_config,
+        k=k,
+        occupancy_threshold=occupancy_threshold,
+        recompute_s_per_token=recompute_s_per_token,
+    )
+    state = RouterState(
+        view=view,
+        keys=api_keys,
+        index=RedisHintIndex.from_url(redis_url) if redis_url else None,
+        poll_interval_s=poll_interval_s,
+    )
+    web.run_app(create_router_app(state), host=host, port=port, print=None)

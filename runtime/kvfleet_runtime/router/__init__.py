@@ -1,0 +1,20 @@
+"""The router: API keys -> tenants, tenant-affinity + cache-aware replica choice, streaming proxy.
+
+Pure decisions live in `kvfleet_runtime.routing`; this package is the aiohttp shell around them
+(fleet view, load polling, config watching, proxying, metrics). It never imports torch.
+"""
+
+from __future__ import annotations
+
+from kvfleet_runtime.router._app import RouterState, create_router_app, prompt_token_ids
+from kvfleet_runtime.router._view import LOAD_PATH, FleetView, LoadReport, parse_load_report
+
+__all__ = [
+    "LOAD_PATH",
+    "FleetView",
+    "LoadReport",
+    "RouterState",
+    "create_router_app",
+    "parse_load_report",
+    "prompt_token_ids",
+]

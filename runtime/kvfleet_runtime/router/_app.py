@@ -1,0 +1,371 @@
+"""The router: the fleet's OpenAI-compatible front door (aiohttp).
+
+    POST /v1/completions   authenticated by `Authorization: Bearer <API key>`; proxied (SSE too)
+    GET  /v1/models        proxied to a ready replica
+    GET  /metrics          Prometheus: decisions by reason, spill_rate, overhead, upstream errors
+    GET  /healthz          the event loop answers
+    GET  /readyz           keys loaded and at least one replica ready
+
+Per request: API key -> tenant (a client-sent `X-Kvfleet-Tenant` is discarded and replaced, and
+the API key is not forwarded), then the pure decision (`kvfleet_runtime.routing.choose_replica`)
+over the fleet view, then the proxy. The cache-aware override needs each replica's matched tokens
+for this prompt; the router computes the prompt's chained block hashes itself (the key fields and
+tokenizer come from the replicas' load reports, so they cannot drift from what replicas hash) and
+asks the hint index for the leading run per host, in one round trip under a ~1 ms budget. No
+index, no key yet, or a failed lookup: the override is simply off for that request.
+
+A replica that cannot be reached, or answers 503 before any byte was sent to the client, is
+skipped and the request is decided again without it (at most `max_attempts` replicas).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from kvfleet_runtime.cache import BLOCK_SIZE, block_hashes
+from kvfleet_runtime.fleet.index import HintIndex
+from kvfleet_runtime.router._view import FleetView
+from kvfleet_runtime.routing import ApiKeyMap, RouteDecision, choose_replica
+
+__all__ = ["RouterState", "create_router_app", "prompt_token_ids"]
+
+log = logging.getLogger(__name__)
+
+TENANT_HEADER = "X-Kvfleet-Tenant"
+_BOS_ID = 256
+"""The replicas' byte tokenizer (`kvfleet_runtime.model.tokenizer`, tokenizer "byte-v1"):
+ids 0-255 are UTF-8 bytes, 256 is BOS. Mirrored here because the model package imports torch;
+a test pins the two together. An unknown tokenizer only turns the override off."""
+_FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
+_MAX_BODY_BYTES = 64 << 20
+
+
+def prompt_token_ids(prompt: Any, tokenizer: str) -> list[int] | None:
+    """The token ids the replica will see for `prompt`, when the router can know them."""
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, str) and tokenizer == "byte-v1":
+        return [_BOS_ID, *prompt.encode("utf-8")]
+    return None
+
+
+@dataclass
+class RouterState:
+    view: FleetView
+    keys: ApiKeyMap
+    index: HintIndex | None = None
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    max_hint_blocks: int = 512
+    max_attempts: int = 3
+    upstream_connect_timeout_s: float = 1.0
+    upstream_timeout_s: float = 600.0
+    spill_window: int = 1000
+    poll_interval_s: float = 0.5
+    config_poll_s: float = 1.0
+    session: aiohttp.ClientSession | None = None
+    _recent: deque[bool] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.m_decisions = Counter(
+            "kvfleet_router_decisions", "Routing decisions by reason.", ["reason"], registry=r
+        )
+        self.m_requests = Counter(
+            "kvfleet_router_requests",
+            "Proxied requests by replica and outcome.",
+            ["replica", "outcome"],
+            registry=r,
+        )
+        self.m_spill_rate = Gauge(
+            "kvfleet_router_spill_rate",
+            "Share of the last decisions that spilled off the tenant's homes.",
+            registry=r,
+        )
+        self.m_overhead = Histogram(
+            "kvfleet_router_overhead_seconds",
+            "Time from request arrival to the upstream request being sent (auth, parse, hint "
+            "lookup, decision).",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1),
+            registry=r,
+        )
+        self.m_hint_errors = Counter(
+            "kvfleet_router_hint_lookup_failures",
+            "Hint lookups that did not answer (override off).",
+            registry=r,
+        )
+        self.m_unauthorized = Counter(
+            "kvfleet_router_unauthorized",
+            "Requests refused for a missing or unknown API key.",
+            registry=r,
+        )
+
+    def record(self, decision: RouteDecision) -> None:
+        self.m_decisions.labels(decision.reason).inc()
+        self._recent.append(decision.reason == "spill")
+        if len(self._recent) > self.spill_window:
+            self._recent.popleft()
+        self.m_spill_rate.set(sum(self._recent) / len(self._recent))
+
+    @property
+    def spill_rate(self) -> float:
+        return sum(self._recent) / len(self._recent) if self._recent else 0.0
+
+
+def _error(
+    status: int, message: str, code: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.json_response(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error" if status < 500 else "server_error",
+                "param": None,
+                "code": code,
+            }
+        },
+        status=status,
+        headers=headers,
+    )
+
+
+async def _matched_tokens(state: RouterState, tenant: str, prompt: Any) -> dict[str, int]:
+    """Hinted prefix tokens per replica for this prompt; {} when unknown."""
+    view = state.view
+    if state.index is None or view.recompute_cost is None or not view.t2_enabled:
+        return {}
+    # Replicas of one fleet share one key template; take it from any ready reporter.
+    report = next(
+        (
+            r.report
+            for r in view.replicas.values()
+            if r.report is not None and r.report.ready and r.report.cache_key
+        ),
+        None,
+    )
+    if report is None:
+        return {}
+    key = report.key(tenant)
+    token_ids = prompt_token_ids(prompt, report.tokenizer)
+    if key is None or token_ids is None or len(token_ids) < BLOCK_SIZE:
+        return {}
+    token_ids = token_ids[: state.max_hint_blocks * BLOCK_SIZE]
+    try:
+        hashes = block_hashes(key, token_ids)
+    except ValueError:
+        return {}
+    runs = await state.index.lookup_runs(hashes)
+    if not runs and getattr(state.index, "available", True) is False:
+        state.m_hint_errors.inc()
+    return {host: n * BLOCK_SIZE for host, n in runs.items() if host in view.replicas}
+
+
+def _decide(
+    state: RouterState, tenant: str, matched: dict[str, int], exclude: set[str]
+) -> RouteDecision | None:
+    view = state.view
+    loads = [load for load in view.loads() if load.name not in exclude]
+    home_set = view.home_set(tenant)
+    return choose_replica(
+        tenant,
+        loads,
+        k=view.affinity_k,
+        occupancy_threshold=view.threshold,
+        home_set=home_set,
+        matched_tokens={r: n for r, n in matched.items() if r not in exclude},
+        recompute_s_per_token=view.recompute_cost,
+    )
+
+
+def create_router_app(state: RouterState) -> web.Application:
+    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        tenant = state.keys.tenant_for_authorization(request.headers.get("Authorization"))
+        if tenant is None:
+            state.m_unauthorized.inc()
+            return _error(
+                401,
+                "missing or unknown API key (Authorization: Bearer <key>)",
+                "invalid_api_key",
+                {"WWW-Authenticate": "Bearer"},
+            )
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return _error(400, f"request body is not valid JSON: {exc}", "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_body")
+        prompt = body.get("prompt")
+        matched = await _matched_tokens(state, tenant, prompt)
+        prompt_tokens = len(prompt) if isinstance(prompt, (str, list)) else 0
+        return await _proxy(
+            request, "/v1/completions", raw, tenant, matched, prompt_tokens, started
+        )
+
+    async def _proxy(
+        request: web.Request,
+        path: str,
+        raw: bytes,
+        tenant: str,
+        matched: dict[str, int],
+        prompt_tokens: int,
+        started: float,
+    ) -> web.StreamResponse:
+        assert state.session is not None
+        tried: set[str] = set()
+        last_error = "no replica is ready"
+        for _ in range(state.max_attempts):
+            decision = _decide(state, tenant, matched, tried)
+            if decision is None:
+                break
+            state.record(decision)
+            name = decision.replica
+            tried.add(name)
+            replica = state.view.replicas[name]
+            headers = {TENANT_HEADER: tenant, "Content-Type": "application/json"}
+            timeout = aiohttp.ClientTimeout(
+                total=state.upstream_timeout_s, sock_connect=state.upstream_connect_timeout_s
+            )
+            state.view.begin(name, prompt_tokens)
+            state.m_overhead.observe(time.perf_counter() - started)
+            out: list[web.StreamResponse] = []
+            try:
+                async with state.session.post(
+                    replica.url + path, data=raw, headers=headers, timeout=timeout
+                ) as upstream:
+                    if upstream.status == 503:
+                        state.m_requests.labels(name, "overloaded").inc()
+                        last_error = f"replica {name} is overloaded"
+                        continue
+                    return await _stream_back(request, upstream, decision, out)
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                if out:
+                    # Bytes already went to the client: nothing is safe to retry. Drop the
+                    # connection so the client sees a truncated stream, never a spliced one.
+                    state.m_requests.labels(name, "broken").inc()
+                    raise ConnectionResetError(f"replica {name} failed mid-response") from exc
+                state.m_requests.labels(name, "unreachable").inc()
+                state.view.mark_down(name)
+                last_error = f"replica {name} is unreachable"
+                continue
+            finally:
+                state.view.end(name, prompt_tokens)
+        return _error(503, last_error, "no_replica", {"Retry-After": "1"})
+
+    async def _stream_back(
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        decision: RouteDecision,
+        out: list[web.StreamResponse],
+    ) -> web.StreamResponse:
+        headers = {
+            h: upstream.headers[h] for h in _FORWARD_RESPONSE_HEADERS if h in upstream.headers
+        }
+        headers.update(
+            {h: v for h, v in upstream.headers.items() if h.lower().startswith("x-kvfleet-")}
+        )
+        headers["X-Kvfleet-Replica"] = decision.replica
+        headers["X-Kvfleet-Route"] = decision.reason
+        resp = web.StreamResponse(status=upstream.status, headers=headers)
+        out.append(resp)
+        await resp.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await resp.write(chunk)
+        await resp.write_eof()
+        state.m_requests.labels(decision.replica, str(upstream.status)).inc()
+        return resp
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        if state.keys.tenant_for_authorization(request.headers.get("Authorization")) is None:
+            return _error(401, "missing or unknown API key", "invalid_api_key")
+        assert state.session is not None
+        for load in sorted(state.view.loads(), key=lambda x: x.name):
+            if not load.ready:
+                continue
+            url = state.view.replicas[load.name].url + "/v1/models"
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with state.session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    return web.json_response(await r.json(), status=r.status)
+        return _error(503, "no replica is ready", "no_replica")
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        resp = web.Response(body=generate_latest(state.registry))
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+    async def healthz(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.StreamResponse:
+        ready = [x.name for x in state.view.loads() if x.ready]
+        ok = bool(ready) and bool(state.keys.digest_to_tenant)
+        return web.json_response(
+            {
+                "status": "ready" if ok else "not_ready",
+                "ready_replicas": sorted(ready),
+                "spill_rate": state.spill_rate,
+                "config_generation": state.view.config.generation if state.view.config else None,
+            },
+            status=200 if ok else 503,
+        )
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.cleanup_ctx.append(_lifecycle(state))
+    return app
+
+
+def _lifecycle(state: RouterState) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        own_session = state.session is None
+        if own_session:
+            state.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                auto_decompress=False,
+            )
+        assert state.session is not None
+        state.view.reload_config()
+        await state.view.poll_once(state.session, timeout_s=1.0)
+        poller = asyncio.create_task(
+            state.view.run(
+                state.session,
+                poll_interval_s=state.poll_interval_s,
+                config_poll_s=state.config_poll_s,
+            ),
+            name="router-poll",
+        )
+        yield
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller
+        if state.index is not None:
+            await state.index.close()
+        if own_session:
+            await state.session.close()
+            state.session = None
+
+    return ctx

@@ -1,0 +1,274 @@
+"""What the router knows about the fleet: the published config (watched), the replicas, their
+last load reports, and its own requests in flight.
+
+Replica load protocol: `GET {replica}/fleet/v1/load` answers JSON
+
+    {"ready": true, "kv_occupancy": 0.42, "kv_capacity_tokens": 65536,
+     "num_waiting": 3, "num_running": 8, "queue_delay_s": 0.12,
+     "cache_key": {"model_id", "weights_digest", "kv_dtype", "rope_config_hash", "attn_impl_id"},
+     "tokenizer": "byte-v1"}
+
+A replica without that route (404) is judged by `GET /readyz` alone (load unknown = 0). A replica
+that does not answer within the poll timeout is not ready until it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvfleet_runtime.cache import CacheKey
+from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, load_fleet_config
+from kvfleet_runtime.routing import ReplicaLoad, home_sets
+
+__all__ = ["LOAD_PATH", "FleetView", "LoadReport", "parse_load_report"]
+
+log = logging.getLogger(__name__)
+
+LOAD_PATH = "/fleet/v1/load"
+_KEY_FIELDS = ("model_id", "weights_digest", "kv_dtype", "rope_config_hash", "attn_impl_id")
+
+
+@dataclass(slots=True, frozen=True)
+class LoadReport:
+    ready: bool
+    kv_occupancy: float = 0.0
+    kv_capacity_tokens: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+    queue_delay_s: float = 0.0
+    cache_key: tuple[str, str, str, str, str] | None = None
+    """(model_id, weights_digest, kv_dtype, rope_config_hash, attn_impl_id), all but the tenant."""
+    tokenizer: str = ""
+
+    def key(self, tenant_id: str) -> CacheKey | None:
+        return None if self.cache_key is None else CacheKey(tenant_id, *self.cache_key)
+
+
+def parse_load_report(data: Any) -> LoadReport:
+    """Validate a load report; raises ValueError on a malformed one."""
+    if not isinstance(data, dict):
+        raise ValueError(f"load report must be an object, got {type(data).__name__}")
+    occupancy = float(data.get("kv_occupancy", 0.0))
+    if not 0.0 <= occupancy <= 1.5:
+        raise ValueError(f"kv_occupancy out of range: {occupancy}")
+    raw_key = data.get("cache_key")
+    key = None
+    if isinstance(raw_key, dict) and all(isinstance(raw_key.get(f), str) for f in _KEY_FIELDS):
+        key = (
+            raw_key["model_id"],
+            raw_key["weights_digest"],
+            raw_key["kv_dtype"],
+            raw_key["rope_config_hash"],
+            raw_key["attn_impl_id"],
+        )
+    return LoadReport(
+        ready=bool(data.get("ready", True)),
+        kv_occupancy=occupancy,
+        kv_capacity_tokens=max(0, int(data.get("kv_capacity_tokens", 0))),
+        num_waiting=max(0, int(data.get("num_waiting", 0))),
+        num_running=max(0, int(data.get("num_running", 0))),
+        queue_delay_s=max(0.0, float(data.get("queue_delay_s", 0.0))),
+        cache_key=key,
+        tokenizer=str(data.get("tokenizer", "")),
+    )
+
+
+@dataclass(slots=True)
+class _Replica:
+    name: str
+    url: str
+    report: LoadReport | None = None
+    inflight: int = 0
+    inflight_tokens: int = 0
+
+
+@dataclass
+class FleetView:
+    """Replicas, config and loads. `static_replicas` (flags) are used when no config file is
+    given or the file lists no replicas; the config's home sets are used when it has them,
+    else the router computes rendezvous home sets itself."""
+
+    static_replicas: Mapping[str, str] = field(default_factory=dict)
+    config_path: Path | None = None
+    k: int = 3
+    occupancy_threshold: float = 0.85
+    recompute_s_per_token: float | None = None
+    service_s_per_request: float = 0.05
+    """Added to a replica's queue delay per request this router has in flight there."""
+    config: FleetConfig | None = None
+    config_errors: int = 0
+    replicas: dict[str, _Replica] = field(default_factory=dict)
+    on_change: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        self._apply()
+
+    # -- config ------------------------------------------------------------------------------
+
+    def reload_config(self) -> bool:
+        """Re-read the config file; on a parse error keep the last good config. True if applied."""
+        if self.config_path is None:
+            return False
+        try:
+            new = load_fleet_config(self.config_path)
+        except ValueError as exc:
+            self.config_errors += 1
+            log.error("fleet config rejected, keeping the last good one: %s", exc)
+            return False
+        if new != self.config:
+            self.config = new
+            self._apply()
+        return True
+
+    def _endpoints(self) -> dict[str, str]:
+        if self.config is not None and self.config.replicas:
+            return {r.name: r.url for r in self.config.replicas if _usable(r)}
+        return dict(self.static_replicas)
+
+    def _apply(self) -> None:
+        endpoints = self._endpoints()
+        for name in list(self.replicas):
+            if name not in endpoints:
+                del self.replicas[name]
+        for name, url in endpoints.items():
+            current = self.replicas.get(name)
+            if current is None or current.url != url:
+                self.replicas[name] = _Replica(name, url.rstrip("/"))
+        if self.on_change is not None:
+            self.on_change()
+
+    @property
+    def affinity_k(self) -> int:
+        return self.config.affinity.k if self.config is not None else self.k
+
+    @property
+    def threshold(self) -> float:
+        if self.config is not None:
+            return self.config.affinity.occupancy_threshold
+        return self.occupancy_threshold
+
+    @property
+    def recompute_cost(self) -> float | None:
+        if self.config is not None and self.config.recompute_s_per_token is not None:
+            return self.config.recompute_s_per_token
+        return self.recompute_s_per_token
+
+    @property
+    def t2_enabled(self) -> bool:
+        return self.config is None or self.config.tiers.t2_peer
+
+    def home_set(self, tenant: str) -> tuple[str, ...] | None:
+        """The operator-published home set of `tenant`, if any (else the router computes it)."""
+        if self.config is None:
+            return None
+        return self.config.home_sets.get(tenant)
+
+    def computed_home_sets(self, tenants: list[str]) -> dict[str, tuple[str, ...]]:
+        return home_sets(tenants, sorted(self.replicas), self.affinity_k)
+
+    # -- loads -------------------------------------------------------------------------------
+
+    def loads(self) -> list[ReplicaLoad]:
+        """Decision inputs: the last report of each replica plus this router's own in-flight
+        requests (so a burst does not land on one replica between two reports)."""
+        out = []
+        for r in self.replicas.values():
+            rep = r.report
+            if rep is None:
+                out.append(ReplicaLoad(r.name, 0.0, 0.0, ready=False))
+                continue
+            occupancy = rep.kv_occupancy
+            if rep.kv_capacity_tokens:
+                occupancy += r.inflight_tokens / rep.kv_capacity_tokens
+            delay = rep.queue_delay_s + r.inflight * self.service_s_per_request
+            out.append(ReplicaLoad(r.name, occupancy, delay, ready=rep.ready))
+        return out
+
+    def report(self, name: str) -> LoadReport | None:
+        r = self.replicas.get(name)
+        return None if r is None else r.report
+
+    def begin(self, name: str, tokens: int) -> None:
+        r = self.replicas.get(name)
+        if r is not None:
+            r.inflight += 1
+            r.inflight_tokens += tokens
+
+    def end(self, name: str, tokens: int) -> None:
+        r = self.replicas.get(name)
+        if r is not None:
+            r.inflight = max(0, r.inflight - 1)
+            r.inflight_tokens = max(0, r.inflight_tokens - tokens)
+
+    def mark_down(self, name: str) -> None:
+        """A proxied request could not reach the replica: not ready until its next report."""
+        r = self.replicas.get(name)
+        if r is not None and r.report is not None:
+            r.report = LoadReport(
+                False,
+                r.report.kv_occupancy,
+                cache_key=r.report.cache_key,
+                tokenizer=r.report.tokenizer,
+            )
+
+    async def poll_once(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        await asyncio.gather(
+            *(self._poll(session, r, timeout_s) for r in list(self.replicas.values()))
+        )
+
+    async def _poll(self, session: aiohttp.ClientSession, r: _Replica, timeout_s: float) -> None:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with session.get(r.url + LOAD_PATH, timeout=timeout) as resp:
+                if resp.status == 200:
+                    r.report = parse_load_report(await resp.json())
+                    return
+                if resp.status != 404:
+                    r.report = LoadReport(ready=False)
+                    return
+            async with session.get(r.url + "/readyz", timeout=timeout) as resp:
+                r.report = LoadReport(ready=resp.status == 200)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            log.debug("load poll of %s failed: %r", r.name, exc)
+            r.report = LoadReport(ready=False)
+
+    async def run(
+        self, session: aiohttp.ClientSession, *, poll_interval_s: float, config_poll_s: float
+    ) -> None:
+        """Poll loads every `poll_interval_s` and the config file every `config_poll_s`."""
+        last_fp: bytes | None = None
+        loop = asyncio.get_running_loop()
+        next_config = next_load = loop.time()
+        while True:
+            now = loop.time()
+            if self.config_path is not None and now >= next_config:
+                next_config = now + config_poll_s
+                fp = _fingerprint(self.config_path)
+                if fp != last_fp:
+                    last_fp = fp
+                    self.reload_config()
+            if now >= next_load:
+                next_load = now + poll_interval_s
+                with contextlib.suppress(Exception):
+                    await self.poll_once(session, timeout_s=max(0.05, min(poll_interval_s, 2.0)))
+            due = next_load if self.config_path is None else min(next_load, next_config)
+            await asyncio.sleep(max(0.01, due - loop.time()))
+
+
+def _usable(r: ReplicaEndpoint) -> bool:
+    return r.ready
+
+
+def _fingerprint(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
