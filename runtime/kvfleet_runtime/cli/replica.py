@@ -1,0 +1,72 @@
+"""`kvfleet replica` (serve one replica) and `kvfleet model generate` (make a test checkpoint)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from kvfleet_runtime.cli._app import app, fail
+
+model_app = typer.Typer(name="model", help="Reference model checkpoints.", no_args_is_help=True)
+app.add_typer(model_app)
+
+CONFIG_ENV = "KVFLEET_REPLICA_CONFIG"
+
+
+@model_app.command("generate")
+def generate(
+    out: Annotated[Path, typer.Option("--out", help="Folder to write config.json and "
+                                      "model.safetensors into.")],
+    preset: Annotated[str, typer.Option(help="tiny (tests) or small (bench, demo).")] = "tiny",
+    seed: Annotated[int, typer.Option(help="Same preset and seed: the same bytes.")] = 0,
+    attn_impl: Annotated[str, typer.Option(help="eager or sdpa.")] = "eager",
+) -> None:
+    """Write a deterministic random Llama-style checkpoint (Hugging Face layout)."""
+    from kvfleet_runtime.model import ModelArgs, generate_checkpoint
+
+    try:
+        args = ModelArgs.from_preset(preset)
+        args.attn_impl = attn_impl
+        args.__post_init__()
+        digest = generate_checkpoint(out, args, seed=seed)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    Console(highlight=False).print(f"{out}  {digest}")
+
+
+@app.command("replica")
+def replica(
+    model_dir: Annotated[Path | None, typer.Option(help="Checkpoint folder (config.json + "
+                                                   "*.safetensors).")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (default 8000).")] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (default 0.0.0.0).")] = None,
+    config: Annotated[Path | None, typer.Option(
+        help=f"YAML/JSON config file, watched for changes (env {CONFIG_ENV}).")] = None,
+    model_id: Annotated[str | None, typer.Option(help="Served model name.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
+    log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
+) -> None:
+    """Serve one replica: OpenAI-compatible completions over the prefix cache."""
+    from aiohttp import web
+
+    from kvfleet_runtime.server import build_replica, create_app, load_config
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config_path = config or (Path(os.environ[CONFIG_ENV]) if os.environ.get(CONFIG_ENV) else None)
+    overrides: dict[str, Any] = {k: v for k, v in {
+        "model_dir": str(model_dir) if model_dir else None, "port": port, "host": host,
+        "model_id": model_id, "device": device}.items() if v is not None}
+    try:
+        cfg = load_config(config_path, overrides=overrides)
+        rep = build_replica(cfg, config_path=config_path, overrides=overrides)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    logging.getLogger("kvfleet.replica").info(
+        "serving %s (%s) on %s:%d", rep.model_id, rep.loaded.weights_digest, cfg.host, cfg.port)
+    web.run_app(create_app(rep), host=cfg.host, port=cfg.port, print=None)
