@@ -164,3 +164,18 @@ def template_args(
     if include_crds:
         args.append("--include-crds")
     return args
+
+
+def kvfleet_cli_params(argv: Sequence[str]) -> dict[str, Any]:
+    """What the real `kvfleet` command line makes of `argv` (a subcommand and its options),
+    parsed without running it. An unknown option or a bad value raises."""
+    import typer.main
+
+    from kvfleet_runtime.cli import app
+
+    group = typer.main.get_command(app)
+    name, *rest = argv
+    command = group.commands.get(name)  # type: ignore[attr-defined]
+    assert command is not None, f"`kvfleet {name}` does not exist"
+    parent = group.context_class(group, info_name="kvfleet")
+    return dict(command.make_context(name, list(rest), parent=parent).params)

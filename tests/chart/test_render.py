@@ -25,6 +25,7 @@ from tests.chart.conftest import (
     Render,
     Rendered,
     kube_version,
+    kvfleet_cli_params,
     run_helm,
     template_args,
 )
@@ -100,7 +101,7 @@ def test_missing_weights_digest_fails_with_a_clear_message(
     assert result.returncode != 0
     assert "replica.model.weightsDigest is required" in result.stderr
     # A fixed folder needs no digest.
-    fixed = ["replica.model.weightsDigest=", "replica.model.dir=/models/llama"]
+    fixed = ["replica.model.weightsDigest=", "replica.model.dir=/models/llama", "replica.model.id="]
     assert run_helm(helm, helm_env, *template_args([DEFAULT], fixed)).returncode == 0
 
 
@@ -212,7 +213,13 @@ def test_replica_runs_the_replica_command_on_the_mounted_model(render: Render) -
     c = _container(obj, "replica")
     assert c["image"] == "kvfleet/kvfleet-runtime:0.1.0"
     args = c["args"]
-    assert args[0] == "replica"
+    # The replica's own command line accepts what the chart passes.
+    params = kvfleet_cli_params(args)
+    assert params["port"] == 8000 and params["host"] == "0.0.0.0"
+    assert params["model_id"] == "llama-3.1-8b"
+    assert str(params["config"]) == "/etc/kvfleet/replica/replica.yaml"
+    assert _mount(c, "replica-config")["mountPath"] == "/etc/kvfleet/replica"
+    assert _volume(obj, "replica-config")["configMap"] == {"name": "kvfleet-replica"}
     # Kubernetes expands $(KVFLEET_WEIGHTS_DIGEST) from the container's env: the folder of the
     # digest this template runs, which a ModelRollout's canary replaces.
     assert args[args.index("--model-dir") + 1] == "/models/$(KVFLEET_WEIGHTS_DIGEST)"
@@ -222,6 +229,28 @@ def test_replica_runs_the_replica_command_on_the_mounted_model(render: Render) -
     assert _volume(obj, "model")["persistentVolumeClaim"] == {
         "claimName": "llama-weights", "readOnly": True,
     }
+
+
+@pytest.mark.parametrize("scenario", [DEFAULT, MONITORING])
+def test_replica_settings_file_is_one_the_replica_loads(
+    render: Render, scenario: str, tmp_path: Path
+) -> None:
+    from kvfleet_runtime.server import load_config
+
+    text = render(scenario).get("ConfigMap", "kvfleet-replica")["data"]["replica.yaml"]
+    path = tmp_path / "replica.yaml"
+    path.write_text(text)
+    config = load_config(path, environ={})
+    if scenario == MONITORING:
+        assert config.cache.num_t1_blocks == 65536
+        assert config.limits.max_prompt_tokens == 8192
+
+
+def test_replica_needs_a_served_model_name_with_digest_folders(
+    helm: Path, helm_env: dict[str, str]
+) -> None:
+    result = run_helm(helm, helm_env, *template_args([DEFAULT], ["replica.model.id="]))
+    assert result.returncode != 0 and "replica.model.id is required" in result.stderr
 
 
 def test_fleet_config_map_is_mounted_in_router_and_replicas(render: Render) -> None:
@@ -281,8 +310,18 @@ def test_router_service_and_keys_file(render: Render, tmp_path: Path) -> None:
     router = out.get("Deployment", "kvfleet-router")
     assert router["spec"]["replicas"] == 2
     c = _container(router, "router")
-    assert c["args"][0] == "router"
+    # The router's own command line accepts what the chart passes.
+    params = kvfleet_cli_params(c["args"])
+    assert params["host"] == "0.0.0.0" and params["port"] == 8000
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
+    assert str(params["keys"]) == "/etc/kvfleet/router/keys.yaml"
+    assert _mount(c, "api-keys")["mountPath"] == "/etc/kvfleet/router"
+    assert _volume(router, "api-keys")["secret"]["items"] == [
+        {"key": "keys.yaml", "path": "keys.yaml"}
+    ]
+    assert str(params["fleet_config"]) == f"/etc/kvfleet/fleet/{FLEET_CONFIG_FILENAME}"
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     secret = out.get("Secret", "kvfleet-router-keys")
     keys_file = tmp_path / "keys.yaml"
     keys_file.write_text(secret["stringData"]["keys.yaml"])
@@ -324,6 +363,36 @@ def test_external_redis_replaces_the_bundled_one(render: Render) -> None:
         assert not [n for n in names if "redis" in n.lower()], names
 
 
+def _redis_url_of(out: Rendered, deployment: str, container: str) -> Any:
+    c = _container(out.get("Deployment", deployment), container)
+    args = c["args"]
+    if "--redis-url" not in args:
+        return None
+    # Kubernetes expands $(KVFLEET_REDIS_URL) from the container's environment.
+    assert args[args.index("--redis-url") + 1] == "$(KVFLEET_REDIS_URL)"
+    return _env(c)["KVFLEET_REDIS_URL"]
+
+
+@pytest.mark.parametrize(
+    ("scenario", "overrides", "expected"),
+    [
+        (DEFAULT, [], "redis://kvfleet-redis:6379/0"),
+        (EXTERNAL_REDIS, [], "redis://redis-master.cache.svc.cluster.local:6379/0"),
+        (EXTERNAL_SECRETS, [], {"secretKeyRef": {"name": "redis-url", "key": "url"}}),
+        (DEFAULT, ["redis.bundled.enabled=false"], None),
+    ],
+    ids=["bundled", "external-url", "external-secret", "none"],
+)
+def test_router_gets_the_redis_url(
+    render: Render, scenario: str, overrides: list[str], expected: Any
+) -> None:
+    out = render(scenario, set=overrides)
+    assert _redis_url_of(out, "kvfleet-router", "router") == expected
+    router = _container(out.get("Deployment", "kvfleet-router"), "router")
+    params = kvfleet_cli_params(router["args"])
+    assert (params["redis_url"] is None) == (expected is None)
+
+
 # ------------------------------------------------------------------------------------------------
 # monitoring
 
@@ -350,7 +419,9 @@ def test_service_monitor_scrapes_the_replicas(render: Render) -> None:
     labels = svc["metadata"]["labels"]
     assert selector["matchLabels"].items() <= labels.items()
     (expr,) = selector["matchExpressions"]
-    assert expr["key"] == "app.kubernetes.io/name" and labels[expr["key"]] in expr["values"]
+    assert expr["key"] == "app.kubernetes.io/name"
+    assert set(expr["values"]) == {"kvfleet-replica", "kvfleet-router"}  # both serve /metrics
+    assert labels[expr["key"]] in expr["values"]
     (endpoint,) = sm["spec"]["endpoints"]
     assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
     assert endpoint["path"] == "/metrics"

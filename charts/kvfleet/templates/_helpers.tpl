@@ -108,16 +108,32 @@ tag means the chart's appVersion.
 {{- default (printf "%s-router-keys" (include "kvfleet.fullname" .)) .Values.router.apiKeys.existingSecret -}}
 {{- end -}}
 
+{{/* "true" when a Redis (bundled or external) is configured, else "". */}}
+{{- define "kvfleet.redis.configured" -}}
+{{- if or .Values.redis.bundled.enabled .Values.redis.external.url .Values.redis.external.existingSecret -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/*
-Redis: the URL every component uses, or "" when neither the bundled Redis nor an external one is
-configured (the runtime then keeps an in-process hint index: fine for one replica, not a fleet).
-An external URL kept in a Secret is passed by reference instead (see kvfleet.redisUrlEnv).
+The Redis URL as the environment variable KVFLEET_REDIS_URL, which the chart's own arguments use
+(`--redis-url $(KVFLEET_REDIS_URL)`; Kubernetes expands it): the bundled Redis' Service, an
+external URL, or a key of an existing Secret (a URL with a password stays out of the pod spec).
+Nothing when no Redis is configured (the runtime then keeps an in-process hint index).
 */}}
-{{- define "kvfleet.redisUrl" -}}
+{{- define "kvfleet.redisUrlEnv" -}}
 {{- if .Values.redis.bundled.enabled -}}
-{{- printf "redis://%s:%d/0" (include "kvfleet.componentFullname" (dict "context" . "component" "redis")) (int .Values.redis.bundled.port) -}}
-{{- else -}}
-{{- .Values.redis.external.url -}}
+- name: KVFLEET_REDIS_URL
+  value: {{ printf "redis://%s:%d/0" (include "kvfleet.componentFullname" (dict "context" . "component" "redis")) (int .Values.redis.bundled.port) | quote }}
+{{- else if .Values.redis.external.existingSecret -}}
+- name: KVFLEET_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.external.existingSecret }}
+      key: {{ .Values.redis.external.secretKey }}
+{{- else if .Values.redis.external.url -}}
+- name: KVFLEET_REDIS_URL
+  value: {{ .Values.redis.external.url | quote }}
 {{- end -}}
 {{- end -}}
 
@@ -138,5 +154,6 @@ true
 {{- define "kvfleet.monitoring.scrapedComponents" -}}
 {{- $out := list -}}
 {{- if .Values.replica.enabled -}}{{- $out = append $out "replica" -}}{{- end -}}
+{{- if .Values.router.enabled -}}{{- $out = append $out "router" -}}{{- end -}}
 {{- toYaml $out -}}
 {{- end -}}

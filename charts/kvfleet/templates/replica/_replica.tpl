@@ -3,8 +3,18 @@
 - replica
 - --model-dir
 - {{ .Values.replica.model.dir | quote }}
+{{- with .Values.replica.model.id }}
+- --model-id
+- {{ . | quote }}
+{{- end }}
+- --host
+- 0.0.0.0
 - --port
 - {{ .Values.replica.port | quote }}
+- --config
+- /etc/kvfleet/replica/replica.yaml
+- --log-level
+- {{ .Values.replica.logLevel | quote }}
 {{- end -}}
 
 {{/* The replica container's environment. */}}
