@@ -98,3 +98,84 @@ def run_all(quick: bool = False) -> dict[str, Any]:
         ),
         "break_even_GBps": round(tiers.break_even_bytes_per_s / 1e9, 3),
     }
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise ValueError(f"no VmRSS for pid {pid}")
+
+
+def cluster_bench(
+    admin: Any,
+    namespace: str,
+    operator_pid: int,
+    num_policies: int = 500,
+    num_latency_samples: int = 20,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Reconcile-to-status latency and operator memory on a live cluster.
+
+    `admin` is a kubernetes `ApiClient` allowed to create KVCachePolicies in `namespace`;
+    `operator_pid` the running operator (its RSS is read from /proc)."""
+    from kubernetes import client
+
+    from kvfleet_operator.constants import GROUP, POLICY_KIND, POLICY_PLURAL, VERSION
+
+    api = client.CustomObjectsApi(admin)
+
+    def create(name: str) -> None:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": POLICY_KIND,
+            "metadata": {"name": name},
+            "spec": {"selector": {"matchLabels": {"app": f"bench-{name}"}}, "tenants": ["a"]},
+        }
+        api.create_namespaced_custom_object(GROUP, VERSION, namespace, POLICY_PLURAL, body)
+
+    def observed(name: str) -> int:
+        obj: dict[str, Any] = api.get_namespaced_custom_object(  # type: ignore[assignment]
+            GROUP, VERSION, namespace, POLICY_PLURAL, name
+        )
+        return int((obj.get("status") or {}).get("observedGeneration") or 0)
+
+    time.sleep(5)
+    idle_rss = _rss_bytes(operator_pid)
+    latencies = []
+    for i in range(num_latency_samples):
+        name = f"latency-{i}"
+        start = time.perf_counter()
+        create(name)
+        while observed(name) < 1:
+            if time.perf_counter() - start > 60:
+                raise TimeoutError(f"{name}: no status after 60 s")
+            time.sleep(0.01)
+        latencies.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    names = [f"load-{i:04d}" for i in range(num_policies - num_latency_samples)]
+    for name in names:
+        create(name)
+    pending = set(names)
+    while pending:
+        if time.perf_counter() - start > timeout_s:
+            raise TimeoutError(f"{len(pending)} policies without status after {timeout_s:.0f} s")
+        items: dict[str, Any] = api.list_namespaced_custom_object(  # type: ignore[assignment]
+            GROUP, VERSION, namespace, POLICY_PLURAL
+        )
+        for item in items["items"]:
+            if (item.get("status") or {}).get("observedGeneration"):
+                pending.discard(item["metadata"]["name"])
+        time.sleep(1)
+    all_reconciled_s = time.perf_counter() - start
+    time.sleep(5)
+    loaded_rss = _rss_bytes(operator_pid)
+    return {
+        "reconcile_to_status_median_ms": round(statistics.median(latencies) * 1e3, 1),
+        "reconcile_to_status_max_ms": round(max(latencies) * 1e3, 1),
+        "latency_samples": len(latencies),
+        "operator_rss_idle_mib": round(idle_rss / 2**20, 1),
+        f"operator_rss_{num_policies}_policies_mib": round(loaded_rss / 2**20, 1),
+        f"time_to_reconcile_{len(names)}_new_policies_s": round(all_reconciled_s, 1),
+    }
