@@ -46,14 +46,15 @@ def kube_version() -> str:
 
 
 def find_helm() -> Path:
-    """Where the pinned helm is (it may not exist yet)."""
+    """Where the pinned helm is (it may not exist yet): the cluster tests' path helper, or, where
+    that module is absent, the same path computed from versions.env as build.sh does."""
     try:
-        from tests.cluster.binaries import binary_path  # the cluster tests' path helper
+        from tests.cluster.binaries import locate
     except ImportError:
-        home = Path(os.environ.get("KVFLEET_HOME", Path.home() / ".cache" / "kvfleet"))
-        cluster_home = Path(os.environ.get("KVFLEET_CLUSTER_HOME", home / "cluster"))
+        home = Path(os.environ.get("KVFLEET_HOME") or Path.home() / ".cache" / "kvfleet")
+        cluster_home = Path(os.environ.get("KVFLEET_CLUSTER_HOME") or home / "cluster")
         return cluster_home / f"bin-helm-{pinned_versions()['HELM_VERSION']}" / "helm"
-    return Path(binary_path("helm"))
+    return locate().helm
 
 
 @pytest.fixture(scope="session")
