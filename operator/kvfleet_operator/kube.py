@@ -11,6 +11,9 @@ status code); handlers turn a transient one into `kopf.TemporaryError`.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import json
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -27,6 +30,7 @@ T = TypeVar("T")
 Manifest = dict[str, Any]
 _APPLY = "application/apply-patch+yaml"
 _MERGE = "application/merge-patch+json"
+_JSON_PATCH = "application/json-patch+json"
 
 
 class KubeError(Exception):
@@ -62,7 +66,9 @@ def retry_on_conflict(
 
 
 class Kube:
-    """Thin typed wrapper over the official client; returns plain dicts (the API's JSON)."""
+    """Thin wrapper over the official client. Every call asks for the raw JSON
+    (`_preload_content=False`): the operator reads and writes plain dicts, exactly what the API
+    server sent, never the client's typed models (which would drop or reshape fields)."""
 
     def __init__(self, api_client: client.ApiClient) -> None:
         self.api = api_client
@@ -79,106 +85,125 @@ class Kube:
             config.load_kube_config()  # type: ignore[no-untyped-call]
         return cls(client.ApiClient())
 
-    def _json(self, obj: Any) -> Manifest:
-        if isinstance(obj, dict):
-            return obj
-        data: Manifest = self.api.sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
-        return data
+    @staticmethod
+    def _call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Manifest | None:
+        """Call, parse the JSON body; None on 404; KubeError (Conflict on 409) otherwise."""
+        try:
+            response = fn(*args, _preload_content=False, **kwargs)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise _translate(exc, what) from exc
+        data = response.data
+        parsed: Manifest = json.loads(data) if data else {}
+        return parsed
+
+    def _write(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        if self._call(what, fn, *args, **kwargs) is None:
+            raise KubeError(404, f"{what}: not found")
+        self.num_writes += 1
 
     # -- reads -----------------------------------------------------------------------------
 
     def get_custom(self, namespace: str, plural: str, name: str) -> Manifest | None:
-        try:
-            obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise _translate(exc, f"get {plural}/{name}") from exc
-        return self._json(obj)
+        return self._call(
+            f"get {plural}/{name}",
+            self.custom.get_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            plural,
+            name,
+        )
 
     def get_deployment(self, namespace: str, name: str) -> Manifest | None:
-        try:
-            return self._json(self.apps.read_namespaced_deployment(name, namespace))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise _translate(exc, f"get deployment {name}") from exc
+        return self._call(
+            f"get deployment {name}", self.apps.read_namespaced_deployment, name, namespace
+        )
 
     def list_pods(self, namespace: str, match_labels: dict[str, str]) -> list[Manifest]:
         selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
-        try:
-            pods = self.core.list_namespaced_pod(namespace, label_selector=selector)
-        except ApiException as exc:
-            raise _translate(exc, f"list pods {selector}") from exc
-        items: list[Manifest] = self._json(pods).get("items", [])
+        pods = self._call(
+            f"list pods {selector}",
+            self.core.list_namespaced_pod,
+            namespace,
+            label_selector=selector,
+        )
+        items: list[Manifest] = (pods or {}).get("items", [])
         return items
+
+    def get_configmap_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        obj = self._call(
+            f"get configmap {name}", self.core.read_namespaced_config_map, name, namespace
+        )
+        if obj is None:
+            return None
+        data: dict[str, str] = obj.get("data") or {}
+        return data
 
     # -- writes ----------------------------------------------------------------------------
 
     def apply(self, manifest: Manifest) -> None:
         """Server-side apply (forced: these fields are ours) of a ConfigMap or Deployment."""
         kind, meta = manifest["kind"], manifest["metadata"]
-        name, namespace = meta["name"], meta["namespace"]
         method = {
             "ConfigMap": self.core.patch_namespaced_config_map,
             "Deployment": self.apps.patch_namespaced_deployment,
         }[kind]
-        try:
-            method(
-                name,
-                namespace,
-                manifest,
-                field_manager=FIELD_MANAGER,
-                force=True,
-                _content_type=_APPLY,
-            )
-        except ApiException as exc:
-            raise _translate(exc, f"apply {kind} {name}") from exc
-        self.num_writes += 1
-
-    def get_configmap_data(self, namespace: str, name: str) -> dict[str, str] | None:
-        try:
-            obj = self._json(self.core.read_namespaced_config_map(name, namespace))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise _translate(exc, f"get configmap {name}") from exc
-        data: dict[str, str] = obj.get("data") or {}
-        return data
+        self._write(
+            f"apply {kind} {meta['name']}",
+            method,
+            meta["name"],
+            meta["namespace"],
+            manifest,
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type=_APPLY,
+        )
 
     def delete_deployment(self, namespace: str, name: str) -> bool:
-        try:
-            self.apps.delete_namespaced_deployment(name, namespace, propagation_policy="Background")
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise _translate(exc, f"delete deployment {name}") from exc
+        gone = self._call(
+            f"delete deployment {name}",
+            self.apps.delete_namespaced_deployment,
+            name,
+            namespace,
+            propagation_policy="Background",
+        )
+        if gone is None:
+            return False
         self.num_writes += 1
         return True
 
     def update_deployment(
         self, namespace: str, name: str, change: Callable[[Manifest], Manifest | None]
     ) -> bool:
-        """Read, let `change` return the new object (or None: nothing to do), replace with the
-        read resourceVersion; a 409 starts over from a fresh read. Returns whether it wrote."""
+        """Read, let `change` return the new object (or None: nothing to do), write its spec back
+        with the read resourceVersion as a precondition; a 409 starts over from a fresh read.
+        Returns whether it wrote."""
 
         def attempt() -> bool:
             current = self.get_deployment(namespace, name)
             if current is None:
                 raise KubeError(404, f"deployment {namespace}/{name} not found")
-            wanted = change(current)
+            version = current["metadata"]["resourceVersion"]
+            wanted = change(copy.deepcopy(current))
             if wanted is None:
                 return False
-            try:
-                self.apps.replace_namespaced_deployment(
-                    name,
-                    namespace,
-                    wanted,  # type: ignore[arg-type]
-                    field_manager=FIELD_MANAGER,
-                )
-            except ApiException as exc:
-                raise _translate(exc, f"update deployment {name}") from exc
-            self.num_writes += 1
+            # A JSON patch that also "replaces" resourceVersion with the one we read: the API
+            # server refuses it with 409 when the object changed since.
+            ops = [
+                {"op": "replace", "path": "/metadata/resourceVersion", "value": version},
+                {"op": "replace", "path": "/spec", "value": wanted["spec"]},
+            ]
+            self._write(
+                f"update deployment {name}",
+                self.apps.patch_namespaced_deployment,
+                name,
+                namespace,
+                ops,
+                field_manager=FIELD_MANAGER,
+                _content_type=_JSON_PATCH,
+            )
             return True
 
         return retry_on_conflict(attempt)
@@ -189,19 +214,17 @@ class Kube:
         """Merge-patch the status subresource, only if the object is still at `resource_version`
         (409 otherwise: the caller re-reads and recomputes). Null values delete fields."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
-        try:
-            self.custom.api_client.call_api(
-                f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{plural}/{name}/status",
-                "PATCH",
-                header_params={"Content-Type": _MERGE, "Accept": "application/json"},
-                body=body,
-                auth_settings=["BearerToken"],
-                response_type="object",
-                _return_http_data_only=True,
-            )
-        except ApiException as exc:
-            raise _translate(exc, f"patch {plural}/{name}/status") from exc
-        self.num_writes += 1
+        self._write(
+            f"patch {plural}/{name}/status",
+            self.custom.patch_namespaced_custom_object_status,
+            GROUP,
+            VERSION,
+            namespace,
+            plural,
+            name,
+            body,
+            _content_type=_MERGE,
+        )
 
     def ensure_cluster_peering(self, name: str) -> None:
         """kopf's peering object must exist for operator replicas to see each other."""
@@ -210,8 +233,12 @@ class Kube:
             "kind": "ClusterKopfPeering",
             "metadata": {"name": name},
         }
-        try:
-            self.custom.create_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", body)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise _translate(exc, f"create clusterkopfpeering {name}") from exc
+        with contextlib.suppress(Conflict):  # it exists already
+            self._call(
+                f"create clusterkopfpeering {name}",
+                self.custom.create_cluster_custom_object,
+                "kopf.dev",
+                "v1",
+                "clusterkopfpeerings",
+                body,
+            )
