@@ -64,7 +64,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.execution.max_workers = int(os.environ.get("KVFLEET_OPERATOR_WORKERS", "8"))
     memo["kube"] = Kube.from_environment()
     memo["locks"] = _Locks()
-    if not settings.peering.standalone:
+    if not settings.peering.standalone and settings.peering.clusterwide:
         memo["kube"].ensure_cluster_peering(settings.peering.name)
 
 

@@ -35,6 +35,12 @@ RULES: tuple[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str], ...]
         "peering: only one operator replica acts; created at startup when missing",
     ),
     (
+        ("kopf.dev",),
+        ("kopfpeerings",),
+        ("get", "list", "watch", "patch"),
+        "peering when the operator watches only some namespaces (`run -n NS`)",
+    ),
+    (
         ("apiextensions.k8s.io",),
         ("customresourcedefinitions",),
         ("get", "list", "watch"),
