@@ -168,15 +168,23 @@ def template_args(
 
 
 def kvfleet_cli_params(argv: Sequence[str]) -> dict[str, Any]:
-    """What the real `kvfleet` command line makes of `argv` (a subcommand and its options),
-    parsed without running it. An unknown option or a bad value raises."""
+    """What the real `kvfleet` command line makes of `argv` (a subcommand, possibly nested like
+    `model generate`, and its options), parsed without running it. An unknown option or a bad
+    value raises."""
     import typer.main
 
     from kvfleet_runtime.cli import app
 
-    group = typer.main.get_command(app)
-    name, *rest = argv
-    command = group.commands.get(name)  # type: ignore[attr-defined]
-    assert command is not None, f"`kvfleet {name}` does not exist"
-    parent = group.context_class(group, info_name="kvfleet")
-    return dict(command.make_context(name, list(rest), parent=parent).params)
+    command: Any = typer.main.get_command(app)
+    context = command.context_class(command, info_name="kvfleet")
+    args = list(argv)
+    name = "kvfleet"
+    while hasattr(command, "commands"):
+        assert args, f"`{name}` needs a subcommand"
+        name, *args = args
+        sub = command.commands.get(name)
+        assert sub is not None, f"`kvfleet {' '.join(argv)}`: no subcommand {name!r}"
+        if hasattr(sub, "commands"):
+            context = sub.context_class(sub, info_name=name, parent=context)
+        command = sub
+    return dict(command.make_context(name, args, parent=context).params)
