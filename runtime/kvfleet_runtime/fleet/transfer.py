@@ -74,8 +74,10 @@ MAGIC = b"KVT2"
 VERSION = 1
 _PREAMBLE = struct.Struct("<4sB3xI")
 _U32 = struct.Struct("<I")
-DEFAULT_FRAME_BYTES = 4 << 20
+DEFAULT_FRAME_BYTES = 1 << 20
 MAX_HEADER_BYTES = 1 << 22
+_READ_BUFSIZE = 4 << 20
+"""Client-side read buffer: bulk bodies stall on aiohttp's 64 KiB default (pause/resume churn)."""
 _TOKEN_DOMAIN = b"kvfleet-t2-v1\x00"
 
 
@@ -208,11 +210,13 @@ async def _stream_run(
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     response.content_length = total
     await response.prepare(request)
-    await response.write(_PREAMBLE.pack(MAGIC, VERSION, len(header)) + header)
+    head = _PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
     for frame in frames:
-        await response.write(_U32.pack(len(frame)))
+        # The small pieces around each frame go out in one write with the previous CRC.
+        await response.write(head + _U32.pack(len(frame)))
         await response.write(frame)
-        await response.write(_U32.pack(zlib.crc32(frame)))
+        head = _U32.pack(zlib.crc32(frame))
+    await response.write(head)
     await response.write_eof()
     if on_served is not None:
         on_served(2 * len(k))
@@ -382,7 +386,11 @@ class PeerFetcher:
         }
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         async with self.session.post(
-            url.rstrip("/") + T2_PATH, json=body, headers=headers, timeout=timeout
+            url.rstrip("/") + T2_PATH,
+            json=body,
+            headers=headers,
+            timeout=timeout,
+            read_bufsize=_READ_BUFSIZE,
         ) as resp:
             if resp.status != 200:
                 outcome = {404: "stale", 401: "refused", 403: "refused"}.get(resp.status, "http")
@@ -390,11 +398,12 @@ class PeerFetcher:
             return await self._read_run(resp.content)
 
     async def _read_run(self, stream: aiohttp.StreamReader) -> FetchedRun:
+        reader = _ChunkReader(stream)
         try:
-            magic, version, header_len = _PREAMBLE.unpack(await stream.readexactly(_PREAMBLE.size))
+            magic, version, header_len = _PREAMBLE.unpack(await reader.exactly(_PREAMBLE.size))
             if magic != MAGIC or version != VERSION or header_len > MAX_HEADER_BYTES:
                 raise FetchFailed("protocol", f"bad preamble {magic!r} v{version}")
-            header = json.loads(await stream.readexactly(header_len))
+            header = json.loads(await reader.exactly(header_len))
             tensor_bytes = int(header["tensor_bytes"])
             if not (tensor_bytes > 0 and 2 * tensor_bytes <= self.max_bytes):
                 raise FetchFailed("too_large", f"{tensor_bytes} bytes")
@@ -407,7 +416,7 @@ class PeerFetcher:
                 v=bytearray(tensor_bytes),
             )
             for buf in (run.k, run.v):
-                await _read_frames(stream, memoryview(buf))
+                await _read_frames(reader, memoryview(buf))
         except asyncio.IncompleteReadError as exc:
             raise FetchFailed("short_read", f"{len(exc.partial)} of {exc.expected} bytes") from exc
         except aiohttp.ClientPayloadError as exc:  # the peer closed mid-body
@@ -442,15 +451,57 @@ def _shape(raw: Any) -> tuple[int, int, int, int]:
     return (raw[0], raw[1], raw[2], raw[3])
 
 
-async def _read_frames(stream: aiohttp.StreamReader, out: memoryview) -> None:
+class _ChunkReader:
+    """Reads a response body chunk by chunk (`readany`), copying payload bytes straight into
+    their destination: one copy and one CRC pass per byte, no intermediate joins."""
+
+    def __init__(self, stream: aiohttp.StreamReader) -> None:
+        self.stream = stream
+        self.chunk = memoryview(b"")
+        self.num_read = 0
+
+    async def _next(self, wanted: int) -> None:
+        data = await self.stream.readany()
+        if not data:
+            raise asyncio.IncompleteReadError(b"", wanted)
+        self.chunk = memoryview(data)
+
+    async def exactly(self, n: int) -> bytes:
+        parts: list[bytes] = []
+        while n:
+            if not self.chunk:
+                await self._next(n)
+            take = self.chunk[:n]
+            parts.append(bytes(take))
+            self.chunk = self.chunk[len(take) :]
+            n -= len(take)
+            self.num_read += len(take)
+        return b"".join(parts)
+
+    async def into(self, out: memoryview) -> int:
+        """Fill `out`; returns the CRC32 of what was copied."""
+        crc = 0
+        pos = 0
+        while pos < len(out):
+            if not self.chunk:
+                await self._next(len(out) - pos)
+            take = self.chunk[: len(out) - pos]
+            out[pos : pos + len(take)] = take
+            crc = zlib.crc32(take, crc)
+            self.chunk = self.chunk[len(take) :]
+            pos += len(take)
+        self.num_read += pos
+        return crc
+
+
+async def _read_frames(reader: _ChunkReader, out: memoryview) -> None:
     pos = 0
     while pos < len(out):
-        (length,) = _U32.unpack(await stream.readexactly(_U32.size))
+        (length,) = _U32.unpack(await reader.exactly(_U32.size))
         if length == 0 or pos + length > len(out):
             raise FetchFailed("protocol", f"frame of {length} bytes at offset {pos}")
-        payload = await stream.readexactly(length)
-        (crc,) = _U32.unpack(await stream.readexactly(_U32.size))
-        if zlib.crc32(payload) != crc:
+        crc = await reader.into(out[pos : pos + length])
+        (expected,) = _U32.unpack(await reader.exactly(_U32.size))
+        if crc != expected:
             raise FetchFailed("checksum", f"frame at offset {pos}")
-        out[pos : pos + length] = payload
         pos += length
