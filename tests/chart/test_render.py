@@ -671,3 +671,19 @@ def test_operator_replicas_without_peering_are_refused(
         *template_args([DEFAULT], ["operator.peering.enabled=false", "operator.replicas=2"]),
     )
     assert result.returncode != 0 and "needs operator.peering.enabled" in result.stderr
+
+
+def test_operator_watching_some_namespaces(
+    render: Render, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = render(DEFAULT, set=["operator.watchNamespaces={llm,batch}"])
+    c = _container(out.get("Deployment", "kvfleet-operator"), "operator")
+    assert _operator_cli_args(c["args"], monkeypatch).namespace == ["llm", "batch"]
+    # kopf peers through a KopfPeering in each watched namespace; the operator may use them.
+    assert not out.of_kind("ClusterKopfPeering")
+    peerings = out.of_kind("KopfPeering")
+    assert {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in peerings} == {
+        ("llm", "kvfleet"), ("batch", "kvfleet"),
+    }
+    rules = out.get("ClusterRole", "kvfleet-operator")["rules"]
+    assert _allowed(rules, "kopf.dev", "kopfpeerings", "patch")

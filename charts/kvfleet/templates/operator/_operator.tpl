@@ -3,6 +3,10 @@
 - run
 - --liveness
 - {{ printf "http://0.0.0.0:%d/healthz" (int .Values.operator.healthPort) | quote }}
+{{- range .Values.operator.watchNamespaces }}
+- --namespace
+- {{ . }}
+{{- end }}
 {{- if not .Values.operator.peering.enabled }}
 - --standalone
 {{- end }}
