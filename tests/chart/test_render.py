@@ -687,3 +687,15 @@ def test_operator_watching_some_namespaces(
     }
     rules = out.get("ClusterRole", "kvfleet-operator")["rules"]
     assert _allowed(rules, "kopf.dev", "kopfpeerings", "patch")
+
+
+def test_disruption_budgets_cover_replicas_and_routers(render: Render) -> None:
+    out = render(DEFAULT)
+    for name, field, value in (
+        ("kvfleet-replica", "maxUnavailable", 1), ("kvfleet-router", "minAvailable", 1),
+    ):
+        pdb = out.get("PodDisruptionBudget", name)
+        assert pdb["spec"][field] == value
+        assert pdb["spec"]["selector"] == out.get("Deployment", name)["spec"]["selector"]
+    single = render(DEFAULT, set=["router.replicas=1"])
+    assert "PodDisruptionBudget/kvfleet-router" not in single.names()  # it would block drains
