@@ -26,7 +26,10 @@ RUN groupadd --gid 10001 kvfleet \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
       --shell /usr/sbin/nologin kvfleet
 COPY --from=build /opt/kvfleet /opt/kvfleet
+# HOME=/tmp: whatever a library caches (torch, triton) goes to the writable /tmp the chart mounts;
+# the root filesystem is read-only there.
 ENV PATH=/opt/kvfleet/bin:$PATH \
+    HOME=/tmp \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility

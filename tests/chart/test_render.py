@@ -699,3 +699,16 @@ def test_disruption_budgets_cover_replicas_and_routers(render: Render) -> None:
         assert pdb["spec"]["selector"] == out.get("Deployment", name)["spec"]["selector"]
     single = render(DEFAULT, set=["router.replicas=1"])
     assert "PodDisruptionBudget/kvfleet-router" not in single.names()  # it would block drains
+
+
+def test_replica_updates_one_cold_cache_at_a_time(render: Render) -> None:
+    strategy = render(DEFAULT).get("Deployment", "kvfleet-replica")["spec"]["strategy"]
+    assert strategy == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    full = render(DEFAULT, set=[
+        "replica.updateStrategy.rollingUpdate.maxUnavailable=1",
+        "replica.updateStrategy.rollingUpdate.maxSurge=0",
+    ])
+    rolling = full.get("Deployment", "kvfleet-replica")["spec"]["strategy"]["rollingUpdate"]
+    assert rolling == {"maxUnavailable": 1, "maxSurge": 0}

@@ -19,7 +19,7 @@ SCHEMA = CHART / "values.schema.json"
 # Kubernetes types passed through as they are (PodSecurityContext, Affinity, a volume source...):
 # their schema is Kubernetes', not ours, so they stay open.
 OPEN_KUBERNETES_BLOCKS = {
-    "podSecurityContext", "securityContext", "affinity", "volume",
+    "podSecurityContext", "securityContext", "affinity", "volume", "updateStrategy",
 }
 
 
