@@ -712,3 +712,18 @@ def test_replica_updates_one_cold_cache_at_a_time(render: Render) -> None:
     ])
     rolling = full.get("Deployment", "kvfleet-replica")["spec"]["strategy"]["rollingUpdate"]
     assert rolling == {"maxUnavailable": 1, "maxSurge": 0}
+
+
+def test_chart_packages_without_its_ci_scenarios(
+    helm: Path, helm_env: dict[str, str], tmp_path: Path
+) -> None:
+    import tarfile
+
+    result = run_helm(helm, helm_env, "package", str(CHART), "--destination", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    (archive,) = tmp_path.glob("kvfleet-*.tgz")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert "kvfleet/files/operator-clusterrole.yaml" in names
+    assert "kvfleet/crds/kvfleet.dev_modelrollouts.yaml" in names
+    assert not [n for n in names if "/ci/" in n]
