@@ -54,6 +54,7 @@ def replica(
     """Serve one replica: OpenAI-compatible completions over the prefix cache."""
     from aiohttp import web
 
+    from kvfleet_runtime.fleet.wiring import attach_fleet, settings_from_env
     from kvfleet_runtime.server import build_replica, create_app, load_config
 
     logging.basicConfig(level=log_level.upper(),
@@ -65,8 +66,12 @@ def replica(
     try:
         cfg = load_config(config_path, overrides=overrides)
         rep = build_replica(cfg, config_path=config_path, overrides=overrides)
+        fleet = settings_from_env(cfg.port)
     except (ValueError, OSError) as exc:
         fail(str(exc))
     logging.getLogger("kvfleet.replica").info(
         "serving %s (%s) on %s:%d", rep.model_id, rep.loaded.weights_digest, cfg.host, cfg.port)
-    web.run_app(create_app(rep), host=cfg.host, port=cfg.port, print=None)
+    app = create_app(rep)
+    if fleet is not None:  # the fleet tier (issue 6): T2 endpoint, load report, hints
+        attach_fleet(app, rep, fleet)
+    web.run_app(app, host=cfg.host, port=cfg.port, print=None)

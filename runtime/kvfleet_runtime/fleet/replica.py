@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,13 +51,20 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 
 class CacheBlockSource:
-    """Serves held runs of a `PrefixCache` to the T2 endpoint.
+    """Serves held runs of a `PrefixCache` to the T2 endpoint, off the event loop.
 
-    Uses `lookup` (which holds refs, so the blocks cannot be evicted mid-read) and `read_blocks`
-    (a copy into fresh CPU tensors), off the event loop."""
+    The chain is recomputed here from the request's key and tokens (never taken from the peer).
+    With `held` (how many leading hashes of a chain this replica holds, from its own cache
+    events) the run is found without a `lookup`, so serving peers does not count in this
+    replica's hit-rate stats; `read_blocks` is all-or-nothing under the cache lock, so a block
+    evicted in between turns the answer into a 404, never into wrong data. Without `held`, a
+    `lookup` (which holds refs while reading) finds the run."""
 
-    def __init__(self, cache: PrefixCache) -> None:
+    def __init__(
+        self, cache: PrefixCache, *, held: Callable[[Sequence[bytes]], int] | None = None
+    ) -> None:
         self.cache = cache
+        self.held = held
 
     async def export(
         self, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
@@ -67,16 +74,19 @@ class CacheBlockSource:
     def _export(
         self, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
     ) -> ExportedRun | None:
-        hit = self.cache.lookup(key, token_ids)
-        if not isinstance(hit, Hit):
-            return None
-        try:
-            run = hit.blocks[start_block : start_block + max_blocks]
-            if not run:
+        if self.held is not None:
+            chain = chain_hashes(self.cache, key, token_ids)[start_block : start_block + max_blocks]
+            run = tuple(chain[: self.held(chain)])
+            kv = self.cache.read_blocks(run, device="cpu") if run else None
+        else:
+            hit = self.cache.lookup(key, token_ids)
+            if not isinstance(hit, Hit):
                 return None
-            kv = self.cache.read_blocks(run, device="cpu")
-        finally:
-            self.cache.release(hit)
+            try:
+                run = hit.blocks[start_block : start_block + max_blocks]
+                kv = self.cache.read_blocks(run, device="cpu") if run else None
+            finally:
+                self.cache.release(hit)
         if kv is None:
             return None
         k, v = kv

@@ -115,6 +115,9 @@ class Replica:
     restart_pending: list[str] = field(default_factory=list)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     reloads: Counter | None = None
+    before_submit: Callable[[str, list[int]], Awaitable[None]] | None = None
+    """Set by the fleet tier (`kvfleet_runtime.fleet.wiring`): fetch the prompt's prefix from a
+    peer before the engine looks it up. Never raises; on any failure the engine prefills."""
 
 
 def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
@@ -282,6 +285,8 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
         if body.max_tokens > limits.max_tokens:
             raise ApiError(400, f"max_tokens {body.max_tokens} exceeds the limit of "
                            f"{limits.max_tokens}", param="max_tokens", code="invalid_value")
+        if replica.before_submit is not None:
+            await replica.before_submit(tenant, token_ids)
         gen = GenerationRequest(tenant, tuple(token_ids), SamplingParams(
             max_tokens=body.max_tokens, temperature=body.temperature, seed=body.seed))
         try:

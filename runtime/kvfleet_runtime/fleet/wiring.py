@@ -1,0 +1,290 @@
+"""Attaching the fleet tier to a running replica (`kvfleet replica`).
+
+    settings = FleetSettings.from_env(os.environ, port=cfg.port)   # None: fleet tier off
+    if settings is not None:
+        attach_fleet(app, replica, settings)
+
+What it adds to the replica's aiohttp app:
+
+- `POST /kv/v1/blocks`: the T2 endpoint (authenticated; see `transfer`), serving from the cache.
+- `GET /fleet/v1/load`: the load report the router polls (`kvfleet_runtime.router._view`):
+  KV occupancy of the engine's working blocks, queue depth and an estimated queue delay, and the
+  cache key fields and tokenizer id the router needs to compute the prompt's block hashes.
+- A cache listener that publishes "stored" blocks to the hint index and withdraws "removed" ones
+  (batched, in the background), and registers this replica's peer URL.
+- `replica.before_submit`: before a request enters the engine, if the prompt's leading blocks are
+  not all held here, ask the hint index for the peer with the longest run and import it over T2.
+  The engine's own lookup then hits. Any failure: nothing imported, the engine prefills.
+- The fleet config file (if any) is watched: `tiers.t2_peer` turns fetching on and off, and its
+  replica list resolves peer names to URLs before the index's own registry.
+
+Environment (all optional; none of the first four set -> no fleet tier):
+
+    KVFLEET_FLEET_NAME      this replica's name in the fleet (default $POD_NAME, else hostname)
+    KVFLEET_REDIS_URL       hint index; unset -> the embedded in-process index
+    KVFLEET_PEER_SECRET     shared T2 secret, or KVFLEET_PEER_SECRET_FILE (default
+                            /etc/kvfleet/peer/token when present); none -> T2 refused both ways
+    KVFLEET_FLEET_CONFIG    fleet config file (default /etc/kvfleet/fleet/fleet.yaml when present)
+    KVFLEET_PEER_URL        URL peers use for this replica (default http://$POD_IP:<port>)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent
+from kvfleet_runtime.fleet.index import EmbeddedHintIndex, HintIndex, RedisHintIndex
+from kvfleet_runtime.fleet.publisher import HintPublisher
+from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier, chain_hashes
+from kvfleet_runtime.fleet.transfer import PeerFetcher, peer_routes
+from kvfleet_runtime.fleetconfig import FleetConfig, load_fleet_config
+
+if TYPE_CHECKING:
+    from kvfleet_runtime.server import Replica
+
+__all__ = ["LOAD_PATH", "FleetSettings", "FleetTier", "attach_fleet"]
+
+log = logging.getLogger(__name__)
+
+LOAD_PATH = "/fleet/v1/load"
+TOKENIZER_ID = "byte-v1"
+DEFAULT_SECRET_FILE = Path("/etc/kvfleet/peer/token")
+DEFAULT_FLEET_CONFIG = Path("/etc/kvfleet/fleet/fleet.yaml")
+_ENABLING = (
+    "KVFLEET_FLEET_NAME",
+    "KVFLEET_REDIS_URL",
+    "KVFLEET_PEER_SECRET",
+    "KVFLEET_PEER_SECRET_FILE",
+)
+
+
+@dataclass(slots=True)
+class FleetSettings:
+    name: str
+    peer_url: str
+    secret: bytes | None = None
+    redis_url: str | None = None
+    fleet_config: Path | None = None
+    fetch_timeout_s: float = 2.0
+    max_concurrent_fetches: int = 4
+    min_fetch_blocks: int = 2
+    """Runs shorter than this are recomputed: a round trip costs more than a few blocks."""
+    config_poll_s: float = 2.0
+    register_every_s: float = 60.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], *, port: int) -> FleetSettings | None:
+        secret_file = environ.get("KVFLEET_PEER_SECRET_FILE")
+        if not any(environ.get(name) for name in _ENABLING) and not DEFAULT_SECRET_FILE.exists():
+            return None
+        secret: bytes | None = environ.get("KVFLEET_PEER_SECRET", "").encode() or None
+        path = Path(secret_file) if secret_file else DEFAULT_SECRET_FILE
+        if secret is None and path.exists():
+            try:
+                secret = path.read_bytes().strip() or None
+            except OSError as exc:
+                raise ValueError(f"cannot read the peer secret {path}: {exc}") from exc
+        elif secret is None and secret_file:
+            raise ValueError(f"KVFLEET_PEER_SECRET_FILE {secret_file} does not exist")
+        name = environ.get("KVFLEET_FLEET_NAME") or environ.get("POD_NAME") or socket.gethostname()
+        host = environ.get("POD_IP") or socket.gethostname()
+        config = environ.get("KVFLEET_FLEET_CONFIG")
+        config_path = (
+            Path(config)
+            if config
+            else (DEFAULT_FLEET_CONFIG if DEFAULT_FLEET_CONFIG.exists() else None)
+        )
+        return cls(
+            name=name,
+            peer_url=environ.get("KVFLEET_PEER_URL") or f"http://{host}:{port}",
+            secret=secret,
+            redis_url=environ.get("KVFLEET_REDIS_URL") or None,
+            fleet_config=config_path,
+        )
+
+
+class _HeldBlocks:
+    """This replica's blocks as seen through cache events: answers "how many leading blocks of
+    this chain are here?" without a cache lookup (which would count in the hit-rate stats).
+    Eventually consistent like the hints; a wrong answer only costs a useless or a missed fetch."""
+
+    def __init__(self) -> None:
+        self._held: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def on_event(self, event: BlockEvent) -> None:
+        with self._lock:
+            if event.kind == "stored":
+                self._held.update(event.block_hashes)
+            else:
+                self._held.difference_update(event.block_hashes)
+
+    def leading(self, chain: Sequence[bytes]) -> int:
+        with self._lock:
+            for i, h in enumerate(chain):
+                if h not in self._held:
+                    return i
+        return len(chain)
+
+
+class FleetTier:
+    """The fleet tier of one replica; built by `attach_fleet`, started with the app."""
+
+    def __init__(self, replica: Replica, settings: FleetSettings) -> None:
+        assert replica.cache is not None, "the fleet tier needs the replica's prefix cache"
+        self.replica = replica
+        self.cache = replica.cache
+        self.settings = settings
+        self.index: HintIndex = (
+            RedisHintIndex.from_url(settings.redis_url)
+            if settings.redis_url
+            else EmbeddedHintIndex()
+        )
+        self.publisher = HintPublisher(self.index, settings.name)
+        self.held = _HeldBlocks()
+        self.config: FleetConfig | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.tier: PeerTier | None = None
+        self.cache.add_listener(self.held.on_event)
+        self.cache.add_listener(self._publish)
+
+    def _publish(self, event: BlockEvent) -> None:
+        if event.kind == "stored":
+            self.publisher.offer_stored(event.block_hashes)
+        else:
+            self.publisher.offer_removed(event.block_hashes)
+
+    def _resolve(self, host: str) -> str | None:
+        if self.config is None:
+            return None
+        return next((r.url for r in self.config.replicas if r.name == host), None)
+
+    async def before_submit(self, tenant_id: str, token_ids: Sequence[int]) -> None:
+        """Fetch from a peer what this replica lacks of the prompt's usable prefix."""
+        tier = self.tier
+        if tier is None or not tier.enabled or self.replica.engine.cache is None:
+            return
+        # The engine always computes the last prompt token itself (its logits start decoding).
+        usable_blocks = (len(token_ids) - 1) // BLOCK_SIZE
+        if usable_blocks < 1:
+            return
+        key = self.replica.engine.key_fields.key(tenant_id)
+        chain = chain_hashes(self.cache, key, token_ids[: usable_blocks * BLOCK_SIZE])
+        local = self.held.leading(chain)
+        if local:
+            self.publisher.offer_stored(chain[:local], refresh=True)
+        if usable_blocks - local >= self.settings.min_fetch_blocks:
+            await tier.fill(key, token_ids[: usable_blocks * BLOCK_SIZE], local)
+
+    def load_report(self) -> dict[str, Any]:
+        engine = self.replica.engine
+        kv = engine.kv
+        total = kv.num_blocks
+        fields = engine.key_fields
+        waiting, running = engine.num_waiting, engine.num_running
+        return {
+            "ready": self.replica.ready,
+            "kv_occupancy": (total - kv.num_free_blocks) / total if total else 0.0,
+            "kv_capacity_tokens": total * BLOCK_SIZE,
+            "num_waiting": waiting,
+            "num_running": running,
+            # A crude estimate: the router adds its own in-flight requests on top.
+            "queue_delay_s": 0.0 if waiting == 0 else waiting * 0.05,
+            "cache_key": {
+                "model_id": fields.model_id,
+                "weights_digest": fields.weights_digest,
+                "kv_dtype": fields.kv_dtype,
+                "rope_config_hash": fields.rope_config_hash,
+                "attn_impl_id": fields.attn_impl_id,
+            },
+            "tokenizer": TOKENIZER_ID,
+            "name": self.settings.name,
+        }
+
+    def _reload_config(self) -> None:
+        path = self.settings.fleet_config
+        if path is None:
+            return
+        try:
+            new = load_fleet_config(path)
+        except ValueError as exc:
+            log.error("fleet config rejected, keeping the last good one: %s", exc)
+            return
+        self.config = new
+        if self.tier is not None:
+            self.tier.enabled = new.tiers.t2_peer
+
+    async def _background(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_register = 0.0
+        last_fp: bytes | None = None
+        while True:
+            now = loop.time()
+            if now >= next_register:
+                next_register = now + self.settings.register_every_s
+                await self.index.register_host(self.settings.name, self.settings.peer_url)
+            path = self.settings.fleet_config
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    fp = path.read_bytes()
+                    if fp != last_fp:
+                        last_fp = fp
+                        self._reload_config()
+            await asyncio.sleep(self.settings.config_poll_s)
+
+    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        self.session = aiohttp.ClientSession()
+        fetcher = PeerFetcher(
+            self.session,
+            self.settings.secret,
+            self.index,
+            self.settings.name,
+            timeout_s=self.settings.fetch_timeout_s,
+            max_concurrency=self.settings.max_concurrent_fetches,
+            min_blocks=self.settings.min_fetch_blocks,
+            resolve_url=self._resolve,
+        )
+        self.tier = PeerTier(self.cache, fetcher)
+        self._reload_config()
+        self.publisher.start()
+        task = asyncio.create_task(self._background(), name="kvfleet-fleet-tier")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await self.publisher.close()
+        await self.index.close()
+        await self.session.close()
+
+
+def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings) -> FleetTier:
+    """Add the fleet tier's routes, listeners and background tasks to a replica's app."""
+    fleet = FleetTier(replica, settings)
+    app.add_routes(
+        peer_routes(CacheBlockSource(fleet.cache, held=fleet.held.leading), settings.secret)
+    )
+
+    async def load(request: web.Request) -> web.StreamResponse:
+        return web.json_response(fleet.load_report())
+
+    app.router.add_get(LOAD_PATH, load)
+    app.cleanup_ctx.append(fleet.lifecycle)
+    replica.before_submit = fleet.before_submit
+    return fleet
+
+
+def settings_from_env(port: int) -> FleetSettings | None:
+    """`FleetSettings.from_env(os.environ, port=port)`."""
+    return FleetSettings.from_env(os.environ, port=port)
