@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
+import numpy as np
 from aiohttp import web
 
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
@@ -232,8 +233,9 @@ class FetchedRun:
     block_hashes: tuple[bytes, ...]
     dtype: str
     shape: tuple[int, int, int, int]
-    k: bytearray
-    v: bytearray
+    k: memoryview
+    """Writable, uninitialised until filled (no zeroing pass over hundreds of MiB)."""
+    v: memoryview
     peer: str = ""
 
     @property
@@ -412,11 +414,11 @@ class PeerFetcher:
                 block_hashes=tuple(bytes.fromhex(h) for h in header["block_hashes"]),
                 dtype=str(header["dtype"]),
                 shape=_shape(header["shape"]),
-                k=bytearray(tensor_bytes),
-                v=bytearray(tensor_bytes),
+                k=_empty(tensor_bytes),
+                v=_empty(tensor_bytes),
             )
             for buf in (run.k, run.v):
-                await _read_frames(reader, memoryview(buf))
+                await _read_frames(reader, buf)
         except asyncio.IncompleteReadError as exc:
             raise FetchFailed("short_read", f"{len(exc.partial)} of {exc.expected} bytes") from exc
         except aiohttp.ClientPayloadError as exc:  # the peer closed mid-body
@@ -443,6 +445,10 @@ class PeerFetcher:
         layers, heads, tokens, head_dim = run.shape
         if tokens != n * BLOCK_SIZE or (layout is not None and (layers, heads, head_dim) != layout):
             raise FetchFailed("layout_mismatch", f"shape {run.shape}")
+
+
+def _empty(num_bytes: int) -> memoryview:
+    return np.empty(num_bytes, dtype=np.uint8).data.cast("B")
 
 
 def _shape(raw: Any) -> tuple[int, int, int, int]:
