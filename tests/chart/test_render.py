@@ -727,3 +727,52 @@ def test_chart_packages_without_its_ci_scenarios(
     assert "kvfleet/files/operator-clusterrole.yaml" in names
     assert "kvfleet/crds/kvfleet.dev_modelrollouts.yaml" in names
     assert not [n for n in names if "/ci/" in n]
+
+
+def _resolved_env(container: dict[str, Any], pod: dict[str, str]) -> dict[str, str]:
+    """The container's environment as the kubelet gives it: downward API fields from `pod`,
+    Secret references as "<secret>/<key>", $(VAR) references expanded."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), item["value"])
+        elif "fieldRef" in item["valueFrom"]:
+            value = pod[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            ref = item["valueFrom"]["secretKeyRef"]
+            value = f"{ref['name']}/{ref['key']}"
+        env[item["name"]] = value
+    return env
+
+
+@pytest.mark.parametrize(
+    ("scenario", "redis"),
+    [(DEFAULT, "redis://kvfleet-redis:6379/0"), (EXTERNAL_SECRETS, "redis-url/url")],
+)
+def test_replica_joins_the_fleet_tier(
+    render: Render, tmp_path: Path, scenario: str, redis: str
+) -> None:
+    """The fleet tier's own settings loader, on the environment the chart gives a replica pod."""
+    from kvfleet_runtime.fleet.wiring import FleetSettings
+
+    obj = render(scenario).get("Deployment", "kvfleet-replica")
+    c = _container(obj, "replica")
+    env = _resolved_env(
+        c, {"metadata.name": "kvfleet-replica-7d9f-x2x4q", "status.podIP": "10.1.2.3"}
+    )
+    # The secret file is the mounted peer-transfer Secret's key.
+    mount = _mount(c, "peer-secret")["mountPath"]
+    (item,) = _volume(obj, "peer-secret")["secret"]["items"]
+    assert env["KVFLEET_PEER_SECRET_FILE"] == f"{mount}/{item['path']}"
+    assert env["KVFLEET_FLEET_CONFIG"] == (
+        f"{_mount(c, 'fleet-config')['mountPath']}/{FLEET_CONFIG_FILENAME}"
+    )
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    settings = FleetSettings.from_env({**env, "KVFLEET_PEER_SECRET_FILE": str(token)}, port=8000)
+    assert settings is not None, "the fleet tier would be off"
+    assert settings.name == "kvfleet-replica-7d9f-x2x4q"  # the pod name, as in the home sets
+    assert settings.peer_url == "http://10.1.2.3:8000"
+    assert settings.secret == b"s3cret"
+    assert settings.redis_url == redis
+    assert str(settings.fleet_config) == env["KVFLEET_FLEET_CONFIG"]

@@ -23,4 +23,21 @@
 - name: KVFLEET_WEIGHTS_DIGEST
   value: {{ . | quote }}
 {{- end }}
+{{- /* The fleet tier (kvfleet_runtime/fleet/wiring.py): the replica's name in the fleet is its
+pod's name (POD_NAME; the operator's home sets and replica list use pod names), peers reach it at
+http://POD_IP:<port>, it reads the fleet config and the T2 secret from the mounts below (the
+config file may appear later: it is polled), and shares hints in Redis. */}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: KVFLEET_PEER_SECRET_FILE
+  value: /etc/kvfleet/peer/token
+- name: KVFLEET_FLEET_CONFIG
+  value: {{ printf "%s/fleet.yaml" .Values.fleetConfig.mountPath | quote }}
+{{ include "kvfleet.redisUrlEnv" . }}
 {{- end -}}
