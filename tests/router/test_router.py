@@ -258,3 +258,26 @@ async def test_upstream_session_is_closed_cleanly(
 ) -> None:
     router = await start_router(replicas)
     assert isinstance(router.state.session, aiohttp.ClientSession)
+
+
+def test_fleet_view_join_and_leave_move_about_one_nth_of_tenants(tmp_path: Path) -> None:
+    from kvfleet_runtime.router import FleetView
+
+    tenants = [f"t{i}" for i in range(1000)]
+    urls = {f"r{i}": f"http://127.0.0.1:{9000 + i}" for i in range(8)}
+    path = tmp_path / "fleet.yaml"
+    path.write_text(json.dumps({"replicas": [{"name": n, "url": u} for n, u in urls.items()]}))
+    view = FleetView(config_path=path)
+    assert view.reload_config()
+    before = view.computed_home_sets(tenants)
+    urls["r8"] = "http://127.0.0.1:9008"
+    path.write_text(json.dumps({"replicas": [{"name": n, "url": u} for n, u in urls.items()]}))
+    assert view.reload_config()
+    after = view.computed_home_sets(tenants)
+    moved = sum(before[t][0] != after[t][0] for t in tenants)
+    assert 0.6 * 1000 / 9 < moved < 1.4 * 1000 / 9
+    # A replica marked not ready in the config leaves the fleet view.
+    reps = [{"name": n, "url": u, "ready": n != "r8"} for n, u in urls.items()]
+    path.write_text(json.dumps({"replicas": reps}))
+    assert view.reload_config()
+    assert view.computed_home_sets(tenants) == before

@@ -1,0 +1,64 @@
+"""Fleet settings from the replica's environment."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvfleet_runtime.fleet import wiring
+from kvfleet_runtime.fleet.wiring import FleetSettings
+
+
+@pytest.fixture(autouse=True)
+def no_mounted_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(wiring, "DEFAULT_SECRET_FILE", tmp_path / "absent-token")
+    monkeypatch.setattr(wiring, "DEFAULT_FLEET_CONFIG", tmp_path / "absent-fleet.yaml")
+
+
+def test_nothing_configured_means_no_fleet_tier() -> None:
+    assert FleetSettings.from_env({}, port=8000) is None
+
+
+def test_env_settings() -> None:
+    s = FleetSettings.from_env(
+        {
+            "KVFLEET_FLEET_NAME": "r0",
+            "KVFLEET_PEER_SECRET": "s3cret",
+            "POD_IP": "10.0.0.7",
+            "KVFLEET_REDIS_URL": "redis://127.0.0.1:6379/0",
+        },
+        port=8001,
+    )
+    assert s is not None
+    assert (s.name, s.secret, s.peer_url, s.redis_url, s.fleet_config) == (
+        "r0",
+        b"s3cret",
+        "http://10.0.0.7:8001",
+        "redis://127.0.0.1:6379/0",
+        None,
+    )
+
+
+def test_secret_file_and_defaults(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("from-a-file\n")
+    config = tmp_path / "fleet.yaml"
+    s = FleetSettings.from_env(
+        {
+            "KVFLEET_PEER_SECRET_FILE": str(token),
+            "KVFLEET_FLEET_CONFIG": str(config),
+            "POD_NAME": "replica-7",
+        },
+        port=8000,
+    )
+    assert s is not None
+    assert (s.name, s.secret, s.fleet_config) == ("replica-7", b"from-a-file", config)
+    assert s.peer_url == f"http://{socket.gethostname()}:8000"
+    assert s.redis_url is None  # the embedded index
+
+
+def test_missing_secret_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="absent"):
+        FleetSettings.from_env({"KVFLEET_PEER_SECRET_FILE": str(tmp_path / "absent")}, port=1)
