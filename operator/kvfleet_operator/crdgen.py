@@ -122,10 +122,8 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
                 out["required"] = kept
             else:
                 del out["required"]
-        # An object with defaults inside gets `default: {}` so the API server fills the subtree
-        # when the object itself is omitted.
-        if "default" in out and isinstance(out["default"], dict):
-            out["default"] = {}
+        # An omitted object gets its full default (not `{}`): the API server checks defaults
+        # against the CEL rules before it would fill in the fields inside.
     return out
 
 
