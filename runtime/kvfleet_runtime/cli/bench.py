@@ -29,9 +29,11 @@ def replica(
     preset: Annotated[str, typer.Option(help="Preset to generate when no --model-dir.")] = "small",
     prompt_tokens: Annotated[int, typer.Option(help="Long-prompt length for TTFT.")] = 2000,
     reps: Annotated[int, typer.Option(help="Runs per TTFT figure (median).")] = 5,
-    requests: Annotated[int, typer.Option(help="Requests in the throughput workload.")] = 48,
+    requests: Annotated[int, typer.Option(help="Requests in the throughput workload.")] = 32,
     concurrency: Annotated[int, typer.Option(help="Concurrent clients in the workload.")] = 8,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    cpu_threads: Annotated[int, typer.Option(
+        help="torch intra-op threads on CPU (0: torch's default).")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """TTFT full prefill vs T0 hit vs T1 hit; throughput with and without the cache; miss cost."""
@@ -47,6 +49,8 @@ def replica(
     if device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda: CUDA is not available here")
     dev = default_device() if device == "auto" else torch.device(device)
+    if dev.type == "cpu" and cpu_threads > 0:
+        torch.set_num_threads(cpu_threads)
     try:
         report = run_replica_bench(model_dir=model_dir, preset=preset,
                                    prompt_tokens=prompt_tokens, reps=reps, device=dev,
@@ -58,7 +62,8 @@ def replica(
         out.print(json.dumps(report.to_dict(), indent=2), markup=False)
         return
     ms = 1e3
-    table = Table(title=f"kvfleet bench replica — {report.model} on {report.device}")
+    threads = f", {torch.get_num_threads()} CPU thread(s)" if dev.type == "cpu" else ""
+    table = Table(title=f"kvfleet bench replica — {report.model} on {report.device}{threads}")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_column("ratio / note", justify="right")

@@ -150,6 +150,8 @@ class _Sequence:
     stream: RequestStream | None = None
     table: list[int] = field(default_factory=list)
     hit: Hit | None = None
+    hit_cache: PrefixCache | None = None
+    """The cache that holds `hit`'s refs (the engine's cache may be switched off meanwhile)."""
     cached_tokens: int = 0
     cache_tier: str | None = None
     prefill_pos: int = 0
@@ -390,24 +392,25 @@ class Engine:
         """Lookup + materialize into the sequence's blocks; any failure means recompute."""
         n = len(seq.prompt)
         self.metrics.prompt_tokens.inc(n)
-        if self.cache is None:
+        cache = self.cache  # one read: the config watcher may switch it between steps
+        if cache is None:
             return
         # At least the last prompt token is computed: its logits give the first output token.
         usable_max = ((n - 1) // BLOCK_SIZE) * BLOCK_SIZE
         try:
-            hit = self.cache.lookup(seq.key, seq.prompt)
+            hit = cache.lookup(seq.key, seq.prompt)
         except Exception:
             self.metrics.cache_errors.labels("lookup").inc()
             log.exception("cache lookup failed; recomputing")
             return
         if not isinstance(hit, Hit):
             return
-        seq.hit = hit
+        seq.hit, seq.hit_cache = hit, cache
         usable = min(hit.matched_tokens, usable_max)
         if usable == 0:
             return
         try:
-            k, v = self.cache.materialize(hit)
+            k, v = cache.materialize(hit)
             device = self.kv.k.device
             non_blocking = device.type == "cuda"
             k = k[:, :, :usable].to(device, non_blocking=non_blocking)
@@ -431,8 +434,10 @@ class Engine:
 
     def _first_token(self, seq: _Sequence) -> None:
         assert seq.last_logits is not None
-        token = seq.sampler.sample(seq.last_logits)
+        token = self._sample(seq, seq.last_logits)
         seq.last_logits = None
+        if token is None:
+            return
         self._push_token(seq, token)  # the first token is on its way before the store copy
         self.metrics.ttft.observe(time.monotonic() - seq.submitted_s)
         self._store_prompt(seq)  # before a finish can free the blocks
@@ -443,11 +448,12 @@ class Engine:
 
         Offered on hits too: every offer counts a sighting, and sightings decide admission."""
         n_full = (len(seq.prompt) // BLOCK_SIZE) * BLOCK_SIZE
-        if self.cache is None or n_full == 0:
+        cache = self.cache
+        if cache is None or n_full == 0:
             return
         try:
             k, v = self.kv.gather(seq.table, n_full)
-            self.cache.store(seq.key, seq.prompt[:n_full], k, v)
+            cache.store(seq.key, seq.prompt[:n_full], k, v)
         except Exception:
             self.metrics.cache_errors.labels("store").inc()
             log.exception("cache store failed; continuing without it")
@@ -460,7 +466,18 @@ class Engine:
         positions = [len(s.prompt) + len(s.output) - 1 for s in seqs]
         logits = self.model.decode(tokens, positions, [s.table for s in seqs], self.kv)
         for seq, row in zip(seqs, logits, strict=True):
-            self._accept(seq, seq.sampler.sample(row))
+            token = self._sample(seq, row)
+            if token is not None:
+                self._accept(seq, token)
+
+    def _sample(self, seq: _Sequence, logits: Tensor) -> int | None:
+        """Sample one token; a failure ends this request only, never its batch neighbours."""
+        try:
+            return seq.sampler.sample(logits)
+        except Exception:
+            log.exception("sampling failed; failing this request")
+            self._finish(seq, "error", "sampling failed")
+            return None
 
     def _accept(self, seq: _Sequence, token: int) -> None:
         self._push_token(seq, token)
@@ -483,13 +500,13 @@ class Engine:
             self._running.remove(seq)
         self.kv.give_back(seq.table)
         seq.table = []
-        if seq.hit is not None and self.cache is not None:
+        if seq.hit is not None and seq.hit_cache is not None:
             try:
-                self.cache.release(seq.hit)
+                seq.hit_cache.release(seq.hit)
             except Exception:
                 self.metrics.cache_errors.labels("release").inc()
                 log.exception("cache release failed")
-            seq.hit = None
+            seq.hit, seq.hit_cache = None, None
         self._finished_event(seq, reason, error)
 
     def _finished_event(self, seq: _Sequence, reason: FinishReason,

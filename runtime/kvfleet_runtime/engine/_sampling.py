@@ -40,5 +40,8 @@ class Sampler:
         logits = logits.detach().to("cpu", torch.float32)
         if self.temperature == 0.0:
             return int(torch.argmax(logits).item())
-        probs = torch.softmax(logits / self.temperature, dim=-1)
+        # Shift first and divide in float64: a tiny temperature (1e-300 underflows to 0 in
+        # float32) then sends every other logit to -inf and the best to 0, never to nan.
+        shifted = (logits - logits.max()).to(torch.float64)
+        probs = torch.softmax(shifted / self.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self._generator).item())

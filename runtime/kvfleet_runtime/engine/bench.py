@@ -221,7 +221,7 @@ def _miss_cost(loaded: LoadedModel, fields: CacheKeyFields, prompt: tuple[int, .
 def run_replica_bench(*, model_dir: Path | None = None, preset: str = "small",
                       prompt_tokens: int = 2000, reps: int = 5,
                       device: torch.device | None = None,
-                      num_requests: int = 48, concurrency: int = 8) -> ReplicaBenchReport:
+                      num_requests: int = 32, concurrency: int = 8) -> ReplicaBenchReport:
     device = device or default_device()
     model_name = preset if model_dir is None else Path(model_dir).name
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as tmp:

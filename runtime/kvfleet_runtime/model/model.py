@@ -150,10 +150,18 @@ class PagedKV:
     def scatter(self, table: Sequence[int], k: Tensor, v: Tensor) -> None:
         """Write KV of positions [0, n) (k, v: [n_layers, n_kv_heads, n, head_dim]) to blocks."""
         n = int(k.shape[2])
-        for b in range(-(-n // BLOCK_SIZE)):
-            lo, hi = b * BLOCK_SIZE, min(n, (b + 1) * BLOCK_SIZE)
-            self.k[:, table[b], :, : hi - lo] = k[:, :, lo:hi].to(self.k.dtype)
-            self.v[:, table[b], :, : hi - lo] = v[:, :, lo:hi].to(self.v.dtype)
+        n_full = n // BLOCK_SIZE
+        if n_full:  # one indexed copy for all full blocks
+            idx = torch.tensor(list(table[:n_full]), dtype=torch.long, device=self.k.device)
+            for pool, src in ((self.k, k), (self.v, v)):
+                n_layers, n_heads, _, head_dim = src.shape
+                blocks = src[:, :, : n_full * BLOCK_SIZE].reshape(
+                    n_layers, n_heads, n_full, BLOCK_SIZE, head_dim).transpose(1, 2)
+                pool[:, idx] = blocks.to(pool.dtype)  # [L, nb, H, 16, D]
+        if n > n_full * BLOCK_SIZE:
+            lo, block = n_full * BLOCK_SIZE, table[n_full]
+            self.k[:, block, :, : n - lo] = k[:, :, lo:].to(self.k.dtype)
+            self.v[:, block, :, : n - lo] = v[:, :, lo:].to(self.v.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -128,6 +128,8 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
         raise ValueError("model_dir is not set (flag --model-dir, config file or "
                          "KVFLEET_REPLICA_MODEL_DIR)")
     device = default_device() if config.device == "auto" else torch.device(config.device)
+    if config.cpu_threads:
+        torch.set_num_threads(config.cpu_threads)
     loaded = load_checkpoint(Path(config.model_dir), device=device, attn_impl=config.attn_impl)
     model_id = config.model_id or Path(config.model_dir).resolve().name
     registry = registry or CollectorRegistry()
@@ -221,10 +223,15 @@ async def _json_body(request: web.Request, limit: int) -> Any:
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, f"request body of {request.content_length} bytes exceeds the limit "
                        f"of {limit} bytes", code="body_too_large")
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise ApiError(413, f"request body exceeds the limit of {limit} bytes",
-                       code="body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes",
+                           code="body_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -421,8 +428,6 @@ async def _sse(request: web.Request, replica: Replica, stream: Any, rid: str,
                 await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
     finally:
         if not done:
             stream.cancel()

@@ -67,6 +67,9 @@ class ReplicaConfig(_Strict):
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpu_threads: int = Field(default=0, ge=0)
+    """torch intra-op threads; 0 keeps torch's default. On a shared or small CPU, 1 is often
+    much faster for a small model (no spinning thread team competing for cores)."""
     attn_impl: Literal["eager", "sdpa"] | None = None
     """Overrides the checkpoint's attention implementation (changes the cache key)."""
     config_poll_interval_s: float = Field(default=2.0, gt=0)

@@ -14,6 +14,12 @@ from kvfleet_runtime.engine import CacheKeyFields, Engine, EngineConfig
 from kvfleet_runtime.model import LoadedModel, ModelArgs, generate_checkpoint, load_checkpoint
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_cpu_thread() -> None:
+    # A tiny model on a small shared CPU: one intra-op thread is faster than a spinning team.
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-engine")

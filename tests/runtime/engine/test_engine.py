@@ -281,6 +281,28 @@ async def test_a_new_request_is_admitted_while_another_decodes(
         await engine.stop()
 
 
+async def test_switching_the_cache_off_mid_request_still_releases_its_refs(
+    loaded: LoadedModel, make_engine: EngineFactory
+) -> None:
+    cache = counting_cache(loaded)
+    engine = make_engine(cache)
+    await engine.start()
+    try:
+        prompt = tokens(40, seed=21)
+        await run(engine, "acme", prompt)
+        stream = engine.submit(GenerationRequest("acme", prompt,
+                                                 SamplingParams(max_tokens=50, ignore_eos=True)))
+        events = stream.__aiter__()
+        first = await events.__anext__()
+        assert isinstance(first, TokenEvent) and first.cached_tokens == 32
+        engine.cache = None  # what a config reload with cache.enabled: false does
+        async for _ in events:
+            pass
+        assert cache.num_held == 0
+    finally:
+        await engine.stop()
+
+
 async def test_cache_failure_degrades_to_recompute(
     loaded: LoadedModel, make_engine: EngineFactory
 ) -> None:
@@ -312,6 +334,18 @@ async def test_seeded_sampling_is_reproducible(make_engine: EngineFactory) -> No
         assert a == b and a != c
     finally:
         await engine.stop()
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-8, 2.0])
+def test_sampling_is_finite_at_any_temperature(temperature: float) -> None:
+    from kvfleet_runtime.engine import Sampler
+
+    logits = torch.tensor([1.0, 3.0, -2.0, 2.999])
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=0))
+    token = sampler.sample(logits)
+    assert 0 <= token < 4
+    if temperature < 1e-6:
+        assert token == 1
 
 
 async def test_cancel_frees_blocks(make_engine: EngineFactory) -> None:

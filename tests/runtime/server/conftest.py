@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from aiohttp import web
 
@@ -61,6 +62,12 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_cpu_thread() -> None:
+    # A tiny model on a small shared CPU: one intra-op thread is faster than a spinning team.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

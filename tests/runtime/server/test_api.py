@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -115,6 +116,25 @@ def test_bad_input_is_a_4xx_naming_the_problem_and_the_server_keeps_serving(
     assert needle in error["message"]
     ok = post(running, {"prompt": [1, 2, 3], "max_tokens": 1})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("temperature", [0, 1e-300, 5e-324, 2])
+def test_any_allowed_temperature_is_served(running: RunningReplica, temperature: float) -> None:
+    resp = post(running, {"prompt": "abc", "max_tokens": 3, "temperature": temperature})
+    assert resp.status_code == 200, resp.text
+
+
+def test_oversized_chunked_body_without_content_length_is_413(running: RunningReplica) -> None:
+    def body() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"z" * 4096
+        yield b'"}'
+
+    resp = requests.post(running.base_url + "/v1/completions", data=body(), headers=TENANT,
+                         timeout=30)
+    assert resp.status_code == 413 and "65536 bytes" in resp.json()["error"]["message"]
+    assert post(running, {"prompt": [1], "max_tokens": 1}).status_code == 200
 
 
 def test_unknown_route_and_method_are_json_errors(running: RunningReplica) -> None:
