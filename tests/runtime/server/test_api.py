@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import openai
 import pytest
-import requests
 import yaml
 
 from .conftest import TEST_CONFIG, RunningReplica
@@ -22,12 +25,39 @@ def client(running: RunningReplica, tenant: str = "acme") -> openai.OpenAI:
                          default_headers={"X-Kvfleet-Tenant": tenant})
 
 
+@dataclass
+class Response:
+    status_code: int
+    text: str
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+def http(method: str, url: str, *, data: bytes | Iterable[bytes] | None = None,
+         headers: dict[str, str] | None = None, params: dict[str, str] | None = None
+         ) -> Response:
+    """A stdlib HTTP call that returns 4xx/5xx responses instead of raising."""
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    req = urllib.request.Request(url, data=data, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return Response(resp.status, resp.read().decode())
+    except urllib.error.HTTPError as err:
+        return Response(err.code, err.read().decode())
+
+
+def get(url: str, params: dict[str, str] | None = None) -> Response:
+    return http("GET", url, params=params)
+
+
 def post(running: RunningReplica, body: Any, headers: dict[str, str] | None = None,
-         path: str = "/v1/completions") -> requests.Response:
+         path: str = "/v1/completions") -> Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return requests.post(running.base_url + path, data=content, timeout=30,
-                      headers={"Content-Type": "application/json",
-                               **(TENANT if headers is None else headers)})
+    return http("POST", running.base_url + path, data=content,
+                headers={"Content-Type": "application/json",
+                         **(TENANT if headers is None else headers)})
 
 
 def test_openai_client_token_ids_and_cached_tokens(running: RunningReplica) -> None:
@@ -131,16 +161,16 @@ def test_oversized_chunked_body_without_content_length_is_413(running: RunningRe
             yield b"z" * 4096
         yield b'"}'
 
-    resp = requests.post(running.base_url + "/v1/completions", data=body(), headers=TENANT,
-                         timeout=30)
+    resp = http("POST", running.base_url + "/v1/completions", data=body(),
+                headers={**TENANT, "Content-Type": "application/json"})
     assert resp.status_code == 413 and "65536 bytes" in resp.json()["error"]["message"]
     assert post(running, {"prompt": [1], "max_tokens": 1}).status_code == 200
 
 
 def test_unknown_route_and_method_are_json_errors(running: RunningReplica) -> None:
-    resp = requests.get(running.base_url + "/nope")
+    resp = get(running.base_url + "/nope")
     assert resp.status_code == 404 and "error" in resp.json()
-    resp = requests.get(running.base_url + "/v1/completions")
+    resp = get(running.base_url + "/v1/completions")
     assert resp.status_code == 405 and "error" in resp.json()
 
 
@@ -149,13 +179,13 @@ def test_cache_stats_and_invalidate(running: RunningReplica) -> None:
     for _ in range(3):
         r = post(running, {"prompt": prompt, "max_tokens": 1}, {"X-Kvfleet-Tenant": "inv"})
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
-    stats = requests.get(running.base_url + "/cache/stats", params={"tenant": "inv"}).json()
+    stats = get(running.base_url + "/cache/stats", params={"tenant": "inv"}).json()
     assert stats["tenant"] == "inv" and stats["totals"]["num_hits"] >= 1
     assert stats["totals"]["num_blocks"] >= 2
     assert {t["tier"] for t in stats["tiers"]} == {"t0", "t1"}
     stats_url = running.base_url + "/cache/stats"
-    assert requests.get(stats_url, params={"tenant": "a b"}).status_code == 400
-    assert requests.get(stats_url, params={"x": "1"}).status_code == 400
+    assert get(stats_url, params={"tenant": "a b"}).status_code == 400
+    assert get(stats_url, params={"x": "1"}).status_code == 400
 
     bad = post(running, {"model_version": "latest"}, {}, path="/cache/invalidate")
     assert bad.status_code == 400 and "model_version" in bad.json()["error"]["message"]
@@ -174,19 +204,19 @@ def test_cache_stats_and_invalidate(running: RunningReplica) -> None:
 
 def test_metrics_and_probes(running: RunningReplica) -> None:
     post(running, {"prompt": [1, 2, 3], "max_tokens": 1})
-    text = requests.get(running.base_url + "/metrics").text
+    text = get(running.base_url + "/metrics").text
     for name in ("kvfleet_replica_requests_total", "kvfleet_replica_time_to_first_token_seconds",
                  "kvfleet_replica_cached_prompt_tokens_total", "kvfleet_cache_"):
         assert name in text
-    assert requests.get(running.base_url + "/healthz").json() == {"status": "ok"}
-    ready = requests.get(running.base_url + "/readyz")
+    assert get(running.base_url + "/healthz").json() == {"status": "ok"}
+    ready = get(running.base_url + "/readyz")
     assert ready.status_code == 200 and ready.json()["weights_digest"].startswith("sha256:")
-    models = requests.get(running.base_url + "/v1/models").json()
+    models = get(running.base_url + "/v1/models").json()
     assert models["data"][0]["id"] == "tiny"
 
 
 def test_openapi_document(running: RunningReplica) -> None:
-    doc = requests.get(running.base_url + "/openapi.json").json()
+    doc = get(running.base_url + "/openapi.json").json()
     assert doc["openapi"].startswith("3.")
     assert {"/v1/completions", "/cache/stats", "/cache/invalidate", "/metrics", "/healthz",
             "/readyz"} <= set(doc["paths"])
