@@ -97,10 +97,12 @@ def _what_if(report: WhatIfReport, path: Path) -> Path:
     ax_saved.bar_label(bars, fmt="%.2f")
     ax_saved.set_xlabel("replicas of prefill compute saved")
     ax_saved.invert_yaxis()
+    ax_saved.margins(x=0.15)  # room for the labels
     bars = ax_ttft.barh(names, p99, color="#dd8452")
     ax_ttft.bar_label(bars, fmt="%.0f ms")
     ax_ttft.set_xlabel("TTFT p99 (ms)")
     ax_ttft.invert_yaxis()
+    ax_ttft.margins(x=0.15)
     ax_ttft.set_yticklabels([])
     sf = report.shared_fetch
     fig.suptitle(

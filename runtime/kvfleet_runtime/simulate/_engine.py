@@ -84,11 +84,9 @@ class _Replica:
     __slots__ = (
         "busy",
         "dram",
-        "held_bytes",
         "nvme",
         "pending_tokens",
         "queue",
-        "releases",
         "routed",
         "seen",
         "surge",
@@ -102,8 +100,6 @@ class _Replica:
         self.queue: deque[tuple[int, int]] = deque()
         self.busy = False
         self.pending_tokens = 0
-        self.held_bytes = 0
-        self.releases: list[tuple[float, int]] = []
         self.version = 0
         self.surge = 1.0
         self.routed: set[int] = set()
@@ -183,16 +179,17 @@ def simulate(config: SimConfig) -> SimResult:
         seq += 1
         heapq.heappush(heap, (time_s, seq, kind, a, b))
 
-    def occupancy(r: int, now_s: float) -> float:
-        rep = replicas[r]
-        rel = rep.releases
-        while rel and rel[0][0] <= now_s:
-            rep.held_bytes -= heapq.heappop(rel)[1]
-        return rep.held_bytes / fleet.hbm_kv_bytes
+    # What the router sees of each replica, kept current so that least-loaded is one min():
+    # the KV of the requests it sent there that have not finished (queued ones included, so a
+    # burst cannot all land on one replica), and the prefill work queued there.
+    inflight = [0] * n_rep  # occupancy = inflight x held_share, kept exact as a count
+    queue_delay = [0.0] * n_rep
+    releases: list[tuple[float, int]] = []  # (decode end, replica)
+    held_share = held_bytes / fleet.hbm_kv_bytes
 
-    def queue_delay_s(r: int) -> float:
+    def update_delay(r: int) -> None:
         rep = replicas[r]
-        return rep.pending_tokens * rs / (share * rep.surge)
+        queue_delay[r] = rep.pending_tokens * rs / (share * rep.surge)
 
     def start_fetch(links: list[SharedLink], link_kind: int, r: int, i: int, now_s: float) -> None:
         link = links[r]
@@ -205,6 +202,7 @@ def simulate(config: SimConfig) -> SimResult:
         rep = replicas[r]
         rep.queue.append((i, tokens))
         rep.pending_tokens += tokens
+        update_delay(r)
         if not rep.busy:
             start_prefill(r, now_s)
 
@@ -214,7 +212,7 @@ def simulate(config: SimConfig) -> SimResult:
         rep.busy = True
         full_s = tokens * rs
         first_token_s = now_s + full_s
-        heapq.heappush(rep.releases, (first_token_s + wl.decode_s, held_bytes))
+        heapq.heappush(releases, (first_token_s + wl.decode_s, r))
         push(first_token_s, _PREFILL_DONE, i, r)
         push(now_s + full_s / (share * rep.surge), _SERVER_FREE, r, tokens)
 
@@ -253,6 +251,7 @@ def simulate(config: SimConfig) -> SimResult:
         for r in surging:
             replicas[r].version = 1
             replicas[r].surge = rollout.surge_factor
+            update_delay(r)
         num_new = target
         step_start_s = now_s
         events.append(RolloutEvent(now_s, "step", num_new))
@@ -260,6 +259,7 @@ def simulate(config: SimConfig) -> SimResult:
     def close_surge() -> None:
         for r in surging:
             replicas[r].surge = 1.0
+            update_delay(r)
         surging.clear()
 
     a = 0  # next arrival
@@ -278,15 +278,17 @@ def simulate(config: SimConfig) -> SimResult:
             i = a
             a += 1
             tenant = tenants_l[i]
+            while releases and releases[0][0] <= now_s:
+                inflight[heapq.heappop(releases)[1]] -= 1
             if routing.policy is Routing.AFFINITY:
                 r = -1
                 for h in homes[tenant]:
-                    if occupancy(h, now_s) < routing.occupancy_threshold:
+                    if inflight[h] * held_share < routing.occupancy_threshold:
                         r = h
                         break
                 if r < 0:
                     loads = [
-                        ReplicaLoad(names[j], occupancy(j, now_s), queue_delay_s(j))
+                        ReplicaLoad(names[j], inflight[j] * held_share, queue_delay[j])
                         for j in range(n_rep)
                     ]
                     decision = choose_replica(
@@ -302,12 +304,11 @@ def simulate(config: SimConfig) -> SimResult:
             elif routing.policy is Routing.RANDOM:
                 r = random_l[i]
             else:
-                r = min(range(n_rep), key=lambda j: (occupancy(j, now_s), queue_delay_s(j), j))
+                # The order of `routing.least_loaded`: occupancy, queue delay, name.
+                r = min(zip(inflight, queue_delay, range(n_rep), strict=True))[2]
             rep = replicas[r]
             rep_l[i] = r
-            # Occupancy as the router sees it: the KV of every request it sent there that has
-            # not finished, queued ones included, so a burst cannot all land on one replica.
-            rep.held_bytes += held_bytes
+            inflight[r] += 1
             new_version[i] = rep.version == 1
             pid = prefix_l[i]
             if template_l[i]:
@@ -361,6 +362,7 @@ def simulate(config: SimConfig) -> SimResult:
         elif kind == _SERVER_FREE:
             rep = replicas[x]
             rep.pending_tokens -= y
+            update_delay(x)
             rep.busy = False
             if rep.queue:
                 start_prefill(x, now_s)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvfleet_runtime.simulate._engine import TIER_MISS, SimResult
+from kvfleet_runtime.simulate._engine import TIER_MISS, TIER_NVME, SimResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,9 @@ class Metrics:
     mean_fetch_s: float | None
     fetch_bytes_per_s: float | None
     """Achieved bandwidth of a fetch: prefix bytes / fetch time, averaged over hits."""
+    nvme_hit_rate: float
+    nvme_fetch_bytes_per_s: float | None
+    """The same, over the hits served from NVMe only (shared by concurrent fetches, R6)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,6 +55,8 @@ def measure(result: SimResult, start_s: float, end_s: float) -> Metrics:
     ttft = result.ttft_s[sel]
     fetch = result.fetch_s[sel][hits]
     prefix_bytes = wl.prefix_tokens * prof.kv_bytes_per_token
+    nvme = result.tier[sel] == TIER_NVME
+    nvme_fetch = result.fetch_s[sel][nvme]
     return Metrics(
         start_s=start_s,
         end_s=end_s,
@@ -67,6 +72,8 @@ def measure(result: SimResult, start_s: float, end_s: float) -> Metrics:
         spill_rate=float(result.spilled[sel].mean()),
         mean_fetch_s=float(fetch.mean()) if num_hits else None,
         fetch_bytes_per_s=float((prefix_bytes / fetch).mean()) if num_hits else None,
+        nvme_hit_rate=float(nvme.mean()),
+        nvme_fetch_bytes_per_s=float((prefix_bytes / nvme_fetch).mean()) if nvme.any() else None,
     )
 
 

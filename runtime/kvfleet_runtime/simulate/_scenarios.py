@@ -164,6 +164,8 @@ def coverage(
 class SavingsReport:
     figures: FleetFigures
     design_replica_tokens_per_s: float
+    random_sighting_interval_s: float
+    """Under random routing, how often one replica sees a given template."""
     runs: tuple[PolicyRun, ...]
     duration_s: float
     measure_from_s: float
@@ -198,9 +200,13 @@ def savings(
         )
         for policy in policies
     )
+    num_templates = workload.num_tenants * workload.templates_per_tenant
     return SavingsReport(
         figures=_figures(profile, workload, fleet, k),
         design_replica_tokens_per_s=DESIGN_REPLICA_TOKENS_PER_S,
+        random_sighting_interval_s=num_templates
+        * fleet.num_replicas
+        / (workload.rps * workload.reuse_fraction),
         runs=runs,
         duration_s=duration_s,
         measure_from_s=measure_from_s,

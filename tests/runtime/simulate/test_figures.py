@@ -91,4 +91,8 @@ def test_what_ifs_move_the_figures_the_way_the_levers_say() -> None:
     assert on.replicas_saved > off.replicas_saved
     assert on.mean_fetch_s is not None and off.mean_fetch_s is not None
     assert on.mean_fetch_s > off.mean_fetch_s
+    assert on.nvme_hit_rate > 0.1 and off.nvme_hit_rate == 0
+    assert on.nvme_fetch_bytes_per_s is not None and on.nvme_fetch_bytes_per_s <= 7e9 * 1.0001
+    # An NVMe hit is slower than recomputing the prefix (R1: a capacity win, a latency loss).
+    assert 1500 * REF.kv_bytes_per_token / 7e9 > 1500 * REF.recompute_s_per_token
     assert report.shared_fetch.effective_bytes_per_s == pytest.approx(0.875e9)
