@@ -1,0 +1,63 @@
+"""`kvfleet router` and `kvfleet bench fleet` refuse bad input with exit code 2 and one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvfleet_runtime.cli import app
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    path = tmp_path / "keys.yaml"
+    path.write_text("tenants:\n  acme: [sk-acme]\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "--fleet-config or at least one --replica"),
+        (["--replica", "r0"], "NAME=http://host:port"),
+        (["--replica", "r0=http://a:1", "--replica", "r0=http://b:1"], "given twice"),
+        (["--replica", "r0=http://a:1", "--k", "0"], "--k must be"),
+        (["--replica", "r0=http://a:1", "--occupancy-threshold", "1.5"], "occupancy-threshold"),
+        (["--replica", "r0=http://a:1", "--recompute-s-per-token", "0"], "recompute"),
+    ],
+)
+def test_router_bad_flags(keys: Path, extra: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["router", "--keys", str(keys), *extra])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_router_bad_keys_file(tmp_path: Path) -> None:
+    bad = tmp_path / "keys.yaml"
+    bad.write_text("tenants:\n  __platform__: [k]\n")
+    result = CliRunner().invoke(app, ["router", "--keys", str(bad), "--replica", "r0=http://a:1"])
+    assert result.exit_code == 2 and "__platform__" in result.output
+
+
+def test_bench_fleet_bad_flags(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["bench", "fleet", "--skip", "everything"])
+    assert result.exit_code == 2 and "--skip" in result.output
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "fleet",
+            "--skip",
+            "t2",
+            "--skip",
+            "router",
+            "--trace",
+            str(tmp_path / "none.jsonl"),
+        ],
+    )
+    assert result.exit_code == 2 and "trace file not found" in result.output
+    result = runner.invoke(app, ["bench", "fleet", "--t2-layout", "8,8", "--skip", "hit-rates"])
+    assert result.exit_code == 2 and "LAYERS,KV_HEADS,HEAD_DIM" in result.output
