@@ -4,6 +4,7 @@ blocks, and every CI scenario valid against it. These need no helm."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,3 +149,13 @@ def test_schema_refuses(override: dict[str, Any], why: str) -> None:
     merged = _merge(_values(), override)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(merged, _schema(), cls=jsonschema.Draft7Validator)
+
+
+def test_labels_are_written_only_by_the_helpers() -> None:
+    """No template spells a standard label itself: names, selectors, versions in one place."""
+    offenders = [
+        str(path.relative_to(CHART))
+        for path in sorted((CHART / "templates").rglob("*.yaml"))
+        if re.search(r"app\.kubernetes\.io/|helm\.sh/chart", path.read_text())
+    ]
+    assert not offenders, offenders

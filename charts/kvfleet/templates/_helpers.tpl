@@ -157,3 +157,19 @@ true
 {{- if .Values.router.enabled -}}{{- $out = append $out "router" -}}{{- end -}}
 {{- toYaml $out -}}
 {{- end -}}
+
+{{/*
+The ServiceMonitor's Service selector: this release's instance label, and a name among the scraped
+components' (a label selector cannot say "one of several names" with matchLabels alone).
+*/}}
+{{- define "kvfleet.monitoring.selector" -}}
+matchLabels:
+  app.kubernetes.io/instance: {{ .Release.Name }}
+matchExpressions:
+  - key: app.kubernetes.io/name
+    operator: In
+    values:
+      {{- range (include "kvfleet.monitoring.scrapedComponents" . | fromYamlArray) }}
+      - {{ include "kvfleet.componentName" (dict "context" $ "component" .) }}
+      {{- end }}
+{{- end -}}
