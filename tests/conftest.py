@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+# The k8s_cluster / k8s_namespace fixtures (a real control plane on loopback): tests/cluster.
+pytest_plugins = ["tests.cluster.fixtures"]
+
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
