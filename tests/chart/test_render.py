@@ -776,3 +776,27 @@ def test_replica_joins_the_fleet_tier(
     assert settings.secret == b"s3cret"
     assert settings.redis_url == redis
     assert str(settings.fleet_config) == env["KVFLEET_FLEET_CONFIG"]
+
+
+def test_only_the_fleet_reaches_the_bundled_redis(render: Render) -> None:
+    out = render(DEFAULT)
+    policy = out.get("NetworkPolicy", "kvfleet-redis")
+    redis_pods = out.get("Deployment", "kvfleet-redis")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= redis_pods.items()
+    (rule,) = policy["spec"]["ingress"]
+    allowed = [p["podSelector"]["matchLabels"] for p in rule["from"]]
+    for name in ("kvfleet-replica", "kvfleet-router"):
+        pods = out.get("Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert any(sel.items() <= pods.items() for sel in allowed), name
+    operator = out.get("Deployment", "kvfleet-operator")["spec"]["template"]["metadata"]["labels"]
+    assert not any(sel.items() <= operator.items() for sel in allowed)
+    assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
+
+
+@pytest.mark.parametrize("component", ["operator", "router", "replica"])
+def test_each_component_can_be_left_out(render: Render, component: str) -> None:
+    out = render(DEFAULT, set=[f"{component}.enabled=false"])
+    assert not [o for o in out if o["metadata"]["name"] == f"kvfleet-{component}"]
+    others = {"operator", "router", "replica"} - {component}
+    for other in others:
+        assert out.get("Deployment", f"kvfleet-{other}")
