@@ -168,6 +168,7 @@ def _run(
             profile,
             seed,
             workload=Workload(rps=rps, num_tenants=num_tenants, reuse_fraction=PLANNED_HIT_RATE),
+            num_replicas=num_replicas,
             duration_s=total_s,
             measure_from_s=total_s / 2,
         )

@@ -429,43 +429,60 @@ class Variant:
     nvme_bytes: int = 0
 
 
-def default_variants(base: FleetProfile) -> tuple[Variant, ...]:
+def default_variants(base: FleetProfile, num_replicas: int = 44) -> tuple[Variant, ...]:
+    """The design's levers (FP8 KV, twice the TP on the same GPUs, an MLA latent) and the NVMe
+    tier on and off behind a DRAM too small for the home slice; a lever the base already pulls
+    (or cannot pull) is left out."""
     ref = MODELS[base.model]
-    mla_model = replace(ref, name=f"{ref.name}+mla", mla=REFERENCE_MLA)
-    half = base.tp_degree * 2
     nvme = 8 * TiB  # a host's NVMe: holds every replica's share of the working set
-    return (
-        Variant("baseline", f"{base.name}, 44 replicas", base),
-        Variant(
-            "fp8-kv",
-            "KV stored in FP8: half the bytes per token",
-            fleet_profile(base.model, KVDtype.FP8, base.gpu, base.tp_degree),
-        ),
-        Variant(
-            f"tp{half}",
-            f"TP{half} on the same GPUs: {44 * base.tp_degree // half} replicas, twice as fast",
-            fleet_profile(base.model, base.kv_dtype, base.gpu, half),
-            num_replicas=44 * base.tp_degree // half,
-        ),
-        Variant(
-            "mla",
-            "the same model with an MLA latent of 512+64 per layer instead of GQA K and V",
-            fleet_profile(mla_model, base.kv_dtype, base.gpu, base.tp_degree),
-        ),
+    variants = [Variant("baseline", f"{base.name}, {num_replicas} replicas", base, num_replicas)]
+    if base.kv_dtype != KVDtype.FP8.value:
+        variants.append(
+            Variant(
+                "fp8-kv",
+                "KV stored in FP8: half the bytes per token",
+                fleet_profile(ref, KVDtype.FP8, base.gpu, base.tp_degree),
+                num_replicas,
+            )
+        )
+    doubled = base.tp_degree * 2
+    if (ref.mla is not None or ref.num_kv_heads % doubled == 0) and num_replicas % 2 == 0:
+        variants.append(
+            Variant(
+                f"tp{doubled}",
+                f"TP{doubled} on the same GPUs: {num_replicas // 2} replicas, twice as fast",
+                fleet_profile(ref, base.kv_dtype, base.gpu, doubled),
+                num_replicas // 2,
+            )
+        )
+    if ref.mla is None:
+        mla_model = replace(ref, name=f"{ref.name}+mla", mla=REFERENCE_MLA)
+        variants.append(
+            Variant(
+                "mla",
+                "the same model with an MLA latent of 512+64 per layer instead of GQA K and V",
+                fleet_profile(mla_model, base.kv_dtype, base.gpu, base.tp_degree),
+                num_replicas,
+            )
+        )
+    variants += [
         Variant(
             "small dram, nvme off",
-            f"{format_gib(SMALL_DRAM_BYTES)} of DRAM per replica: the home slice no longer fits",
+            f"{format_gib(SMALL_DRAM_BYTES)} of DRAM per replica (the reference slice overflows)",
             base,
+            num_replicas,
             cache_bytes=SMALL_DRAM_BYTES,
         ),
         Variant(
             "small dram, nvme on",
             f"the same, with {format_gib(nvme)} of NVMe behind DRAM on every replica",
             base,
+            num_replicas,
             cache_bytes=SMALL_DRAM_BYTES,
             nvme_bytes=nvme,
         ),
-    )
+    ]
+    return tuple(variants)
 
 
 def what_if(
@@ -474,6 +491,7 @@ def what_if(
     *,
     variants: tuple[Variant, ...] | None = None,
     workload: Workload | None = None,
+    num_replicas: int = 44,
     k: int = 3,
     duration_s: float = 1800.0,
     measure_from_s: float = 900.0,
@@ -481,7 +499,7 @@ def what_if(
 ) -> WhatIfReport:
     workload = workload or Workload(reuse_fraction=PLANNED_HIT_RATE)
     runs = []
-    for v in variants or default_variants(profile):
+    for v in variants or default_variants(profile, num_replicas):
         fleet = Fleet(
             num_replicas=v.num_replicas, cache_bytes=v.cache_bytes, nvme_bytes=v.nvme_bytes
         )
