@@ -22,12 +22,14 @@ from pathlib import Path
 from tests.cluster import kubeconfig
 from tests.cluster.binaries import Binaries, locate, require
 from tests.cluster.controlplane import LocalControlPlane
+from tests.cluster.processes import ComponentError
 
 EXISTING_KUBECONFIG_ENV = "KVFLEET_TEST_KUBECONFIG"
 KEEP_LOGS_ENV = "KVFLEET_K8S_KEEP_LOGS"
 TEST_NAMESPACE_LABEL = "kvfleet.dev/test-namespace"
 COMMAND_TIMEOUT_S = 120.0
 NAMESPACE_READY_S = 30.0
+START_ATTEMPTS = 2
 _WORK_DIR_PREFIX = "kvfleet-cluster-"
 
 
@@ -182,11 +184,12 @@ def _sweep_stale_work_dirs(root: Path) -> None:
             pass  # alive, another user's
 
 
-def _keep_logs(source: Path, work_dir: Path) -> None:
-    """Copy the logs to $KVFLEET_K8S_KEEP_LOGS/<work dir name>/ (one folder per cluster)."""
+def _keep_logs(plane: LocalControlPlane, work_dir: Path) -> None:
+    """Copy the logs to $KVFLEET_K8S_KEEP_LOGS/<work dir>/<plane>/ (one folder per start)."""
     target = os.environ.get(KEEP_LOGS_ENV)
-    if target and source.is_dir():
-        shutil.copytree(source, Path(target) / work_dir.name, dirs_exist_ok=True)
+    if target and plane.log_dir.is_dir():
+        destination = Path(target) / work_dir.name / plane.work_dir.name
+        shutil.copytree(plane.log_dir, destination, dirs_exist_ok=True)
 
 
 @contextmanager
@@ -203,19 +206,35 @@ def open_cluster(binaries: Binaries | None = None) -> Iterator[Cluster]:
     _sweep_stale_work_dirs(temp_root)
     work_dir = Path(tempfile.mkdtemp(prefix=f"{_WORK_DIR_PREFIX}{os.getpid()}-", dir=temp_root))
     tools = _Tools(bins.kubectl, bins.helm, work_dir / "tools")
-    plane: LocalControlPlane | None = None
+    planes: list[LocalControlPlane] = []
     try:
         if existing:
             config = Path(existing).resolve()
             server = str(kubeconfig.current_cluster(config)["server"])
             yield Cluster(config, server, False, (), work_dir, tools)
         else:
-            plane = LocalControlPlane(bins, work_dir)
-            plane.start()
+            plane = _start_local(bins, work_dir, planes)
             yield Cluster(plane.admin_kubeconfig, plane.api_url, True, plane.fake_nodes,
                           work_dir, tools)
     finally:
-        if plane is not None:
+        for plane in planes:
             plane.stop()
-            _keep_logs(plane.log_dir, work_dir)
+            _keep_logs(plane, work_dir)
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _start_local(
+    bins: Binaries, work_dir: Path, started: list[LocalControlPlane]
+) -> LocalControlPlane:
+    """Start a LocalControlPlane, once more if another process took one of its free ports
+    between our probe and the component's bind (rare, but then it is nobody's bug)."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        plane = LocalControlPlane(bins, work_dir / f"plane-{attempt}")
+        started.append(plane)
+        try:
+            plane.start()
+            return plane
+        except ComponentError as exc:
+            if attempt == START_ATTEMPTS or "address already in use" not in str(exc):
+                raise
+    raise AssertionError("unreachable")

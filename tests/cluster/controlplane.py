@@ -144,7 +144,6 @@ class LocalControlPlane:
         self.admin_kubeconfig = work_dir / "admin.kubeconfig"
         self.processes: list[ManagedProcess] = []
         self.fake_nodes = tuple(fake_node(i)["metadata"]["name"] for i in range(FAKE_NODE_COUNT))
-        self._pki: Pki | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -162,8 +161,8 @@ class LocalControlPlane:
             process.stop()
 
     def _start(self) -> None:
-        self.log_dir.mkdir(parents=True)
-        self._pki = pki = make_pki(self.pki_dir, CLIENTS)
+        self.log_dir.mkdir(parents=True)  # creates work_dir too
+        pki = make_pki(self.pki_dir, CLIENTS)
         kubeconfigs = {
             name: kubeconfig.write_kubeconfig(
                 self.work_dir / f"{name}.kubeconfig",
@@ -185,8 +184,9 @@ class LocalControlPlane:
         kwok = self._start_kwok(kubeconfigs["kwok"])
         _wait_healthz(manager, self.ports.controller_manager)
         _wait_healthz(scheduler, self.ports.scheduler)
+        # kwok marks the nodes Ready; the controller-manager then lifts their not-ready taint.
         wait_until(lambda: self._nodes_ready(admin), NODES_READY_S,
-                   f"{FAKE_NODE_COUNT} fake nodes Ready and untainted", kwok)
+                   f"{FAKE_NODE_COUNT} fake nodes Ready and untainted", kwok, manager)
         sa_url = f"{self.api_url}/api/v1/namespaces/default/serviceaccounts/default"
         wait_until(lambda: admin.request(sa_url)[0] == 200, COMPONENT_READY_S,
                    "ServiceAccount default/default (created by the controller-manager)", manager)

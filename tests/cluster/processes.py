@@ -97,20 +97,21 @@ def start_process(
 
 
 def wait_until(
-    ready: Callable[[], bool], timeout_s: float, what: str, process: ManagedProcess | None = None
+    ready: Callable[[], bool], timeout_s: float, what: str, *processes: ManagedProcess
 ) -> None:
-    """Poll `ready` until true; fail fast if `process` dies, fail with its log tail on timeout."""
+    """Poll `ready` until true. Fail fast if one of `processes` (those `ready` depends on) dies;
+    on timeout, fail with each one's log tail."""
     deadline = time.monotonic() + timeout_s
     delay_s = 0.05
     while True:
-        if process is not None and not process.alive():
-            raise ComponentError(process.describe_failure(f"died while waiting for {what}"))
+        for process in processes:
+            if not process.alive():
+                raise ComponentError(process.describe_failure(f"died while waiting for {what}"))
         if ready():
             return
         if time.monotonic() > deadline:
             message = f"{what} not ready after {timeout_s:.0f} s"
-            if process is not None:
-                message = process.describe_failure(message)
-            raise ComponentError(message)
+            details = [p.describe_failure(message) for p in processes] or [message]
+            raise ComponentError("\n".join(details))
         time.sleep(delay_s)
         delay_s = min(delay_s * 2, 0.5)
