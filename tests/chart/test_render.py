@@ -800,3 +800,12 @@ def test_each_component_can_be_left_out(render: Render, component: str) -> None:
     others = {"operator", "router", "replica"} - {component}
     for other in others:
         assert out.get("Deployment", f"kvfleet-{other}")
+
+
+def test_clusters_without_crd_validation_rules_are_refused(
+    helm: Path, helm_env: dict[str, str]
+) -> None:
+    args = template_args([DEFAULT])
+    args[args.index("--kube-version") + 1] = "v1.28.5"
+    result = run_helm(helm, helm_env, *args)
+    assert result.returncode != 0 and ">=1.29.0-0" in result.stderr
