@@ -15,7 +15,6 @@ from kvfleet_runtime.cli._app import app, fail
 model_app = typer.Typer(name="model", help="Reference model checkpoints.", no_args_is_help=True)
 app.add_typer(model_app)
 
-CONFIG_ENV = "KVFLEET_REPLICA_CONFIG"
 
 
 @model_app.command("generate")
@@ -46,7 +45,7 @@ def replica(
     port: Annotated[int | None, typer.Option(help="TCP port (default 8000).")] = None,
     host: Annotated[str | None, typer.Option(help="Bind address (default 0.0.0.0).")] = None,
     config: Annotated[Path | None, typer.Option(
-        help=f"YAML/JSON config file, watched for changes (env {CONFIG_ENV}).")] = None,
+        help="YAML/JSON config file, watched for changes (env KVFLEET_REPLICA_CONFIG).")] = None,
     model_id: Annotated[str | None, typer.Option(help="Served model name.")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
@@ -55,7 +54,7 @@ def replica(
     from aiohttp import web
 
     from kvfleet_runtime.fleet.wiring import attach_fleet, settings_from_env
-    from kvfleet_runtime.server import build_replica, create_app, load_config
+    from kvfleet_runtime.server import CONFIG_ENV, build_replica, create_app, load_config
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

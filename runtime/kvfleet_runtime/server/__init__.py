@@ -9,6 +9,7 @@ from kvfleet_runtime.server._app import (
     openapi_document,
 )
 from kvfleet_runtime.server._config import (
+    CONFIG_ENV,
     ENV_PREFIX,
     CacheSettings,
     EngineSettings,
@@ -19,6 +20,7 @@ from kvfleet_runtime.server._config import (
 from kvfleet_runtime.server._schemas import TENANT_HEADER, CompletionRequest, InvalidateRequest
 
 __all__ = [
+    "CONFIG_ENV",
     "ENV_PREFIX",
     "TENANT_HEADER",
     "ApiError",

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
+    "CONFIG_ENV",
     "ENV_PREFIX",
     "LIVE_FIELDS",
     "CacheSettings",
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KVFLEET_REPLICA_"
+CONFIG_ENV = "KVFLEET_REPLICA_CONFIG"
+"""The config file's path (read by the CLI), not a config field."""
 
 
 class _Strict(BaseModel):
@@ -103,7 +106,7 @@ def restart_fields(old: ReplicaConfig, new: ReplicaConfig) -> list[str]:
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
             continue
         path = name[len(ENV_PREFIX):].lower().split("__")
         try:
