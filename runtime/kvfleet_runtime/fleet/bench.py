@@ -101,8 +101,7 @@ def serve_t2(port: int, num_layers: int, num_kv_heads: int, head_dim: int, num_t
     cache.drain_store_queue()
     app = web.Application(client_max_size=64 << 20)
     app.add_routes(peer_routes(CacheBlockSource(cache), BENCH_SECRET))
-    print("READY", flush=True)  # noqa: T201 - the parent waits for this line
-    web.run_app(app, host="127.0.0.1", port=port, print=None)
+    _serve_forever(app, port)
 
 
 def serve_raw(port: int, num_bytes: int) -> None:
@@ -134,8 +133,21 @@ def serve_echo_replica(port: int) -> None:
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get(LOAD_PATH, load)
-    print("READY", flush=True)  # noqa: T201 - the parent waits for this line
-    web.run_app(app, host="127.0.0.1", port=port, print=None)
+    _serve_forever(app, port)
+
+
+def _serve_forever(app: Any, port: int) -> None:
+    """Listen on 127.0.0.1:`port`, then tell the parent (READY on stdout), then serve."""
+    from aiohttp import web
+
+    async def main() -> None:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        print("READY", flush=True)  # noqa: T201 - the parent waits for this line
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
 
 
 @contextlib.contextmanager

@@ -213,10 +213,12 @@ async def _stream_run(
     await response.prepare(request)
     head = _PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
     for frame in frames:
-        # The small pieces around each frame go out in one write with the previous CRC.
+        # The CRC is computed in a thread (zlib releases the GIL) while the frame is written;
+        # the small pieces around each frame go out in one write with the previous CRC.
+        crc = asyncio.ensure_future(asyncio.to_thread(zlib.crc32, frame))
         await response.write(head + _U32.pack(len(frame)))
         await response.write(frame)
-        head = _U32.pack(zlib.crc32(frame))
+        head = _U32.pack(await crc)
     await response.write(head)
     await response.write_eof()
     if on_served is not None:
@@ -484,30 +486,39 @@ class _ChunkReader:
             self.num_read += len(take)
         return b"".join(parts)
 
-    async def into(self, out: memoryview) -> int:
-        """Fill `out`; returns the CRC32 of what was copied."""
-        crc = 0
+    async def into(self, out: memoryview) -> None:
+        """Fill `out` from the stream."""
         pos = 0
         while pos < len(out):
             if not self.chunk:
                 await self._next(len(out) - pos)
             take = self.chunk[: len(out) - pos]
             out[pos : pos + len(take)] = take
-            crc = zlib.crc32(take, crc)
             self.chunk = self.chunk[len(take) :]
             pos += len(take)
         self.num_read += pos
-        return crc
 
 
 async def _read_frames(reader: _ChunkReader, out: memoryview) -> None:
-    pos = 0
-    while pos < len(out):
-        (length,) = _U32.unpack(await reader.exactly(_U32.size))
-        if length == 0 or pos + length > len(out):
-            raise FetchFailed("protocol", f"frame of {length} bytes at offset {pos}")
-        crc = await reader.into(out[pos : pos + length])
-        (expected,) = _U32.unpack(await reader.exactly(_U32.size))
-        if crc != expected:
-            raise FetchFailed("checksum", f"frame at offset {pos}")
-        pos += length
+    """Read K or V. Each frame's CRC runs in a thread (zlib releases the GIL) while the next
+    frame is received; all are checked before the run is returned."""
+    checks: list[tuple[asyncio.Future[int], int, int]] = []
+    try:
+        pos = 0
+        while pos < len(out):
+            (length,) = _U32.unpack(await reader.exactly(_U32.size))
+            if length == 0 or pos + length > len(out):
+                raise FetchFailed("protocol", f"frame of {length} bytes at offset {pos}")
+            frame = out[pos : pos + length]
+            await reader.into(frame)
+            (expected,) = _U32.unpack(await reader.exactly(_U32.size))
+            checks.append(
+                (asyncio.ensure_future(asyncio.to_thread(zlib.crc32, frame)), expected, pos)
+            )
+            pos += length
+        for crc, expected, offset in checks:
+            if await crc != expected:
+                raise FetchFailed("checksum", f"frame at offset {offset}")
+    finally:
+        for crc, _, _ in checks:
+            crc.cancel()
