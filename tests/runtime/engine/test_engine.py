@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfleet_runtime.cache import Hit, PrefixCache
+from kvfleet_runtime.cache import CacheConfig, Hit, KVLayout, PrefixCache
 from kvfleet_runtime.engine import (
     CacheKeyFields,
     Engine,
@@ -378,3 +378,25 @@ def test_submit_refuses_impossible_requests_and_overload(make_engine: EngineFact
     engine.submit(GenerationRequest("t", (1, 2)))  # not started: it waits
     with pytest.raises(EngineOverloaded):
         engine.submit(GenerationRequest("t", (1, 2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hit_equals_miss_on_cuda_with_a_pinned_t1(tiny_dir: Path) -> None:
+    """The same guarantee on a GPU: T0 in device memory, T1 pinned on the host."""
+    loaded = load_checkpoint(tiny_dir, device=torch.device("cuda"))
+    prompt = tokens(90, seed=77)
+    for t0, t1 in ((256, 0), (0, 256)):
+        a = loaded.args
+        cache = PrefixCache(CacheConfig(num_t0_blocks=t0, num_t1_blocks=t1,
+                                        admit_min_sightings=1),
+                            KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype="float32"),
+                            clock=lambda: 0.0, device="cuda")
+        engine = Engine(loaded.model, CacheKeyFields.for_model(loaded, "tiny"), cache=cache)
+
+        async def body(engine: Engine) -> None:
+            miss, cached = await run(engine, "acme", prompt)
+            hit, cached_again = await run(engine, "acme", prompt)
+            assert (cached, cached_again) == (0, 80) and hit == miss
+
+        asyncio.run(with_engine(engine, body))
