@@ -139,7 +139,18 @@ build_kwok() {
   finish kwok "$v" "$out"
 }
 
+# The fixture makes its certificates with the openssl CLI; Debian images usually have it.
+ensure_openssl() {
+  command -v openssl >/dev/null 2>&1 && return 0
+  say "installing openssl (the test cluster's certificates are made with it)"
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q \
+    --no-install-recommends openssl || die "could not install openssl"
+}
+
 main() {
+  ensure_openssl
   if all_complete; then
     say "binaries up to date in $CLUSTER_HOME"; exit 0
   fi

@@ -13,6 +13,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.cluster.binaries import MissingBinariesError
+
 VALID_DAYS = 2
 
 _OPENSSL_CONFIG = """\
@@ -74,7 +76,13 @@ class Pki:
 
 
 def _openssl(*args: str) -> None:
-    result = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=30)
+    try:
+        result = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError as exc:
+        raise MissingBinariesError(
+            "the openssl CLI is missing; tests/cluster/build.sh installs it"
+            " (apt-get install openssl)"
+        ) from exc
     if result.returncode != 0:
         raise RuntimeError(f"openssl {' '.join(args)} failed: {result.stderr.strip()}")
 
