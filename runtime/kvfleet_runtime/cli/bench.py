@@ -59,7 +59,7 @@ def replica(
         fail(str(exc))
     out = Console(highlight=False)
     if as_json:
-        out.print(json.dumps(report.to_dict(), indent=2), markup=False)
+        typer.echo(json.dumps(report.to_dict(), indent=2))  # raw: no console wrapping
         return
     ms = 1e3
     threads = f", {torch.get_num_threads()} CPU thread(s)" if dev.type == "cpu" else ""

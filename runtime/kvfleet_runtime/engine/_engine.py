@@ -25,10 +25,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch import Tensor
@@ -50,7 +50,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -263,10 +262,6 @@ class Engine:
             except Exception:
                 self.metrics.cache_errors.labels("drain").inc()
                 log.exception("cache drain failed")
-
-    async def run_on_engine_thread(self, fn: Callable[[], T]) -> T:
-        """Run `fn` (a cache call: stats, invalidate) serialized with the engine's steps."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     @property
     def num_waiting(self) -> int:
