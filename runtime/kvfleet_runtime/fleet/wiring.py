@@ -180,13 +180,16 @@ class FleetTier:
         usable_blocks = (len(token_ids) - 1) // BLOCK_SIZE
         if usable_blocks < 1:
             return
-        key = self.replica.engine.key_fields.key(tenant_id)
-        chain = chain_hashes(self.cache, key, token_ids[: usable_blocks * BLOCK_SIZE])
-        local = self.held.leading(chain)
-        if local:
-            self.publisher.offer_stored(chain[:local], refresh=True)
-        if usable_blocks - local >= self.settings.min_fetch_blocks:
-            await tier.fill(key, token_ids[: usable_blocks * BLOCK_SIZE], local)
+        try:
+            key = self.replica.engine.key_fields.key(tenant_id)
+            chain = chain_hashes(self.cache, key, token_ids[: usable_blocks * BLOCK_SIZE])
+            local = self.held.leading(chain)
+            if local:
+                self.publisher.offer_stored(chain[:local], refresh=True)
+            if usable_blocks - local >= self.settings.min_fetch_blocks:
+                await tier.fill(key, token_ids[: usable_blocks * BLOCK_SIZE], local)
+        except Exception:  # the fleet tier never fails a request: the engine prefills instead
+            log.exception("fleet tier: pre-submit fetch failed; recomputing")
 
     def load_report(self) -> dict[str, Any]:
         engine = self.replica.engine
