@@ -63,7 +63,7 @@ class CacheConfig:
     """At most this share of T0 is pinned, so hot prefixes cannot starve everything else."""
     store_queue_max_entries: int = 64
     """Pending writes held at once; a full queue drops its least valuable entry."""
-    sketch_width: int = 1 << 16
+    sketch_width: int = 1 << 20
     sketch_depth: int = 4
     thrash_ratio: float = 0.9
     """Thrashing: blocks dropped / blocks offered above this, sustained."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvfleet_runtime.cache._allocator import BlockAllocator
@@ -94,6 +94,13 @@ class TierCounters:
     num_stored: int = 0
 
 
+_Entry = tuple[bool, int, int, int, BlockNode]
+"""Eviction heap entry: (pinned, aged frequency, last tick, seq, node); smallest goes first."""
+
+_MAX_REFRESH = 32
+"""Victim candidates re-ranked per pop before the current best is taken regardless."""
+
+
 @dataclass(slots=True)
 class _Plan:
     moves: list[Move] = field(default_factory=list)
@@ -111,7 +118,7 @@ class BlockIndex:
         self.pin_limit = 0
         self._nodes: dict[BlockHash, BlockNode] = {}
         self._namespaces: dict[CacheKey, Namespace] = {}
-        self._heaps: tuple[list[tuple[bool, int, int, BlockNode]], ...] = ([], [])
+        self._heaps: tuple[list[_Entry], ...] = ([], [])
         self._seq = itertools.count()
         self._tick = 0
 
@@ -186,10 +193,17 @@ class BlockIndex:
             return False
         return node.num_t0_children == 0 if tier == Tier.T0 else node.num_children == 0
 
+    def _weight(self, node: BlockNode) -> int:
+        """Frequency scaled by 2^(sketch resets so far). Every reset halves all counters, so
+        ordering by f * 2^resets_at_push ranks entries pushed in different epochs exactly as
+        their aged frequencies would, without ever re-keying the heap."""
+        return self.sketch.estimate(node.block_hash) << self.sketch.num_resets
+
     def _push(self, node: BlockNode) -> None:
         tier = node.tier
         if tier != _GONE and self._evictable(node, tier):
-            heapq.heappush(self._heaps[tier], (node.pinned, node.last_tick, next(self._seq), node))
+            entry = (node.pinned, self._weight(node), node.last_tick, next(self._seq), node)
+            heapq.heappush(self._heaps[tier], entry)
             if len(self._heaps[tier]) > 4 * len(self._nodes) + 1024:
                 self._compact(tier)
 
@@ -198,16 +212,28 @@ class BlockIndex:
         heapq.heapify(heap)
         self._heaps[tier][:] = heap
 
-    def _valid_entry(self, entry: tuple[bool, int, int, BlockNode], tier: int) -> bool:
-        pinned, tick, _, node = entry
+    def _valid_entry(self, entry: _Entry, tier: int) -> bool:
+        pinned, _, tick, _, node = entry
         return node.last_tick == tick and node.pinned == pinned and self._evictable(node, tier)
 
     def _pop_victim(self, tier: int) -> BlockNode | None:
+        """The least frequent evictable block (unpinned first, least recent among equals).
+
+        A popped entry whose block has become more frequent since it was pushed is re-ranked
+        (bounded, so one pop stays cheap)."""
         heap = self._heaps[tier]
+        refreshed = 0
         while heap:
             entry = heapq.heappop(heap)
-            if self._valid_entry(entry, tier):
-                return entry[3]
+            if not self._valid_entry(entry, tier):
+                continue
+            node = entry[4]
+            weight = self._weight(node)
+            if weight > entry[1] and refreshed < _MAX_REFRESH:
+                refreshed += 1
+                heapq.heappush(heap, (entry[0], weight, entry[2], entry[3], node))
+                continue
+            return node
         return None
 
     def _free_slot(self, node: BlockNode) -> None:
@@ -234,11 +260,15 @@ class BlockIndex:
             self._push(parent)
         plan.dropped.append(node)
 
-    def _reserve(self, tier: int, n: int, candidate_freq: int | None, plan: _Plan) -> list[int]:
+    def _reserve(
+        self, tier: int, n: int, candidate_freqs: Sequence[int] | None, plan: _Plan
+    ) -> list[int]:
         """Up to `n` free slots of `tier`, evicting victims that lose the frequency duel.
 
-        Returns fewer than `n` ids when the tier is full of referenced blocks or of blocks more
-        frequent than the candidate (not enough room is not an error)."""
+        Slot i goes to a candidate of frequency `candidate_freqs[i]` (None: no duel, e.g. to
+        demote an interior block that cannot be dropped). Returns fewer than `n` ids when the tier
+        is full of referenced blocks or of blocks more frequent than the candidate: not enough
+        room is not an error."""
         alloc = self.allocators[tier]
         ids = alloc.allocate(min(n, alloc.num_free)) or []
         skipped: list[BlockNode] = []
@@ -246,8 +276,9 @@ class BlockIndex:
             victim = self._pop_victim(tier)
             if victim is None:
                 break
-            if candidate_freq is not None and self.sketch.estimate(victim.block_hash) > (
-                candidate_freq
+            if (
+                candidate_freqs is not None
+                and self.sketch.estimate(victim.block_hash) > (candidate_freqs[len(ids)])
             ):
                 skipped.append(victim)
                 break
@@ -268,7 +299,7 @@ class BlockIndex:
             freq = self.sketch.estimate(victim.block_hash)
             interior = victim.num_children > 0
             victim.ref_count += 1  # its own demotion must not pick it as a T1 victim
-            got = self._reserve(Tier.T1, 1, None if interior else freq, plan)
+            got = self._reserve(Tier.T1, 1, None if interior else [freq], plan)
             victim.ref_count -= 1
             if got:
                 plan.moves.append(Move(Tier.T0, victim.block_id, Tier.T1, got[0]))
@@ -309,8 +340,7 @@ class BlockIndex:
             parent.ref_count += 1
         if tier != Tier.T0 or self.num_pinned + len(hashes) > self.pin_limit:
             pinned = False
-        freq = min((self.sketch.estimate(h) for h in hashes), default=0)
-        ids = self._reserve(tier, len(hashes), freq, plan)
+        ids = self._reserve(tier, len(hashes), self.sketch.estimate_many(hashes), plan)
         if parent is not None:
             parent.ref_count -= 1
             self._push(parent)
@@ -347,8 +377,8 @@ class BlockIndex:
         t1_nodes = [n for n in path if n.tier == Tier.T1]
         if not t1_nodes or not self.allocators[Tier.T0].num_blocks:
             return plan
-        freq = self.sketch.estimate(t1_nodes[0].block_hash)
-        ids = self._reserve(Tier.T0, len(t1_nodes), freq, plan)
+        freqs = self.sketch.estimate_many([n.block_hash for n in t1_nodes])
+        ids = self._reserve(Tier.T0, len(t1_nodes), freqs, plan)
         for node, block_id in zip(t1_nodes, ids, strict=False):
             plan.moves.append(Move(Tier.T1, node.block_id, Tier.T0, block_id))
             self.allocators[Tier.T1].free([node.block_id])

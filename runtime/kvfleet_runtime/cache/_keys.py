@@ -33,6 +33,7 @@ __all__ = [
     "BlockHash",
     "CacheKey",
     "block_hashes",
+    "continue_chain",
     "iter_block_hashes",
     "key_digest",
     "platform_key",
@@ -161,6 +162,18 @@ def _scoped_hashes(key: CacheKey, chunks: list[bytes], platform_blocks: int) -> 
     for chunk in chunks[platform_blocks:]:
         prev = _step(prev, chunk)
         yield BlockHash(prev)
+
+
+def continue_chain(prev: bytes, token_ids: Sequence[int]) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids` chained onto `prev` (a block hash, or
+    `key_digest(key)` for a chain's first block): `block_hashes(key, a + b)` equals
+    `block_hashes(key, a) + continue_chain(block_hashes(key, a)[-1], b)` for whole-block `a`."""
+    data = token_bytes(token_ids)
+    out: list[BlockHash] = []
+    for i in range(0, len(data) - _BLOCK_BYTES + 1, _BLOCK_BYTES):
+        prev = _step(prev, data[i : i + _BLOCK_BYTES])
+        out.append(BlockHash(prev))
+    return out
 
 
 def block_hashes(

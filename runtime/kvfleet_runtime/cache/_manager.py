@@ -25,7 +25,7 @@ from kvfleet_runtime.cache._keys import (
     platform_key,
     validate_weights_digest,
 )
-from kvfleet_runtime.cache._policy import Placement, ThrashDetector, place
+from kvfleet_runtime.cache._policy import Placement, ThrashDetector, admit_threshold, place
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
 
@@ -156,31 +156,32 @@ class CacheManager:
         stats.num_store_requests += 1
         stats.num_blocks_offered += len(hashes)
         self.thrash.record(self.clock(), offered=len(hashes))
-        counts = [self.sketch.increment(h) for h in hashes]
+        counts = self.sketch.increment_many(hashes)
         resident = self.index.match(hashes)
         if resident:
             self.index.touch(resident)
         cfg = self.config
         thrashing = self.thrash.thrashing
+        admit = admit_threshold(cfg.admit_min_sightings, thrashing=thrashing)
         admitted = 0
-        placement = Placement.NOT_STORED
-        for i, count in enumerate(counts):
-            decision = place(
-                count,
-                (i + 1) * self.bytes_per_block,
-                admit_min_sightings=cfg.admit_min_sightings,
-                hot_min_sightings=cfg.hot_min_sightings,
-                pin_max_bytes=cfg.pin_max_bytes,
-                thrashing=thrashing,
-            )
-            if decision is Placement.NOT_STORED:
+        for count in counts:  # counts only fall along a chain, up to sketch noise: stop early
+            if count < admit:
                 break
-            admitted, placement = i + 1, decision
+            admitted += 1
         if admitted < len(hashes):
             stats.num_admissions_refused += len(hashes) - max(admitted, len(resident))
         if admitted <= len(resident):
             return StoreOutcome.RESIDENT if resident else StoreOutcome.REFUSED
-        priority = admitted * BLOCK_SIZE * counts[admitted - 1]
+        sightings = counts[admitted - 1]
+        placement = place(
+            sightings,
+            admitted * self.bytes_per_block,
+            admit_min_sightings=cfg.admit_min_sightings,
+            hot_min_sightings=cfg.hot_min_sightings,
+            pin_max_bytes=cfg.pin_max_bytes,
+            thrashing=thrashing,
+        )
+        priority = admitted * BLOCK_SIZE * sightings
         return StorePlan(
             key, hashes[:admitted], len(resident), platform_blocks, placement, priority
         )

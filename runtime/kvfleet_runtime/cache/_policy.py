@@ -14,13 +14,18 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Placement", "ThrashDetector", "place"]
+__all__ = ["Placement", "ThrashDetector", "admit_threshold", "place"]
 
 
 class Placement(enum.Enum):
     NOT_STORED = "not_stored"
     REUSED = "reused"
     PINNED = "pinned"
+
+
+def admit_threshold(admit_min_sightings: int, *, thrashing: bool) -> int:
+    """Sightings a block needs before it is stored; one more while thrashing."""
+    return admit_min_sightings + (1 if thrashing else 0)
 
 
 def place(
@@ -32,7 +37,7 @@ def place(
     pin_max_bytes: int,
     thrashing: bool,
 ) -> Placement:
-    admit = admit_min_sightings + (1 if thrashing else 0)
+    admit = admit_threshold(admit_min_sightings, thrashing=thrashing)
     if sightings < admit:
         return Placement.NOT_STORED
     if sightings >= max(hot_min_sightings, admit) and prefix_bytes <= pin_max_bytes:

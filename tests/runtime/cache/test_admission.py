@@ -15,11 +15,20 @@ def test_sketch_counts_saturate_and_age() -> None:
     h = bytes(range(16))
     assert sketch.estimate(h) == 0
     assert [sketch.increment(h) for _ in range(3)] == [1, 2, 3]
-    for _ in range(20):
+    for _ in range(300):
         sketch.increment(h)
-    assert sketch.estimate(h) == 15  # saturates: four bits of information, as in TinyLFU
+    assert sketch.estimate(h) == 255  # saturates at a byte
     sketch.age()
-    assert sketch.estimate(h) == 7 and sketch.num_resets == 1
+    assert sketch.estimate(h) == 127 and sketch.num_resets == 1
+
+
+def test_sketch_batch_and_single_paths_agree() -> None:
+    sketch = CountMinSketch(width=1024, depth=4)
+    hashes = [bytes([i]) * 16 for i in range(40)]
+    assert sketch.increment_many(hashes) == [1] * 40
+    sketch.increment_many(hashes[:10])
+    assert sketch.estimate_many(hashes) == [sketch.estimate(h) for h in hashes]
+    assert sketch.estimate_many(hashes)[:12] == [2] * 10 + [1] * 2
 
 
 def test_sketch_ages_itself_after_sample_size_increments() -> None:

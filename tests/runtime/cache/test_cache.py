@@ -310,7 +310,7 @@ def test_read_blocks_and_import_blocks_round_trip_between_caches(clock: FakeCloc
 
 
 def test_pure_modules_do_not_import_torch() -> None:
-    modules = ["kvfleet_runtime.cache"] + [
+    modules = ["kvfleet_runtime.cache", "kvfleet_runtime.cache.sim"] + [
         f"kvfleet_runtime.cache.{m}"
         for m in (
             "_keys",

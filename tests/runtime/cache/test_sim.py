@@ -1,0 +1,86 @@
+"""The hit-rate simulator: trace expansion equals real chained hashing; policies on tiny traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfleet_runtime.cache import BlockHash, CacheConfig, block_hashes
+from kvfleet_runtime.cache.sim import (
+    SIM_KEY,
+    TraceRequest,
+    load_mooncake_trace,
+    mooncake_block_tokens,
+    simulate_belady,
+    simulate_infinite,
+    simulate_kvfleet,
+    simulate_lru,
+    unique_blocks,
+)
+
+
+def write_trace(path: Path, rows: list[tuple[int, int, list[int]]]) -> Path:
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": ids})
+            + "\n"
+            for t, n, ids in rows
+        )
+    )
+    return path
+
+
+def test_expansion_equals_hashing_the_deterministic_tokens(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", [(0, 1100, [7, 8, 9]), (5, 530, [7, 4])])
+    first, second = load_mooncake_trace(trace)
+    tokens = [t for hid in (7, 8, 9) for j in range(32) for t in mooncake_block_tokens(hid, j)]
+    assert list(first.blocks) == block_hashes(SIM_KEY, tokens[:1100])
+    assert len(first.blocks) == 1100 // 16 and first.timestamp_s == 0.0
+    assert second.blocks[:32] == first.blocks[:32] and second.blocks[32] != first.blocks[32]
+    assert len(second.blocks) == 530 // 16
+
+
+def test_missing_or_malformed_trace_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not found"):
+        load_mooncake_trace(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        load_mooncake_trace(bad)
+
+
+def req(*blocks: int) -> TraceRequest:
+    return TraceRequest(
+        0.0, 16 * len(blocks), tuple(BlockHash(b.to_bytes(16, "little")) for b in blocks)
+    )
+
+
+def test_policies_on_a_tiny_trace_with_exact_hit_counts() -> None:
+    # Prefix A=(1,2) is reused every other request; one-shot prefixes come in between.
+    trace = [req(1, 2), req(10, 11), req(1, 2), req(20, 21), req(1, 2), req(30, 31), req(1, 2)]
+    assert unique_blocks(trace) == 8
+    assert simulate_infinite(trace).num_hit_tokens == 3 * 32
+    assert simulate_lru(trace, 2).num_hit_tokens == 0  # each one-shot flushes A
+    assert simulate_lru(trace, 4).num_hit_tokens == 3 * 32
+    assert simulate_belady(trace, 2).num_hit_tokens == 3 * 32  # keeps A, bypasses one-shots
+    kv = simulate_kvfleet(trace, 2, config=lambda c: CacheConfig(num_t0_blocks=c))
+    # Stored on A's second sighting, hit on the third and fourth; one-shots never enter.
+    assert kv.num_hit_tokens == 2 * 32 and kv.num_hit_requests == 2
+
+
+def test_belady_is_an_upper_bound_of_lru_and_kvfleet_on_a_random_trace() -> None:
+    import random
+
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(10**6) for _ in range(rng.randint(1, 6))] for _ in range(12)]
+    trace = []
+    for _ in range(200):
+        p = prefixes[min(int(rng.expovariate(0.4)), 11)]
+        trace.append(req(*p, rng.randrange(10**6, 2 * 10**6)))
+    for cap in (4, 10, 30):
+        best = simulate_belady(trace, cap).num_hit_tokens
+        assert best >= simulate_lru(trace, cap).num_hit_tokens
+        assert best >= simulate_kvfleet(trace, cap).num_hit_tokens
+        assert best <= simulate_infinite(trace).num_hit_tokens
