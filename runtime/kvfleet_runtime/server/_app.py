@@ -292,10 +292,17 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
         if body.max_tokens > limits.max_tokens:
             raise ApiError(400, f"max_tokens {body.max_tokens} exceeds the limit of "
                            f"{limits.max_tokens}", param="max_tokens", code="invalid_value")
-        if replica.before_submit is not None:
-            await replica.before_submit(tenant, token_ids)
         gen = GenerationRequest(tenant, tuple(token_ids), SamplingParams(
             max_tokens=body.max_tokens, temperature=body.temperature, seed=body.seed))
+        try:
+            replica.engine.check(gen)  # bad token ids never reach the fleet hook
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="prompt", code="invalid_value") from exc
+        if replica.before_submit is not None:
+            try:
+                await replica.before_submit(tenant, token_ids)
+            except Exception:  # a cache-side failure never fails the request: recompute
+                log.exception("before_submit hook failed; the engine prefills instead")
         try:
             stream = replica.engine.submit(gen)
         except ValueError as exc:

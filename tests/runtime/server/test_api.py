@@ -262,3 +262,22 @@ def test_config_file_is_reloaded_on_change(running: RunningReplica) -> None:
     finally:
         _rewrite_config(running, yaml.safe_dump(TEST_CONFIG))
         _wait_for(lambda: replica.config.limits.max_tokens == 32)
+
+
+def test_before_submit_hook_sees_valid_prompts_only_and_cannot_fail_a_request(
+    running: RunningReplica,
+) -> None:
+    seen: list[tuple[str, list[int]]] = []
+
+    async def hook(tenant: str, token_ids: list[int]) -> None:
+        seen.append((tenant, list(token_ids)))
+        raise RuntimeError("peer fetch exploded")
+
+    running.replica.before_submit = hook
+    try:
+        ok = post(running, {"prompt": [1, 2, 3], "max_tokens": 1})
+        bad = post(running, {"prompt": [1, 999], "max_tokens": 1})
+    finally:
+        running.replica.before_submit = None
+    assert ok.status_code == 200 and bad.status_code == 400
+    assert seen == [("acme", [1, 2, 3])]
