@@ -406,7 +406,9 @@ def test_rollout_that_recovers_is_promoted_step_by_step_across_an_operator_kill(
     wait_for(lambda: status().get("currentStep") == 2, "step 2 started", 120)
     # Kill the operator without warning in the middle of the rollout, start a fresh one.
     operator.stop(signal.SIGKILL)
-    replacement = start_operator(operator_identity, operator_logs / "operator-2.log", 100)
+    # A higher priority than the killed one, whose peering record outlives it for its lifetime
+    # (a lower one would wait that long, as it should).
+    replacement = start_operator(operator_identity, operator_logs / "operator-2.log", 200)
     try:
         wait_for(lambda: status().get("phase") == "Succeeded", "rollout succeeded", 300)
     finally:
@@ -456,7 +458,7 @@ def test_rollout_that_never_recovers_is_rolled_back(
     prom, profiles = prometheus
     ns = k8s_namespace
     profiles.canary[ns] = "broken"
-    op = start_operator(operator_identity, operator_logs / "operator-3.log", 100)
+    op = start_operator(operator_identity, operator_logs / "operator-3.log", 300)
     try:
         apply(installed, ns, replica_deployment("llm", 4))
         installed.kubectl("rollout", "status", "-n", ns, "deployment/llm", "--timeout=90s")
@@ -514,7 +516,7 @@ def test_pause_and_abort_through_the_spec(
     prom, profiles = prometheus
     ns = k8s_namespace
     profiles.canary[ns] = "broken"
-    op = start_operator(operator_identity, operator_logs / "operator-4.log", 100)
+    op = start_operator(operator_identity, operator_logs / "operator-4.log", 400)
     try:
         apply(installed, ns, replica_deployment("llm", 2))
         installed.kubectl("rollout", "status", "-n", ns, "deployment/llm", "--timeout=90s")
