@@ -12,6 +12,9 @@ from rich.console import Console
 
 from kvfleet_runtime.cli._app import app, fail
 
+WEIGHTS_DIGEST_ENV = "KVFLEET_WEIGHTS_DIGEST"
+"""Set by the chart and by ModelRollout: the digest the pod is meant to serve."""
+
 model_app = typer.Typer(name="model", help="Reference model checkpoints.", no_args_is_help=True)
 app.add_typer(model_app)
 
@@ -61,7 +64,9 @@ def replica(
     config_path = config or (Path(os.environ[CONFIG_ENV]) if os.environ.get(CONFIG_ENV) else None)
     overrides: dict[str, Any] = {k: v for k, v in {
         "model_dir": str(model_dir) if model_dir else None, "port": port, "host": host,
-        "model_id": model_id, "device": device}.items() if v is not None}
+        "model_id": model_id, "device": device,
+        "expected_weights_digest": os.environ.get(WEIGHTS_DIGEST_ENV) or None,
+    }.items() if v is not None}
     try:
         cfg = load_config(config_path, overrides=overrides)
         rep = build_replica(cfg, config_path=config_path, overrides=overrides)

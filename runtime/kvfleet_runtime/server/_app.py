@@ -131,6 +131,10 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
     if config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)
     loaded = load_checkpoint(Path(config.model_dir), device=device, attn_impl=config.attn_impl)
+    expected = config.expected_weights_digest
+    if expected and expected != loaded.weights_digest:
+        raise ValueError(f"{config.model_dir} holds weights {loaded.weights_digest}, but "
+                         f"{expected} was expected (KVFLEET_WEIGHTS_DIGEST)")
     model_id = config.model_id or Path(config.model_dir).resolve().name
     registry = registry or CollectorRegistry()
     args = loaded.args

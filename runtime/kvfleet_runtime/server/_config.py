@@ -67,6 +67,9 @@ class ReplicaConfig(_Strict):
     model_dir: str = ""
     model_id: str = ""
     """Served model name and the cache key's model id; defaults to the model folder's name."""
+    expected_weights_digest: str = ""
+    """When set (the CLI takes it from KVFLEET_WEIGHTS_DIGEST, which the chart and ModelRollout
+    set), the replica refuses to start on weights with another digest."""
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -103,6 +106,9 @@ def restart_fields(old: ReplicaConfig, new: ReplicaConfig) -> list[str]:
     return changed
 
 
+_STRING_FIELDS = {"model_id", "model_dir", "host", "expected_weights_digest"}
+
+
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, raw in environ.items():
@@ -113,7 +119,7 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             value: Any = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        if isinstance(value, (int, float)) and path[-1] in {"model_id", "model_dir", "host"}:
+        if isinstance(value, (int, float)) and path[-1] in _STRING_FIELDS:
             value = raw
         node = out
         for part in path[:-1]:

@@ -39,13 +39,24 @@ def test_replica_without_a_model_dir_fails_cleanly() -> None:
     assert result.exit_code == 2 and "model_dir is not set" in result.output
 
 
+def test_replica_refuses_weights_other_than_the_expected_digest(tmp_path: Path) -> None:
+    model_dir = tmp_path / "tiny"
+    CliRunner().invoke(app, ["model", "generate", "--out", str(model_dir)])
+    result = CliRunner().invoke(app, ["replica", "--model-dir", str(model_dir)],
+                                env={"KVFLEET_WEIGHTS_DIGEST": "sha256:" + "0" * 64,
+                                     "KVFLEET_REPLICA_CONFIG": ""})
+    assert result.exit_code == 2 and "was expected (KVFLEET_WEIGHTS_DIGEST)" in result.output
+
+
 def test_kvfleet_replica_serves_with_config_file_and_env(tmp_path: Path) -> None:
     model_dir = tmp_path / "tiny"
     CliRunner().invoke(app, ["model", "generate", "--out", str(model_dir)])
     config = tmp_path / "replica.yaml"
     config.write_text("cpu_threads: 1\nlimits: {max_tokens: 4}\n")
     port = _free_port()
-    env = {**os.environ, "KVFLEET_REPLICA_MODEL_ID": "cli-tiny"}
+    digest = CliRunner().invoke(app, ["model", "generate", "--out", str(model_dir)]).output
+    env = {**os.environ, "KVFLEET_REPLICA_MODEL_ID": "cli-tiny",
+           "KVFLEET_WEIGHTS_DIGEST": digest.split()[-1]}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvfleet_runtime.cli", "replica", "--model-dir", str(model_dir),
          "--host", "127.0.0.1", "--port", str(port), "--config", str(config)],
