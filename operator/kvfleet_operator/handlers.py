@@ -74,6 +74,8 @@ Manifest = dict[str, Any]
 PostEvent = Callable[[Manifest, Event], None]
 Clock = Callable[[], datetime]
 _TRANSIENT_DELAY_S = 5.0
+# A ConfigMap holds at most 1 MiB; keep room for its metadata.
+MAX_FLEET_CONFIG_BYTES = 1_000_000
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +187,28 @@ def _reconcile_policy_once(kube: Kube, namespace: str, name: str, now: Clock) ->
     config = build_fleet_config(f"{namespace}/{name}", generation, spec, tiers, pods, homes)
     text = dump_fleet_config(config)
     cm_name = spec.config_map_name or f"{name}{FLEET_CONFIGMAP_SUFFIX}"
+    size = len(text.encode("utf-8"))
+    if size > MAX_FLEET_CONFIG_BYTES:
+        message = (
+            f"fleet config is {size} bytes, over the {MAX_FLEET_CONFIG_BYTES} a ConfigMap holds; "
+            f"fewer tenants or a shorter k ({len(homes.home_sets)} tenants x k={spec.affinity.k})"
+        )
+        status = old_status.model_copy(
+            update={
+                "observed_generation": generation,
+                "conditions": set_condition(
+                    old_status.conditions,
+                    "Ready",
+                    False,
+                    "ConfigTooLarge",
+                    message,
+                    stamp,
+                    generation,
+                ),
+            }
+        )
+        _write_status(kube, namespace, POLICY_PLURAL, obj, _wire(status))
+        raise kopf.PermanentError(f"{namespace}/{name}: {message}")
     wrote = False
     live = kube.get_configmap_data(namespace, cm_name)
     if live is None or live.get("fleet.yaml") != text:

@@ -293,3 +293,26 @@ def test_rollout_drives_the_deployments_and_writes_status_after_the_actions(
     writes = len(kube.writes)
     tick(60)
     assert len(kube.writes) == writes  # terminal and settled: reads only
+
+
+def test_a_fleet_config_too_big_for_a_configmap_is_refused(
+    kube: FakeKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kopf
+
+    monkeypatch.setattr(handlers, "MAX_FLEET_CONFIG_BYTES", 2000)
+    kube.put(
+        "kvcachepolicies",
+        {
+            "metadata": {"name": "kv"},
+            "spec": {
+                "selector": {"matchLabels": {"app": "llm"}},
+                "tenants": [f"tenant-{i}" for i in range(100)],
+            },
+        },
+    )
+    with pytest.raises(kopf.PermanentError, match="over the 2000 a ConfigMap holds"):
+        handlers.reconcile_policy(kube, "ns", "kv")  # type: ignore[arg-type]
+    assert ("ConfigMap", "kv-fleet") not in kube.objects
+    (cond,) = kube.objects[("kvcachepolicies", "kv")]["status"]["conditions"]
+    assert cond["reason"] == "ConfigTooLarge"
