@@ -74,26 +74,41 @@ class CacheBlockSource:
     def _export(
         self, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
     ) -> ExportedRun | None:
+        release: Callable[[], None] = _nothing
         if self.held is not None:
             chain = chain_hashes(self.cache, key, token_ids)[start_block : start_block + max_blocks]
             run = tuple(chain[: self.held(chain)])
-            kv = self.cache.read_blocks(run, device="cpu") if run else None
         else:
             hit = self.cache.lookup(key, token_ids)
             if not isinstance(hit, Hit):
                 return None
-            try:
-                run = hit.blocks[start_block : start_block + max_blocks]
-                kv = self.cache.read_blocks(run, device="cpu") if run else None
-            finally:
-                self.cache.release(hit)
-        if kv is None:
+            run = hit.blocks[start_block : start_block + max_blocks]
+            cache = self.cache
+
+            def release() -> None:
+                cache.release(hit)
+
+        if not run:
+            release()
             return None
-        k, v = kv
-        shape = (k.shape[0], k.shape[1], k.shape[2], k.shape[3])
+        layout = self.cache.layout
         return ExportedRun(
-            start_block, tuple(run), self.cache.layout.dtype, shape, _as_bytes(k), _as_bytes(v)
+            start_block,
+            tuple(run),
+            layout.dtype,
+            (layout.num_layers, layout.num_kv_heads, layout.head_dim),
+            layout.bytes_per_block,
+            self._read,
+            release,
         )
+
+    def _read(self, hashes: Sequence[bytes]) -> tuple[memoryview, memoryview] | None:
+        kv = self.cache.read_blocks([BlockHash(h) for h in hashes], device="cpu")
+        return None if kv is None else (_as_bytes(kv[0]), _as_bytes(kv[1]))
+
+
+def _nothing() -> None:
+    return None
 
 
 class PeerTier:
@@ -158,8 +173,11 @@ class PeerTier:
         self, key: CacheKey, token_ids: Sequence[int], chain: list[BlockHash], run: FetchedRun
     ) -> int:
         dtype = self.cache.dtype
-        k = torch.frombuffer(run.k, dtype=dtype).view(run.shape)
-        v = torch.frombuffer(run.v, dtype=dtype).view(run.shape)
+        layers, heads, head_dim = run.layout
+        full = (layers, heads, run.capacity_blocks * BLOCK_SIZE, head_dim)
+        n_tokens = run.num_blocks * BLOCK_SIZE
+        k = torch.frombuffer(run.k, dtype=dtype).view(full)[:, :, :n_tokens]
+        v = torch.frombuffer(run.v, dtype=dtype).view(full)[:, :, :n_tokens]
         start = run.start_block
         if start:
             # import_blocks takes the whole prefix: the local part comes from this cache.

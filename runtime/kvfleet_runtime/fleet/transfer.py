@@ -15,20 +15,28 @@ blocks). No secret configured -> the endpoint refuses everything (fail closed).
 
 Answers: 200 with a run of at least one block; 404 when the server holds no block at or after
 `start_block` (a stale hint); 400 bad request; 401 bad credential; 403 tenant mismatch; 503
-disabled. The 200 body (`Content-Length` known up front, octet-stream):
+disabled. The 200 body (octet-stream, HTTP chunked encoding: the server may stop early):
 
-    preamble   b"KVT2" | u8 version = 1 | 3 zero bytes | u32 LE header length
+    preamble   b"KVT2" | u8 version = 2 | 3 zero bytes | u32 LE header length
     header     JSON {"start_block", "num_blocks", "block_hashes": [hex], "dtype",
-                     "shape": [layers, kv_heads, num_blocks * 16, head_dim],
-                     "tensor_bytes", "frame_bytes"}
-    frames     K then V, canonical layout, cut into frames of <= frame_bytes:
-               u32 LE payload length | payload | u32 LE crc32(payload)
+                     "layout": [layers, kv_heads, head_dim], "bytes_per_block", "chunk_blocks"}
+    chunks     for consecutive block ranges of <= chunk_blocks blocks, in order:
+               u32 LE n (>= 1) | K [layers, kv_heads, n * 16, head_dim] | V (same)
+               | u32 LE crc32(K || V)
+    end        u32 LE 0
 
-The fetcher checks the hashes against the chain it computed itself, the dtype/shape against its
-layout, the length of everything, and every frame's CRC; any mismatch, a timeout, a refused
-connection or a short read discards the transfer and the request recomputes (same output).
-CRC32 (not a cryptographic hash) because peers are authenticated: the checksum guards against
-corruption, at ~2 GB/s instead of blake2b's ~0.4 GB/s.
+Chunks let the server gather block range i + 1 out of its cache (in a worker thread) while range
+i is on the wire, and let the client keep every verified leading chunk when a peer dies or stops
+mid-run (the run is a prefix: still worth its blocks). A block evicted between two chunks ends the
+stream early; the run is then shorter, never wrong. The client writes each chunk's rows straight
+into their place in the canonical `[layer][kv_head][token][head_dim]` buffers (one copy) and
+checks its CRC in a worker thread while the next chunk arrives.
+
+The fetcher checks the hashes against the chain it computed itself, the dtype/layout against its
+own, the size of every chunk, and every chunk's CRC; a chunk that fails ends the run before it; no
+verified chunk at all (or a timeout, a refused connection) and the request recomputes (same
+output). CRC32 (not a cryptographic hash) because peers are authenticated: the checksum guards
+against corruption, at ~2 GB/s instead of blake2b's ~0.4 GB/s.
 
 This module is torch-free (it moves bytes); `kvfleet_runtime.fleet.replica` adapts it to
 `PrefixCache` tensors.
@@ -43,7 +51,7 @@ import json
 import logging
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,7 +63,7 @@ from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
 from kvfleet_runtime.fleet.index import HintIndex, best_peer
 
 __all__ = [
-    "DEFAULT_FRAME_BYTES",
+    "DEFAULT_CHUNK_BYTES",
     "T2_PATH",
     "TENANT_HEADER",
     "BlockSource",
@@ -72,10 +80,11 @@ log = logging.getLogger(__name__)
 T2_PATH = "/kv/v1/blocks"
 TENANT_HEADER = "X-Kvfleet-Tenant"
 MAGIC = b"KVT2"
-VERSION = 1
+VERSION = 2
 _PREAMBLE = struct.Struct("<4sB3xI")
 _U32 = struct.Struct("<I")
-DEFAULT_FRAME_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
+"""Target K+V bytes per chunk (at least one block)."""
 MAX_HEADER_BYTES = 1 << 22
 _READ_BUFSIZE = 4 << 20
 """Client-side read buffer: bulk bodies stall on aiohttp's 64 KiB default (pause/resume churn)."""
@@ -89,15 +98,20 @@ def peer_token(secret: bytes, tenant_id: str) -> str:
 
 @dataclass(slots=True)
 class ExportedRun:
-    """A run of held blocks, K and V as raw bytes in canonical layout."""
+    """A run of held blocks, read chunk by chunk while it streams."""
 
     start_block: int
     block_hashes: tuple[bytes, ...]
     dtype: str
-    shape: tuple[int, int, int, int]
-    """[num_layers, num_kv_heads, num_blocks * 16, head_dim] of K (and of V)."""
-    k: memoryview
-    v: memoryview
+    layout: tuple[int, int, int]
+    """(num_layers, num_kv_heads, head_dim)."""
+    bytes_per_block: int
+    """K and V of one block."""
+    read: Callable[[Sequence[bytes]], tuple[memoryview, memoryview] | None]
+    """Blocking (run in a worker thread): K and V bytes `[layers, kv_heads, n * 16, head_dim]`
+    of consecutive hashes of the run, or None when one is no longer held."""
+    release: Callable[[], None] = lambda: None
+    """Called once when the stream ends (e.g. to drop refs held while reading)."""
 
 
 class BlockSource(Protocol):
@@ -147,7 +161,7 @@ def peer_routes(
     secret: bytes | None,
     *,
     max_tokens: int = 1 << 20,
-    frame_bytes: int = DEFAULT_FRAME_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_served: Callable[[int], None] | None = None,
 ) -> list[web.RouteDef]:
     """The T2 endpoint for an aiohttp app: `app.add_routes(peer_routes(source, secret))`.
@@ -178,51 +192,66 @@ def peer_routes(
             return _error(400, str(exc))
         if run is None or not run.block_hashes:
             return _error(404, f"no block held at or after block {start_block}")
-        return await _stream_run(request, run, frame_bytes, on_served)
+        return await _stream_run(request, run, chunk_bytes, on_served)
 
     return [web.post(T2_PATH, handle)]
 
 
-def _frames(data: memoryview, frame_bytes: int) -> list[memoryview]:
-    return [data[i : i + frame_bytes] for i in range(0, len(data), frame_bytes)] or [data]
+def _crc_pair(k: memoryview, v: memoryview) -> int:
+    return zlib.crc32(v, zlib.crc32(k))
 
 
 async def _stream_run(
     request: web.Request,
     run: ExportedRun,
-    frame_bytes: int,
+    chunk_bytes: int,
     on_served: Callable[[int], None] | None,
 ) -> web.StreamResponse:
-    k, v = run.k.cast("B"), run.v.cast("B")
-    assert len(k) == len(v)
+    n = len(run.block_hashes)
+    chunk_blocks = max(1, chunk_bytes // run.bytes_per_block)
+    ranges = [(lo, min(n, lo + chunk_blocks)) for lo in range(0, n, chunk_blocks)]
     header = json.dumps(
         {
             "start_block": run.start_block,
-            "num_blocks": len(run.block_hashes),
+            "num_blocks": n,
             "block_hashes": [h.hex() for h in run.block_hashes],
             "dtype": run.dtype,
-            "shape": list(run.shape),
-            "tensor_bytes": len(k),
-            "frame_bytes": frame_bytes,
+            "layout": list(run.layout),
+            "bytes_per_block": run.bytes_per_block,
+            "chunk_blocks": chunk_blocks,
         }
     ).encode()
-    frames = _frames(k, frame_bytes) + _frames(v, frame_bytes)
-    total = _PREAMBLE.size + len(header) + sum(len(f) + 2 * _U32.size for f in frames)
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-    response.content_length = total
     await response.prepare(request)
     head = _PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
-    for frame in frames:
-        # The CRC is computed in a thread (zlib releases the GIL) while the frame is written;
-        # the small pieces around each frame go out in one write with the previous CRC.
-        crc = asyncio.ensure_future(asyncio.to_thread(zlib.crc32, frame))
-        await response.write(head + _U32.pack(len(frame)))
-        await response.write(frame)
-        head = _U32.pack(await crc)
-    await response.write(head)
+    sent = 0
+
+    def read(lo: int, hi: int) -> Awaitable[tuple[memoryview, memoryview] | None]:
+        return asyncio.ensure_future(asyncio.to_thread(run.read, run.block_hashes[lo:hi]))
+
+    pending = read(*ranges[0])
+    try:
+        for i, (lo, hi) in enumerate(ranges):
+            kv = await pending
+            if kv is None:
+                log.info("T2: block %d of the run is gone; ending the stream early", lo)
+                break
+            if i + 1 < len(ranges):
+                pending = read(*ranges[i + 1])  # gathered while this range is on the wire
+            k, v = kv[0].cast("B"), kv[1].cast("B")
+            assert len(k) == len(v) == (hi - lo) * run.bytes_per_block // 2
+            crc = asyncio.ensure_future(asyncio.to_thread(_crc_pair, k, v))
+            await response.write(head + _U32.pack(hi - lo))
+            await response.write(k)
+            await response.write(v)
+            head = _U32.pack(await crc)
+            sent += len(k) + len(v)
+    finally:
+        run.release()
+    await response.write(head + _U32.pack(0))
     await response.write_eof()
     if on_served is not None:
-        on_served(2 * len(k))
+        on_served(sent)
     return response
 
 
@@ -231,14 +260,20 @@ async def _stream_run(
 
 @dataclass(slots=True)
 class FetchedRun:
+    """Verified blocks [start_block, start_block + num_blocks). `k`/`v` hold
+    `[layers, kv_heads, capacity_blocks * 16, head_dim]` in canonical layout, of which the first
+    `num_blocks * 16` tokens are filled (fewer than announced when the peer stopped early)."""
+
     start_block: int
     block_hashes: tuple[bytes, ...]
     dtype: str
-    shape: tuple[int, int, int, int]
+    layout: tuple[int, int, int]
+    capacity_blocks: int
     k: memoryview
-    """Writable, uninitialised until filled (no zeroing pass over hundreds of MiB)."""
     v: memoryview
     peer: str = ""
+    partial: str = ""
+    """Why the run ended before the announced length ("" when complete)."""
 
     @property
     def num_blocks(self) -> int:
@@ -356,8 +391,8 @@ class PeerFetcher:
             log.warning("T2 run from %s rejected: %s", host, exc)
             return None
         run.peer = host
-        self.stats.count("ok")
-        self.stats.bytes_fetched += len(run.k) + len(run.v)
+        self.stats.count(f"partial_{run.partial}" if run.partial else "ok")
+        self.stats.bytes_fetched += 2 * len(run.k) * run.num_blocks // run.capacity_blocks
         return run
 
     async def _url(self, host: str) -> str | None:
@@ -408,25 +443,39 @@ class PeerFetcher:
             if magic != MAGIC or version != VERSION or header_len > MAX_HEADER_BYTES:
                 raise FetchFailed("protocol", f"bad preamble {magic!r} v{version}")
             header = json.loads(await reader.exactly(header_len))
-            tensor_bytes = int(header["tensor_bytes"])
-            if not (tensor_bytes > 0 and 2 * tensor_bytes <= self.max_bytes):
-                raise FetchFailed("too_large", f"{tensor_bytes} bytes")
+            hashes = tuple(bytes.fromhex(h) for h in header["block_hashes"])
+            dtype = str(header["dtype"])
+            layers, heads, head_dim = _layout(header["layout"])
+            bytes_per_block = int(header["bytes_per_block"])
+            element_bytes = _DTYPE_BYTES.get(dtype)
+            if element_bytes is None or bytes_per_block != (
+                2 * layers * heads * BLOCK_SIZE * head_dim * element_bytes
+            ):
+                raise FetchFailed("protocol", f"{bytes_per_block} bytes per block of {dtype}")
+            n = len(hashes)
+            if n != int(header["num_blocks"]) or not 0 < n * bytes_per_block <= self.max_bytes:
+                raise FetchFailed("too_large", f"{n} blocks of {bytes_per_block} bytes")
             run = FetchedRun(
                 start_block=int(header["start_block"]),
-                block_hashes=tuple(bytes.fromhex(h) for h in header["block_hashes"]),
-                dtype=str(header["dtype"]),
-                shape=_shape(header["shape"]),
-                k=_empty(tensor_bytes),
-                v=_empty(tensor_bytes),
+                block_hashes=(),
+                dtype=dtype,
+                layout=(layers, heads, head_dim),
+                capacity_blocks=n,
+                k=_empty(n * bytes_per_block // 2),
+                v=_empty(n * bytes_per_block // 2),
             )
-            for buf in (run.k, run.v):
-                await _read_frames(reader, buf)
         except asyncio.IncompleteReadError as exc:
             raise FetchFailed("short_read", f"{len(exc.partial)} of {exc.expected} bytes") from exc
-        except aiohttp.ClientPayloadError as exc:  # the peer closed mid-body
+        except aiohttp.ClientPayloadError as exc:
             raise FetchFailed("short_read", str(exc)) from exc
         except (KeyError, TypeError, ValueError) as exc:
             raise FetchFailed("protocol", repr(exc)) from exc
+        verified, failure = await _read_chunks(reader, run, bytes_per_block)
+        run.block_hashes = hashes[:verified]
+        if failure is not None:
+            if verified == 0:
+                raise failure
+            run.partial = failure.outcome
         return run
 
     def _verify(
@@ -444,24 +493,83 @@ class PeerFetcher:
             raise FetchFailed("hash_mismatch", "peer blocks are not the requested chain")
         if dtype is not None and run.dtype != dtype:
             raise FetchFailed("layout_mismatch", f"dtype {run.dtype} != {dtype}")
-        layers, heads, tokens, head_dim = run.shape
-        if tokens != n * BLOCK_SIZE or (layout is not None and (layers, heads, head_dim) != layout):
-            raise FetchFailed("layout_mismatch", f"shape {run.shape}")
+        if layout is not None and run.layout != layout:
+            raise FetchFailed("layout_mismatch", f"layout {run.layout} != {layout}")
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def _empty(num_bytes: int) -> memoryview:
     return np.empty(num_bytes, dtype=np.uint8).data.cast("B")
 
 
-def _shape(raw: Any) -> tuple[int, int, int, int]:
-    if not isinstance(raw, list) or len(raw) != 4 or not all(type(x) is int for x in raw):
-        raise ValueError(f"shape must be 4 integers, got {raw!r}")
-    return (raw[0], raw[1], raw[2], raw[3])
+def _layout(raw: Any) -> tuple[int, int, int]:
+    if not isinstance(raw, list) or len(raw) != 3 or not all(type(x) is int and x > 0 for x in raw):
+        raise ValueError(f"layout must be 3 positive integers, got {raw!r}")
+    return (raw[0], raw[1], raw[2])
+
+
+def _crc_rows(rows: Sequence[memoryview]) -> int:
+    crc = 0
+    for row in rows:
+        crc = zlib.crc32(row, crc)
+    return crc
+
+
+async def _read_chunks(
+    reader: _ChunkReader, run: FetchedRun, bytes_per_block: int
+) -> tuple[int, FetchFailed | None]:
+    """Read chunks into place; returns (blocks verified from the start, why it stopped early).
+
+    A chunk's K rows (one per layer and head) land at their offsets in the canonical K buffer,
+    then its V rows in V; its CRC is checked in a worker thread while the next chunk arrives."""
+    layers, heads, _ = run.layout
+    num_rows = layers * heads
+    row_per_block = bytes_per_block // (2 * num_rows)
+    row_stride = run.capacity_blocks * row_per_block
+    checks: list[tuple[asyncio.Future[int], int, int]] = []
+    failure: FetchFailed | None = None
+    try:
+        lo = 0
+        while True:
+            (n,) = _U32.unpack(await reader.exactly(_U32.size))
+            if n == 0:
+                break
+            if lo + n > run.capacity_blocks:
+                raise FetchFailed("protocol", f"chunk of {n} blocks at block {lo}")
+            a, b = lo * row_per_block, (lo + n) * row_per_block
+            rows = [
+                buf[r * row_stride + a : r * row_stride + b]
+                for buf in (run.k, run.v)
+                for r in range(num_rows)
+            ]
+            for row in rows:
+                await reader.into(row)
+            (expected,) = _U32.unpack(await reader.exactly(_U32.size))
+            checks.append((asyncio.ensure_future(asyncio.to_thread(_crc_rows, rows)), expected, n))
+            lo += n
+    except asyncio.IncompleteReadError as exc:
+        failure = FetchFailed("short_read", f"{len(exc.partial)} of {exc.expected} bytes")
+    except aiohttp.ClientPayloadError as exc:  # the peer closed mid-body
+        failure = FetchFailed("short_read", str(exc))
+    except FetchFailed as exc:
+        failure = exc
+    verified = 0
+    for crc, expected, n in checks:
+        if failure is not None and failure.outcome == "checksum":
+            crc.cancel()
+            continue
+        if await crc != expected:
+            failure = FetchFailed("checksum", f"chunk at block {verified}")
+            continue
+        verified += n
+    return verified, failure
 
 
 class _ChunkReader:
-    """Reads a response body chunk by chunk (`readany`), copying payload bytes straight into
-    their destination: one copy and one CRC pass per byte, no intermediate joins."""
+    """Reads a response body as it arrives (`readany`), copying payload bytes straight into
+    their destination: one copy per byte, no intermediate joins."""
 
     def __init__(self, stream: aiohttp.StreamReader) -> None:
         self.stream = stream
@@ -497,28 +605,3 @@ class _ChunkReader:
             self.chunk = self.chunk[len(take) :]
             pos += len(take)
         self.num_read += pos
-
-
-async def _read_frames(reader: _ChunkReader, out: memoryview) -> None:
-    """Read K or V. Each frame's CRC runs in a thread (zlib releases the GIL) while the next
-    frame is received; all are checked before the run is returned."""
-    checks: list[tuple[asyncio.Future[int], int, int]] = []
-    try:
-        pos = 0
-        while pos < len(out):
-            (length,) = _U32.unpack(await reader.exactly(_U32.size))
-            if length == 0 or pos + length > len(out):
-                raise FetchFailed("protocol", f"frame of {length} bytes at offset {pos}")
-            frame = out[pos : pos + length]
-            await reader.into(frame)
-            (expected,) = _U32.unpack(await reader.exactly(_U32.size))
-            checks.append(
-                (asyncio.ensure_future(asyncio.to_thread(zlib.crc32, frame)), expected, pos)
-            )
-            pos += length
-        for crc, expected, offset in checks:
-            if await crc != expected:
-                raise FetchFailed("checksum", f"frame at offset {offset}")
-    finally:
-        for crc, _, _ in checks:
-            crc.cancel()

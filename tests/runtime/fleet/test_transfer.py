@@ -95,10 +95,12 @@ async def fleet() -> AsyncIterator[tuple[EmbeddedHintIndex, Callable[..., Awaita
     index = EmbeddedHintIndex()
     runners: list[web.AppRunner] = []
 
-    async def replica(name: str, secret: bytes | None = SECRET) -> Replica:
+    async def replica(
+        name: str, secret: bytes | None = SECRET, chunk_bytes: int = 4 << 20
+    ) -> Replica:
         cache = make_cache()
         app = web.Application(client_max_size=64 << 20)
-        app.add_routes(peer_routes(CacheBlockSource(cache), secret))
+        app.add_routes(peer_routes(CacheBlockSource(cache), secret, chunk_bytes=chunk_bytes))
         url, runner = await start_app(app)
         runners.append(runner)
         await index.register_host(name, url)
@@ -349,3 +351,30 @@ async def test_hash_and_layout_mismatches_are_rejected(
     assert await fetcher.fetch(KEY_A, TOKENS, chain, expected_dtype="bfloat16") is None
     assert await fetcher.fetch(KEY_A, TOKENS, chain, expected_layout=(2, 2, 16)) is None
     assert fetcher.stats.outcomes == {"hash_mismatch": 1, "layout_mismatch": 2}
+
+
+@pytest.mark.parametrize(
+    ("mode", "outcome"), [("cut", "partial_short_read"), ("flip", "partial_checksum")]
+)
+async def test_a_peer_failing_mid_run_still_gives_its_verified_leading_blocks(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    session: aiohttp.ClientSession,
+    mode: str,
+    outcome: str,
+) -> None:
+    index, replica = fleet
+    a = await replica("a", chunk_bytes=LAYOUT.bytes_per_block)  # one block per chunk
+    b = await replica("b")
+    k, _ = store(a.cache, KEY_A, TOKENS)
+    await publish_all(index, a, KEY_A)
+    port = int(a.url.rsplit(":", 1)[1])
+    # Each chunk is ~2 KiB on the wire: fail inside the fourth or fifth.
+    async with faulty_proxy(port, mode, at_byte=9000) as proxy_url:
+        await index.register_host("a", proxy_url)
+        fetcher = PeerFetcher(session, SECRET, index, "b")
+        got = await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0)
+    assert 1 <= got < 8
+    assert fetcher.stats.outcomes == {outcome: 1}
+    got_k, _ = materialized(b.cache, KEY_A, TOKENS)
+    assert got_k.shape[2] == got * BLOCK_SIZE
+    assert torch.equal(got_k, k[:, :, : got * BLOCK_SIZE])
