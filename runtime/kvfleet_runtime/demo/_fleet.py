@@ -1,0 +1,318 @@
+"""A local fleet of real processes: `kvfleet replica` x n and `kvfleet router`, on 127.0.0.1.
+
+Every child runs in its own session (so its own process group): a Ctrl-C on the terminal reaches
+only the demo, which then stops each group (SIGTERM, then SIGKILL after a grace period). `stop` is
+idempotent and runs from `__exit__`, so errors, Ctrl-C and SIGTERM (turned into KeyboardInterrupt
+by the CLI) all end with no child left.
+
+The replicas get the fleet tier's environment (name, peer secret, peer URL; `KVFLEET_REDIS_URL`
+only when a Redis URL is given), so they serve the load report the router polls for occupancy and
+spill decisions. Without Redis each process has its own embedded hint index: the tiers a request
+can hit are then the replica's own T0 and T1 (no T2 between processes). With Redis, replicas find
+each other's blocks over T2 and the router's cache-aware override is on.
+
+The cache is toggled live through each replica's watched config file (`cache.enabled`), so the
+cache-off baseline and the cached run use the same processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+__all__ = ["FleetError", "FleetOptions", "LocalFleet", "ensure_model", "free_port"]
+
+_CLI = [sys.executable, "-m", "kvfleet_runtime.cli"]
+_STOP_GRACE_S = 5.0
+
+
+class FleetError(RuntimeError):
+    """A child failed to start or died; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child_env(extra: dict[str, str]) -> dict[str, str]:
+    # Inherited KVFLEET_* settings would silently change the fleet under test.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")}
+    env.update(extra)
+    return env
+
+
+def ensure_model(cache_dir: Path, preset: str, seed: int, log: Path) -> Path:
+    """A `kvfleet model generate` checkpoint under `cache_dir`, generated once and reused."""
+    out = cache_dir / f"{preset}-seed{seed}"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".{out.name}.{os.getpid()}.tmp"
+    cmd = [*_CLI, "model", "generate", "--out", str(tmp), "--preset", preset, "--seed", str(seed)]
+    with log.open("ab") as sink:
+        result = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env=_child_env({}),
+                                timeout=600)
+    if result.returncode != 0:
+        raise FleetError(f"kvfleet model generate failed (exit {result.returncode}); see {log}")
+    try:
+        tmp.rename(out)
+    except OSError:  # another demo generated it meanwhile: same preset and seed, same bytes
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    return out
+
+
+@dataclass(slots=True)
+class FleetOptions:
+    model_dir: Path
+    work_dir: Path
+    """Configs, keys and logs go here."""
+    tenants: tuple[str, ...]
+    num_replicas: int = 3
+    redis_url: str | None = None
+    num_kv_blocks: int = 512
+    num_t0_blocks: int = 256
+    num_t1_blocks: int = 1024
+    max_prompt_tokens: int = 4000
+    cpu_threads: int = 1
+    recompute_s_per_token: float = 1e-3
+    """For the router's cache-aware override (only with an index the router can read)."""
+    start_timeout_s: float = 180.0
+
+
+@dataclass(slots=True)
+class _Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str
+
+
+@dataclass
+class LocalFleet:
+    options: FleetOptions
+    api_keys: dict[str, str] = field(default_factory=dict)
+    """tenant -> API key."""
+    router_url: str = ""
+    replica_urls: dict[str, str] = field(default_factory=dict)
+    _children: list[_Child] = field(default_factory=list)
+    _configs: dict[str, Path] = field(default_factory=dict)
+    _ports: dict[str, int] = field(default_factory=dict)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> LocalFleet:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self._children]
+
+    def start(self, *, cache_enabled: bool) -> None:
+        """Start the replicas and the router and wait until all are ready."""
+        opts = self.options
+        opts.work_dir.mkdir(parents=True, exist_ok=True)
+        logs = opts.work_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        secret = secrets.token_hex(16)
+        for i in range(opts.num_replicas):
+            name = f"r{i}"
+            port = free_port()
+            self._ports[name] = port
+            self._configs[name] = opts.work_dir / f"{name}.yaml"
+            self._write_config(name, cache_enabled=cache_enabled)
+            env = {
+                "KVFLEET_FLEET_NAME": name,
+                "KVFLEET_PEER_SECRET": secret,
+                "KVFLEET_PEER_URL": f"http://127.0.0.1:{port}",
+            }
+            if opts.redis_url:
+                env["KVFLEET_REDIS_URL"] = opts.redis_url
+            cmd = [*_CLI, "replica", "--config", str(self._configs[name]),
+                   "--log-level", "WARNING"]
+            self._spawn(name, cmd, env, logs / f"{name}.log", f"http://127.0.0.1:{port}")
+            self.replica_urls[name] = f"http://127.0.0.1:{port}"
+        keys_path = opts.work_dir / "keys.json"
+        self.api_keys = {t: f"sk-demo-{t}-{secrets.token_hex(4)}" for t in opts.tenants}
+        keys_path.write_text(json.dumps({"tenants": {t: [k] for t, k in self.api_keys.items()}}))
+        port = free_port()
+        cmd = [*_CLI, "router", "--keys", str(keys_path), "--port", str(port),
+               "--poll-interval-s", "0.25", "--log-level", "WARNING"]
+        for name, url in self.replica_urls.items():
+            cmd += ["--replica", f"{name}={url}"]
+        if opts.redis_url:
+            cmd += ["--redis-url", opts.redis_url,
+                    "--recompute-s-per-token", str(opts.recompute_s_per_token)]
+        self.router_url = f"http://127.0.0.1:{port}"
+        self._spawn("router", cmd, {}, logs / "router.log", self.router_url)
+        deadline = time.monotonic() + opts.start_timeout_s
+        for child in self._children:
+            self._wait_ready(child, deadline)
+        # Every replica must be in the router's view before traffic starts.
+        self._wait_until(
+            deadline,
+            lambda: len(self._get_json(f"{self.router_url}/readyz").get("ready_replicas", []))
+            == opts.num_replicas,
+            "the router to see every replica",
+        )
+
+    def set_cache(self, enabled: bool, timeout_s: float = 30.0) -> None:
+        """Turn every replica's cache on or off (live config reload) and wait until applied."""
+        for name in self._configs:
+            self._write_config(name, cache_enabled=enabled)
+        deadline = time.monotonic() + timeout_s
+        for name, url in self.replica_urls.items():
+            self._wait_until(
+                deadline,
+                lambda url=url: self._get_json(f"{url}/cache/stats").get("enabled") is enabled,
+                f"replica {name} to apply cache.enabled={enabled}",
+            )
+
+    def stop(self) -> None:
+        """Stop every child's process group: SIGTERM, then SIGKILL after a grace period."""
+        if not self._children:
+            return
+        previous = signal.getsignal(signal.SIGINT)
+        in_main = _in_main_thread()
+        if in_main:  # a second Ctrl-C must not interrupt the cleanup itself
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for child in self._children:
+                _signal_group(child.proc, signal.SIGTERM)
+            deadline = time.monotonic() + _STOP_GRACE_S
+            for child in self._children:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            for child in self._children:
+                _signal_group(child.proc, signal.SIGKILL)  # stragglers and grandchildren
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(timeout=5.0)
+            self._children.clear()
+        finally:
+            if in_main:
+                signal.signal(signal.SIGINT, previous)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _write_config(self, name: str, *, cache_enabled: bool) -> None:
+        opts = self.options
+        config: dict[str, Any] = {
+            "model_dir": str(opts.model_dir),
+            "model_id": "kvfleet-demo",
+            "host": "127.0.0.1",
+            "port": self._ports[name],
+            "device": "cpu",
+            "cpu_threads": opts.cpu_threads,
+            "config_poll_interval_s": 0.2,
+            "limits": {"max_prompt_tokens": opts.max_prompt_tokens, "max_tokens": 64,
+                       "max_body_bytes": 4 << 20},
+            "engine": {"num_kv_blocks": opts.num_kv_blocks, "max_batch_size": 16,
+                       "max_waiting": 256, "prefill_chunks_per_step": 8},
+            "cache": {"enabled": cache_enabled, "num_t0_blocks": opts.num_t0_blocks,
+                      "num_t1_blocks": opts.num_t1_blocks},
+        }
+        path = self._configs[name]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(config, indent=1))
+        tmp.replace(path)  # atomic: the watcher never reads half a file
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], log: Path, url: str) -> None:
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
+                env=_child_env(env), start_new_session=True,
+            )
+        self._children.append(_Child(name, proc, log, url))
+
+    def _wait_ready(self, child: _Child, deadline: float) -> None:
+        def ready() -> bool:
+            if child.proc.poll() is not None:
+                raise FleetError(
+                    f"{child.name} exited with code {child.proc.returncode}: {_tail(child.log)}"
+                )
+            return self._get_status(f"{child.url}/readyz") == 200
+
+        self._wait_until(deadline, ready, f"{child.name} to become ready")
+
+    def _wait_until(self, deadline: float, check: Any, what: str) -> None:
+        while True:
+            self._check_alive()
+            if check():
+                return
+            if time.monotonic() > deadline:
+                raise FleetError(f"timed out waiting for {what}")
+            time.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        for child in self._children:
+            if child.proc.poll() is not None:
+                raise FleetError(
+                    f"{child.name} exited with code {child.proc.returncode}: {_tail(child.log)}"
+                )
+
+    @staticmethod
+    def _get_status(url: str) -> int:
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+        except (OSError, ValueError):
+            return 0
+
+    @staticmethod
+    def _get_json(url: str) -> dict[str, Any]:
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as resp:
+                data = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                data = json.loads(exc.read())
+            except ValueError:
+                return {}
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    # The child leads its own group (start_new_session): the group id is its pid, valid for
+    # signalling the group even after the leader has exited while members remain.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _tail(log: Path, num_lines: int = 5) -> str:
+    try:
+        lines = log.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return f"(no log at {log})"
+    return " | ".join(lines[-num_lines:]) or f"(empty log {log})"

@@ -1,0 +1,48 @@
+"""`kvfleet demo` bad input: exit 2, one line on stderr, no traceback, nothing started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvfleet_runtime.cli import app
+
+
+@pytest.fixture
+def bad_trace(tmp_path: Path) -> Path:
+    path = tmp_path / "bad.jsonl"
+    good = {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "hash_ids": ["a"]}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--workload", "chat"],
+         "error: unknown workload 'chat'; choose one of: mixed, system-prompts, rag, "
+         "conversations"),
+        (["--requests", "0"], "error: --requests must be >= 1, got 0"),
+        (["--scale", "2"], "error: --scale must be in (0, 1], got 2.0"),
+        (["--concurrency", "0"], "error: --concurrency must be in [1, 64], got 0"),
+        (["--tenants", "0"], "error: --tenants must be in [1, 1000], got 0"),
+        (["--redis-url", "localhost:6379"], "error: --redis-url must start with redis://"),
+        (["--trace", "/nonexistent/trace.jsonl"], "error: cannot read trace"),
+        (["--trace-block-tokens", "40", "--trace", "TRACE"], "multiple of 16, got 40"),
+        (["--trace", "TRACE"], "line 2: field 'hash_ids' must be a non-empty list"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    args: list[str], expected: str, bad_trace: Path, tmp_path: Path
+) -> None:
+    args = [str(bad_trace) if a == "TRACE" else a for a in args]
+    result = CliRunner().invoke(app, ["demo", *args, "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
