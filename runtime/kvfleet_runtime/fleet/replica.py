@@ -189,4 +189,6 @@ class PeerTier:
             v = torch.cat([local[1], v], dim=2)
         end_block = start + run.num_blocks
         self.cache.import_blocks(key, token_ids[: end_block * BLOCK_SIZE], k, v)
+        del k, v  # import_blocks copied them: the receive buffers can be reused
+        self.fetcher.recycle(run)
         return run.num_blocks

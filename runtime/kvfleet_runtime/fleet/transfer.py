@@ -50,6 +50,7 @@ import hmac
 import json
 import logging
 import struct
+import threading
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -331,6 +332,28 @@ class PeerFetcher:
         self.resolve_url = resolve_url
         self.stats = FetchStats()
         self._slots = asyncio.Semaphore(max_concurrency)
+        # Receive buffers given back by `recycle`: first-touch page faults of fresh memory cost
+        # more than the copy itself (hundreds of MiB per fetch), so steady state reuses them.
+        self._spare: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
+        self._max_spare = 2 * max_concurrency + 2
+        self._spare_lock = threading.Lock()
+
+    def _buffer(self, num_bytes: int) -> memoryview:
+        with self._spare_lock:
+            fits = [i for i, a in enumerate(self._spare) if a.nbytes >= num_bytes]
+            if fits:
+                best = min(fits, key=lambda i: self._spare[i].nbytes)
+                return self._spare.pop(best).data.cast("B")[:num_bytes]
+        return _empty(num_bytes)
+
+    def recycle(self, run: FetchedRun) -> None:
+        """Give a run's buffers back once nothing references them any more (after
+        `import_blocks` copied them into the cache). Optional: unrecycled runs are just freed."""
+        with self._spare_lock:
+            for view in (run.k, run.v):
+                base = view.obj
+                if isinstance(base, np.ndarray) and len(self._spare) < self._max_spare:
+                    self._spare.append(base)
 
     async def fetch(
         self,
@@ -461,8 +484,8 @@ class PeerFetcher:
                 dtype=dtype,
                 layout=(layers, heads, head_dim),
                 capacity_blocks=n,
-                k=_empty(n * bytes_per_block // 2),
-                v=_empty(n * bytes_per_block // 2),
+                k=self._buffer(n * bytes_per_block // 2),
+                v=self._buffer(n * bytes_per_block // 2),
             )
         except asyncio.IncompleteReadError as exc:
             raise FetchFailed("short_read", f"{len(exc.partial)} of {exc.expected} bytes") from exc

@@ -378,3 +378,25 @@ async def test_a_peer_failing_mid_run_still_gives_its_verified_leading_blocks(
     got_k, _ = materialized(b.cache, KEY_A, TOKENS)
     assert got_k.shape[2] == got * BLOCK_SIZE
     assert torch.equal(got_k, k[:, :, : got * BLOCK_SIZE])
+
+
+async def test_receive_buffers_are_reused_without_mixing_runs(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    session: aiohttp.ClientSession,
+) -> None:
+    index, replica = fleet
+    a, b = await replica("a"), await replica("b")
+    prompts = [TOKENS, [t + 7 for t in TOKENS]]
+    stored = []
+    for tokens in prompts:
+        stored.append(store(a.cache, KEY_A, tokens))
+        await index.publish("a", chain_hashes(a.cache, KEY_A, tokens))
+    fetcher = PeerFetcher(session, SECRET, index, "b")
+    tier = tier_for(b.cache, fetcher)
+    assert await tier.fill(KEY_A, prompts[0], 0) == 8
+    assert len(fetcher._spare) == 2  # K and V buffers came back
+    assert await tier.fill(KEY_A, prompts[1], 0) == 8  # into the same buffers
+    assert len(fetcher._spare) == 2
+    for tokens, (k, _) in zip(prompts, stored, strict=True):
+        got_k, _ = materialized(b.cache, KEY_A, tokens)
+        assert torch.equal(got_k, k[:, :, : 8 * BLOCK_SIZE])
