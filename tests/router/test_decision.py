@@ -67,6 +67,14 @@ def test_published_home_set_is_used_as_given() -> None:
     assert d is not None and (d.replica, d.homes) == ("r2", ("r2", "r0"))
 
 
+def test_a_published_home_that_is_not_ready_is_replaced_by_rendezvous() -> None:
+    ls = [ReplicaLoad(n, 0.1, ready=(n != "r2")) for n in NAMES]
+    d = choose_replica(TENANT, ls, k=2, occupancy_threshold=0.85, home_set=["r2", "r0"])
+    assert d is not None and d.replica == "r0"
+    # r0 kept; the gap is filled with the tenant's best ready replica not already a home.
+    assert d.homes == ("r0", "r4")
+
+
 @pytest.mark.parametrize(
     ("matched", "delay_r2", "expected", "reason"),
     [

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kvfleet_runtime.routing.rendezvous import rendezvous_top_k
+from kvfleet_runtime.routing.rendezvous import rendezvous_rank, rendezvous_top_k
 
 __all__ = ["ReplicaLoad", "RouteDecision", "RouteReason", "choose_replica", "least_loaded"]
 
@@ -76,8 +76,9 @@ def choose_replica(
 ) -> RouteDecision | None:
     """Pick the replica for one request of `tenant_id`; `None` when no replica is ready.
 
-    `home_set` is the operator-published home set (used as given, filtered to ready replicas);
-    without it the homes are computed by rendezvous over the ready replicas. `matched_tokens`
+    `home_set` is the operator-published home set (used as given; homes that are not ready are
+    replaced by the tenant's next rendezvous choices); without it the homes are computed by
+    rendezvous over the ready replicas. `matched_tokens`
     maps replica name -> hinted prefix tokens it holds for this prompt; the override is off when
     it or `recompute_s_per_token` is missing.
     """
@@ -87,7 +88,11 @@ def choose_replica(
     if not by_name:
         return None
     if home_set is not None:
-        homes = tuple(r for r in home_set if r in by_name)[:k]
+        # Published homes that are not ready are replaced by the tenant's next rendezvous choices
+        # among ready replicas, so one replica going away moves only its own tenants.
+        kept = [r for r in home_set if r in by_name][:k]
+        extra = [r for r in rendezvous_rank(tenant_id, sorted(by_name)) if r not in kept]
+        homes = tuple(kept + extra[: k - len(kept)])
     else:
         homes = tuple(rendezvous_top_k(tenant_id, sorted(by_name), k))
     matched = matched_tokens or {}
