@@ -6,6 +6,12 @@ capacity counted in blocks:
 - `simulate_infinite`: every block ever seen stays (the upper bound of any policy);
 - `simulate_lru`: hash map + LRU, vLLM-v1 style: a hit is the longest run of leading resident
   blocks, then every block of the request is touched, tail first so the head is the most recent;
+- `simulate_vllm`: vLLM v1's prefix caching modelled block for block (`block_pool.py`): a free
+  queue of block ids in eviction order, lazy eviction when a new block is allocated, duplicates of a
+  hash allowed; replayed one request at a time it hits exactly what `simulate_lru` hits;
+- `simulate_radix`: SGLang's RadixAttention (`radix_cache.py`, LRU): a radix tree of multi-block
+  segments, whole leaves evicted least recently used first, `evict(n)` asked for the whole
+  allocation whenever the free pool is short of it;
 - `simulate_belady`: Belady's offline optimum (MIN with bypass): evict the block whose next use is
   furthest away, deepest first among ties, never admit a block that would be that victim;
 - `simulate_kvfleet`: the shipped policy, i.e. this package's `CacheManager` (sketch, admission on
@@ -19,6 +25,7 @@ blocks of deterministic tokens derived from (hash id, sub-block index), the last
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -39,6 +46,8 @@ __all__ = [
     "simulate_infinite",
     "simulate_kvfleet",
     "simulate_lru",
+    "simulate_radix",
+    "simulate_vllm",
     "unique_blocks",
 ]
 
@@ -230,4 +239,198 @@ def simulate_kvfleet(
         manager.events.clear()
     result.extra["thrash_episodes"] = manager.thrash.num_episodes
     result.extra["evictions"] = manager.index.counters[0].num_evictions
+    return result
+
+
+def _max_hit_blocks(request: TraceRequest, recompute_last_token: bool) -> int:
+    """vLLM and SGLang both compute at least the prompt's last token (its logits give the first
+    output token): `max_cache_hit_length = num_tokens - 1`, floored to whole blocks."""
+    if not recompute_last_token:
+        return len(request.blocks)
+    return min(len(request.blocks), max(request.num_tokens - 1, 0) // BLOCK_SIZE)
+
+
+def simulate_vllm(
+    requests: Sequence[TraceRequest], capacity_blocks: int, *, recompute_last_token: bool = False
+) -> SimResult:
+    """vLLM v1's automatic prefix caching, one request at a time, `capacity_blocks` usable blocks.
+
+    As `BlockPool` does: `cached_block_hash_to_block` maps a hash to the block ids holding it
+    (no de-duplication: a block filled again under a cached hash is a second copy; a lookup takes
+    the first); the free queue holds every unreferenced block, least recently freed first. A hit
+    (`find_longest_cache_hit`) is the leading run of cached hashes and takes those blocks out of
+    the free queue (`touch`); each missing block is popped from the queue's head and, if it still
+    holds a hash, that hash is evicted (`_maybe_evict_cached_block`) — whatever hangs below it stays
+    cached but unreachable until its own turn comes. At the end the request's blocks are freed
+    tail first (`free`: `reversed(req_blocks)`), so its head is the last to go. A request larger
+    than the free pool (which vLLM would not schedule) caches the blocks that fit.
+
+    `recompute_last_token`: cap hits at `num_tokens - 1` as vLLM does; the block given up is
+    filled again into a duplicate. Off by default so that every policy counts hits alike."""
+    if capacity_blocks < 1:
+        raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+    result = SimResult("vllm", capacity_blocks)
+    free: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity_blocks))
+    block_hash: list[BlockHash | None] = [None] * capacity_blocks
+    cached: dict[BlockHash, dict[int, None]] = {}
+    num_evictions = num_duplicates = 0
+    for request in requests:
+        blocks = request.blocks
+        hit_ids: list[int] = []
+        for h in blocks[: _max_hit_blocks(request, recompute_last_token)]:
+            copies = cached.get(h)
+            if not copies:
+                break
+            hit_ids.append(next(iter(copies)))
+        result.record(request, len(hit_ids))
+        for block_id in hit_ids:
+            del free[block_id]  # ref_cnt 0 -> 1 (sequential replay: every cached block is free)
+        new_ids: list[int] = []
+        for h in blocks[len(hit_ids) : len(hit_ids) + len(free)]:
+            block_id, _ = free.popitem(last=False)
+            old = block_hash[block_id]
+            if old is not None:
+                copies = cached[old]
+                del copies[block_id]
+                if not copies:
+                    del cached[old]
+                num_evictions += 1
+            copies = cached.setdefault(h, {})
+            num_duplicates += 1 if copies else 0
+            copies[block_id] = None
+            block_hash[block_id] = h
+            new_ids.append(block_id)
+        for block_id in reversed(hit_ids + new_ids):
+            free[block_id] = None
+    result.extra["evictions"] = num_evictions
+    result.extra["duplicate_blocks"] = num_duplicates
+    return result
+
+
+@dataclass(slots=True, eq=False)
+class _RadixNode:
+    segment: tuple[BlockHash, ...]
+    parent: _RadixNode | None
+    last_access: int
+    seq: int
+    children: dict[BlockHash, _RadixNode] = field(default_factory=dict)
+
+
+class _RadixTree:
+    """SGLang's `RadixCache` with the LRU strategy, counted in blocks (page size 16).
+
+    Nodes hold segments of blocks; `match` refreshes the access time of every node on the path and
+    splits the node its match ends inside (`_match_prefix_helper`, `_split_node`); `insert` adds
+    the rest as one new leaf. `evict(n)` drops whole unlocked leaves, least recently accessed first
+    (ties: oldest node first), a parent joining the candidates when its last child goes, until at
+    least `n` blocks are gone: a leaf is never cut, so a short need can cost a long segment."""
+
+    def __init__(self) -> None:
+        self._seq = itertools.count()
+        self.root = _RadixNode((), None, 0, next(self._seq))
+        self.num_blocks = 0
+        self.tick = 0
+        self._heap: list[tuple[int, int, _RadixNode]] = []
+        self.locked: set[int] = set()
+
+    def _push(self, node: _RadixNode) -> None:
+        if node is not self.root and not node.children:
+            heapq.heappush(self._heap, (node.last_access, node.seq, node))
+
+    def _split(self, child: _RadixNode, at: int) -> _RadixNode:
+        parent = child.parent
+        assert parent is not None
+        head = _RadixNode(child.segment[:at], parent, child.last_access, next(self._seq))
+        child.segment = child.segment[at:]
+        child.parent = head
+        head.children[child.segment[0]] = child
+        parent.children[head.segment[0]] = head
+        self._push(child)  # refreshed by the match that split it
+        return head
+
+    def match(self, blocks: Sequence[BlockHash]) -> tuple[int, list[_RadixNode]]:
+        self.tick += 1
+        node, depth, path = self.root, 0, []
+        while depth < len(blocks):
+            child = node.children.get(blocks[depth])
+            if child is None:
+                break
+            child.last_access = self.tick
+            seg = child.segment
+            n = 0
+            while n < len(seg) and depth + n < len(blocks) and seg[n] == blocks[depth + n]:
+                n += 1
+            if n < len(seg):
+                child = self._split(child, n)
+            path.append(child)
+            node, depth = child, depth + n
+            if n < len(child.segment):
+                break
+        if path:
+            self._push(path[-1])  # the only node of the path that can be a leaf
+        return depth, path
+
+    def insert(self, blocks: Sequence[BlockHash]) -> int:
+        """Index `blocks`; returns how many were new (one new leaf)."""
+        depth, path = self.match(blocks)
+        if depth == len(blocks):
+            return 0
+        parent = path[-1] if path else self.root
+        leaf = _RadixNode(tuple(blocks[depth:]), parent, self.tick, next(self._seq))
+        parent.children[leaf.segment[0]] = leaf
+        self.num_blocks += len(leaf.segment)
+        self._push(leaf)
+        return len(leaf.segment)
+
+    def evict(self, num_blocks: int) -> int:
+        evicted = 0
+        skipped: list[tuple[int, int, _RadixNode]] = []
+        while evicted < num_blocks and self._heap:
+            entry = heapq.heappop(self._heap)
+            last_access, _, node = entry
+            parent = node.parent
+            if parent is None or node.children or node.last_access != last_access:
+                continue  # stale: no longer a leaf, already dropped, or touched since
+            if parent.children.get(node.segment[0]) is not node:
+                continue
+            if id(node) in self.locked:
+                skipped.append(entry)
+                continue
+            del parent.children[node.segment[0]]
+            node.parent = None
+            evicted += len(node.segment)
+            self.num_blocks -= len(node.segment)
+            self._push(parent)
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return evicted
+
+
+def simulate_radix(
+    requests: Sequence[TraceRequest], capacity_blocks: int, *, recompute_last_token: bool = False
+) -> SimResult:
+    """SGLang's RadixAttention cache with LRU eviction, one request at a time.
+
+    Per request, as SGLang's scheduler does: `match_prefix` (capped like vLLM's when
+    `recompute_last_token`), lock the matched path, allocate the missing blocks — when fewer are
+    free, `evict(the whole allocation)`, not just the shortfall (`alloc_token_slots`) — then
+    `cache_finished_req` inserts the prompt and unlocks. A request larger than the free pool
+    caches the blocks that fit."""
+    if capacity_blocks < 1:
+        raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+    result = SimResult("radix", capacity_blocks)
+    tree = _RadixTree()
+    num_evicted = 0
+    for request in requests:
+        blocks = request.blocks
+        hit, path = tree.match(blocks[: _max_hit_blocks(request, recompute_last_token)])
+        result.record(request, hit)
+        need = len(blocks) - hit
+        if need > capacity_blocks - tree.num_blocks:
+            tree.locked = {id(n) for n in path}
+            num_evicted += tree.evict(need)
+            tree.locked = set()
+        fits = max(0, capacity_blocks - tree.num_blocks)
+        tree.insert(blocks[: hit + min(need, fits)])
+    result.extra["evictions"] = num_evicted
     return result

@@ -17,6 +17,7 @@ def main() -> None:
 # Subcommands register themselves on `app` when imported.
 from kvfleet_runtime.cli import bench as _bench  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_fleet as _bench_fleet  # noqa: E402, F401
+from kvfleet_runtime.cli import bench_policies as _bench_policies  # noqa: E402, F401
 from kvfleet_runtime.cli import breakeven as _breakeven  # noqa: E402, F401
 from kvfleet_runtime.cli import demo as _demo  # noqa: E402, F401
 from kvfleet_runtime.cli import replica as _replica  # noqa: E402, F401

@@ -17,9 +17,22 @@ from kvfleet_runtime.cli._app import app, fail
 
 __all__ = ["bench"]
 
-bench = typer.Typer(name="bench", help="Benchmarks: measured figures and ratios, side by side.",
-                    no_args_is_help=True)
+bench = typer.Typer(
+    name="bench",
+    help="Benchmarks: measured figures and ratios, side by side. With no subcommand: the "
+    "policy comparison (`policies`, its defaults); `all` runs every benchmark quickly.",
+    invoke_without_command=True,
+)
 app.add_typer(bench)
+
+
+@bench.callback()
+def _default(ctx: typer.Context) -> None:
+    """With no subcommand, run `kvfleet bench policies` with its defaults."""
+    if ctx.invoked_subcommand is None:
+        from kvfleet_runtime.cli.bench_policies import policies
+
+        ctx.invoke(policies)
 
 
 @bench.command("replica")

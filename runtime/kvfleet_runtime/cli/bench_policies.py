@@ -1,0 +1,256 @@
+"""`kvfleet bench policies` (also plain `kvfleet bench`) and `kvfleet bench all`.
+
+`policies`: no cache, vLLM-style hash + LRU, SGLang-style radix + LRU, kvfleet's shipped policy,
+Belady's offline optimum and the infinite cache, side by side on the Mooncake trace and on the
+generated populations (`kvfleet_runtime.cache.compare`, `.workloads`), at several capacities.
+`all`: that comparison, then every other `kvfleet bench` subcommand with quick settings, each in
+its own process so that one failing benchmark does not stop the others.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvfleet_runtime.cli._app import fail
+from kvfleet_runtime.cli.bench import bench
+
+__all__ = ["QUICK_ARGS", "all_benchmarks", "policies"]
+
+TRACE_NAME = "mooncake_synthetic_trace.jsonl"
+_REPO = Path(__file__).resolve().parents[3]
+DEFAULT_OUT = Path("out/bench")
+DEFAULT_FRACTIONS = "0.01,0.03,0.1,0.3"
+TRACE_WORKLOAD = "trace"
+
+QUICK_ARGS: dict[str, list[str]] = {
+    "replica": ["--reps", "3", "--requests", "16", "--prompt-tokens", "1000"],
+    "cache": ["--requests", "1000", "--lookup-reps", "50", "--materialize-reps", "3"],
+    "fleet": ["--max-requests", "1000", "--reps", "3", "--router-requests", "200"],
+}
+"""Options `kvfleet bench all` passes to the other benchmarks (those a command lacks are left
+out); a benchmark not named here runs with its own defaults."""
+
+
+def _default_trace() -> Path:
+    """../shared/traces next to the repository (from the working directory, else from the
+    source checkout this module lives in)."""
+    for base in (Path.cwd(), _REPO):
+        candidate = base / ".." / "shared" / "traces" / TRACE_NAME
+        if candidate.is_file():
+            return candidate.resolve()
+    return Path("..") / "shared" / "traces" / TRACE_NAME
+
+
+def _parse_fractions(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"--fractions takes comma-separated numbers in (0, 1], got {text!r}")
+    if not values or any(not 0 < v <= 1 for v in values):
+        fail(f"--fractions takes comma-separated numbers in (0, 1], got {text!r}")
+    return sorted(set(values))
+
+
+@bench.command("policies")
+def policies(
+    trace: Annotated[
+        Path | None,
+        typer.Option(help=f"Mooncake-format JSONL trace; default ../shared/traces/{TRACE_NAME}."),
+    ] = None,
+    trace_requests: Annotated[
+        int, typer.Option(help="Replay the first N requests of the trace (the quick run).")
+    ] = 2000,
+    full: Annotated[
+        bool,
+        typer.Option("--full", help="Replay the whole trace (about 10 minutes on 2 cores)."),
+    ] = False,
+    requests: Annotated[int, typer.Option(help="Requests per generated workload.")] = 1000,
+    workloads: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated: trace, system-prompts, rag, agent-loops, mixed (default all)."
+        ),
+    ] = "trace,system-prompts,rag,agent-loops,mixed",
+    fractions: Annotated[
+        str, typer.Option(help="Capacities, as fractions of each workload's unique blocks.")
+    ] = DEFAULT_FRACTIONS,
+    seed: Annotated[int, typer.Option(help="Seed of the generated workloads.")] = 1,
+    out: Annotated[
+        Path, typer.Option(help="Writes policies.md, policies.json, policies.png, ratios.png.")
+    ] = DEFAULT_OUT,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the JSON report instead of tables.")
+    ] = False,
+) -> None:
+    """Hit rates side by side: no cache, vLLM-style hash + LRU, radix + LRU (SGLang), kvfleet,
+    Belady and the infinite cache, on the trace and the generated populations."""
+    from kvfleet_runtime.cache.compare import compare_policies
+    from kvfleet_runtime.cache.sim import TraceRequest, load_mooncake_trace
+    from kvfleet_runtime.cache.workloads import WORKLOADS, generate_workload
+
+    names = [w.strip() for w in workloads.split(",") if w.strip()]
+    known = (TRACE_WORKLOAD, *WORKLOADS)
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        fail(f"--workloads takes {', '.join(known)}; got {workloads!r}")
+    if trace_requests < 1 or requests < 1:
+        fail(f"--trace-requests and --requests must be >= 1, got {trace_requests}, {requests}")
+    capacity_fractions = _parse_fractions(fractions)
+    err = Console(stderr=True, highlight=False)
+    start = time.perf_counter()
+    inputs: list[tuple[str, str, list[TraceRequest]]] = []
+    for name in names:
+        if name == TRACE_WORKLOAD:
+            path = trace if trace is not None else _default_trace()
+            try:
+                reqs = load_mooncake_trace(path, max_requests=None if full else trace_requests)
+            except (ValueError, OSError) as exc:
+                fail(f"{exc} (pass --trace; the Mooncake trace lives in ../shared/traces)")
+            scope = "whole trace" if full else f"first {len(reqs):,} requests"
+            inputs.append((name, f"Mooncake synthetic trace ({path.name}), {scope}", reqs))
+        else:
+            generated = generate_workload(name, num_requests=requests, seed=seed)
+            inputs.append((name, generated.description, generated.requests))
+
+    def progress(message: str) -> None:
+        err.print(f"[{time.perf_counter() - start:6.0f} s] {message}", markup=False)
+
+    report = compare_policies(inputs, capacity_fractions, on_progress=progress)
+    report.seconds = time.perf_counter() - start
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        from kvfleet_runtime.cli._bench_plots import write_policy_plots
+
+        header = (
+            "# kvfleet bench policies\n\n"
+            f"Token hit rate by policy, same requests, same capacity. {report.seconds:.0f} s.\n\n"
+        )
+        (out / "policies.md").write_text(header + report.to_markdown())
+        (out / "policies.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        plots = write_policy_plots(report, out)
+    except OSError as exc:
+        fail(f"cannot write to --out {out}: {exc}")
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    console = Console(highlight=False)
+    for w in report.workloads:
+        table = Table(
+            title=f"{w.name}: {w.num_requests:,} requests, {w.num_unique_blocks:,} unique blocks",
+            caption=w.description,
+        )
+        for col in (
+            "capacity",
+            "vLLM",
+            "radix",
+            "kvfleet",
+            "Belady",
+            "infinite",
+            "kvfleet / vLLM",
+            "kvfleet / radix",
+            "kvfleet / Belady",
+            "/ infinite: vLLM, radix, kvfleet, Belady",
+        ):
+            table.add_column(col, justify="right")
+        for r in w.rows:
+            table.add_row(
+                f"{r.capacity_fraction:.0%} ({r.capacity_blocks:,})",
+                *(f"{r.rate(p):.1%}" for p in ("vllm", "radix", "kvfleet", "belady", "infinite")),
+                *(_ratio(r.kvfleet_vs(p)) for p in ("vllm", "radix", "belady")),
+                ", ".join(
+                    f"{r.of_infinite(p) or 0:.2f}" for p in ("vllm", "radix", "kvfleet", "belady")
+                ),
+            )
+        console.print(table)
+    console.print(
+        f"no cache prefills every prompt token (hit rate 0). {report.seconds:.0f} s in all; "
+        f"wrote {out / 'policies.md'}, {out / 'policies.json'}, " + ", ".join(str(p) for p in plots)
+    )
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _quick_args(name: str) -> list[str]:
+    """QUICK_ARGS[name], minus the options that command does not have."""
+    group = typer.main.get_command(bench)
+    assert isinstance(group, typer.core.TyperGroup)
+    command = group.commands.get(name)
+    known = {opt for p in (command.params if command else []) for opt in p.opts}
+    args = QUICK_ARGS.get(name, [])
+    kept: list[str] = []
+    for opt, value in zip(args[::2], args[1::2], strict=True):
+        if opt in known:
+            kept += [opt, value]
+    return kept
+
+
+@bench.command("all")
+def all_benchmarks(
+    out: Annotated[Path, typer.Option(help="Where `policies` writes its table and plots.")] = (
+        DEFAULT_OUT
+    ),
+    skip: Annotated[
+        list[str] | None, typer.Option(help="Skip a benchmark by name (repeatable).")
+    ] = None,
+    timeout_s: Annotated[
+        int, typer.Option(help="Wall-clock limit of each other benchmark.")
+    ] = 1800,
+) -> None:
+    """Every benchmark with quick settings: the policy comparison, then each other
+    `kvfleet bench` subcommand in its own process; a summary at the end."""
+    skipped = set(skip or [])
+    others = [
+        c.name
+        for c in bench.registered_commands
+        if c.name and c.name not in {"all", "policies"} and c.name not in skipped
+    ]
+    console = Console(highlight=False)
+    results: list[tuple[str, str, float]] = []
+    if "policies" not in skipped:
+        console.rule("kvfleet bench policies")
+        t0 = time.perf_counter()
+        try:
+            policies(
+                trace=None,
+                trace_requests=2000,
+                full=False,
+                requests=1000,
+                workloads="trace,system-prompts,rag,agent-loops,mixed",
+                fractions=DEFAULT_FRACTIONS,
+                seed=1,
+                out=out,
+                as_json=False,
+            )
+            status = "ok"
+        except typer.Exit as exc:
+            status = f"exit {exc.exit_code}"
+        results.append(("policies", status, time.perf_counter() - t0))
+    for name in others:
+        args = [sys.executable, "-m", "kvfleet_runtime.cli", "bench", name, *_quick_args(name)]
+        console.rule(f"kvfleet bench {name} {' '.join(args[5:])}".rstrip())
+        t0 = time.perf_counter()
+        try:
+            rc = subprocess.run(args, timeout=timeout_s).returncode
+            status = "ok" if rc == 0 else f"exit {rc}"
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {timeout_s} s"
+        results.append((name, status, time.perf_counter() - t0))
+    table = Table(title="kvfleet bench all")
+    for col in ("benchmark", "status", "wall time"):
+        table.add_column(col)
+    for name, status, seconds in results:
+        table.add_row(name, status, f"{seconds:.0f} s")
+    console.print(table)
+    if any(status != "ok" for _, status, _ in results):
+        raise typer.Exit(code=1)
