@@ -84,12 +84,12 @@ def demo(
     trace: Annotated[Path | None, typer.Option(
         help="A Mooncake-format JSONL trace to replay instead of a built-in workload.")] = None,
     requests: Annotated[int | None, typer.Option(
-        help="Requests per run (default 150; --quick 36; with --trace: the trace's first N).")]
+        help="Requests per run (default 120; --quick 36; with --trace: the trace's first N).")]
         = None,
     tenants: Annotated[int | None, typer.Option(
         help="Tenants, each with its own API key (default 4; --quick 2).")] = None,
     scale: Annotated[float | None, typer.Option(
-        help="Multiplies the design's prompt lengths (default 0.25; --quick 0.1).")] = None,
+        help="Multiplies the design's prompt lengths (default 0.2; --quick 0.1).")] = None,
     trace_block_tokens: Annotated[int, typer.Option(
         help="Tokens per 512-token trace block (a multiple of 16).")]
         = DEFAULT_TRACE_BLOCK_TOKENS,
@@ -115,8 +115,8 @@ def demo(
         trace_workload,
     )
 
-    num_requests = requests if requests is not None else (36 if quick else 150)
-    length_scale = scale if scale is not None else (0.1 if quick else 0.25)
+    num_requests = requests if requests is not None else (36 if quick else 120)
+    length_scale = scale if scale is not None else (0.1 if quick else 0.2)
     num_tenants = tenants if tenants is not None else (2 if quick else 4)
     if num_requests < 1:
         fail(f"--requests must be >= 1, got {num_requests}")
@@ -140,6 +140,10 @@ def demo(
     except ValueError as exc:
         fail(str(exc))
 
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"--out {out}: cannot create the folder: {exc.strerror or exc}")
     console = Console(highlight=False)
     live = _LiveProgress(console)
     command = "kvfleet " + " ".join(shlex.quote(a) for a in sys.argv[1:])

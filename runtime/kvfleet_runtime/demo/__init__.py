@@ -15,6 +15,7 @@ from kvfleet_runtime.demo._report import REFERENCE_PROFILE, build_report, percen
 from kvfleet_runtime.demo._run import DemoOptions, DemoProgress, default_cache_dir, run_demo
 from kvfleet_runtime.demo._workload import (
     POPULATIONS,
+    TENANT_NAMES,
     WORKLOADS,
     DemoRequest,
     TraceRecord,
@@ -22,12 +23,14 @@ from kvfleet_runtime.demo._workload import (
     WorkloadSpec,
     builtin_workload,
     parse_trace,
+    tenant_names,
     trace_workload,
 )
 
 __all__ = [
     "POPULATIONS",
     "REFERENCE_PROFILE",
+    "TENANT_NAMES",
     "WORKLOADS",
     "DemoOptions",
     "DemoProgress",
@@ -48,5 +51,6 @@ __all__ = [
     "percentile",
     "render_report",
     "run_demo",
+    "tenant_names",
     "trace_workload",
 ]

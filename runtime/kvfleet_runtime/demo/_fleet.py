@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -57,11 +58,18 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def ensure_model(cache_dir: Path, preset: str, seed: int, log: Path) -> Path:
-    """A `kvfleet model generate` checkpoint under `cache_dir`, generated once and reused."""
+    """A `kvfleet model generate` checkpoint under `cache_dir` (else the temp dir), generated
+    once and reused."""
     out = cache_dir / f"{preset}-seed{seed}"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable cache (a read-only home): generate into the temp dir instead
+        fallback = Path(tempfile.gettempdir()) / "kvfleet-demo-models"
+        if fallback == cache_dir:
+            raise
+        return ensure_model(fallback, preset, seed, log)
     tmp = cache_dir / f".{out.name}.{os.getpid()}.tmp"
     cmd = [*_CLI, "model", "generate", "--out", str(tmp), "--preset", preset, "--seed", str(seed)]
     with log.open("ab") as sink:

@@ -90,7 +90,11 @@ def _tier_mix(report: dict[str, Any], path: Path) -> Path:
     by_pop: dict[str, dict[str, int]] = report["tiers"]["by_population"]
     groups = [*by_pop, "all"]
     data = {**by_pop, "all": report["tiers"]["tokens"]}
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    no_t2 = not str(report["fleet"]["hint_index"]).startswith("redis")
+    labels = {"t0": "T0 (device)", "t1": "T1 (host DRAM)",
+              "t2": "T2 (peer; off: no shared index)" if no_t2 else "T2 (peer, inferred)",
+              "miss": "miss (prefilled)"}
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     bottoms = [0.0] * len(groups)
     for tier in ("t0", "t1", "t2", "miss"):
         shares = []
@@ -98,7 +102,7 @@ def _tier_mix(report: dict[str, Any], path: Path) -> Path:
             total = sum(data[g].values())
             shares.append(100 * data[g][tier] / total if total else 0.0)
         bars = ax.bar(groups, shares, bottom=bottoms, color=_TIER_COLORS[tier],
-                      label=tier.upper() if tier != "miss" else "miss (prefilled)")
+                      label=labels[tier])
         ax.bar_label(bars, labels=[f"{s:.0f}%" if s >= 4 else "" for s in shares],
                      label_type="center", fontsize=8)
         bottoms = [b + s for b, s in zip(bottoms, shares, strict=True)]

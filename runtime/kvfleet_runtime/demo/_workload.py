@@ -31,6 +31,7 @@ from pathlib import Path
 
 __all__ = [
     "POPULATIONS",
+    "TENANT_NAMES",
     "TRACE_BLOCK_TOKENS",
     "WORKLOADS",
     "DemoRequest",
@@ -39,6 +40,7 @@ __all__ = [
     "WorkloadSpec",
     "builtin_workload",
     "parse_trace",
+    "tenant_names",
     "trace_workload",
 ]
 
@@ -54,6 +56,9 @@ WORKLOADS = {
 TRACE_BLOCK_TOKENS = 512
 """Tokens per `hash_ids` entry in a Mooncake trace."""
 _SUB_BLOCK = 16
+TENANT_NAMES = ("acme", "initech", "hooli", "globex", "oscorp", "stark")
+"""The first tenants' names; their first rendezvous homes on r0..r2 alternate (r1, r2, r0, ...),
+so a small demo loads every replica. Further tenants are `tenant-<i>`."""
 _VOCAB = 256
 
 
@@ -81,12 +86,16 @@ class Workload:
 
 @dataclass(frozen=True, slots=True)
 class WorkloadSpec:
-    num_requests: int = 150
+    num_requests: int = 120
     num_tenants: int = 4
-    scale: float = 0.25
-    """Multiplies every design length (a 2,000-token prompt becomes 500 at 0.25)."""
+    scale: float = 0.2
+    """Multiplies every design length (a 2,000-token prompt becomes 400 at 0.2)."""
     max_prompt_tokens: int = 2000
     seed: int = 1
+
+
+def tenant_names(n: int) -> tuple[str, ...]:
+    return tuple(TENANT_NAMES[i] if i < len(TENANT_NAMES) else f"tenant-{i}" for i in range(n))
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -105,7 +114,7 @@ def builtin_workload(name: str, spec: WorkloadSpec) -> Workload:
     if spec.num_requests < 1 or spec.num_tenants < 1 or spec.scale <= 0:
         raise ValueError(f"workload sizes must be positive, got {spec}")
     rng = random.Random(spec.seed)
-    tenants = tuple(f"tenant-{i}" for i in range(spec.num_tenants))
+    tenants = tenant_names(spec.num_tenants)
     s = spec.scale
     systems = {t: [_tokens(rng, _length(rng, 200, 2000, s)) for _ in range(2)] for t in tenants}
     short_systems = {t: _tokens(rng, _length(rng, 100, 300, s)) for t in tenants}
@@ -253,7 +262,7 @@ def trace_workload(
             f"--trace-block-tokens must be a positive multiple of 16, got {block_tokens}"
         )
     records = sorted(parse_trace(path, max_records=num_requests), key=lambda r: r.timestamp_ms)
-    tenants = tuple(f"tenant-{i}" for i in range(num_tenants))
+    tenants = tenant_names(num_tenants)
     cache: dict[tuple[int, int], list[int]] = {}
     requests = []
     sub = block_tokens // _SUB_BLOCK

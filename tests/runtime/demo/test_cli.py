@@ -46,3 +46,12 @@ def test_bad_input_is_one_line_and_exit_2(
     assert expected in lines[0]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_that_cannot_be_made_is_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    result = CliRunner().invoke(app, ["demo", "--quick", "--out", str(tmp_path / "file" / "out")])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --out {tmp_path / 'file' / 'out'}: cannot create the folder: Not a directory"
+    ]

@@ -73,8 +73,8 @@ def test_expansion_shares_prefixes_exactly_where_hash_ids_do(tmp_path: Path) -> 
     assert [len(r.token_ids) for r in wl.requests] == [87, 128, 12]
     assert first.token_ids[:64] == second.token_ids[:64]  # shared root block 1
     assert first.token_ids[64:80] != second.token_ids[64:80]  # blocks 3 vs 2
-    assert first.tenant == second.tenant == "tenant-1"  # root 1 % 3
-    assert third.tenant == "tenant-1"  # root 4 % 3
+    assert first.tenant == second.tenant == "initech"  # root 1 % 3 -> the second tenant
+    assert third.tenant == "initech"  # root 4 % 3
     assert all(0 <= t < 256 for r in wl.requests for t in r.token_ids)
     again = trace_workload(path, num_requests=10, num_tenants=3, block_tokens=64,
                            max_prompt_tokens=2000)
