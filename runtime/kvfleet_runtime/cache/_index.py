@@ -116,6 +116,9 @@ class BlockIndex:
         self.counters = (TierCounters(), TierCounters())
         self.num_pinned = 0
         self.pin_limit = 0
+        self.duel = True
+        """Whether newcomers must out-frequent their victims (the manager turns it on under
+        thrash; off, eviction is plain leaf-first LRU and every admitted block gets in)."""
         self._nodes: dict[BlockHash, BlockNode] = {}
         self._namespaces: dict[CacheKey, Namespace] = {}
         self._heaps: tuple[list[_Entry], ...] = ([], [])

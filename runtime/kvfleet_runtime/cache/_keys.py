@@ -25,7 +25,7 @@ import itertools
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple, NewType
+from typing import NamedTuple, NewType, cast
 
 __all__ = [
     "BLOCK_SIZE",
@@ -149,7 +149,8 @@ def iter_block_hashes(
     if platform_blocks == 0:
         hashes = itertools.accumulate(chunks, step, initial=key_digest(key))
         next(hashes)  # the seed itself
-        return map(BlockHash, hashes)
+        # BlockHash is a NewType of bytes: a cast, not a call per block on the lookup path.
+        return cast(Iterator[BlockHash], hashes)
     return _scoped_hashes(key, chunks, platform_blocks)
 
 

@@ -192,6 +192,7 @@ class CacheManager:
     def commit(self, plan: StorePlan) -> Commit:
         """Index the plan's new blocks (as many as fit) and say where their data goes."""
         index = self.index
+        index.duel = self.thrash.thrashing
         resident = index.match(plan.hashes)
         start = len(resident)
         parent = resident[-1] if resident else None
@@ -227,6 +228,7 @@ class CacheManager:
         self.index.release(commit.nodes)
 
     def promote(self, path: list[BlockNode]) -> list[Move]:
+        self.index.duel = self.thrash.thrashing
         plan = self.index.promote(path)
         self._after(plan)
         return plan.moves

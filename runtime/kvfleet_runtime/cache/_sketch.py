@@ -33,7 +33,7 @@ class CountMinSketch:
     )
 
     def __init__(
-        self, width: int = 1 << 16, depth: int = 4, sample_size: int | None = None
+        self, width: int = 1 << 22, depth: int = 4, sample_size: int | None = None
     ) -> None:
         if width <= 0 or width & (width - 1):
             raise ValueError(f"sketch width must be a positive power of two, got {width}")
