@@ -27,7 +27,7 @@ __all__ = ["demo"]
 
 INTERRUPTED_EXIT_CODE = 130
 DEFAULT_OUT = Path("kvfleet-demo-out")
-DEFAULT_TRACE_BLOCK_TOKENS = 64
+DEFAULT_TRACE_BLOCK_TOKENS = 16
 
 
 class _LiveProgress:
@@ -84,7 +84,7 @@ def demo(
     trace: Annotated[Path | None, typer.Option(
         help="A Mooncake-format JSONL trace to replay instead of a built-in workload.")] = None,
     requests: Annotated[int | None, typer.Option(
-        help="Requests per run (default 120; --quick 36; with --trace: the trace's first N).")]
+        help="Requests per run (default 120; --quick 36; --trace: about N, whole prefix trees).")]
         = None,
     tenants: Annotated[int | None, typer.Option(
         help="Tenants, each with its own API key (default 4; --quick 2).")] = None,

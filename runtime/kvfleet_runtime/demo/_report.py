@@ -9,9 +9,10 @@ Figures (all over successful requests):
   case (70B on H100, TP4: 35.4 us per token on 4 GPUs = 141.5 GPU-us per token). The demo's
   model is tiny and runs on CPU; this converts the *tokens* it saved, not its own seconds;
 - tier breakdown: each prompt token is T0, T1 or T2 (a hit) or a miss (computed). A replica labels
-  a hit with the local tier it read; blocks imported from a peer land in its local tiers first, so
-  T2 is inferred: the part of a hit longer than any prefix that replica had been sent before
-  can only have come from a peer;
+  a hit with the coldest local tier it read (`X-Kvfleet-Cache-Tier`), so a hit's tokens count
+  under that tier; blocks imported from a peer land in its local tiers first, so T2 is inferred:
+  the part of a hit longer than any prefix that replica had been sent before can only have come
+  from a peer;
 - spill rate: share of the router's decisions with `X-Kvfleet-Route: spill`.
 """
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvfleet_runtime.demo import parse_trace, trace_workload
+from kvfleet_runtime.demo._workload import _sub_block
 
 GOOD = {"timestamp": 0, "input_length": 600, "output_length": 10, "hash_ids": [7, 8]}
 
@@ -68,25 +69,44 @@ def test_expansion_shares_prefixes_exactly_where_hash_ids_do(tmp_path: Path) -> 
     )
     wl = trace_workload(path, num_requests=10, num_tenants=3, block_tokens=64,
                         max_prompt_tokens=2000)
-    first, second, third = wl.requests
+    first, second, _ = wl.requests
     # Sorted by timestamp; 512-token blocks scaled to 64 tokens: 700 -> 87, 1024 -> 128.
     assert [len(r.token_ids) for r in wl.requests] == [87, 128, 12]
     assert first.token_ids[:64] == second.token_ids[:64]  # shared root block 1
     assert first.token_ids[64:80] != second.token_ids[64:80]  # blocks 3 vs 2
-    assert first.tenant == second.tenant == "initech"  # root 1 % 3 -> the second tenant
-    assert third.tenant == "initech"  # root 4 % 3
+    assert first.tenant == second.tenant  # one root block, one tenant
     assert all(0 <= t < 256 for r in wl.requests for t in r.token_ids)
     again = trace_workload(path, num_requests=10, num_tenants=3, block_tokens=64,
                            max_prompt_tokens=2000)
     assert again == wl
 
 
-def test_only_the_first_n_requests_are_read_and_prompts_are_capped(tmp_path: Path) -> None:
+def test_prompts_are_capped(tmp_path: Path) -> None:
     big = {"timestamp": 0, "input_length": 5120, "output_length": 1, "hash_ids": list(range(10))}
-    path = write(tmp_path, json.dumps(big), json.dumps(big), "{broken")
+    path = write(tmp_path, json.dumps(big), json.dumps(big))
     wl = trace_workload(path, num_requests=2, num_tenants=1, block_tokens=128,
                         max_prompt_tokens=1000)
     assert [len(r.token_ids) for r in wl.requests] == [1000, 1000]
+
+
+def test_sampling_keeps_whole_prefix_trees(tmp_path: Path) -> None:
+    # Request i (timestamp i) has root block i % 40 and then a block of its own.
+    lines = [
+        json.dumps({"timestamp": i, "input_length": 1024, "output_length": 1,
+                    "hash_ids": [i % 40, 1000 + i]})
+        for i in range(400)
+    ]
+    wl = trace_workload(write(tmp_path, *lines), num_requests=50, num_tenants=4,
+                        block_tokens=16, max_prompt_tokens=2000)
+    root_of = {tuple(_sub_block(root, 0)): root for root in range(40)}
+    kept = [root_of[r.token_ids[:16]] for r in wl.requests]
+    assert 1 < len(set(kept)) < 40  # a sample of the roots (1 in 8 expected)
+    # Every request of a kept root, in time order, up to the cut at 50 requests.
+    expected = [i % 40 for i in range(400) if i % 40 in set(kept)][:50]
+    assert kept == expected
+    tenants = {root: {r.tenant for r, k in zip(wl.requests, kept, strict=True) if k == root}
+               for root in set(kept)}
+    assert all(len(t) == 1 for t in tenants.values())  # one root, one tenant
 
 
 def test_block_tokens_must_be_a_multiple_of_16(tmp_path: Path) -> None:
