@@ -1,0 +1,176 @@
+"""The e2e world for tests/e2e/test_user_path.py: one release of the chart on the real control plane
+(tests/cluster), with every pod that matters backed by a real process.
+
+How each piece runs (and why):
+- Control plane: the `k8s_cluster` fixture (etcd, kube-apiserver, controller-manager, scheduler,
+  kwok). Two extra kwok GPU nodes get loopback pod CIDRs (world.loopback_node); the chart's
+  replicas and router are pinned to them with `nodeSelector` in the values file.
+- Replica and router pods: kwok's, backed by real `kvfleet replica` / `kvfleet router` processes
+  at the pods' IPs and container ports, started and stopped by the KubeletShim (kubelet.py) from
+  the pods' own specs (args, env, mounted ConfigMaps and Secrets, the hostPath model volume).
+- Operator: `kvfleet-operator run` as a local process with a kubeconfig minted for the chart's
+  operator ServiceAccount (so it has exactly the chart's RBAC). The chart's operator pod is
+  scheduled by kwok but runs nothing: kwok cannot run the operator image, and a local process can
+  be SIGKILLed and restarted by the test.
+- Redis: a redis-server process, given to the chart as `redis.external.url` (the bundled Redis'
+  pod would need Service DNS, which this cluster does not have).
+- Prometheus: Debian's binary, scraping the replica processes' /metrics; its targets come from
+  the shim (what the chart's ServiceMonitor and kubernetes_sd do on a real cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.cluster.fixtures import Cluster, Identity
+from tests.e2e.kubelet import KubeletShim
+from tests.e2e.traffic import NUM_TENANTS, api_key, tenant_name
+from tests.e2e.world import (
+    E2E_NODE_LABEL,
+    OperatorProcess,
+    Prometheus,
+    Redis,
+    create_loopback_nodes,
+    free_port,
+    generate_model,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvfleet"
+RELEASE = "kvfleet"
+MODEL_ID = "tiny"
+KEEP_ENV = "KVFLEET_E2E_KEEP"  # keep the work dir (logs of every process) after the run
+
+
+@dataclass
+class World:
+    cluster: Cluster
+    namespace: str
+    work_dir: Path
+    models: Path
+    digests: dict[str, str]  # v1 (installed), v2 (new weights), v3 (attention impl changed)
+    values_file: Path
+    replica_port: int
+    router_port: int
+    redis: Redis
+    prometheus: Prometheus
+    shim: KubeletShim
+    operator_identity: Identity
+    operators: list[OperatorProcess]
+    nodes: list[str]
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        return self.cluster.kubectl(*args, stdin=stdin).stdout
+
+    def start_operator(self, name: str, priority: int) -> OperatorProcess:
+        op = OperatorProcess(self.operator_identity, self.work_dir, name, priority)
+        self.operators.append(op)
+        return op
+
+    def logs(self) -> str:
+        """Where to look, for failure messages."""
+        return f"process logs under {self.work_dir} (set {KEEP_ENV}=1 to keep them)"
+
+
+def values(world_models: Path, digest: str, replica_port: int, router_port: int,
+           redis_url: str) -> dict[str, object]:
+    """The values file a user writes (docs/quickstart.md step 3), for the loopback nodes and the
+    tiny model."""
+    on_e2e_nodes = {E2E_NODE_LABEL: "true"}
+    return {
+        "router": {
+            "replicas": 1,
+            "port": router_port,
+            "nodeSelector": on_e2e_nodes,
+            "apiKeys": {"tenants": {tenant_name(i): [api_key(tenant_name(i))]
+                                    for i in range(NUM_TENANTS)}},
+        },
+        "replica": {
+            "replicas": 2,
+            "port": replica_port,
+            "nodeSelector": on_e2e_nodes,
+            "model": {
+                "volume": {"hostPath": {"path": str(world_models), "type": "Directory"}},
+                "id": MODEL_ID,
+                "weightsDigest": digest,
+            },
+            "config": {"device": "cpu", "cpu_threads": 1,
+                       "engine": {"num_kv_blocks": 256},
+                       "cache": {"num_t0_blocks": 256, "num_t1_blocks": 1024}},
+            "resources": {"requests": {"cpu": "1", "memory": "1Gi"},
+                          "limits": {"memory": "2Gi"}},
+        },
+        "fleetConfig": {"configMapName": "chat-fleet"},  # the policy of examples/kvcachepolicy.yaml
+        "redis": {"bundled": {"enabled": False}, "external": {"url": redis_url}},
+    }
+
+
+@pytest.fixture(scope="module")
+def world(k8s_cluster: Cluster) -> Iterator[World]:
+    if not k8s_cluster.local:
+        pytest.skip("the e2e path needs the local control plane (loopback kwok nodes)")
+    work_dir = Path(tempfile.mkdtemp(prefix="kvfleet-e2e-"))
+    models = work_dir / "models"
+    models.mkdir()
+    namespace = k8s_cluster.create_namespace("llm")
+    cleanup: list[object] = []
+    shim: KubeletShim | None = None
+    operators: list[OperatorProcess] = []
+    try:
+        nodes = create_loopback_nodes(k8s_cluster)
+        digests = {
+            "v1": generate_model(models, seed=0),
+            "v2": generate_model(models, seed=1),
+            "v3": generate_model(models, seed=2, attn_impl="sdpa"),
+        }
+        redis = Redis(work_dir)
+        cleanup.append(redis)
+        prometheus = Prometheus(work_dir)
+        cleanup.append(prometheus)
+        replica_port, router_port = free_port(), free_port()
+        values_file = work_dir / "my-values.yaml"
+        values_file.write_text(yaml.safe_dump(
+            values(models, digests["v1"], replica_port, router_port, redis.url)))
+        shim = KubeletShim(
+            k8s_cluster, namespace, work_dir / "pods",
+            selector=f"app.kubernetes.io/instance={RELEASE}", nodes=set(nodes),
+            image_prefix="kvfleet/kvfleet-runtime:",
+            on_change=lambda pods: prometheus.set_targets(
+                [p for p in pods if p.labels.get("app.kubernetes.io/component") == "replica"]),
+        )
+        (work_dir / "pods").mkdir()
+        shim.start()
+        # The chart creates the ServiceAccount; the identity needs it, so it is minted after the
+        # install (World.operator_identity is set by the install test).
+        world = World(k8s_cluster, namespace, work_dir, models, digests, values_file,
+                      replica_port, router_port, redis, prometheus, shim,
+                      None, operators, nodes)  # type: ignore[arg-type]
+        yield world
+    finally:
+        for op in operators:
+            op.stop()
+        if shim is not None:
+            shim.close()
+        for item in reversed(cleanup):
+            item.close()  # type: ignore[attr-defined]
+        k8s_cluster.helm("uninstall", RELEASE, "-n", namespace, "--wait=false", check=False)
+        k8s_cluster.delete_namespace(namespace)
+        for node in locals().get("nodes", []) or []:
+            k8s_cluster.kubectl("delete", "node", node, "--ignore-not-found", check=False)
+        if os.environ.get(KEEP_ENV):
+            print(f"e2e work dir kept: {work_dir}")
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def dump(obj: object) -> str:
+    return json.dumps(obj, indent=1, sort_keys=True)[-3000:]

@@ -1,0 +1,376 @@
+"""A test-side kubelet for kwok's fake GPU nodes: real processes behind the pods.
+
+kwok plays the kubelet of the fake nodes: it binds pods, gives them an IP from the node's
+`spec.podCIDR` and marks them Running and Ready, but runs nothing. The e2e nodes get loopback pod
+CIDRs (127.x.y.0/24), so every pod IP is an address this machine can bind. `KubeletShim` watches
+the release's pods on those nodes and, for each running pod whose image is the kvfleet runtime
+image, starts the container's process the way the kubelet would:
+
+- the command is the image's ENTRYPOINT (read from docker/runtime.Dockerfile: `kvfleet`, the
+  console script of this environment) followed by the container's `args`, with `$(VAR)` references
+  expanded from the container's environment;
+- the environment is the container's: plain values, the downward API (`metadata.name`,
+  `metadata.namespace`, `status.podIP`) and Secret/ConfigMap key references;
+- each volume mount is a folder: ConfigMap and Secret volumes are written from the live objects
+  (and rewritten when they change, as the kubelet does, only faster), a hostPath is the host's
+  folder, an emptyDir a fresh one; an absolute path in an argument or a variable that starts with a
+  mount path is moved onto that folder;
+- the pod's own network namespace is played by its loopback address: `--host 0.0.0.0` becomes
+  `--host <pod IP>`, so every replica listens on its pod's IP and the container port.
+
+When a pod is deleted (or terminating) its process group gets SIGTERM, SIGKILL after a grace
+period.
+
+Readiness: kwok marks a pod Ready once, when it starts running, without probing anything. The
+shim sets the pod's Ready condition to False before starting its process, then probes the
+container's readinessProbe on the process every loop and writes Ready from that, as a kubelet
+does; so the Deployment controller, the operator (which plans home sets and rollout steps over
+Ready pods) and the tests see the real process' readiness. There is one gap: between kwok's
+Ready=True and the shim's first patch (about a poll period), the pod looks Ready.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.cluster.fixtures import Cluster, CommandError
+from tests.cluster.processes import ManagedProcess, start_process
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNTIME_DOCKERFILE = ROOT / "docker" / "runtime.Dockerfile"
+POLL_S = 0.5
+STOP_GRACE_S = 8.0
+_VAR = re.compile(r"\$\((\w+)\)")
+
+
+def image_entrypoint(dockerfile: Path = RUNTIME_DOCKERFILE) -> list[str]:
+    """The image's ENTRYPOINT (exec form), its programs resolved in this environment."""
+    for line in dockerfile.read_text().splitlines():
+        if line.startswith("ENTRYPOINT"):
+            argv = json.loads(line[len("ENTRYPOINT"):].strip())
+            program = Path(sys.executable).with_name(argv[0])
+            assert program.is_file(), f"{dockerfile}: entry point {argv[0]} is not installed"
+            return [str(program), *argv[1:]]
+    raise AssertionError(f"{dockerfile} has no ENTRYPOINT")
+
+
+@dataclass
+class LiveVolume:
+    """A ConfigMap or Secret volume: its folder, its object, its items (None: every key)."""
+
+    local: Path
+    kind: str
+    name: str
+    items: list[tuple[str, str]] | None
+    written: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class PodProcess:
+    """One pod's container, run as a local process."""
+
+    namespace: str
+    name: str
+    uid: str
+    ip: str
+    port: int | None
+    labels: dict[str, str]
+    process: ManagedProcess
+    root: Path
+    live: list[LiveVolume] = field(default_factory=list)
+    probe_url: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:{self.port}"
+
+
+class KubeletShim:
+    """See the module docstring. `selector` picks the pods (kubectl -l), `nodes` the fake nodes
+    whose pods this shim runs, `image_prefix` the image it knows how to run."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        namespace: str,
+        work_dir: Path,
+        *,
+        selector: str,
+        nodes: set[str],
+        image_prefix: str,
+        on_change: Callable[[list[PodProcess]], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.work_dir = work_dir
+        self.selector = selector
+        self.nodes = nodes
+        self.image_prefix = image_prefix
+        self.on_change = on_change
+        self.entrypoint = image_entrypoint()
+        self.pods: dict[str, PodProcess] = {}
+        self.events: list[str] = []  # "started <pod> <ip>" / "stopped <pod>", for the report
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kubelet-shim", daemon=True)
+        self._stopping: dict[str, str] = {}  # IP -> pod whose process is still stopping
+        self._stoppers: list[threading.Thread] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        with self._lock:
+            pods = list(self.pods.values())
+        for pod in pods:
+            self._stop_pod(pod)
+        for thread in self._stoppers:
+            thread.join(STOP_GRACE_S * 3)
+
+    def running(self, label: str | None = None) -> list[PodProcess]:
+        """Pods with a live process; `label` 'key=value' filters them."""
+        with self._lock:
+            pods = [p for p in self.pods.values() if p.process.alive()]
+        if label is not None:
+            key, _, value = label.partition("=")
+            pods = [p for p in pods if p.labels.get(key) == value]
+        return sorted(pods, key=lambda p: p.name)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sync()
+            except CommandError as exc:
+                self.errors.append(f"{time.strftime('%H:%M:%S')} {exc.argv[3:6]}: {exc.stderr}")
+            except (ValueError, KeyError, OSError) as exc:
+                self.errors.append(f"{time.strftime('%H:%M:%S')} {exc!r}"[:500])
+            self._stop.wait(POLL_S)
+
+    def _get(self, *what: str) -> list[dict[str, Any]]:
+        out = self.cluster.kubectl("get", "-n", self.namespace, *what, "-o", "json", timeout_s=20)
+        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+        return items
+
+    def _sync(self) -> None:
+        pods = self._get("pods", "-l", self.selector)
+        objects = {(o["kind"], o["metadata"]["name"]): o for o in self._get("configmaps,secrets")}
+        wanted: dict[str, dict[str, Any]] = {}
+        for pod in pods:
+            meta, spec, status = pod["metadata"], pod["spec"], pod.get("status") or {}
+            if (
+                spec.get("nodeName") in self.nodes
+                and status.get("phase") == "Running"
+                and status.get("podIP")
+                and not meta.get("deletionTimestamp")
+                and spec["containers"][0]["image"].startswith(self.image_prefix)
+            ):
+                wanted[meta["uid"]] = pod
+        changed = False
+        with self._lock:
+            current = {p.uid: p for p in self.pods.values()}
+        for uid, record in current.items():
+            if uid not in wanted:
+                self._stop_pod(record)
+                changed = True
+        for uid, pod in wanted.items():
+            record = current.get(uid)
+            if record is not None:
+                self._refresh(record.live, objects)
+                self._report_readiness(record, pod)
+            elif pod["status"]["podIP"] not in self._stopping:
+                # kwok may hand a deleted pod's IP to a new pod at once: start it only once the
+                # old process has let go of the address.
+                self._set_ready(pod["metadata"]["name"], False)
+                self._start_pod(pod, objects)
+                changed = True
+        if changed and self.on_change is not None:
+            self.on_change(self.running())
+
+    def _stop_pod(self, pod: PodProcess) -> None:
+        """SIGTERM now, SIGKILL after the grace period, in the background (the loop goes on)."""
+        with self._lock:
+            self.pods.pop(pod.name, None)
+            self._stopping[pod.ip] = pod.name
+
+        def stop() -> None:
+            try:
+                pod.process.stop(grace_s=STOP_GRACE_S)
+            finally:
+                with self._lock:
+                    self._stopping.pop(pod.ip, None)
+                self.events.append(f"{time.strftime('%H:%M:%S')} stopped {pod.name}")
+
+        thread = threading.Thread(target=stop, name=f"stop-{pod.name}", daemon=True)
+        thread.start()
+        self._stoppers.append(thread)
+
+    # -- readiness: the real process' probe, not kwok's say-so -----------------------------
+
+    def _report_readiness(self, record: PodProcess, pod: dict[str, Any]) -> None:
+        """Probe the container's readinessProbe (httpGet) on the process and write the pod's
+        Ready condition when it differs, as the kubelet does. kwok sets Ready=True once, when
+        the pod starts running, and never again, so after that the condition is ours."""
+        ready = record.probe_url is None or http_json(record.probe_url, timeout_s=2)[0] == 200
+        if not record.process.alive():
+            ready = False
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        current = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+        if ready != current:
+            self._set_ready(record.name, ready)
+            self.events.append(f"{time.strftime('%H:%M:%S')} {record.name} ready={ready}")
+
+    def _set_ready(self, name: str, ready: bool) -> None:
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        value = "True" if ready else "False"
+        patch = {"status": {"conditions": [
+            {"type": kind, "status": value, "lastTransitionTime": now}
+            for kind in ("Ready", "ContainersReady")
+        ]}}
+        self.cluster.kubectl("patch", "pod", name, "-n", self.namespace, "--subresource=status",
+                             "--type=strategic", "-p", json.dumps(patch), timeout_s=20)
+
+    # -- the pod's container ---------------------------------------------------------------
+
+    def _start_pod(self, pod: dict[str, Any], objects: dict[tuple[str, str], Any]) -> None:
+        meta, spec = pod["metadata"], pod["spec"]
+        (container,) = spec["containers"]
+        ip = pod["status"]["podIP"]
+        root = self.work_dir / meta["name"]
+        root.mkdir(parents=True, exist_ok=True)
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        mounts: dict[str, Path] = {}
+        live: list[LiveVolume] = []
+        for mount in container.get("volumeMounts", []):
+            local = self._volume_dir(volumes[mount["name"]], root, objects, live)
+            mounts[mount["mountPath"]] = local / mount.get("subPath", "")
+
+        def moved(value: str) -> str:
+            for path, local in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
+                if value == path or value.startswith(path.rstrip("/") + "/"):
+                    return str(local) + value[len(path.rstrip("/")):]
+            return value
+
+        fields = {
+            "metadata.name": meta["name"],
+            "metadata.namespace": meta["namespace"],
+            "status.podIP": ip,
+        }
+        env: dict[str, str] = {}
+        for item in container.get("env", []):
+            if "value" in item:
+                value = _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), item["value"])
+            else:
+                source = item["valueFrom"]
+                if "fieldRef" in source:
+                    value = fields[source["fieldRef"]["fieldPath"]]
+                else:
+                    kind = "Secret" if "secretKeyRef" in source else "ConfigMap"
+                    ref = source.get("secretKeyRef") or source["configMapKeyRef"]
+                    value = _object_data(objects[(kind, ref["name"])])[ref["key"]].decode()
+            env[item["name"]] = moved(value)
+        args = [moved(_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a))
+                for a in container.get("args", [])]
+        # The pod's network namespace: its own address instead of every address.
+        args = [ip if a == "0.0.0.0" and i and args[i - 1] == "--host" else a
+                for i, a in enumerate(args)]
+        ports = [p["containerPort"] for p in container.get("ports", [])]
+        base = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "HOME": str(root),
+                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        process = start_process(meta["name"], [*self.entrypoint, *args], self.work_dir,
+                                env={**base, **env})
+        record = PodProcess(meta["namespace"], meta["name"], meta["uid"], ip,
+                            ports[0] if ports else None, dict(meta.get("labels") or {}),
+                            process, root, live)
+        probe = (container.get("readinessProbe") or {}).get("httpGet")
+        if probe is not None:
+            named = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+            port = named.get(probe["port"], probe["port"])
+            record.probe_url = f"http://{ip}:{port}{probe.get('path', '/')}"
+        with self._lock:
+            self.pods[meta["name"]] = record
+        self.events.append(f"{time.strftime('%H:%M:%S')} started {meta['name']} {ip}")
+
+    def _volume_dir(
+        self, volume: dict[str, Any], root: Path, objects: dict[tuple[str, str], Any],
+        live: list[LiveVolume],
+    ) -> Path:
+        if "hostPath" in volume:
+            return Path(volume["hostPath"]["path"])
+        local = root / "volumes" / volume["name"]
+        local.mkdir(parents=True, exist_ok=True)
+        for kind, key in (("ConfigMap", "configMap"), ("Secret", "secret")):
+            if key in volume:
+                source = volume[key]
+                items = source.get("items")
+                live.append(LiveVolume(
+                    local, kind, source.get("name") or source["secretName"],
+                    None if not items else [(i["key"], i["path"]) for i in items],
+                ))
+        self._refresh(live, objects)
+        return local
+
+    @staticmethod
+    def _refresh(live: list[LiveVolume], objects: dict[tuple[str, str], Any]) -> None:
+        """Write each ConfigMap/Secret volume's files from the live objects, when they changed.
+        A missing object (an optional volume) leaves the folder empty until it appears."""
+        for volume in live:
+            obj = objects.get((volume.kind, volume.name))
+            if obj is None:
+                continue
+            data = _object_data(obj)
+            pairs = volume.items if volume.items is not None else [(k, k) for k in data]
+            for key, path in pairs:
+                content = data.get(key)
+                target = volume.local / path
+                if content is None or volume.written.get(path) == content:
+                    continue
+                tmp = target.with_name(target.name + ".tmp")
+                tmp.write_bytes(content)
+                tmp.replace(target)  # atomic, as the kubelet's symlink swap
+                volume.written[path] = content
+
+
+def _object_data(obj: dict[str, Any]) -> dict[str, bytes]:
+    if obj["kind"] == "Secret":
+        return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+    return {k: v.encode() for k, v in (obj.get("data") or {}).items()}
+
+
+def http_json(url: str, body: Any = None, headers: dict[str, str] | None = None,
+              timeout_s: float = 10.0) -> tuple[int, Any]:
+    """(status, parsed JSON body or text); status 0 when nothing answered."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=timeout_s) as response:
+            raw = response.read()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    except OSError:
+        return 0, None
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
