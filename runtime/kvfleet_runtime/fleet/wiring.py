@@ -26,6 +26,7 @@ Environment (all optional; none of the first four set -> no fleet tier):
                             /etc/kvfleet/peer/token when present); none -> T2 refused both ways
     KVFLEET_FLEET_CONFIG    fleet config file (default /etc/kvfleet/fleet/fleet.yaml when present)
     KVFLEET_PEER_URL        URL peers use for this replica (default http://$POD_IP:<port>)
+    KVFLEET_HINT_LOOKUP_BUDGET_S   hint lookup budget (default 0.002)
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class FleetSettings:
     """Runs shorter than this are recomputed: a round trip costs more than a few blocks."""
     config_poll_s: float = 2.0
     register_every_s: float = 60.0
+    hint_lookup_budget_s: float = 0.002
+    """A hint lookup slower than this answers "nobody" (the request recomputes)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, port: int) -> FleetSettings | None:
@@ -106,12 +109,22 @@ class FleetSettings:
             if config
             else (DEFAULT_FLEET_CONFIG if DEFAULT_FLEET_CONFIG.exists() else None)
         )
+        budget = environ.get("KVFLEET_HINT_LOOKUP_BUDGET_S")
+        try:
+            budget_s = float(budget) if budget else 0.002
+        except ValueError:
+            raise ValueError(
+                f"KVFLEET_HINT_LOOKUP_BUDGET_S must be seconds, got {budget!r}"
+            ) from None
+        if not budget_s > 0:
+            raise ValueError(f"KVFLEET_HINT_LOOKUP_BUDGET_S must be > 0, got {budget!r}")
         return cls(
             name=name,
             peer_url=environ.get("KVFLEET_PEER_URL") or f"http://{host}:{port}",
             secret=secret,
             redis_url=environ.get("KVFLEET_REDIS_URL") or None,
             fleet_config=config_path,
+            hint_lookup_budget_s=budget_s,
         )
 
 

@@ -62,3 +62,13 @@ def test_secret_file_and_defaults(tmp_path: Path) -> None:
 def test_missing_secret_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="absent"):
         FleetSettings.from_env({"KVFLEET_PEER_SECRET_FILE": str(tmp_path / "absent")}, port=1)
+
+
+def test_hint_lookup_budget(tmp_path: Path) -> None:
+    env = {"KVFLEET_FLEET_NAME": "r0"}
+    s = FleetSettings.from_env({**env, "KVFLEET_HINT_LOOKUP_BUDGET_S": "0.25"}, port=1)
+    assert s is not None and s.hint_lookup_budget_s == 0.25
+    with pytest.raises(ValueError, match="seconds"):
+        FleetSettings.from_env({**env, "KVFLEET_HINT_LOOKUP_BUDGET_S": "fast"}, port=1)
+    with pytest.raises(ValueError, match="> 0"):
+        FleetSettings.from_env({**env, "KVFLEET_HINT_LOOKUP_BUDGET_S": "0"}, port=1)
