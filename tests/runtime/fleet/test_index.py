@@ -176,6 +176,6 @@ async def test_redis_lookup_of_a_2000_token_prompt_is_one_round_trip(
         times.sort()
         # ~1 ms budget on an idle host; generous here because CI shares two cores.
         print(f"lookup_runs p50 {times[len(times) // 2] * 1e3:.2f} ms")
-        assert times[len(times) // 2] < 0.02
+        assert times[len(times) // 2] < 0.05
     finally:
         await index.close()
