@@ -23,6 +23,7 @@ from kvfleet_operator.api import (
     KVCachePolicyStatus,
     ModelRolloutSpec,
     ModelRolloutStatus,
+    RolloutPhase,
     TierDecisionStatus,
 )
 from kvfleet_operator.constants import (
@@ -32,7 +33,7 @@ from kvfleet_operator.constants import (
     TRACK_LABEL,
     WEIGHTS_DIGEST_ANNOTATION,
 )
-from kvfleet_operator.kube import Kube, KubeError, retry_on_conflict
+from kvfleet_operator.kube import Kube, KubeError, NamespaceTerminating, retry_on_conflict
 from kvfleet_operator.manifests import (
     canary_deployment,
     canary_name,
@@ -147,6 +148,14 @@ def reconcile_policy(kube: Kube, namespace: str, name: str, now: Clock = utc_now
     the status. Returns whether anything was written."""
     try:
         return retry_on_conflict(lambda: _reconcile_policy_once(kube, namespace, name, now))
+    except NamespaceTerminating as exc:
+        log.debug(
+            "%s/%s: namespace going away, nothing to do (NamespaceTerminating): %s",
+            namespace,
+            name,
+            exc,
+        )
+        return False
     except KubeError as exc:
         raise _transient(exc) from exc
 
@@ -269,6 +278,14 @@ def reconcile_rollout(
         return retry_on_conflict(
             lambda: _reconcile_rollout_once(kube, namespace, name, now, post_event)
         )
+    except NamespaceTerminating as exc:
+        log.debug(
+            "%s/%s: namespace going away, nothing to do (NamespaceTerminating): %s",
+            namespace,
+            name,
+            exc,
+        )
+        return None
     except KubeError as exc:
         raise _transient(exc) from exc
 
@@ -304,6 +321,17 @@ def _reconcile_rollout_once(
     target_name = spec.target_ref.name
     target = kube.get_deployment(namespace, target_name)
     canary = kube.get_deployment(namespace, canary_name(target_name))
+    foreign: Manifest | None = None
+    if canary is not None and not _owned_by(canary, meta["uid"]):
+        # Another ModelRollout's canary (the next rollout of the same target): not ours to
+        # observe, scale or delete.
+        foreign = canary
+        canary = None
+        if status.phase not in TERMINAL_PHASES and status.phase is not RolloutPhase.PENDING:
+            owner = _controller_name(foreign)
+            raise kopf.TemporaryError(
+                f"{canary_name(target_name)} belongs to ModelRollout {owner}; waiting", delay=10
+            )
     try:
         target_w = None if target is None else workload_of(target, container, env_name)
         canary_w = None if canary is None else workload_of(canary, container, env_name)
@@ -333,7 +361,13 @@ def _reconcile_rollout_once(
 
     for action in transition.actions:
         if isinstance(action, DeleteCanary) and canary is None:
-            continue  # already gone: a terminal rollout costs reads only
+            continue  # gone already, or another rollout's: a terminal rollout costs reads only
+        if isinstance(action, EnsureCanary) and foreign is not None:
+            raise kopf.TemporaryError(
+                f"{canary_name(target_name)} belongs to ModelRollout "
+                f"{_controller_name(foreign)}; waiting for it to finish",
+                delay=10,
+            )
         _apply_rollout_action(kube, namespace, obj, spec, target, action)
     _write_status(kube, namespace, ROLLOUT_PLURAL, obj, _wire(new_status))
     for event in transition.events:
@@ -392,6 +426,21 @@ def _apply_rollout_action(
             return current
 
         kube.update_deployment(namespace, target_name, set_version)
+
+
+def _controller(obj: Manifest) -> Manifest | None:
+    refs = obj["metadata"].get("ownerReferences") or []
+    return next((r for r in refs if r.get("controller")), None)
+
+
+def _owned_by(obj: Manifest, uid: str) -> bool:
+    ref = _controller(obj)
+    return ref is not None and ref.get("uid") == uid
+
+
+def _controller_name(obj: Manifest) -> str:
+    ref = _controller(obj)
+    return "<none>" if ref is None else str(ref.get("name"))
 
 
 def _same_canary(live: Manifest, wanted: Manifest) -> bool:

@@ -23,7 +23,14 @@ from kubernetes.client.exceptions import ApiException
 
 from kvfleet_operator.constants import FIELD_MANAGER, GROUP, VERSION
 
-__all__ = ["CONFLICT_RETRIES", "Conflict", "Kube", "KubeError", "retry_on_conflict"]
+__all__ = [
+    "CONFLICT_RETRIES",
+    "Conflict",
+    "Kube",
+    "KubeError",
+    "NamespaceTerminating",
+    "retry_on_conflict",
+]
 
 CONFLICT_RETRIES = 5
 T = TypeVar("T")
@@ -43,12 +50,20 @@ class Conflict(KubeError):
     pass
 
 
+class NamespaceTerminating(KubeError):
+    """403 on a create in a namespace being deleted: nothing to reconcile there any more."""
+
+
 def _translate(exc: ApiException, what: str) -> KubeError:
     status = int(exc.status or 0)
     reason = exc.reason or ""
     body = exc.body if isinstance(exc.body, str) else ""
     message = f"{what}: {reason} {body[:500]}".strip()
-    return Conflict(status, message) if status == 409 else KubeError(status, message)
+    if status == 409:
+        return Conflict(status, message)
+    if status == 403 and "NamespaceTerminating" in body:
+        return NamespaceTerminating(status, message)
+    return KubeError(status, message)
 
 
 def retry_on_conflict(

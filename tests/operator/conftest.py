@@ -172,6 +172,14 @@ _FORBIDDEN = re.compile(r'HTTP/1\.1" 403 |status=403|\(403\)|Forbidden')
 
 
 def assert_no_forbidden(log: str) -> None:
-    """No request of the operator was refused (urllib3's access lines, kopf's API errors)."""
-    bad = [line for line in log.splitlines() if _FORBIDDEN.search(line)]
+    """No request of the operator was refused (urllib3's access lines, kopf's API errors).
+
+    The one 403 that is not about RBAC is excused: a write into a namespace the test is deleting
+    (NamespaceTerminating, which the operator logs on the next line and then leaves alone)."""
+    lines = log.splitlines()
+    bad = [
+        line
+        for i, line in enumerate(lines)
+        if _FORBIDDEN.search(line) and "NamespaceTerminating" not in " ".join(lines[i : i + 3])
+    ]
     assert not bad, "\n".join(bad[:20])

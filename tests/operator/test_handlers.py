@@ -316,3 +316,48 @@ def test_a_fleet_config_too_big_for_a_configmap_is_refused(
     assert ("ConfigMap", "kv-fleet") not in kube.objects
     (cond,) = kube.objects[("kvcachepolicies", "kv")]["status"]["conditions"]
     assert cond["reason"] == "ConfigTooLarge"
+
+
+def test_a_namespace_being_deleted_is_left_alone(kube: FakeKube) -> None:
+    from kvfleet_operator.kube import NamespaceTerminating
+
+    kube.put(
+        "kvcachepolicies",
+        {"metadata": {"name": "kv"}, "spec": {"selector": {"matchLabels": {"app": "llm"}}}},
+    )
+
+    def refuse(manifest: Manifest) -> None:
+        raise NamespaceTerminating(403, "namespace ns is being terminated")
+
+    kube.apply = refuse  # type: ignore[method-assign, assignment]
+    assert handlers.reconcile_policy(kube, "ns", "kv") is False  # type: ignore[arg-type]
+
+
+def test_a_rollout_waits_while_another_rollouts_canary_holds_the_target(kube: FakeKube) -> None:
+    import kopf
+
+    kube.put("Deployment", deployment(2))
+    canary = deployment(1)
+    canary["metadata"]["name"] = "llm-canary"
+    canary["metadata"]["ownerReferences"] = [
+        {"kind": "ModelRollout", "name": "other", "uid": "uid-other", "controller": True}
+    ]
+    kube.put("Deployment", canary)
+    kube.put(
+        "modelrollouts",
+        {
+            "metadata": {"name": "mine", "namespace": "ns"},
+            "spec": {"targetRef": {"name": "llm"}, "weightsDigest": NEW},
+        },
+    )
+    with pytest.raises(kopf.TemporaryError, match="belongs to ModelRollout other"):
+        handlers.reconcile_rollout(
+            kube,  # type: ignore[arg-type]
+            "ns",
+            "mine",
+            post_event=lambda _body, _event: None,
+        )
+    assert (
+        kube.objects[("Deployment", "llm-canary")]["metadata"]["ownerReferences"][0]["name"]
+        == "other"
+    )

@@ -3,16 +3,17 @@
 The operator runs as a subprocess (`kvfleet-operator run`) authenticated as its own ServiceAccount,
 bound to the generated ClusterRole (operator/rbac/clusterrole.yaml) and nothing else; its log must
 not contain a single 403. CRs are applied with kubectl; bad ones must be refused by the API server
-with the field path. Rollouts are gated on a real Prometheus (see promstub.py for what it scrapes).
+with the field path. Rollouts are gated on a real Prometheus scraping real `kvfleet replica`
+processes, one per kwok pod (see replicas.py).
 """
 
 from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from tests.operator.conftest import (
     start_operator,
     wait_for,
 )
-from tests.operator.promstub import CacheMetricsServer, Profiles, Prometheus
+from tests.operator.replicas import Prometheus, ReplicaFarm
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -295,41 +296,36 @@ def test_a_second_operator_never_acts_while_the_first_lives(
 # ModelRollout gated on a real Prometheus
 
 
+@dataclass
+class Fleet:
+    prometheus: Prometheus
+    farm: ReplicaFarm
+    old: str  # weights digests of the two tiny checkpoints
+    new: str
+
+
 @pytest.fixture(scope="module")
-def prometheus(
-    installed: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Prometheus, Profiles]]:
-    profiles = Profiles(ramp_s=6.0)
-    metrics = CacheMetricsServer(profiles)
-    prom = Prometheus(tmp_path_factory.mktemp("prometheus"))
-    stop = threading.Event()
+def fleet(installed: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """A real Prometheus and a real replica process per Running pod labelled app=llm."""
+    work = tmp_path_factory.mktemp("fleet")
+    prom = Prometheus(work)
 
-    def follow_pods() -> None:
-        # What kubernetes_sd would do: every test pod becomes a target with namespace/pod labels.
-        while not stop.is_set():
-            try:
-                pods = json.loads(
-                    installed.kubectl(
-                        "get", "pods", "-A", "-l", "app=llm", "-o", "json", timeout_s=10
-                    ).stdout
-                )["items"]
-                targets = [
-                    (p["metadata"]["namespace"], p["metadata"]["name"])
-                    for p in pods
-                    if p.get("status", {}).get("phase") == "Running"
-                ]
-                prom.write_targets(metrics.port, targets)
-            except (CommandError, ValueError):
-                pass
-            stop.wait(1.0)
+    def list_pods() -> list[dict[str, Any]]:
+        out = installed.kubectl("get", "pods", "-A", "-l", "app=llm", "-o", "json", timeout_s=10)
+        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+        return items
 
-    thread = threading.Thread(target=follow_pods, daemon=True)
-    thread.start()
-    yield prom, profiles
-    stop.set()
-    thread.join(5)
+    farm = ReplicaFarm(work, list_pods, prom)
+    old, new = farm.generate_models()
+    farm.start()
+    yield Fleet(prom, farm, old, new)
+    farm.close()
     prom.close()
-    metrics.close()
+
+
+def scraped(fleet: Fleet, ns: str, num_pods: int) -> bool:
+    series = fleet.prometheus.query(f'kvfleet_cache_matched_tokens_total{{namespace="{ns}"}} > 0')
+    return len({s["metric"]["pod"] for s in series}) >= num_pods
 
 
 HIT_RATE_QUERY = (
@@ -339,20 +335,21 @@ HIT_RATE_QUERY = (
 )
 
 
-def rollout(name: str, prom_url: str, **spec: Any) -> dict[str, Any]:
+def rollout(name: str, fleet: Fleet, window_s: int, **spec: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "targetRef": {"name": "llm"},
-        "weightsDigest": NEW,
+        "weightsDigest": fleet.new,
+        "steps": [{"replicas": 1}, {"percent": 100}],
         "gate": {
             "recoveryPercent": 90,
-            "windowSeconds": 60,
+            "windowSeconds": window_s,
             "holdSeconds": 3,
-            "readyTimeoutSeconds": 90,
+            "readyTimeoutSeconds": 120,
             "checkIntervalSeconds": 1,
         },
         "surge": {"mode": "Fixed", "replicas": 1},
         "metrics": {
-            "prometheus": {"url": prom_url, "hitRateQuery": HIT_RATE_QUERY},
+            "prometheus": {"url": fleet.prometheus.url, "hitRateQuery": HIT_RATE_QUERY},
             "cacheStats": {"enabled": False},
         },
     }
@@ -386,49 +383,45 @@ def test_rollout_that_recovers_is_promoted_step_by_step_across_an_operator_kill(
     operator: OperatorProcess,
     operator_identity: Identity,
     operator_logs: Path,
-    prometheus: tuple[Prometheus, Profiles],
+    fleet: Fleet,
     k8s_namespace: str,
 ) -> None:
-    prom, profiles = prometheus
     ns = k8s_namespace
-    profiles.canary[ns] = "ramp"
-    apply(installed, ns, replica_deployment("llm", 4))
+    apply(installed, ns, replica_deployment("llm", 2, fleet.old))
     installed.kubectl("rollout", "status", "-n", ns, "deployment/llm", "--timeout=90s")
-    wait_for(
-        lambda: prom.query(f'kvfleet_cache_lookup_tokens_total{{namespace="{ns}"}}'),
-        "prometheus scrapes the stable pods",
-    )
-    apply(installed, ns, rollout("roll", prom.url))
+    wait_for(lambda: scraped(fleet, ns, 2), "prometheus scrapes the warm stable replicas", 180)
+    apply(installed, ns, rollout("roll", fleet, window_s=240))
 
     def status() -> dict[str, Any]:
         return get(installed, ns, "mro", "roll").get("status") or {}
 
-    wait_for(lambda: status().get("currentStep") == 2, "step 2 started", 120)
+    wait_for(lambda: status().get("currentStep") == 2, "step 2 started", 300)
     # Kill the operator without warning in the middle of the rollout, start a fresh one.
     operator.stop(signal.SIGKILL)
     # A higher priority than the killed one, whose peering record outlives it for its lifetime
     # (a lower one would wait that long, as it should).
     replacement = start_operator(operator_identity, operator_logs / "operator-2.log", 200)
     try:
-        wait_for(lambda: status().get("phase") == "Succeeded", "rollout succeeded", 300)
+        wait_for(lambda: status().get("phase") == "Succeeded", "rollout succeeded", 420)
     finally:
         replacement.stop()
         assert_no_forbidden(replacement.log())
     st = status()
-    assert [s["index"] for s in st["steps"]] == [0, 1, 2, 3]
-    assert [s["result"] for s in st["steps"]] == ["Passed"] * 4
+    assert [s["index"] for s in st["steps"]] == [0, 1]
+    assert [s["result"] for s in st["steps"]] == ["Passed"] * 2
     assert [
         (s["canaryReplicas"], s["stableReplicas"], s["surgeReplicas"]) for s in st["steps"]
-    ] == [(1, 3, 1), (1, 3, 1), (2, 2, 1), (4, 0, 1)]
+    ] == [(1, 1, 1), (2, 0, 1)]
     for s in st["steps"]:
-        assert s["observedHitRate"] >= s["targetHitRate"] > 0.4
+        # Real replicas: the stable's warm hit rate, the canary's recovered one.
+        assert s["observedHitRate"] >= s["targetHitRate"] > 0.5
     started = [h["step"] for h in st["history"] if h["reason"] == "StepStarted"]
-    assert started == [1, 2, 3, 4]  # nothing skipped, nothing repeated across the kill
+    assert started == [1, 2]  # nothing skipped, nothing repeated across the kill
     assert st["metricSource"] == "prometheus"
     target = get(installed, ns, "deployment", "llm")
     tpl = target["spec"]["template"]
-    assert tpl["metadata"]["annotations"][WEIGHTS_DIGEST_ANNOTATION] == NEW
-    assert target["spec"]["replicas"] == 4
+    assert tpl["metadata"]["annotations"][WEIGHTS_DIGEST_ANNOTATION] == fleet.new
+    assert target["spec"]["replicas"] == 2
     wait_for(
         lambda: (
             installed.kubectl("get", "-n", ns, "deployment", "llm-canary", check=False).returncode
@@ -446,48 +439,43 @@ def test_rollout_that_recovers_is_promoted_step_by_step_across_an_operator_kill(
         "Succeeded",
     ):
         assert reason in reasons
+    assert not fleet.farm.errors
 
 
 def test_rollout_that_never_recovers_is_rolled_back(
     installed: Cluster,
     operator_identity: Identity,
     operator_logs: Path,
-    prometheus: tuple[Prometheus, Profiles],
+    fleet: Fleet,
     k8s_namespace: str,
 ) -> None:
-    prom, profiles = prometheus
     ns = k8s_namespace
-    profiles.canary[ns] = "broken"
+    fleet.farm.broken.add(ns)
     op = start_operator(operator_identity, operator_logs / "operator-3.log", 300)
     try:
-        apply(installed, ns, replica_deployment("llm", 4))
+        apply(installed, ns, replica_deployment("llm", 2, fleet.old))
         installed.kubectl("rollout", "status", "-n", ns, "deployment/llm", "--timeout=90s")
-        wait_for(
-            lambda: prom.query(f'kvfleet_cache_lookup_tokens_total{{namespace="{ns}"}}'),
-            "prometheus scrapes the stable pods",
-        )
-        spec = rollout("bad", prom.url)
-        spec["spec"]["gate"]["windowSeconds"] = 20
-        apply(installed, ns, spec)
+        wait_for(lambda: scraped(fleet, ns, 2), "prometheus scrapes the warm stable replicas", 180)
+        apply(installed, ns, rollout("bad", fleet, window_s=90))
 
         def status() -> dict[str, Any]:
             return get(installed, ns, "mro", "bad").get("status") or {}
 
-        wait_for(lambda: status().get("phase") == "RolledBack", "rolled back", 180)
+        wait_for(lambda: status().get("phase") == "RolledBack", "rolled back", 300)
         st = status()
         assert st["reason"] == "HitRateNotRecovered"
         assert "a cache-key field probably changed" in st["message"]
         assert st["steps"][0]["result"] == "TimedOut"
-        assert st["steps"][0]["observedHitRate"] < 0.2
+        assert st["steps"][0]["observedHitRate"] < 0.2 < st["steps"][0]["baselineHitRate"]
         assert st["previous"] == {
-            "weightsDigest": OLD,
+            "weightsDigest": fleet.old,
             "image": "registry.invalid/kvfleet:1",
-            "replicas": 4,
+            "replicas": 2,
         }
         target = get(installed, ns, "deployment", "llm")
-        assert target["spec"]["replicas"] == 4
+        assert target["spec"]["replicas"] == 2
         tpl = target["spec"]["template"]
-        assert tpl["metadata"]["annotations"][WEIGHTS_DIGEST_ANNOTATION] == OLD
+        assert tpl["metadata"]["annotations"][WEIGHTS_DIGEST_ANNOTATION] == fleet.old
         wait_for(
             lambda: (
                 installed.kubectl(
@@ -499,8 +487,8 @@ def test_rollout_that_never_recovers_is_rolled_back(
         )
         reasons = events(installed, ns, "bad")
         assert "HitRateNotRecovered" in reasons and "RolledBack" in reasons
-        ready = next(c for c in st["conditions"] if c["type"] == "Degraded")
-        assert ready["status"] == "True"
+        degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "True"
     finally:
         op.stop()
     assert_no_forbidden(op.log())
@@ -510,17 +498,16 @@ def test_pause_and_abort_through_the_spec(
     installed: Cluster,
     operator_identity: Identity,
     operator_logs: Path,
-    prometheus: tuple[Prometheus, Profiles],
+    fleet: Fleet,
     k8s_namespace: str,
 ) -> None:
-    prom, profiles = prometheus
     ns = k8s_namespace
-    profiles.canary[ns] = "broken"
+    fleet.farm.broken.add(ns)
     op = start_operator(operator_identity, operator_logs / "operator-4.log", 400)
     try:
-        apply(installed, ns, replica_deployment("llm", 2))
+        apply(installed, ns, replica_deployment("llm", 2, fleet.old))
         installed.kubectl("rollout", "status", "-n", ns, "deployment/llm", "--timeout=90s")
-        apply(installed, ns, rollout("p", prom.url))
+        apply(installed, ns, rollout("p", fleet, window_s=600))
 
         def status() -> dict[str, Any]:
             return get(installed, ns, "mro", "p").get("status") or {}
