@@ -372,7 +372,7 @@ async def test_a_peer_failing_mid_run_still_gives_its_verified_leading_blocks(
     # Each chunk is ~2 KiB on the wire: fail inside the fourth or fifth.
     async with faulty_proxy(port, mode, at_byte=9000) as proxy_url:
         await index.register_host("a", proxy_url)
-        fetcher = PeerFetcher(session, SECRET, index, "b")
+        fetcher = PeerFetcher(session, SECRET, index, "b", timeout_s=10)
         got = await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0)
     assert 1 <= got < 8
     assert fetcher.stats.outcomes == {outcome: 1}
