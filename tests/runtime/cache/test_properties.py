@@ -57,6 +57,7 @@ class CacheMachine(RuleBasedStateMachine):
                 thrash_window_s=1.0,
                 thrash_sustain_s=2.0,
                 thrash_min_blocks=2,
+                sketch_width=1024,  # small: collisions are part of what must stay safe
             ),
             LAYOUT,
             clock=self.clock,
