@@ -94,6 +94,8 @@ def demo(
         help="Tokens per 512-token trace block (a multiple of 16).")]
         = DEFAULT_TRACE_BLOCK_TOKENS,
     concurrency: Annotated[int, typer.Option(help="Requests in flight.")] = 4,
+    kv_blocks: Annotated[int, typer.Option(
+        help="Working KV blocks (16 tokens) per replica; fewer make busy homes spill.")] = 512,
     out: Annotated[Path, typer.Option(help="Folder for report.json, plots and logs.")]
         = DEFAULT_OUT,
     redis_url: Annotated[str | None, typer.Option(
@@ -124,6 +126,8 @@ def demo(
         fail(f"--tenants must be in [1, 1000], got {num_tenants}")
     if not 0 < length_scale <= 1:
         fail(f"--scale must be in (0, 1], got {length_scale}")
+    if not 64 <= kv_blocks <= 65536:
+        fail(f"--kv-blocks must be in [64, 65536], got {kv_blocks}")
     if not 1 <= concurrency <= 64:
         fail(f"--concurrency must be in [1, 64], got {concurrency}")
     if redis_url is not None and not redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -140,6 +144,10 @@ def demo(
     except ValueError as exc:
         fail(str(exc))
 
+    longest = max(len(r.token_ids) for r in wl.requests)
+    if kv_blocks * 16 < longest + 1:
+        fail(f"--kv-blocks {kv_blocks} ({kv_blocks * 16} tokens) cannot hold the workload's "
+             f"longest prompt ({longest} tokens)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -148,7 +156,7 @@ def demo(
     live = _LiveProgress(console)
     command = "kvfleet " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     options = DemoOptions(out=out.resolve(), concurrency=concurrency, redis_url=redis_url,
-                          model_dir=model_dir, command=command)
+                          model_dir=model_dir, command=command, num_kv_blocks=kv_blocks)
     console.print(f"kvfleet demo: {wl.description}; {wl.num_prompt_tokens:,} prompt tokens "
                   "per run, run twice (no cache, then cache)", markup=False)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -65,28 +65,42 @@ def _prefix_hashes(tenant: str, tokens: Sequence[int]) -> list[bytes]:
 
 
 def _tier_tokens(workload: Workload, results: Sequence[RequestResult]) -> list[dict[str, int]]:
-    """Per result: tokens by tier (t0, t1, t2, miss)."""
+    """Per result: tokens by tier (t0, t1, t2, miss).
+
+    A replica can hold a block locally only if some request it was sent computed it. Concurrent
+    requests may reach it in another order than the client sent them, so "sent before" is taken
+    generously: every other request to that replica that started before this one ended. Only hit
+    tokens beyond all of those prefixes count as T2."""
     by_index = {r.index: r for r in workload.requests}
-    seen: dict[str, set[bytes]] = {}
+    chains = [_prefix_hashes(by_index[r.index].tenant, by_index[r.index].token_ids)
+              for r in results]
+    by_start = sorted(range(len(results)), key=lambda i: results[i].start_s)
+    held: dict[str, dict[bytes, int]] = {}
+    added = [False] * len(results)
+    next_start = 0
     out: list[dict[str, int]] = [{} for _ in results]
-    order = sorted(range(len(results)), key=lambda i: results[i].start_s)
-    for i in order:
+    for i in sorted(range(len(results)), key=lambda i: results[i].end_s):
         res = results[i]
-        req = by_index[res.index]
-        chain = _prefix_hashes(req.tenant, req.token_ids)
-        held = seen.setdefault(res.replica, set())
+        while next_start < len(by_start) and results[by_start[next_start]].start_s < res.end_s:
+            j = by_start[next_start]
+            counts = held.setdefault(results[j].replica, {})
+            for h in chains[j]:
+                counts[h] = counts.get(h, 0) + 1
+            added[j] = True
+            next_start += 1
+        counts = held.get(res.replica, {})
+        own = 1 if added[i] else 0
         local_blocks = 0
-        for h in chain:
-            if h not in held:
+        for h in chains[i]:
+            if counts.get(h, 0) - own <= 0:
                 break
             local_blocks += 1
         local = min(res.cached_tokens, local_blocks * _BLOCK)
         tier = res.tier if res.tier in ("t0", "t1") else "t1"
-        counts = {"t0": 0, "t1": 0, "t2": 0, "miss": res.prompt_tokens - res.cached_tokens}
-        counts[tier] += local
-        counts["t2"] += res.cached_tokens - local
-        out[i] = counts
-        held.update(chain)
+        tiers = {"t0": 0, "t1": 0, "t2": 0, "miss": res.prompt_tokens - res.cached_tokens}
+        tiers[tier] += local
+        tiers["t2"] += res.cached_tokens - local
+        out[i] = tiers
     return out
 
 

@@ -47,6 +47,9 @@ class DemoOptions:
     model_dir: Path | None = None
     """None: generate (once) and reuse a checkpoint under `cache_dir`."""
     model_preset: str = "small"
+    num_kv_blocks: int = 512
+    """Each replica's working KV (in-flight requests), in 16-token blocks: the occupancy the
+    router's spill threshold is about."""
     cache_dir: Path = field(default_factory=default_cache_dir)
     command: str = "kvfleet demo"
     on_fleet_up: Callable[[LocalFleet], None] | None = None
@@ -69,6 +72,7 @@ def run_demo(workload: Workload, options: DemoOptions, progress: DemoProgress) -
         tenants=workload.tenants,
         num_replicas=options.num_replicas,
         redis_url=options.redis_url,
+        num_kv_blocks=options.num_kv_blocks,
     )
     timings: dict[str, float] = {}
     with LocalFleet(fleet_opts) as fleet:
@@ -99,6 +103,7 @@ def run_demo(workload: Workload, options: DemoOptions, progress: DemoProgress) -
         "model_dir": str(model_dir),
         "hint_index": "redis" if options.redis_url else "embedded (per process: no T2)",
         "concurrency": options.concurrency,
+        "num_kv_blocks": options.num_kv_blocks,
         "cpu_count": os.cpu_count(),
     }
     report = build_report(workload, baseline, cached, fleet=fleet_info, timings_s=timings,

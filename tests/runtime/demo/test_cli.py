@@ -29,6 +29,8 @@ def bad_trace(tmp_path: Path) -> Path:
         (["--scale", "2"], "error: --scale must be in (0, 1], got 2.0"),
         (["--concurrency", "0"], "error: --concurrency must be in [1, 64], got 0"),
         (["--tenants", "0"], "error: --tenants must be in [1, 1000], got 0"),
+        (["--kv-blocks", "8"], "error: --kv-blocks must be in [64, 65536], got 8"),
+        (["--kv-blocks", "64", "--scale", "1"], "cannot hold the workload's longest prompt"),
         (["--redis-url", "localhost:6379"], "error: --redis-url must start with redis://"),
         (["--trace", "/nonexistent/trace.jsonl"], "error: cannot read trace"),
         (["--trace-block-tokens", "40", "--trace", "TRACE"], "multiple of 16, got 40"),
