@@ -5,7 +5,7 @@ SHELL := /bin/bash
 .PHONY: demo test setup system-deps cluster-bins check lock
 
 demo: setup
-	scripts/kvfleet.sh breakeven
+	scripts/kvfleet.sh demo
 
 test: setup system-deps cluster-bins
 	scripts/check.sh
