@@ -112,26 +112,29 @@ class RolloutWatch:
         self.world, self.name = world, name
         self.header = ""
         self.rows: list[str] = []
+        self._last: tuple[str, ...] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
 
     def _poll(self) -> None:
-        last = None
         while not self._stop.is_set():
-            try:
-                table = kubectl_table(self.world.cluster, self.world.namespace,
-                                      "modelrollouts", self.name, "-o", "wide").splitlines()
-            except CommandError:
-                table = []
-            if len(table) == 2:
-                self.header = table[0]
-                cells = table[1].split()
-                key = tuple(cells[2:5] + cells[-2:-1])  # phase, step, steps, reason
-                if key != last:
-                    self.rows.append(table[1])
-                    last = key
+            self._row()
             self._stop.wait(1.0)
+
+    def _row(self) -> None:
+        try:
+            table = kubectl_table(self.world.cluster, self.world.namespace,
+                                  "modelrollouts", self.name, "-o", "wide").splitlines()
+        except CommandError:
+            return
+        if len(table) == 2:
+            self.header = table[0]
+            cells = table[1].split()
+            key = tuple(cells[2:5] + cells[-2:-1])  # phase, step, steps, reason
+            if key != self._last:
+                self.rows.append(table[1])
+                self._last = key
 
     def table(self) -> str:
         return "\n".join([self.header, *self.rows])
@@ -149,6 +152,7 @@ class RolloutWatch:
     def stop(self) -> str:
         self._stop.set()
         self._thread.join(10)
+        self._row()  # the final state
         return self.table()
 
 
