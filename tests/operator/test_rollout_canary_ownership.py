@@ -1,9 +1,9 @@
-"""Found by the e2e path (tests/e2e, scenario B after scenario A): a finished ModelRollout keeps
-deleting `<target>-canary` on every tick, even when that Deployment now belongs to the next
-ModelRollout of the same target. The new rollout re-creates its canary, the old one deletes it
-again (about once a second on the real cluster), the canary never becomes ready and the new
-rollout is rolled back with CanaryNotReady. A rollout may delete only a canary it owns (its
-ownerReference), as the canary builder records."""
+"""Regression test for a bug the e2e path found (tests/e2e, scenario B run after scenario A): a
+finished ModelRollout deleted `<target>-canary` on every tick, even when that Deployment belonged
+to the next ModelRollout of the same target. The new rollout re-created its canary, the old one
+deleted it again (about once a second on the real cluster), the canary never served and the new
+rollout was rolled back. Fixed in 82c44c6 (a rollout touches only the canary it owns); this pins
+the terminal-rollout side of it, test_handlers.py the waiting side."""
 
 from __future__ import annotations
 
