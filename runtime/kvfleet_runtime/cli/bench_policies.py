@@ -71,7 +71,7 @@ def policies(
     ] = 2000,
     full: Annotated[
         bool,
-        typer.Option("--full", help="Replay the whole trace (about 10 minutes on 2 cores)."),
+        typer.Option("--full", help="Replay the whole trace (about 2.5 minutes of CPU)."),
     ] = False,
     requests: Annotated[int, typer.Option(help="Requests per generated workload.")] = 1000,
     workloads: Annotated[
