@@ -233,25 +233,49 @@ class PrefixCache:
         self._listeners.append(callback)
 
     def read_blocks(
-        self, hashes: Sequence[BlockHash], *, device: str | torch.device | None = None
+        self,
+        hashes: Sequence[BlockHash],
+        *,
+        device: str | torch.device | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Export blocks held here, by chain hash, in canonical layout `[num_layers,
-        num_kv_heads, len(hashes) * 16, head_dim]`; None unless every block is held."""
-        target = self.device if device is None else torch.device(device)
+        num_kv_heads, len(hashes) * 16, head_dim]`; None unless every block is held.
+
+        `out=(k, v)`: gather into these tensors (that shape, the cache's dtype, on `device` when
+        given) instead of fresh ones, and return them. Reusing buffers avoids first-touch page
+        faults, which cost more than the copy itself. On None (or an error) `out` is untouched."""
         layout = self.layout
+        shape = (
+            layout.num_layers,
+            layout.num_kv_heads,
+            len(hashes) * BLOCK_SIZE,
+            layout.head_dim,
+        )
+        if out is not None:
+            target = out[0].device
+            for name, t in zip(("k", "v"), out, strict=True):
+                if tuple(t.shape) != shape or t.dtype != self.dtype:
+                    raise ValueError(
+                        f"read_blocks: out {name} must be {self.dtype} {shape}, "
+                        f"got {t.dtype} {tuple(t.shape)}"
+                    )
+                if t.device != target or (device is not None and t.device != torch.device(device)):
+                    raise ValueError(f"read_blocks: out {name} is on {t.device}, not {device}")
+            if out[0].data_ptr() == out[1].data_ptr() and out[0].numel():
+                raise ValueError("read_blocks: out k and v must not share storage")
+        else:
+            target = self.device if device is None else torch.device(device)
         with self._lock:
             nodes = [self._manager.index.get(h) for h in hashes]
             path = [n for n in nodes if n is not None]
             if len(path) != len(hashes) or not path:
                 return None
-            shape = (
-                layout.num_layers,
-                layout.num_kv_heads,
-                len(path) * BLOCK_SIZE,
-                layout.head_dim,
-            )
-            out_k = torch.empty(shape, dtype=self.dtype, device=target)
-            out_v = torch.empty(shape, dtype=self.dtype, device=target)
+            if out is None:
+                out_k = torch.empty(shape, dtype=self.dtype, device=target)
+                out_v = torch.empty(shape, dtype=self.dtype, device=target)
+            else:
+                out_k, out_v = out
             self._gather(path, out_k, out_v, slice(None))
         return out_k, out_v
 
