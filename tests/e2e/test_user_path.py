@@ -90,7 +90,8 @@ def _diagnostics(world: World) -> str:
     return "\n".join(parts)
 
 
-def _rollout_manifest(name: str, digest: str, prometheus_url: str, window_s: int) -> str:
+def _rollout_manifest(name: str, digest: str, prometheus_url: str, window_s: int,
+                      hold_s: int = 5) -> str:
     """examples/modelrollout.yaml as the user edits it for this release: the chart's Deployment,
     the new digest, our Prometheus, short windows."""
     doc = yaml.safe_load((ROOT / "examples" / "modelrollout.yaml").read_text())
@@ -98,7 +99,8 @@ def _rollout_manifest(name: str, digest: str, prometheus_url: str, window_s: int
     doc["spec"]["targetRef"]["name"] = f"{RELEASE}-replica"
     doc["spec"]["weightsDigest"] = digest
     doc["spec"]["gate"].update(
-        windowSeconds=window_s, holdSeconds=5, readyTimeoutSeconds=90, checkIntervalSeconds=1)
+        windowSeconds=window_s, holdSeconds=hold_s, readyTimeoutSeconds=90,
+        checkIntervalSeconds=1)
     doc["spec"]["surge"] = {"mode": "None"}  # two shared CPU cores: no extra canary processes
     doc["spec"]["metrics"]["prometheus"] = {"url": prometheus_url, "hitRateQuery": HIT_RATE_QUERY}
     return yaml.safe_dump(doc)
@@ -276,7 +278,9 @@ def test_2_rollout_promoted_step_by_step_across_an_operator_kill(world: World) -
              lambda: _diagnostics(world))
     assert not [p for p in world.shim.running(REPLICA_LABEL) if _serving_digest(p) == v1]
     assert world.shim.running("kvfleet.dev/track=canary") == []
-    print(f"scenario A+C: {elapsed(started)}")
+    traffic: Traffic = _state["traffic"]
+    print(f"scenario A+C: {elapsed(started)}; traffic during it: "
+          f"{traffic.summary(time.monotonic() - started)}")
 
 
 def test_3_changed_cache_key_is_rolled_back_when_its_gate_times_out(world: World) -> None:
@@ -287,9 +291,18 @@ def test_3_changed_cache_key_is_rolled_back_when_its_gate_times_out(world: World
     ns, v3 = world.namespace, world.digests["v3"]
     v2 = _template_digest(_deployment(world, f"{RELEASE}-replica"))  # v2 after scenario A
     traffic: Traffic = _state["traffic"]
+    # Start from a settled fleet: scenario A's handoff re-created the stable pods, whose caches
+    # must be warm again before a canary is compared with them.
+    stable_query = HIT_RATE_QUERY.replace("${namespace}", ns).replace(
+        "${pod_regex}", f"{RELEASE}-replica-[a-z0-9]+-[a-z0-9]+")
+    wait_for(lambda: float(world.prometheus.query(stable_query)[0]["value"][1]) > 0.85,
+             "the stable replicas' hit rate (the gate's query) > 0.85", 90,
+             lambda: traffic.summary(10) + "\n" + _diagnostics(world))
     watch = RolloutWatch(world, "v3")
+    # holdSeconds 15: a new pod's first seconds of rate() are noise (the counters' values at the
+    # first scrape, the first misses, never count), and one sample above the target passes a step.
     world.kubectl("apply", "-n", ns, "-f", "-",
-                  stdin=_rollout_manifest("v3", v3, world.prometheus.url, window_s=40))
+                  stdin=_rollout_manifest("v3", v3, world.prometheus.url, window_s=40, hold_s=15))
     canary_uids: set[str] = set()
 
     def canary_serving() -> list[Any]:
