@@ -1,10 +1,16 @@
 """Count-min sketch with TinyLFU aging: how often has this block been seen lately?
 
 Counters are bytes (saturating at 255) and every counter is halved once `sample_size` increments
-have been recorded, so a prefix that was hot an hour ago loses to one that is hot now. Row indices
-come from the block hash itself, which is already a uniform 128-bit digest: each row uses its own
-32-bit slice, so no extra hashing is needed. A whole chain is counted in one vectorized call
-(numpy over the same bytes), which keeps `store` cheap on the request path.
+have been recorded, so a prefix that was hot an hour ago loses to one that is hot now. A whole
+chain is counted in one vectorized call (numpy over the same bytes), which keeps `store` cheap on
+the request path.
+
+Row indices mix the whole 128-bit id (multiply-shift over both 64-bit halves, one pair of odd
+constants per row), so the policy never depends on what the ids look like: taking each row's index
+from a raw 32-bit slice of the id was fine for digests but gave sequential integer ids one shared
+counter in three of four rows, which capped every estimate (a different policy, not a better
+sketch). Where ids of one batch share a counter, the batch update keeps the largest write, so no
+id's increment is lost.
 """
 
 from __future__ import annotations
@@ -17,6 +23,16 @@ __all__ = ["CountMinSketch"]
 
 MAX_COUNT = 255
 
+_M64 = (1 << 64) - 1
+_ROW_MULTIPLIERS = (
+    (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F),
+    (0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
+    (0xD6E8FEB86659FD93, 0xFF51AFD7ED558CCD),
+    (0xC4CEB9FE1A85EC53, 0x2545F4914F6CDD1D),
+)
+"""Odd 64-bit constants (golden ratio, splitmix64, murmur3 finalizers): row r's index is the top
+bits of `lo * a_r ^ hi * b_r` mod 2^64, where lo and hi are the id's two little-endian halves."""
+
 
 class CountMinSketch:
     """`depth` rows of `width` byte counters; an estimate is the minimum over the rows."""
@@ -25,7 +41,10 @@ class CountMinSketch:
         "_array",
         "_counters",
         "_mask",
+        "_mults",
+        "_np_mults",
         "_num_increments",
+        "_shift",
         "depth",
         "num_resets",
         "sample_size",
@@ -47,6 +66,9 @@ class CountMinSketch:
         if self.sample_size <= 0:
             raise ValueError(f"sample_size must be positive, got {self.sample_size}")
         self._mask = width - 1
+        self._shift = 64 - (width.bit_length() - 1)  # keeps the top log2(width) bits
+        self._mults = _ROW_MULTIPLIERS[:depth]
+        self._np_mults = np.array(self._mults, dtype=np.uint64).T  # [2, depth]
         # One buffer, two views: bytes for single lookups (fast in pure Python), numpy for chains.
         self._counters = bytearray(width * depth)
         self._array = np.frombuffer(self._counters, dtype=np.uint8).reshape(depth, width)
@@ -54,22 +76,36 @@ class CountMinSketch:
         self.num_resets = 0
 
     def _slots(self, block_hash: bytes) -> list[int]:
-        x = int.from_bytes(block_hash[:16], "little")
-        return [((x >> (32 * row)) & self._mask) + row * self.width for row in range(self.depth)]
+        lo = int.from_bytes(block_hash[:8], "little")
+        hi = int.from_bytes(block_hash[8:16], "little")
+        shift, width = self._shift, self.width
+        return [
+            ((((lo * a) ^ (hi * b)) & _M64) >> shift) + row * width
+            for row, (a, b) in enumerate(self._mults)
+        ]
 
     def _columns(self, hashes: Sequence[bytes]) -> np.ndarray:
-        raw = np.frombuffer(b"".join(h[:16] for h in hashes), dtype="<u4").reshape(-1, 4)
-        return raw[:, : self.depth] & np.uint32(self._mask)  # [n, depth]
+        raw = np.frombuffer(b"".join(h[:16] for h in hashes), dtype="<u8").reshape(-1, 2)
+        lo, hi = raw[:, :1], raw[:, 1:]  # [n, 1] each; uint64 products wrap mod 2^64
+        mixed = (lo * self._np_mults[0]) ^ (hi * self._np_mults[1])  # [n, depth]
+        # (numpy's shift by 64 is undefined: width 1 shifts by 63 and masks to 0)
+        cols: np.ndarray = (mixed >> np.uint64(min(self._shift, 63))) & np.uint64(self._mask)
+        return cols
 
     def estimate(self, block_hash: bytes) -> int:
         if self.depth != 4:
             counters = self._counters
             return min(counters[i] for i in self._slots(block_hash))
         # Unrolled for the default depth: this runs once per eviction candidate.
-        x = int.from_bytes(block_hash[:16], "little")
-        c, m, w = self._counters, self._mask, self.width
+        lo = int.from_bytes(block_hash[:8], "little")
+        hi = int.from_bytes(block_hash[8:16], "little")
+        c, s, w = self._counters, self._shift, self.width
+        (a0, b0), (a1, b1), (a2, b2), (a3, b3) = self._mults
         return min(
-            c[x & m], c[w + ((x >> 32) & m)], c[2 * w + ((x >> 64) & m)], c[3 * w + ((x >> 96) & m)]
+            c[(((lo * a0) ^ (hi * b0)) & _M64) >> s],
+            c[w + ((((lo * a1) ^ (hi * b1)) & _M64) >> s)],
+            c[2 * w + ((((lo * a2) ^ (hi * b2)) & _M64) >> s)],
+            c[3 * w + ((((lo * a3) ^ (hi * b3)) & _M64) >> s)],
         )
 
     def estimate_many(self, hashes: Sequence[bytes]) -> list[int]:
@@ -94,7 +130,14 @@ class CountMinSketch:
         current = self._array[rows, cols]  # [n, depth]
         new = np.minimum(current.min(axis=1).astype(np.int32) + 1, MAX_COUNT).astype(np.uint8)
         # Conservative update: raise each row's counter to the new estimate, never beyond it.
-        self._array[rows, cols] = np.maximum(current, new[:, None])
+        # Where ids of one batch share a counter only the largest write is kept, so no id's
+        # increment is lost (a plain fancy assignment keeps an arbitrary one of them).
+        values = np.maximum(current, new[:, None]).ravel()
+        flat = (cols + (rows * self.width).astype(np.uint64)).ravel()
+        order = np.lexsort((values, flat))  # by counter, then by value
+        flat, values = flat[order], values[order]
+        last = np.append(flat[1:] != flat[:-1], True)  # the largest write to each counter
+        self._array.ravel()[flat[last]] = values[last]
         self._num_increments += len(hashes)
         if self._num_increments >= self.sample_size:
             self.age()

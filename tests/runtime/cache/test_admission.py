@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -143,3 +144,23 @@ def test_thrash_detector_ignores_short_bursts() -> None:
     d.record(20.0, offered=100, dropped=100)
     d.record(30.0)
     assert not d.thrashing
+
+
+@pytest.mark.parametrize(
+    "label",
+    [
+        lambda i: i.to_bytes(16, "little"),  # sequential ids: 96 zero bits
+        lambda i: i.to_bytes(16, "big"),
+        lambda i: (i << 100).to_bytes(16, "little"),  # only the top bits vary
+    ],
+)
+def test_sketch_counts_structured_ids_exactly(label: Callable[[int], bytes]) -> None:
+    # Row indices must mix the whole id: slicing it gave every sequential id the same counter in
+    # three rows, and the batch update then lost increments on that shared counter.
+    sketch = CountMinSketch(width=1 << 12, depth=4)
+    ids = [label(i) for i in range(200)]
+    for n in range(1, 8):  # like requests: a reused head, then a one-shot tail
+        sketch.increment_many([*ids[: 200 // n], label(1000 + n)])
+    expected = [sum(1 for n in range(1, 8) if i < 200 // n) for i in range(200)]
+    assert sketch.estimate_many(ids) == expected
+    assert [sketch.estimate(x) for x in ids] == expected
