@@ -90,7 +90,11 @@ def fleet(
         return
     if report.t2 is not None:
         t = report.t2
-        table = Table(title=f"T2 loopback: one run of {t.num_bytes / 2**20:.1f} MiB (median)")
+        table = Table(
+            title=f"T2 loopback: one run of {t.num_bytes / 2**20:.1f} MiB, median of "
+            f"{len(t.t2_times_s)} back-to-back pairs (median of pair ratios: "
+            f"{t.paired_ratio_median:.2f})"
+        )
         for col in ("path", "time", "GB/s", "ratio to raw"):
             table.add_column(col)
         table.add_row("raw socket", f"{t.raw_median_s * 1e3:.1f} ms", f"{t.raw_gb_s:.2f}", "1.00")

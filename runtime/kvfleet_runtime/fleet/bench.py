@@ -105,7 +105,9 @@ def serve_t2(port: int, num_layers: int, num_kv_heads: int, head_dim: int, num_t
 
 
 def serve_raw(port: int, num_bytes: int) -> None:
-    """Process entry: send `num_bytes` to every connection on `port` (the raw-socket baseline)."""
+    """Process entry: the raw-socket baseline. Sends `num_bytes` from one buffer, allocated and
+    touched once up front, for every request byte received on a connection (connections are
+    kept, as T2's HTTP connection is)."""
     payload = memoryview(bytearray(os.urandom(1 << 20)) * (num_bytes // (1 << 20) + 1))
     payload = payload[:num_bytes]
     with socket.create_server(("127.0.0.1", port)) as server:
@@ -113,8 +115,8 @@ def serve_raw(port: int, num_bytes: int) -> None:
         while True:
             conn, _ = server.accept()
             with conn:
-                conn.recv(64)
-                conn.sendall(payload)
+                while conn.recv(1):
+                    conn.sendall(payload)
 
 
 def serve_echo_replica(port: int) -> None:
@@ -195,6 +197,10 @@ class T2Result:
     num_bytes: int
     t2_median_s: float
     raw_median_s: float
+    paired_ratio_median: float = 0.0
+    """Median over repetitions of raw time / T2 time, each pair measured back to back."""
+    t2_times_s: list[float] = field(default_factory=list)
+    raw_times_s: list[float] = field(default_factory=list)
 
     @property
     def t2_gb_s(self) -> float:
@@ -217,7 +223,11 @@ def bench_t2_bandwidth(
     num_tokens: int = 2000,
     reps: int = 7,
 ) -> T2Result:
-    """Median of `reps` fetches of one block run over T2 vs the same bytes over a raw socket."""
+    """`reps` fetches of one block run over T2, each next to a raw-socket transfer of the same
+    bytes, under the same conditions: both servers up at once, alternating, on kept connections,
+    sending from memory already allocated (the T2 server's cache pool and reused send buffers;
+    the raw server's one buffer) into memory already allocated (the fetcher's recycled receive
+    buffers; one reused buffer), after a warm-up of each. Medians of each, and of the ratios."""
     num_blocks = num_tokens // BLOCK_SIZE
     if num_blocks < 1 or reps < 1:
         raise ValueError(f"need num_tokens >= {BLOCK_SIZE} and reps >= 1")
@@ -230,50 +240,68 @@ def bench_t2_bandwidth(
     raw_code = (
         f"from kvfleet_runtime.fleet.bench import serve_raw; serve_raw({raw_port}, {num_bytes})"
     )
-    with _process(t2_code):
-        t2_times = asyncio.run(
-            _fetch_t2(f"http://127.0.0.1:{t2_port}", num_blocks, num_bytes, reps)
+    with _process(t2_code), _process(raw_code):
+        t2_times, raw_times = asyncio.run(
+            _fetch_pairs(f"http://127.0.0.1:{t2_port}", raw_port, num_blocks, num_bytes, reps)
         )
-    with _process(raw_code):
-        buf = np.empty(num_bytes, dtype=np.uint8).data.cast("B")
-        raw_times = [_fetch_raw(raw_port, buf) for _ in range(reps + 1)][1:]
-    return T2Result(num_bytes, statistics.median(t2_times), statistics.median(raw_times))
+    return T2Result(
+        num_bytes,
+        statistics.median(t2_times),
+        statistics.median(raw_times),
+        statistics.median(r / t for t, r in zip(t2_times, raw_times, strict=True)),
+        t2_times,
+        raw_times,
+    )
 
 
-async def _fetch_t2(url: str, num_blocks: int, num_bytes: int, reps: int) -> list[float]:
+async def _fetch_pairs(
+    url: str, raw_port: int, num_blocks: int, num_bytes: int, reps: int
+) -> tuple[list[float], list[float]]:
     import aiohttp
 
     from kvfleet_runtime.fleet.index import EmbeddedHintIndex
     from kvfleet_runtime.fleet.transfer import PeerFetcher
 
     tokens = _tokens(num_blocks * BLOCK_SIZE)
-    times = []
-    async with aiohttp.ClientSession() as session:
-        fetcher = PeerFetcher(session, BENCH_SECRET, EmbeddedHintIndex(), "bench-client")
-        for i in range(reps + 1):  # the first one warms the connection and the server
-            start = time.perf_counter()
-            run = await fetcher.fetch_from(url, BENCH_KEY, tokens, 0, num_blocks)
-            elapsed = time.perf_counter() - start
-            if len(run.k) + len(run.v) != num_bytes:
-                raise RuntimeError(f"T2 fetched {len(run.k) + len(run.v)} of {num_bytes} bytes")
-            if i:
-                times.append(elapsed)
-            fetcher.recycle(run)
-    return times
+    t2_times: list[float] = []
+    raw_times: list[float] = []
+    buf = np.ones(num_bytes, dtype=np.uint8).data.cast("B")  # allocated and touched
+    with socket.create_connection(("127.0.0.1", raw_port)) as conn:
+        async with aiohttp.ClientSession() as session:
+            fetcher = PeerFetcher(session, BENCH_SECRET, EmbeddedHintIndex(), "bench-client")
+
+            async def t2() -> float:
+                start = time.perf_counter()
+                run = await fetcher.fetch_from(url, BENCH_KEY, tokens, 0, num_blocks)
+                elapsed = time.perf_counter() - start
+                got = len(run.k) + len(run.v)
+                if got != num_bytes or run.num_blocks != num_blocks or run.partial:
+                    raise RuntimeError(f"T2 fetched {got} of {num_bytes} bytes ({run.partial})")
+                fetcher.recycle(run)
+                return elapsed
+
+            for i in range(reps + 1):  # the first pair warms connections, servers and buffers
+                # Alternate which goes first, so neither always follows the other's traffic.
+                if i % 2:
+                    t, r = await t2(), _fetch_raw(conn, buf)
+                else:
+                    r, t = _fetch_raw(conn, buf), await t2()
+                if i:
+                    t2_times.append(t)
+                    raw_times.append(r)
+    return t2_times, raw_times
 
 
-def _fetch_raw(port: int, view: memoryview) -> float:
-    # Into a reused buffer, as T2 fetches are in steady state (the fetcher recycles its buffers).
+def _fetch_raw(conn: socket.socket, view: memoryview) -> float:
     num_bytes = len(view)
     start = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as conn:
-        conn.sendall(b"GET")
-        got = 0
-        while got < num_bytes:
-            n = conn.recv_into(view[got:], num_bytes - got)
-            if n == 0:
-                raise RuntimeError("raw socket closed early")
-            got += n
+    conn.sendall(b"G")
+    got = 0
+    while got < num_bytes:
+        n = conn.recv_into(view[got:], num_bytes - got)
+        if n == 0:
+            raise RuntimeError("raw socket closed early")
+        got += n
     return time.perf_counter() - start
 
 
@@ -540,6 +568,7 @@ class FleetBenchReport:
                 "t2_gb_s": self.t2.t2_gb_s,
                 "raw_gb_s": self.t2.raw_gb_s,
                 "ratio": self.t2.ratio,
+                "ratio_paired_median": self.t2.paired_ratio_median,
             }
         if self.router is not None:
             out["router"] = {

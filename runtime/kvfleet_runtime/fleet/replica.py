@@ -45,11 +45,6 @@ def chain_hashes(cache: PrefixCache, key: CacheKey, token_ids: Sequence[int]) ->
     return list(block_hashes(key, token_ids, platform_blocks=platform_blocks))
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    # A uint8 view works for every dtype (numpy has no bfloat16); .numpy() shares memory.
-    return t.contiguous().view(torch.uint8).numpy().data.cast("B")
-
-
 class CacheBlockSource:
     """Serves held runs of a `PrefixCache` to the T2 endpoint, off the event loop.
 
@@ -102,9 +97,16 @@ class CacheBlockSource:
             release,
         )
 
-    def _read(self, hashes: Sequence[bytes]) -> tuple[memoryview, memoryview] | None:
-        kv = self.cache.read_blocks([BlockHash(h) for h in hashes], device="cpu")
-        return None if kv is None else (_as_bytes(kv[0]), _as_bytes(kv[1]))
+    def _read(self, hashes: Sequence[bytes], out_k: memoryview, out_v: memoryview) -> bool:
+        # Gather straight into the server's reused send buffers (no fresh tensors per export).
+        layout = self.cache.layout
+        shape = (layout.num_layers, layout.num_kv_heads, len(hashes) * BLOCK_SIZE, layout.head_dim)
+        out = (
+            torch.frombuffer(out_k, dtype=torch.uint8).view(self.cache.dtype).view(shape),
+            torch.frombuffer(out_v, dtype=torch.uint8).view(self.cache.dtype).view(shape),
+        )
+        kv = self.cache.read_blocks([BlockHash(h) for h in hashes], device="cpu", out=out)
+        return kv is not None
 
 
 def _nothing() -> None:

@@ -25,12 +25,13 @@ disabled. The 200 body (octet-stream, HTTP chunked encoding: the server may stop
                | u32 LE crc32(K || V)
     end        u32 LE 0
 
-Chunks let the server gather block range i + 1 out of its cache (in a worker thread) while range
-i is on the wire, and let the client keep every verified leading chunk when a peer dies or stops
-mid-run (the run is a prefix: still worth its blocks). A block evicted between two chunks ends the
-stream early; the run is then shorter, never wrong. The client writes each chunk's rows straight
-into their place in the canonical `[layer][kv_head][token][head_dim]` buffers (one copy) and
-checks its CRC in a worker thread while the next chunk arrives.
+Chunks let the server gather block range i + 1 out of its cache into a reused send buffer (and
+CRC it, in a worker thread) while range i goes from its buffer straight to the socket, and let the
+client keep every verified leading chunk when a peer dies or stops mid-run (the run is a prefix:
+still worth its blocks). A block evicted between two chunks ends the stream early; the run is then
+shorter, never wrong. The client writes each chunk's rows straight into their place in the
+canonical `[layer][kv_head][token][head_dim]` buffers (one copy) and checks its CRC in a worker
+thread while the next chunk arrives.
 
 The fetcher checks the hashes against the chain it computed itself, the dtype/layout against its
 own, the size of every chunk, and every chunk's CRC; a chunk that fails ends the run before it; no
@@ -52,7 +53,7 @@ import logging
 import struct
 import threading
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -68,6 +69,7 @@ __all__ = [
     "T2_PATH",
     "TENANT_HEADER",
     "BlockSource",
+    "BufferPool",
     "ExportedRun",
     "FetchStats",
     "FetchedRun",
@@ -86,6 +88,11 @@ _PREAMBLE = struct.Struct("<4sB3xI")
 _U32 = struct.Struct("<I")
 DEFAULT_CHUNK_BYTES = 16 << 20
 """Target K+V bytes per chunk (at least one block)."""
+_SEND_PIECE = 4 << 20
+"""Bytes handed to the transport per write: the kernel's socket buffer takes a piece straight
+from the send buffer; asyncio (3.11) would copy whatever it cannot send at once."""
+MAX_IDLE_SEND_BUFFERS = 4
+"""Send buffers kept for reuse (two per stream: one on the wire, one being gathered)."""
 MAX_HEADER_BYTES = 1 << 22
 _READ_BUFSIZE = 4 << 20
 """Client-side read buffer: bulk bodies stall on aiohttp's 64 KiB default (pause/resume churn)."""
@@ -108,9 +115,11 @@ class ExportedRun:
     """(num_layers, num_kv_heads, head_dim)."""
     bytes_per_block: int
     """K and V of one block."""
-    read: Callable[[Sequence[bytes]], tuple[memoryview, memoryview] | None]
-    """Blocking (run in a worker thread): K and V bytes `[layers, kv_heads, n * 16, head_dim]`
-    of consecutive hashes of the run, or None when one is no longer held."""
+    read: Callable[[Sequence[bytes], memoryview, memoryview], bool]
+    """Blocking (run in a worker thread): `read(hashes, out_k, out_v)` writes the K and V bytes
+    `[layers, kv_heads, n * 16, head_dim]` of consecutive hashes of the run into `out_k` and
+    `out_v` (exactly that many bytes each, reused send buffers); False when one is no longer
+    held."""
     release: Callable[[], None] = lambda: None
     """Called once when the stream ends (e.g. to drop refs held while reading)."""
 
@@ -121,6 +130,35 @@ class BlockSource(Protocol):
     ) -> ExportedRun | None:
         """Longest held run of blocks of (key, token_ids) from `start_block`, at most
         `max_blocks`; None when block `start_block` is not held."""
+
+
+class BufferPool:
+    """Reusable byte buffers, best fit, at most `max_idle` kept. First-touch page faults of fresh
+    memory cost more than copying into it (tens of MiB per transfer), so steady-state transfers
+    reuse buffers; the pool only bounds what it keeps idle (buffers in use are the callers')."""
+
+    def __init__(self, max_idle: int) -> None:
+        self.max_idle = max_idle
+        self._idle: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
+        self._lock = threading.Lock()
+
+    def take(self, num_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """A buffer of at least `num_bytes` (a reused one when one fits)."""
+        with self._lock:
+            fits = [i for i, a in enumerate(self._idle) if a.nbytes >= num_bytes]
+            if fits:
+                return self._idle.pop(min(fits, key=lambda i: self._idle[i].nbytes))
+        return np.empty(num_bytes, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        """Return a buffer nothing references any more; the smallest is dropped when full."""
+        with self._lock:
+            self._idle.append(buf)
+            if len(self._idle) > self.max_idle:
+                self._idle.remove(min(self._idle, key=lambda a: a.nbytes))
+
+    def __len__(self) -> int:
+        return len(self._idle)
 
 
 # -- server ---------------------------------------------------------------------------------
@@ -164,11 +202,14 @@ def peer_routes(
     max_tokens: int = 1 << 20,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_served: Callable[[int], None] | None = None,
+    buffers: BufferPool | None = None,
 ) -> list[web.RouteDef]:
     """The T2 endpoint for an aiohttp app: `app.add_routes(peer_routes(source, secret))`.
 
     `secret=None` (or empty) keeps the route but refuses every request. `on_served(bytes)` is
-    called after each complete transfer (for metrics)."""
+    called after each complete transfer (for metrics). Send buffers come from `buffers` (by
+    default a pool keeping `MAX_IDLE_SEND_BUFFERS`)."""
+    pool = BufferPool(MAX_IDLE_SEND_BUFFERS) if buffers is None else buffers
 
     async def handle(request: web.Request) -> web.StreamResponse:
         if not secret:
@@ -193,13 +234,40 @@ def peer_routes(
             return _error(400, str(exc))
         if run is None or not run.block_hashes:
             return _error(404, f"no block held at or after block {start_block}")
-        return await _stream_run(request, run, chunk_bytes, on_served)
+        return await _stream_run(request, run, chunk_bytes, on_served, pool)
 
     return [web.post(T2_PATH, handle)]
 
 
-def _crc_pair(k: memoryview, v: memoryview) -> int:
+def _gather(
+    run: ExportedRun, lo: int, hi: int, buf: np.ndarray[Any, np.dtype[np.uint8]]
+) -> int | None:
+    """Worker thread: blocks [lo, hi) of the run into `buf` (K then V) and their CRC, or None
+    when a block is gone. The CRC covers every byte sent and is computed here, while the
+    previous chunk is on the wire."""
+    half = (hi - lo) * run.bytes_per_block // 2
+    view = buf.data.cast("B")
+    k, v = view[:half], view[half : 2 * half]
+    if not run.read(run.block_hashes[lo:hi], k, v):
+        return None
     return zlib.crc32(v, zlib.crc32(k))
+
+
+async def _send(request: web.Request, data: memoryview) -> None:
+    """Write `data` as HTTP chunks straight to the transport, a piece at a time, each once the
+    previous one is flushed: the kernel copies from our buffer, nothing is joined or buffered in
+    between (aiohttp's chunked writer joins each write into a new bytes object on Python 3.11,
+    and asyncio copies what the socket does not take at once)."""
+    writer = request.writer
+    for pos in range(0, len(data), _SEND_PIECE):
+        piece = data[pos : pos + _SEND_PIECE]
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("peer went away mid-stream")
+        transport.write(f"{len(piece):x}\r\n".encode())
+        transport.write(piece)
+        transport.write(b"\r\n")
+        await writer.drain()
 
 
 async def _stream_run(
@@ -207,6 +275,7 @@ async def _stream_run(
     run: ExportedRun,
     chunk_bytes: int,
     on_served: Callable[[int], None] | None,
+    buffers: BufferPool,
 ) -> web.StreamResponse:
     n = len(run.block_hashes)
     chunk_blocks = max(1, chunk_bytes // run.bytes_per_block)
@@ -226,31 +295,48 @@ async def _stream_run(
     await response.prepare(request)
     head = _PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
     sent = 0
+    size = min(n, chunk_blocks) * run.bytes_per_block
+    held: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
 
-    def read(lo: int, hi: int) -> Awaitable[tuple[memoryview, memoryview] | None]:
-        return asyncio.ensure_future(asyncio.to_thread(run.read, run.block_hashes[lo:hi]))
+    def gather(lo: int, hi: int) -> tuple[asyncio.Future[int | None], memoryview]:
+        buf = buffers.take(size)
+        held.append(buf)
+        future = asyncio.ensure_future(asyncio.to_thread(_gather, run, lo, hi, buf))
+        return future, buf.data.cast("B")[: (hi - lo) * run.bytes_per_block]
 
-    pending = read(*ranges[0])
+    transport = request.transport
+    limits = transport.get_write_buffer_limits() if transport is not None else None
+    pending = gather(*ranges[0])
     try:
+        if transport is not None:
+            # Pause at any buffered byte, resume once flushed: `_send` hands the socket one
+            # piece at a time, straight from the send buffer.
+            transport.set_write_buffer_limits(high=0, low=0)
         for i, (lo, hi) in enumerate(ranges):
-            kv = await pending
-            if kv is None:
+            future, data = pending
+            crc = await future
+            if crc is None:
                 log.info("T2: block %d of the run is gone; ending the stream early", lo)
                 break
             if i + 1 < len(ranges):
-                pending = read(*ranges[i + 1])  # gathered while this range is on the wire
-            k, v = kv[0].cast("B"), kv[1].cast("B")
-            assert len(k) == len(v) == (hi - lo) * run.bytes_per_block // 2
-            crc = asyncio.ensure_future(asyncio.to_thread(_crc_pair, k, v))
+                pending = gather(*ranges[i + 1])  # gathered while this range is on the wire
+            assert len(data) == (hi - lo) * run.bytes_per_block
             await response.write(head + _U32.pack(hi - lo))
-            await response.write(k)
-            await response.write(v)
-            head = _U32.pack(await crc)
-            sent += len(k) + len(v)
+            await _send(request, data)
+            buffers.give(held.pop(0))  # the kernel (or asyncio's buffer) has its own copy now
+            head = _U32.pack(crc)
+            sent += len(data)
+        await response.write(head + _U32.pack(0))
+        await response.write_eof()
     finally:
+        if limits is not None and transport is not None and not transport.is_closing():
+            transport.set_write_buffer_limits(high=limits[1], low=limits[0])
+        future, _ = pending
+        if not future.done():  # a gather still running holds its buffer: let it finish first
+            await asyncio.wait([future])
+        for buf in held:
+            buffers.give(buf)
         run.release()
-    await response.write(head + _U32.pack(0))
-    await response.write_eof()
     if on_served is not None:
         on_served(sent)
     return response
@@ -334,26 +420,18 @@ class PeerFetcher:
         self._slots = asyncio.Semaphore(max_concurrency)
         # Receive buffers given back by `recycle`: first-touch page faults of fresh memory cost
         # more than the copy itself (hundreds of MiB per fetch), so steady state reuses them.
-        self._spare: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
-        self._max_spare = 2 * max_concurrency + 2
-        self._spare_lock = threading.Lock()
+        self._spare = BufferPool(2 * max_concurrency + 2)
 
     def _buffer(self, num_bytes: int) -> memoryview:
-        with self._spare_lock:
-            fits = [i for i, a in enumerate(self._spare) if a.nbytes >= num_bytes]
-            if fits:
-                best = min(fits, key=lambda i: self._spare[i].nbytes)
-                return self._spare.pop(best).data.cast("B")[:num_bytes]
-        return _empty(num_bytes)
+        return self._spare.take(num_bytes).data.cast("B")[:num_bytes]
 
     def recycle(self, run: FetchedRun) -> None:
         """Give a run's buffers back once nothing references them any more (after
         `import_blocks` copied them into the cache). Optional: unrecycled runs are just freed."""
-        with self._spare_lock:
-            for view in (run.k, run.v):
-                base = view.obj
-                if isinstance(base, np.ndarray) and len(self._spare) < self._max_spare:
-                    self._spare.append(base)
+        for view in (run.k, run.v):
+            base = view.obj
+            if isinstance(base, np.ndarray):
+                self._spare.give(base)
 
     async def fetch(
         self,
@@ -521,10 +599,6 @@ class PeerFetcher:
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-
-
-def _empty(num_bytes: int) -> memoryview:
-    return np.empty(num_bytes, dtype=np.uint8).data.cast("B")
 
 
 def _layout(raw: Any) -> tuple[int, int, int]:
