@@ -69,6 +69,11 @@ class CacheConfig:
     1M-wide sketch over-counts one-shot blocks into the cache and falls below plain LRU at 10%
     capacity (18.9% vs 25.9% of tokens); 4M-wide it does not (26.7%)."""
     sketch_depth: int = 4
+    eviction_max_sightings: int | None = 3
+    """Eviction ranks blocks by sightings up to this many, then by recency (None: no cap). Raw
+    counts keep stale documents: on the Mooncake trace (no sketch aging within its 17 minutes) an
+    uncapped ranking falls below plain LRU at 3% and 10% capacity (9.8% vs 10.4%, 22.3% vs 25.9%
+    of tokens); capped at 3 it is above LRU at every capacity."""
     thrash_ratio: float = 0.9
     """Thrashing: blocks dropped / blocks offered above this, sustained."""
     thrash_window_s: float = 10.0
@@ -94,6 +99,10 @@ class CacheConfig:
             )
         if not 0.0 <= self.pin_max_fraction <= 1.0:
             raise ValueError(f"pin_max_fraction must be in [0, 1], got {self.pin_max_fraction}")
+        if self.eviction_max_sightings is not None and self.eviction_max_sightings < 1:
+            raise ValueError(
+                f"eviction_max_sightings must be >= 1 or None, got {self.eviction_max_sightings}"
+            )
         if self.store_queue_max_entries <= 0:
             raise ValueError(
                 f"store_queue_max_entries must be > 0, got {self.store_queue_max_entries}"

@@ -116,6 +116,9 @@ class BlockIndex:
         self.counters = (TierCounters(), TierCounters())
         self.num_pinned = 0
         self.pin_limit = 0
+        self.max_frequency: int | None = None
+        """Sightings beyond this rank alike in eviction and in the duel (None: no cap). The manager
+        sets it from `CacheConfig.eviction_max_sightings`; see there for why."""
         self.duel = True
         """Whether newcomers must out-frequent their victims (the manager turns it on under
         thrash; off, eviction is plain leaf-first LRU and every admitted block gets in)."""
@@ -196,11 +199,22 @@ class BlockIndex:
             return False
         return node.num_t0_children == 0 if tier == Tier.T0 else node.num_children == 0
 
+    def _frequency(self, block_hash: BlockHash) -> int:
+        """The sketch's estimate, capped at `max_frequency`."""
+        freq = self.sketch.estimate(block_hash)
+        cap = self.max_frequency
+        return freq if cap is None or freq <= cap else cap
+
+    def _frequencies(self, hashes: Sequence[BlockHash]) -> list[int]:
+        freqs = self.sketch.estimate_many(hashes)
+        cap = self.max_frequency
+        return freqs if cap is None else [min(f, cap) for f in freqs]
+
     def _weight(self, node: BlockNode) -> int:
         """Frequency scaled by 2^(sketch resets so far). Every reset halves all counters, so
         ordering by f * 2^resets_at_push ranks entries pushed in different epochs exactly as
         their aged frequencies would, without ever re-keying the heap."""
-        return self.sketch.estimate(node.block_hash) << self.sketch.num_resets
+        return self._frequency(node.block_hash) << self.sketch.num_resets
 
     def _push(self, node: BlockNode) -> None:
         tier = node.tier
@@ -281,7 +295,7 @@ class BlockIndex:
                 break
             if (
                 candidate_freqs is not None
-                and self.sketch.estimate(victim.block_hash) > (candidate_freqs[len(ids)])
+                and self._frequency(victim.block_hash) > candidate_freqs[len(ids)]
             ):
                 skipped.append(victim)
                 break
@@ -299,7 +313,7 @@ class BlockIndex:
         """Free the victim's slot: demote T0 -> T1 if T1 admits it, else drop it if it is a leaf.
         False when neither is possible (an interior T0 block T1 cannot take)."""
         if victim.tier == Tier.T0 and self.allocators[Tier.T1].num_blocks:
-            freq = self.sketch.estimate(victim.block_hash)
+            freq = self._frequency(victim.block_hash)
             interior = victim.num_children > 0
             victim.ref_count += 1  # its own demotion must not pick it as a T1 victim
             got = self._reserve(Tier.T1, 1, None if interior else [freq], plan)
@@ -343,7 +357,7 @@ class BlockIndex:
             parent.ref_count += 1
         if tier != Tier.T0 or self.num_pinned + len(hashes) > self.pin_limit:
             pinned = False
-        ids = self._reserve(tier, len(hashes), self.sketch.estimate_many(hashes), plan)
+        ids = self._reserve(tier, len(hashes), self._frequencies(hashes), plan)
         if parent is not None:
             parent.ref_count -= 1
             self._push(parent)
@@ -380,7 +394,7 @@ class BlockIndex:
         t1_nodes = [n for n in path if n.tier == Tier.T1]
         if not t1_nodes or not self.allocators[Tier.T0].num_blocks:
             return plan
-        freqs = self.sketch.estimate_many([n.block_hash for n in t1_nodes])
+        freqs = self._frequencies([n.block_hash for n in t1_nodes])
         ids = self._reserve(Tier.T0, len(t1_nodes), freqs, plan)
         for node, block_id in zip(t1_nodes, ids, strict=False):
             plan.moves.append(Move(Tier.T1, node.block_id, Tier.T0, block_id))

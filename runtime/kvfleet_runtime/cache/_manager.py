@@ -94,6 +94,7 @@ class CacheManager:
         self.sketch = CountMinSketch(config.sketch_width, config.sketch_depth)
         self.index = BlockIndex((config.num_t0_blocks, config.num_t1_blocks), self.sketch)
         self.index.pin_limit = int(config.pin_max_fraction * config.num_t0_blocks)
+        self.index.max_frequency = config.eviction_max_sightings
         self.thrash = ThrashDetector(
             ratio=config.thrash_ratio,
             window_s=config.thrash_window_s,

@@ -172,3 +172,24 @@ def test_invalidate_unindexes_now_and_frees_held_blocks_at_release() -> None:
     assert len(index.release(held)) == 2
     assert index.allocators[Tier.T0].num_used == 1
     index.check_invariants()
+
+
+@pytest.mark.parametrize(("max_frequency", "survivor"), [(None, "old"), (2, "new")])
+def test_frequencies_above_the_cap_rank_alike_so_recency_decides(
+    max_frequency: int | None, survivor: str
+) -> None:
+    index, ns = make_index(2)
+    index.max_frequency = max_frequency
+    old, new = chain("old", 1), chain("new", 1)
+    for _ in range(5):  # popular once, then never again
+        index.sketch.increment(old[0])
+    put(index, ns, old)
+    for _ in range(2):
+        index.sketch.increment(new[0])
+    put(index, ns, new)
+    for _ in range(2):
+        index.sketch.increment(chain("x", 1)[0])
+    put(index, ns, chain("x", 1))  # needs a victim: the least frequent, least recent among equals
+    gone = "new" if survivor == "old" else "old"
+    assert len(index.match(chain(survivor, 1))) == 1 and index.match(chain(gone, 1)) == []
+    assert len(index.match(chain("x", 1))) == 1
