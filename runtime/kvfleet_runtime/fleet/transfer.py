@@ -29,9 +29,10 @@ Chunks let the server gather block range i + 1 out of its cache into a reused se
 CRC it, in a worker thread) while range i goes from its buffer straight to the socket, and let the
 client keep every verified leading chunk when a peer dies or stops mid-run (the run is a prefix:
 still worth its blocks). A block evicted between two chunks ends the stream early; the run is then
-shorter, never wrong. The client writes each chunk's rows straight into their place in the
-canonical `[layer][kv_head][token][head_dim]` buffers (one copy) and checks its CRC in a worker
-thread while the next chunk arrives.
+shorter, never wrong. The client (`fleet._receive`, an `asyncio.BufferedProtocol`) has the socket
+receive each chunk's rows straight into their place in the canonical
+`[layer][kv_head][token][head_dim]` buffers (the kernel's copy is the only one) and checks its CRC
+in a worker thread while the next chunk arrives.
 
 The fetcher checks the hashes against the chain it computed itself, the dtype/layout against its
 own, the size of every chunk, and every chunk's CRC; a chunk that fails ends the run before it; no
@@ -62,6 +63,7 @@ import numpy as np
 from aiohttp import web
 
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
+from kvfleet_runtime.fleet._receive import BodyReader, post
 from kvfleet_runtime.fleet.index import HintIndex, best_peer
 
 __all__ = [
@@ -94,8 +96,6 @@ from the send buffer; asyncio (3.11) would copy whatever it cannot send at once.
 MAX_IDLE_SEND_BUFFERS = 4
 """Send buffers kept for reuse (two per stream: one on the wire, one being gathered)."""
 MAX_HEADER_BYTES = 1 << 22
-_READ_BUFSIZE = 4 << 20
-"""Client-side read buffer: bulk bodies stall on aiohttp's 64 KiB default (pause/resume churn)."""
 _TOKEN_DOMAIN = b"kvfleet-t2-v1\x00"
 
 
@@ -389,7 +389,8 @@ class PeerFetcher:
 
     Never raises: `fetch` returns a verified `FetchedRun` or None, and counts why in `stats`.
     `max_concurrency` transfers run at once; a request that finds them all busy for
-    `queue_wait_s` recomputes instead of queueing."""
+    `queue_wait_s` recomputes instead of queueing. Transfers use a connection of their own each
+    (`fleet._receive`, receiving in place); `session` is kept for callers' convenience."""
 
     def __init__(
         self,
@@ -479,7 +480,7 @@ class PeerFetcher:
             self.stats.count(exc.outcome)
             log.debug("T2 fetch from %s failed: %s", host, exc)
             return None
-        except (aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: malformed HTTP
             self.stats.count("peer_error")
             log.debug("T2 fetch from %s failed: %r", host, exc)
             return None
@@ -524,21 +525,19 @@ class PeerFetcher:
             TENANT_HEADER: key.tenant_id,
             "Authorization": f"Bearer {peer_token(self.secret, key.tenant_id)}",
         }
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
-        async with self.session.post(
-            url.rstrip("/") + T2_PATH,
-            json=body,
-            headers=headers,
-            timeout=timeout,
-            read_bufsize=_READ_BUFSIZE,
-        ) as resp:
-            if resp.status != 200:
-                outcome = {404: "stale", 401: "refused", 403: "refused"}.get(resp.status, "http")
-                raise FetchFailed(outcome, f"HTTP {resp.status}")
-            return await self._read_run(resp.content)
+        status, reader = await post(
+            url, T2_PATH, body, headers, connect_timeout_s=self.connect_timeout_s
+        )
+        try:
+            if status != 200:
+                outcome = {404: "stale", 401: "refused", 403: "refused"}.get(status, "http")
+                raise FetchFailed(outcome, f"HTTP {status}")
+            return await self._read_run(reader)
+        finally:
+            if reader.transport is not None:
+                reader.transport.close()
 
-    async def _read_run(self, stream: aiohttp.StreamReader) -> FetchedRun:
-        reader = _ChunkReader(stream)
+    async def _read_run(self, reader: BodyReader) -> FetchedRun:
         try:
             magic, version, header_len = _PREAMBLE.unpack(await reader.exactly(_PREAMBLE.size))
             if magic != MAGIC or version != VERSION or header_len > MAX_HEADER_BYTES:
@@ -567,8 +566,6 @@ class PeerFetcher:
             )
         except asyncio.IncompleteReadError as exc:
             raise FetchFailed("short_read", f"{len(exc.partial)} of {exc.expected} bytes") from exc
-        except aiohttp.ClientPayloadError as exc:
-            raise FetchFailed("short_read", str(exc)) from exc
         except (KeyError, TypeError, ValueError) as exc:
             raise FetchFailed("protocol", repr(exc)) from exc
         verified, failure = await _read_chunks(reader, run, bytes_per_block)
@@ -615,7 +612,7 @@ def _crc_rows(rows: Sequence[memoryview]) -> int:
 
 
 async def _read_chunks(
-    reader: _ChunkReader, run: FetchedRun, bytes_per_block: int
+    reader: BodyReader, run: FetchedRun, bytes_per_block: int
 ) -> tuple[int, FetchFailed | None]:
     """Read chunks into place; returns (blocks verified from the start, why it stopped early).
 
@@ -641,15 +638,12 @@ async def _read_chunks(
                 for buf in (run.k, run.v)
                 for r in range(num_rows)
             ]
-            for row in rows:
-                await reader.into(row)
+            await reader.into_all(rows)  # the socket receives straight into the rows
             (expected,) = _U32.unpack(await reader.exactly(_U32.size))
             checks.append((asyncio.ensure_future(asyncio.to_thread(_crc_rows, rows)), expected, n))
             lo += n
     except asyncio.IncompleteReadError as exc:
         failure = FetchFailed("short_read", f"{len(exc.partial)} of {exc.expected} bytes")
-    except aiohttp.ClientPayloadError as exc:  # the peer closed mid-body
-        failure = FetchFailed("short_read", str(exc))
     except FetchFailed as exc:
         failure = exc
     verified = 0
@@ -662,43 +656,3 @@ async def _read_chunks(
             continue
         verified += n
     return verified, failure
-
-
-class _ChunkReader:
-    """Reads a response body as it arrives (`readany`), copying payload bytes straight into
-    their destination: one copy per byte, no intermediate joins."""
-
-    def __init__(self, stream: aiohttp.StreamReader) -> None:
-        self.stream = stream
-        self.chunk = memoryview(b"")
-        self.num_read = 0
-
-    async def _next(self, wanted: int) -> None:
-        data = await self.stream.readany()
-        if not data:
-            raise asyncio.IncompleteReadError(b"", wanted)
-        self.chunk = memoryview(data)
-
-    async def exactly(self, n: int) -> bytes:
-        parts: list[bytes] = []
-        while n:
-            if not self.chunk:
-                await self._next(n)
-            take = self.chunk[:n]
-            parts.append(bytes(take))
-            self.chunk = self.chunk[len(take) :]
-            n -= len(take)
-            self.num_read += len(take)
-        return b"".join(parts)
-
-    async def into(self, out: memoryview) -> None:
-        """Fill `out` from the stream."""
-        pos = 0
-        while pos < len(out):
-            if not self.chunk:
-                await self._next(len(out) - pos)
-            take = self.chunk[: len(out) - pos]
-            out[pos : pos + len(take)] = take
-            self.chunk = self.chunk[len(take) :]
-            pos += len(take)
-        self.num_read += pos
