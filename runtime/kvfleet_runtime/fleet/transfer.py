@@ -30,9 +30,9 @@ CRC it, in a worker thread) while range i goes from its buffer straight to the s
 client keep every verified leading chunk when a peer dies or stops mid-run (the run is a prefix:
 still worth its blocks). A block evicted between two chunks ends the stream early; the run is then
 shorter, never wrong. The client (`fleet._receive`, an `asyncio.BufferedProtocol`) has the socket
-receive each chunk's rows straight into their place in the canonical
-`[layer][kv_head][token][head_dim]` buffers (the kernel's copy is the only one) and checks its CRC
-in a worker thread while the next chunk arrives.
+receive each chunk whole into a reused staging buffer (no HTTP-parser copies, a few large reads);
+a worker thread CRCs it and copies its rows into their place in the canonical
+`[layer][kv_head][token][head_dim]` buffers while the next chunk arrives.
 
 The fetcher checks the hashes against the chain it computed itself, the dtype/layout against its
 own, the size of every chunk, and every chunk's CRC; a chunk that fails ends the run before it; no
@@ -47,6 +47,7 @@ This module is torch-free (it moves bytes); `kvfleet_runtime.fleet.replica` adap
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -422,6 +423,7 @@ class PeerFetcher:
         # Receive buffers given back by `recycle`: first-touch page faults of fresh memory cost
         # more than the copy itself (hundreds of MiB per fetch), so steady state reuses them.
         self._spare = BufferPool(2 * max_concurrency + 2)
+        self._staging = BufferPool(2 * max_concurrency)  # whole chunks as received
 
     def _buffer(self, num_bytes: int) -> memoryview:
         return self._spare.take(num_bytes).data.cast("B")[:num_bytes]
@@ -568,7 +570,7 @@ class PeerFetcher:
             raise FetchFailed("short_read", f"{len(exc.partial)} of {exc.expected} bytes") from exc
         except (KeyError, TypeError, ValueError) as exc:
             raise FetchFailed("protocol", repr(exc)) from exc
-        verified, failure = await _read_chunks(reader, run, bytes_per_block)
+        verified, failure = await _read_chunks(reader, run, bytes_per_block, self._staging)
         run.block_hashes = hashes[:verified]
         if failure is not None:
             if verified == 0:
@@ -604,24 +606,41 @@ def _layout(raw: Any) -> tuple[int, int, int]:
     return (raw[0], raw[1], raw[2])
 
 
-def _crc_rows(rows: Sequence[memoryview]) -> int:
-    crc = 0
-    for row in rows:
-        crc = zlib.crc32(row, crc)
+def _crc_scatter(
+    staging: np.ndarray[Any, np.dtype[np.uint8]],
+    size: int,
+    k: np.ndarray[Any, np.dtype[np.uint8]],
+    v: np.ndarray[Any, np.dtype[np.uint8]],
+    a: int,
+    b: int,
+) -> int:
+    """Worker thread: CRC of one received chunk (contiguous K then V rows) and its rows copied to
+    their place in the canonical buffers (`k`/`v` viewed `[rows, row_stride]`)."""
+    crc = zlib.crc32(staging.data.cast("B")[:size])
+    rows = staging[:size].reshape(2, k.shape[0], b - a)
+    k[:, a:b] = rows[0]
+    v[:, a:b] = rows[1]
     return crc
 
 
+def _give_back(pool: BufferPool, buf: np.ndarray[Any, np.dtype[np.uint8]], _: object) -> None:
+    pool.give(buf)
+
+
 async def _read_chunks(
-    reader: BodyReader, run: FetchedRun, bytes_per_block: int
+    reader: BodyReader, run: FetchedRun, bytes_per_block: int, pool: BufferPool
 ) -> tuple[int, FetchFailed | None]:
     """Read chunks into place; returns (blocks verified from the start, why it stopped early).
 
-    A chunk's K rows (one per layer and head) land at their offsets in the canonical K buffer,
-    then its V rows in V; its CRC is checked in a worker thread while the next chunk arrives."""
+    A chunk is received whole into a reused staging buffer (a few large socket reads, instead of
+    one per row); a worker thread CRCs it and copies its K rows (one per layer and head) to their
+    offsets in the canonical K buffer and its V rows into V, while the next chunk arrives."""
     layers, heads, _ = run.layout
     num_rows = layers * heads
     row_per_block = bytes_per_block // (2 * num_rows)
     row_stride = run.capacity_blocks * row_per_block
+    k_rows = np.frombuffer(run.k, dtype=np.uint8).reshape(num_rows, row_stride)
+    v_rows = np.frombuffer(run.v, dtype=np.uint8).reshape(num_rows, row_stride)
     checks: list[tuple[asyncio.Future[int], int, int]] = []
     failure: FetchFailed | None = None
     try:
@@ -633,23 +652,30 @@ async def _read_chunks(
             if lo + n > run.capacity_blocks:
                 raise FetchFailed("protocol", f"chunk of {n} blocks at block {lo}")
             a, b = lo * row_per_block, (lo + n) * row_per_block
-            rows = [
-                buf[r * row_stride + a : r * row_stride + b]
-                for buf in (run.k, run.v)
-                for r in range(num_rows)
-            ]
-            await reader.into_all(rows)  # the socket receives straight into the rows
-            (expected,) = _U32.unpack(await reader.exactly(_U32.size))
-            checks.append((asyncio.ensure_future(asyncio.to_thread(_crc_rows, rows)), expected, n))
+            size = n * bytes_per_block
+            staging = pool.take(size)
+            try:
+                await reader.into_all([staging.data.cast("B")[:size]])
+                (expected,) = _U32.unpack(await reader.exactly(_U32.size))
+            except BaseException:
+                pool.give(staging)
+                raise
+            check = asyncio.ensure_future(
+                asyncio.to_thread(_crc_scatter, staging, size, k_rows, v_rows, a, b)
+            )
+            check.add_done_callback(functools.partial(_give_back, pool, staging))
+            checks.append((check, expected, n))
             lo += n
     except asyncio.IncompleteReadError as exc:
         failure = FetchFailed("short_read", f"{len(exc.partial)} of {exc.expected} bytes")
     except FetchFailed as exc:
         failure = exc
+    finally:
+        # Every worker finishes before the run is handed on (or its buffers recycled).
+        await asyncio.gather(*(c for c, _, _ in checks), return_exceptions=True)
     verified = 0
     for crc, expected, n in checks:
         if failure is not None and failure.outcome == "checksum":
-            crc.cancel()
             continue
         if await crc != expected:
             failure = FetchFailed("checksum", f"chunk at block {verified}")
