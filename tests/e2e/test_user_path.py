@@ -31,12 +31,20 @@ pytestmark = [pytest.mark.e2e, pytest.mark.k8s, pytest.mark.slow]
 
 REPLICA_LABEL = "app.kubernetes.io/component=replica"
 ROUTER_LABEL = "app.kubernetes.io/component=router"
+def hit_rate_query(rate_window: str) -> str:
+    """The operator's default gate query (matched / looked-up prompt tokens) over `rate_window`."""
+    selector = '{namespace="${namespace}",pod=~"${pod_regex}"}'
+    return (
+        f"sum(rate(kvfleet_cache_matched_tokens_total{selector}[{rate_window}])) / "
+        f"sum(rate(kvfleet_cache_lookup_tokens_total{selector}[{rate_window}]))"
+    )
+
+
 # The gate's hit rate over the last 10 s (the default is 1 min: too slow for a test).
-HIT_RATE_QUERY = (
-    'sum(rate(kvfleet_cache_matched_tokens_total{namespace="${namespace}",pod=~"${pod_regex}"}'
-    '[10s])) / sum(rate(kvfleet_cache_lookup_tokens_total{namespace="${namespace}",'
-    'pod=~"${pod_regex}"}[10s]))'
-)
+HIT_RATE_QUERY = hit_rate_query("10s")
+# Scenario B measures each pod over its whole life (a window longer than the rollout's), so a
+# canary cannot pass on its first, biased samples: every cold miss since it started counts.
+LIFETIME_HIT_RATE_QUERY = hit_rate_query("5m")
 _state: dict[str, Any] = {}  # what one step hands the next (the traffic generator)
 
 
@@ -91,7 +99,8 @@ def _diagnostics(world: World) -> str:
 
 
 def _rollout_manifest(name: str, digest: str, prometheus_url: str, window_s: int,
-                      hold_s: int = 5) -> str:
+                      hold_s: int = 5, query: str = HIT_RATE_QUERY,
+                      recovery_percent: int = 90) -> str:
     """examples/modelrollout.yaml as the user edits it for this release: the chart's Deployment,
     the new digest, our Prometheus, short windows."""
     doc = yaml.safe_load((ROOT / "examples" / "modelrollout.yaml").read_text())
@@ -100,9 +109,9 @@ def _rollout_manifest(name: str, digest: str, prometheus_url: str, window_s: int
     doc["spec"]["weightsDigest"] = digest
     doc["spec"]["gate"].update(
         windowSeconds=window_s, holdSeconds=hold_s, readyTimeoutSeconds=90,
-        checkIntervalSeconds=1)
+        checkIntervalSeconds=1, recoveryPercent=recovery_percent)
     doc["spec"]["surge"] = {"mode": "None"}  # two shared CPU cores: no extra canary processes
-    doc["spec"]["metrics"]["prometheus"] = {"url": prometheus_url, "hitRateQuery": HIT_RATE_QUERY}
+    doc["spec"]["metrics"]["prometheus"] = {"url": prometheus_url, "hitRateQuery": query}
     return yaml.safe_dump(doc)
 
 
@@ -285,24 +294,25 @@ def test_2_rollout_promoted_step_by_step_across_an_operator_kill(world: World) -
 
 def test_3_changed_cache_key_is_rolled_back_when_its_gate_times_out(world: World) -> None:
     """Scenario B: v3's checkpoint changed the attention implementation, a cache-key field, so
-    none of the fleet's cached prefixes match it: its canary starts cold and its hit rate has not
-    recovered when the (short) window closes -> automatic rollback to v2."""
+    none of the fleet's cached prefixes match it: its canary starts cold. The gate asks it to match
+    the warm stable fleet (recoveryPercent 100), each measured over its whole life, within a short
+    window; a cold cache that stores a prefix only on its second sighting cannot, so the window
+    closes unrecovered -> automatic rollback to v2."""
     started = time.monotonic()
     ns, v3 = world.namespace, world.digests["v3"]
     v2 = _template_digest(_deployment(world, f"{RELEASE}-replica"))  # v2 after scenario A
     traffic: Traffic = _state["traffic"]
     # Start from a settled fleet: scenario A's handoff re-created the stable pods, whose caches
-    # must be warm again before a canary is compared with them.
-    stable_query = HIT_RATE_QUERY.replace("${namespace}", ns).replace(
+    # must be warm again, over the gate's lifetime window too, before a canary is compared.
+    stable_query = LIFETIME_HIT_RATE_QUERY.replace("${namespace}", ns).replace(
         "${pod_regex}", f"{RELEASE}-replica-[a-z0-9]+-[a-z0-9]+")
-    wait_for(lambda: float(world.prometheus.query(stable_query)[0]["value"][1]) > 0.85,
-             "the stable replicas' hit rate (the gate's query) > 0.85", 90,
+    wait_for(lambda: float(world.prometheus.query(stable_query)[0]["value"][1]) > 0.9,
+             "the stable replicas' lifetime hit rate (the gate's query) > 0.9", 240,
              lambda: traffic.summary(10) + "\n" + _diagnostics(world))
     watch = RolloutWatch(world, "v3")
-    # holdSeconds 15: a new pod's first seconds of rate() are noise (the counters' values at the
-    # first scrape, the first misses, never count), and one sample above the target passes a step.
     world.kubectl("apply", "-n", ns, "-f", "-",
-                  stdin=_rollout_manifest("v3", v3, world.prometheus.url, window_s=40, hold_s=15))
+                  stdin=_rollout_manifest("v3", v3, world.prometheus.url, window_s=40, hold_s=15,
+                                          query=LIFETIME_HIT_RATE_QUERY, recovery_percent=100))
     canary_uids: set[str] = set()
 
     def canary_serving() -> list[Any]:
