@@ -15,7 +15,20 @@ from rich.table import Table
 
 from kvfleet_runtime.cli._app import app, fail
 
-__all__ = ["bench"]
+__all__ = ["TRACE_NAME", "bench", "default_trace"]
+
+TRACE_NAME = "mooncake_synthetic_trace.jsonl"
+_REPO = Path(__file__).resolve().parents[3]
+
+
+def default_trace() -> Path:
+    """The shared Mooncake trace in ../shared/traces next to the repository (from the working
+    directory, else from the source checkout this module lives in)."""
+    for base in (Path.cwd(), _REPO):
+        candidate = base / ".." / "shared" / "traces" / TRACE_NAME
+        if candidate.is_file():
+            return candidate.resolve()
+    return Path("..") / "shared" / "traces" / TRACE_NAME
 
 bench = typer.Typer(
     name="bench",

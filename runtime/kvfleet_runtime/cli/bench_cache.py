@@ -11,23 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import bench
+from kvfleet_runtime.cli.bench import TRACE_NAME, bench, default_trace
 
 __all__ = ["cache"]
 
-TRACE_NAME = "mooncake_synthetic_trace.jsonl"
-_REPO = Path(__file__).resolve().parents[3]
 QUICK_REQUESTS = 2000
 
 
-def _default_trace() -> Path:
-    """../shared/traces next to the repository (from the working directory, else from the
-    source checkout this module lives in)."""
-    for base in (Path.cwd(), _REPO):
-        candidate = base / ".." / "shared" / "traces" / TRACE_NAME
-        if candidate.is_file():
-            return candidate.resolve()
-    return Path("..") / "shared" / "traces" / TRACE_NAME
 
 
 @bench.command("cache")
@@ -53,7 +43,7 @@ def cache(
 
     from kvfleet_runtime.cache.bench import run_cache_bench
 
-    path = trace if trace is not None else _default_trace()
+    path = trace if trace is not None else default_trace()
     if not path.is_file():
         fail(
             f"trace not found: {path} (pass --trace; the Mooncake trace lives in "

@@ -11,16 +11,18 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import bench
+from kvfleet_runtime.cli.bench import bench, default_trace
 
 __all__ = ["fleet"]
 
-DEFAULT_TRACE = Path("../shared/traces/mooncake_synthetic_trace.jsonl")
 
 
 @bench.command("fleet")
 def fleet(
-    trace: Annotated[Path, typer.Option(help="Mooncake-format JSONL trace.")] = DEFAULT_TRACE,
+    trace: Annotated[
+        Path | None,
+        typer.Option(help="Mooncake-format JSONL trace; default ../shared/traces/."),
+    ] = None,
     replicas: Annotated[int, typer.Option(help="Replicas in the hit-rate simulation.")] = 4,
     capacity_fraction: Annotated[
         float,
@@ -60,6 +62,7 @@ def fleet(
         layers, heads, head_dim = (int(x) for x in t2_layout.split(","))
     except ValueError:
         fail(f"--t2-layout expects LAYERS,KV_HEADS,HEAD_DIM, got {t2_layout!r}")
+    trace = trace if trace is not None else default_trace()
     if "hit-rates" not in skipped and not trace.is_file():
         fail(f"trace file not found: {trace}")
     report = FleetBenchReport()

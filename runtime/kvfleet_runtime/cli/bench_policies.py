@@ -21,12 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import bench
+from kvfleet_runtime.cli.bench import TRACE_NAME, bench, default_trace
 
 __all__ = ["QUICK_ARGS", "all_benchmarks", "policies"]
 
-TRACE_NAME = "mooncake_synthetic_trace.jsonl"
-_REPO = Path(__file__).resolve().parents[3]
 DEFAULT_OUT = Path("out/bench")
 DEFAULT_FRACTIONS = "0.01,0.03,0.1,0.3"
 TRACE_WORKLOAD = "trace"
@@ -40,14 +38,6 @@ QUICK_ARGS: dict[str, list[str]] = {
 out); a benchmark not named here runs with its own defaults."""
 
 
-def _default_trace() -> Path:
-    """../shared/traces next to the repository (from the working directory, else from the
-    source checkout this module lives in)."""
-    for base in (Path.cwd(), _REPO):
-        candidate = base / ".." / "shared" / "traces" / TRACE_NAME
-        if candidate.is_file():
-            return candidate.resolve()
-    return Path("..") / "shared" / "traces" / TRACE_NAME
 
 
 def _parse_fractions(text: str) -> list[float]:
@@ -110,7 +100,7 @@ def policies(
     inputs: list[tuple[str, str, list[TraceRequest]]] = []
     for name in names:
         if name == TRACE_WORKLOAD:
-            path = trace if trace is not None else _default_trace()
+            path = trace if trace is not None else default_trace()
             try:
                 reqs = load_mooncake_trace(path, max_requests=None if full else trace_requests)
             except (ValueError, OSError) as exc:
