@@ -57,7 +57,7 @@ class World:
     namespace: str
     work_dir: Path
     models: Path
-    digests: dict[str, str]  # v1 (installed), v2 (new weights), v3 (attention impl changed)
+    digests: dict[str, str]  # v1 (installed), v2 (new weights)
     values_file: Path
     replica_port: int
     router_port: int
@@ -130,7 +130,6 @@ def world(k8s_cluster: Cluster) -> Iterator[World]:
         digests = {
             "v1": generate_model(models, seed=0),
             "v2": generate_model(models, seed=1),
-            "v3": generate_model(models, seed=2, attn_impl="sdpa"),
         }
         redis = Redis(work_dir)
         cleanup.append(redis)
