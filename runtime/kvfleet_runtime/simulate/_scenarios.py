@@ -115,6 +115,20 @@ def _run_policy(config: SimConfig, measure_from_s: float) -> PolicyRun:
     )
 
 
+def _run_policies(
+    profile: FleetProfile, workload: Workload, fleet: Fleet, k: int, duration_s: float,
+    seed: int, measure_from_s: float, policies: tuple[Routing, ...],
+) -> tuple[PolicyRun, ...]:
+    """The same workload and fleet under each routing policy, one run apiece."""
+    return tuple(
+        _run_policy(
+            SimConfig(profile, workload, fleet, RoutingPolicy(policy, k), duration_s, seed),
+            measure_from_s,
+        )
+        for policy in policies
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class CoverageReport:
     figures: FleetFigures
@@ -143,12 +157,8 @@ def coverage(
     the share of the working set the routing lets one replica's cache cover."""
     workload = workload or Workload(reuse_fraction=1.0)
     fleet = fleet or Fleet(admit_after=1)
-    runs = tuple(
-        _run_policy(
-            SimConfig(profile, workload, fleet, RoutingPolicy(policy, k), duration_s, seed),
-            measure_from_s,
-        )
-        for policy in policies
+    runs = _run_policies(
+        profile, workload, fleet, k, duration_s, seed, measure_from_s, policies
     )
     return CoverageReport(
         figures=_figures(profile, workload, fleet, k),
@@ -193,12 +203,8 @@ def savings(
     prefix on its second sighting. The prefill saved comes out of the run."""
     workload = workload or Workload(reuse_fraction=PLANNED_HIT_RATE)
     fleet = fleet or Fleet()
-    runs = tuple(
-        _run_policy(
-            SimConfig(profile, workload, fleet, RoutingPolicy(policy, k), duration_s, seed),
-            measure_from_s,
-        )
-        for policy in policies
+    runs = _run_policies(
+        profile, workload, fleet, k, duration_s, seed, measure_from_s, policies
     )
     num_templates = workload.num_tenants * workload.templates_per_tenant
     return SavingsReport(
