@@ -175,11 +175,13 @@ class PrefixCache:
         written = 0
         done = 0
         while max_entries is None or done < max_entries:
-            pending = self._queue.pop()
-            if pending is None:
-                break
-            done += 1
+            # Pop under the cache lock: an `invalidate` between the pop and the write would
+            # miss the popped plan and let it re-index blocks of the invalidated version.
             with self._lock:
+                pending = self._queue.pop()
+                if pending is None:
+                    break
+                done += 1
                 written += self._write(pending.plan, pending.k, pending.v)
                 events = self._manager.drain_events()
             self._dispatch(events)

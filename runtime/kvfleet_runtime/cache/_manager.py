@@ -262,6 +262,7 @@ class CacheManager:
         num_unindexed, _ = self.index.invalidate(weights_digest)
         for key, hashes in withdrawn.items():
             self.events.append(BlockEvent("removed", key, tuple(hashes)))
+            self._tenant(key.tenant_id).num_invalidated += len(hashes)
         return num_unindexed
 
     def drain_events(self) -> list[BlockEvent]:

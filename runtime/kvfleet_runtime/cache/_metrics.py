@@ -26,6 +26,8 @@ _TENANT_COUNTERS = (
     ("admissions_refused", "num_admissions_refused", "Blocks refused as not yet reused."),
     ("store_drops", "num_store_drops", "Pending writes dropped from a full store queue."),
     ("evictions", "num_evictions", "Blocks dropped from the cache."),
+    ("invalidated_blocks", "num_invalidated", "Blocks removed because their weights version "
+     "was invalidated."),
 )
 _TIER_COUNTERS = (
     ("tier_stored_blocks", "num_stored", "Blocks written into the tier."),

@@ -24,6 +24,8 @@ class TenantStats:
     """Pending writes dropped from a full store queue as its least valuable entry."""
     num_evictions: int = 0
     """Blocks dropped from the cache (demotions T0 -> T1 are not evictions)."""
+    num_invalidated: int = 0
+    """Blocks removed by `invalidate` (their weights version was withdrawn)."""
     num_blocks: int = 0
     """Blocks resident now."""
     num_bytes: int = 0

@@ -113,6 +113,9 @@ class Replica:
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
     ready: bool = False
     restart_pending: list[str] = field(default_factory=list)
+    boot_config: ReplicaConfig | None = None
+    """The config the replica started with; restart-only fields are compared against it, so a
+    reload that passes through another value (a half-written file) reports only real drift."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     reloads: Counter | None = None
     before_submit: Callable[[str, list[int]], Awaitable[None]] | None = None
@@ -158,8 +161,9 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
                             prefill_chunks_per_step=e.prefill_chunks_per_step),
         registry=registry,
     )
-    return Replica(config=config, loaded=loaded, model_id=model_id, engine=engine, cache=cache,
-                   registry=registry, config_path=config_path, overrides=dict(overrides or {}),
+    return Replica(config=config, boot_config=config, loaded=loaded, model_id=model_id,
+                   engine=engine, cache=cache, registry=registry, config_path=config_path,
+                   overrides=dict(overrides or {}),
                    reloads=Counter("kvfleet_replica_config_reloads", "Config file reloads.",
                                    ["result"], registry=registry))
 
@@ -168,7 +172,7 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
 
 def apply_config(replica: Replica, new: ReplicaConfig) -> list[str]:
     """Apply the live fields of `new`; returns the changed fields that need a restart."""
-    pending = restart_fields(replica.config, new)
+    pending = restart_fields(replica.boot_config or replica.config, new)
     e = new.engine
     replica.engine.config = dataclasses.replace(
         replica.engine.config, max_batch_size=e.max_batch_size, max_waiting=e.max_waiting,
@@ -188,6 +192,11 @@ async def watch_config(replica: Replica) -> None:
         await asyncio.sleep(replica.config.config_poll_interval_s)
         now = _fingerprint(path)
         if now == last:
+            continue
+        # An editor or `kubectl cp` truncates and then writes: apply a file only once it has
+        # held still for one poll interval, so a half-written file is never parsed.
+        await asyncio.sleep(replica.config.config_poll_interval_s)
+        if _fingerprint(path) != now:
             continue
         last = now
         assert replica.reloads is not None

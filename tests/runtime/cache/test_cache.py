@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,7 @@ def test_invalidate_makes_a_version_unreachable_and_reclaims_it(clock: FakeClock
     assert cache.stats().store_queue_len == 1
     assert cache.invalidate(DIGEST_A) == 3
     assert cache.stats().store_queue_len == 0  # its pending write is gone too
+    assert cache.stats().totals.num_invalidated == 3
     assert isinstance(cache.lookup(old, prompt), Miss)
     hit_new = cache.lookup(new, prompt)
     assert isinstance(hit_new, Hit)
@@ -211,6 +213,34 @@ def test_invalidate_makes_a_version_unreachable_and_reclaims_it(clock: FakeClock
     assert cache.stats().tiers[0].num_blocks_used == 3
     with pytest.raises(ValueError, match="weights_digest"):
         cache.invalidate("latest")
+
+
+def test_invalidate_racing_the_store_drain_never_leaves_the_version_indexed(
+    clock: FakeClock,
+) -> None:
+    """The drain pops a write and is preempted; an invalidate of its version arrives right then.
+    The write must not re-index blocks of the withdrawn version afterwards."""
+    cache = make_cache(clock)
+    key = make_key(digest=DIGEST_A)
+    prompt = list(range(32))
+    cache.store(key, prompt, *kv(32))
+    cache.store(key, prompt, *kv(32))
+    assert cache.stats().store_queue_len == 1
+    racer = threading.Thread(target=cache.invalidate, args=(DIGEST_A,))
+    pop = cache._queue.pop
+
+    def pop_then_race() -> Any:
+        popped = pop()
+        if popped is not None and not racer.is_alive() and racer.ident is None:
+            racer.start()
+            racer.join(timeout=0.2)  # runs now unless the drain holds the cache lock
+        return popped
+
+    cache._queue.pop = pop_then_race  # type: ignore[method-assign]
+    cache.drain_store_queue()
+    racer.join(timeout=10)
+    assert not racer.is_alive()
+    assert isinstance(cache.lookup(key, prompt), Miss)
 
 
 def test_release_twice_is_an_error(clock: FakeClock) -> None:
