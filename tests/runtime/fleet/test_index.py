@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+import redis
 
 from kvfleet_runtime.fleet import (
     EmbeddedHintIndex,
@@ -128,10 +129,9 @@ async def test_redis_down_from_the_start_answers_nobody_fast() -> None:
         assert await index.lookup(H[:2]) == [frozenset(), frozenset()]
         assert await index.lookup_runs(H[:2]) == {}
         await index.publish("r1", H[:2])
-        start = time.perf_counter()
         for _ in range(100):
             assert await index.lookup(H[:2]) == [frozenset(), frozenset()]
-        assert time.perf_counter() - start < 0.5  # backing off: no connection attempts
+        # Backing off: one failed connection attempt, then every call is answered without one.
         assert index.stats.num_errors == 1 and index.stats.num_skipped >= 100
         assert await index.host_url("r1") is None
     finally:
@@ -140,7 +140,8 @@ async def test_redis_down_from_the_start_answers_nobody_fast() -> None:
 
 async def test_redis_stopped_mid_run_then_restarted(redis_server: RedisProcess) -> None:
     index = RedisHintIndex.from_url(
-        redis_server.url, lookup_budget_s=0.5, backoff_s=0.2, max_backoff_s=0.2
+        redis_server.url, lookup_budget_s=5.0, write_timeout_s=5.0, backoff_s=0.2,
+        max_backoff_s=0.2,
     )
     try:
         await index.publish("r1", H[:2])
@@ -167,18 +168,25 @@ async def test_redis_lookup_of_a_2000_token_prompt_is_one_round_trip(
     redis_server: RedisProcess,
 ) -> None:
     hashes = [i.to_bytes(16, "big") for i in range(125)]  # 2,000 tokens
-    index = RedisHintIndex.from_url(redis_server.url, lookup_budget_s=1.0)
+    index = RedisHintIndex.from_url(redis_server.url, lookup_budget_s=10.0, write_timeout_s=10.0)
+    admin = redis.Redis.from_url(redis_server.url)
     try:
         await index.publish("r1", hashes)
-        times = []
+        assert await index.lookup_runs(hashes) == {"r1": 125}  # loads the script once
+
+        def calls() -> dict[str, int]:
+            stats = admin.info("commandstats")
+            return {name: int(stats[f"cmdstat_{name}"]["calls"])
+                    for name in ("evalsha", "zrangebyscore") if f"cmdstat_{name}" in stats}
+
+        before = calls()
         for _ in range(30):
-            start = time.perf_counter()
-            result = await index.lookup_runs(hashes)
-            times.append(time.perf_counter() - start)
-        assert result == {"r1": 125}
-        times.sort()
-        # ~1 ms budget on an idle host; generous here because CI shares two cores.
-        print(f"lookup_runs p50 {times[len(times) // 2] * 1e3:.2f} ms")
-        assert times[len(times) // 2] < 0.05
+            assert await index.lookup_runs(hashes) == {"r1": 125}
+        after = calls()
+        # One EVALSHA per lookup; the script reads the 125 keys inside Redis. Its latency is a
+        # benchmark figure (`kvfleet bench fleet`), not a test.
+        assert after["evalsha"] - before["evalsha"] == 30
+        assert after["zrangebyscore"] - before.get("zrangebyscore", 0) == 30 * 125
     finally:
+        admin.close()
         await index.close()
