@@ -9,13 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.binaries import BUILD_SCRIPT
+from tests.cluster.binaries import BUILD_SCRIPT, cluster_home
 from tests.cluster.cluster import EXISTING_KUBECONFIG_ENV, open_cluster
 
 pytestmark = pytest.mark.k8s  # KVFLEET_SKIP_K8S=1 skips these too (fixtures.py)
-
-WARM_START_BUDGET_S = 30.0
-
 
 def processes_mentioning(text: str) -> list[int]:
     """PIDs whose command line contains text (every component's flags name its work dir)."""
@@ -49,12 +46,15 @@ def test_cluster_stops_every_process_and_removes_its_files_even_when_the_test_fa
     for pid in running:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    assert warm_start_s < WARM_START_BUDGET_S
+    # The 30 s warm-start target is a measured figure (docs/testing.md), not a timed assertion.
+    print(f"warm start to a Ready cluster: {warm_start_s:.1f} s")
 
 
 def test_build_script_is_a_noop_once_built() -> None:
-    started = time.monotonic()
+    home = cluster_home()
+    before = {f: f.stat().st_mtime_ns for f in home.rglob("*") if f.is_file()}
     result = subprocess.run([str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "up to date" in result.stderr
-    assert time.monotonic() - started < 5
+    after = {f: f.stat().st_mtime_ns for f in home.rglob("*") if f.is_file()}
+    assert after == before  # nothing rebuilt, nothing rewritten
