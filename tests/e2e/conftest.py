@@ -8,6 +8,8 @@ How each piece runs (and why):
 - Replica and router pods: kwok's, backed by real `kvfleet replica` / `kvfleet router` processes
   at the pods' IPs and container ports, started and stopped by the KubeletShim (kubelet.py) from
   the pods' own specs (args, env, mounted ConfigMaps and Secrets, the hostPath model volume).
+  One image tag is a fault injected for scenario B (kubelet.UNSTABLE_KEY_IMAGE: the real replica
+  through unstable_key.py, its cache key nonced per request); every other pod runs as is.
 - Operator: `kvfleet-operator run` as a local process with a kubeconfig minted for the chart's
   operator ServiceAccount (so it has exactly the chart's RBAC). The chart's operator pod is
   scheduled by kwok but runs nothing: kwok cannot run the operator image, and a local process can

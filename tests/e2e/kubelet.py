@@ -8,7 +8,9 @@ image, starts the container's process the way the kubelet would:
 
 - the command is the image's ENTRYPOINT (read from docker/runtime.Dockerfile: `kvfleet`, the
   console script of this environment) followed by the container's `args`, with `$(VAR)` references
-  expanded from the container's environment;
+  expanded from the container's environment; one image tag is a fault the tests inject,
+  UNSTABLE_KEY_IMAGE: its pods run the same real replica through unstable_key.py, which makes
+  one cache-key field differ on every request (what no real replica can be made to do);
 - the environment is the container's: plain values, the downward API (`metadata.name`,
   `metadata.namespace`, `status.podIP`) and Secret/ConfigMap key references;
 - each volume mount is a folder: ConfigMap and Secret volumes are written from the live objects
@@ -26,7 +28,8 @@ shim sets the pod's Ready condition to False before starting its process, then p
 container's readinessProbe on the process every loop and writes Ready from that, as a kubelet
 does; so the Deployment controller, the operator (which plans home sets and rollout steps over
 Ready pods) and the tests see the real process' readiness. There is one gap: between kwok's
-Ready=True and the shim's first patch (about a poll period), the pod looks Ready.
+Ready=True and the shim's first patch (about a poll period), the pod looks Ready. A pod whose IP
+a stopping pod's process still holds waits to start, and is kept not Ready meanwhile.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ from tests.cluster.processes import ManagedProcess, start_process
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME_DOCKERFILE = ROOT / "docker" / "runtime.Dockerfile"
+# The one fault the shim injects (scenario B of test_user_path.py): pods of this image run the
+# real replica through tests/e2e/unstable_key.py, whose cache key never holds still.
+UNSTABLE_KEY_IMAGE = "kvfleet/kvfleet-runtime:unstable-cache-key"
+UNSTABLE_KEY_WRAPPER = Path(__file__).with_name("unstable_key.py")
 POLL_S = 0.5
 STOP_GRACE_S = 8.0
 _VAR = re.compile(r"\$\((\w+)\)")
@@ -86,6 +93,7 @@ class PodProcess:
     ip: str
     port: int | None
     labels: dict[str, str]
+    image: str
     process: ManagedProcess
     root: Path
     live: list[LiveVolume] = field(default_factory=list)
@@ -201,6 +209,10 @@ class KubeletShim:
                 self._set_ready(pod["metadata"]["name"], False)
                 self._start_pod(pod, objects)
                 changed = True
+            elif _ready(pod):
+                # Waiting for the address, nothing runs yet: not Ready, whatever kwok said (else
+                # the Deployment counts it ready for the old process' whole grace period).
+                self._set_ready(pod["metadata"]["name"], False)
         if changed and self.on_change is not None:
             self.on_change(self.running())
 
@@ -231,9 +243,7 @@ class KubeletShim:
         ready = record.probe_url is None or http_json(record.probe_url, timeout_s=2)[0] == 200
         if not record.process.alive():
             ready = False
-        conditions = (pod.get("status") or {}).get("conditions") or []
-        current = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-        if ready != current:
+        if ready != _ready(pod):
             self._set_ready(record.name, ready)
             self.events.append(f"{time.strftime('%H:%M:%S')} {record.name} ready={ready}")
 
@@ -294,11 +304,14 @@ class KubeletShim:
         ports = [p["containerPort"] for p in container.get("ports", [])]
         base = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "HOME": str(root),
                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        process = start_process(meta["name"], [*self.entrypoint, *args], self.work_dir,
+        entrypoint = self.entrypoint
+        if container["image"] == UNSTABLE_KEY_IMAGE:
+            entrypoint = [sys.executable, str(UNSTABLE_KEY_WRAPPER)]
+        process = start_process(meta["name"], [*entrypoint, *args], self.work_dir,
                                 env={**base, **env})
         record = PodProcess(meta["namespace"], meta["name"], meta["uid"], ip,
                             ports[0] if ports else None, dict(meta.get("labels") or {}),
-                            process, root, live)
+                            container["image"], process, root, live)
         probe = (container.get("readinessProbe") or {}).get("httpGet")
         if probe is not None:
             named = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
@@ -346,6 +359,11 @@ class KubeletShim:
                 tmp.write_bytes(content)
                 tmp.replace(target)  # atomic, as the kubelet's symlink swap
                 volume.written[path] = content
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
 def _object_data(obj: dict[str, Any]) -> dict[str, bytes]:

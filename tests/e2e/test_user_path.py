@@ -3,13 +3,17 @@
   helm install -> kubectl apply -f examples/kvcachepolicy.yaml -> traffic from the shared trace
   through the router -> kubectl apply -f examples/modelrollout.yaml (short windows) ->
   A: promoted step by step (C: with the operator SIGKILLed and restarted mid-rollout) ->
+  B: a new image whose cache key never holds still is rolled back when its gate times out ->
   helm upgrade -> helm uninstall leaves only the CRDs.
 
-Scenario B (a changed cache-key field never recovers -> rollback) is not here: in this runtime a
-canary whose key changed starts exactly as cold as one with new weights and, under the test's
-traffic, warms within seconds, so "never recovers" cannot be produced by a real key change; two
-runs passed its gate. The gate-timeout -> rollback path runs against the real API server, a real
-Prometheus and real replicas in tests/operator/test_k8s.py.
+Scenario B needs a canary whose hit rate never recovers. A real, stable key change (another
+attention implementation id, tried first) is not that: the canary starts as cold as one with new
+weights and, under the test's traffic, warms within seconds, so it passed its gate. What the
+design means by "did not recover" is a key component that keeps changing, which the real replica
+cannot be made to do; so it is the one fault the harness injects: pods of the image
+kubelet.UNSTABLE_KEY_IMAGE run the real replica through unstable_key.py, which adds a per-request
+nonce to attn_impl_id and then runs the unchanged `kvfleet` entry point. The ModelRollout only
+names that image (spec.image); the operator, router, Prometheus and Redis are the real ones.
 
 What runs is described in conftest.py: kwok pods on loopback fake GPU nodes, backed by real
 replica and router processes; the operator, Redis and Prometheus as real processes. The tests run
@@ -26,10 +30,12 @@ from typing import Any
 import pytest
 import yaml
 
+from kvfleet_operator.metrics import pod_regex
 from tests.cluster.fixtures import CommandError
 from tests.e2e.conftest import MODEL_ID, RELEASE, ROOT, World, dump
-from tests.e2e.kubelet import http_json
+from tests.e2e.kubelet import UNSTABLE_KEY_IMAGE, http_json
 from tests.e2e.traffic import NUM_TENANTS, Traffic, load_requests, tenant_name
+from tests.e2e.unstable_key import MARKER
 from tests.e2e.world import elapsed, events, kubectl_table, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.k8s, pytest.mark.slow]
@@ -48,6 +54,13 @@ def hit_rate_query(rate_window: str) -> str:
 # The gate's hit rate over the last 10 s (the default is 1 min: too slow for a test).
 HIT_RATE_QUERY = hit_rate_query("10s")
 _state: dict[str, Any] = {}  # what one step hands the next (the traffic generator)
+
+
+def _gate_query(namespace: str, deployment: str) -> str:
+    """HIT_RATE_QUERY as the operator renders it for `deployment`'s pods
+    (kvfleet_operator.metrics.render_query)."""
+    return HIT_RATE_QUERY.replace("${namespace}", namespace).replace(
+        "${pod_regex}", pod_regex(deployment))
 
 
 def _replica_processes(world: World, digest: str | None = None) -> list[Any]:
@@ -101,13 +114,15 @@ def _diagnostics(world: World) -> str:
 
 
 def _rollout_manifest(name: str, digest: str, prometheus_url: str, window_s: int,
-                      hold_s: int = 5) -> str:
+                      hold_s: int = 5, image: str | None = None) -> str:
     """examples/modelrollout.yaml as the user edits it for this release: the chart's Deployment,
-    the new digest, our Prometheus, short windows."""
+    the new digest (and image, if any), our Prometheus, short windows."""
     doc = yaml.safe_load((ROOT / "examples" / "modelrollout.yaml").read_text())
     doc["metadata"]["name"] = name
     doc["spec"]["targetRef"]["name"] = f"{RELEASE}-replica"
     doc["spec"]["weightsDigest"] = digest
+    if image is not None:
+        doc["spec"]["image"] = image
     doc["spec"]["gate"].update(
         windowSeconds=window_s, holdSeconds=hold_s, readyTimeoutSeconds=90,
         checkIntervalSeconds=1)
@@ -291,6 +306,92 @@ def test_2_rollout_promoted_step_by_step_across_an_operator_kill(world: World) -
     traffic: Traffic = _state["traffic"]
     print(f"scenario A+C: {elapsed(started)}; traffic during it: "
           f"{traffic.summary(time.monotonic() - started)}")
+
+
+def test_3_a_cache_key_that_never_recovers_is_rolled_back(world: World) -> None:
+    """Scenario B: a new runtime image (same weights, v2) that unintentionally changed a cache-key
+    component, one that keeps changing: none of its requests can ever match a cached prefix, so
+    its canary's hit rate stays at zero, the step's window (short here) closes unrecovered and the
+    operator rolls back to v2 on its own. The image is the harness' one fault
+    (kubelet.UNSTABLE_KEY_IMAGE, unstable_key.py): the real replica with attn_impl_id nonced per
+    request; the operator, router, Prometheus and Redis are as in every other step."""
+    started = time.monotonic()
+    ns, v2 = world.namespace, world.digests["v2"]
+    target_name = f"{RELEASE}-replica"
+    before = _deployment(world, target_name)  # what scenario A left: v2 on 2 replicas
+    assert _template_digest(before) == v2 and before["spec"]["replicas"] == 2
+    (stable_image,) = [c["image"] for c in before["spec"]["template"]["spec"]["containers"]]
+    assert stable_image != UNSTABLE_KEY_IMAGE
+    traffic: Traffic = _state["traffic"]
+    # Start from a settled fleet: the stable pods (re-created by A's handoff) warm again, which
+    # is the gate's baseline, and A's canary, stopped seconds ago, gone from the gate's canary
+    # query (its last samples stay in the rate window for 10 s and would be measured as v3's).
+    stable_query = _gate_query(ns, target_name)
+    canary_query = _gate_query(ns, f"{target_name}-canary")
+    wait_for(lambda: float(world.prometheus.query(stable_query)[0]["value"][1]) > 0.8
+             and world.prometheus.query(canary_query) == [],
+             "the stable replicas' hit rate (the gate's query) > 0.8, no canary series", 90,
+             lambda: f"canary: {world.prometheus.query(canary_query)}\n" + _diagnostics(world))
+    applied = time.monotonic()
+    watch = RolloutWatch(world, "v3")
+    # The window opens at CanaryReady, which kwok's own Ready can advance by a shim poll
+    # (kubelet.py); the canary needs ~15 s to load on two shared cores: 50 s leave it >= 20 s of
+    # measured traffic.
+    world.kubectl("apply", "-n", ns, "-f", "-",
+                  stdin=_rollout_manifest("v3", v2, world.prometheus.url, window_s=50,
+                                          image=UNSTABLE_KEY_IMAGE))
+    canary = wait_for(
+        lambda: [p for p in world.shim.running("kvfleet.dev/track=canary")
+                 if p.image == UNSTABLE_KEY_IMAGE and _serving_digest(p) == v2],
+        "the v3 canary serving (the unstable-key image)", 90, lambda: _diagnostics(world))[0]
+    assert canary.name.startswith(f"{target_name}-canary-"), canary.name
+    assert MARKER in canary.process.log_path.read_text(errors="replace")  # the fault is in
+
+    st = watch.wait_phase({"RolledBack", "Succeeded", "Failed"}, 150)
+    print("\n$ kubectl get modelrollouts v3 -o wide -w   (rows as they changed)\n" + watch.stop())
+    assert st["phase"] == "RolledBack", dump(st)
+    assert st["reason"] == "HitRateNotRecovered", dump(st)
+    assert "a cache-key field probably changed" in st["message"], st["message"]
+    (step,) = st["steps"]  # never got past the first step
+    assert step["result"] == "TimedOut", step
+    # The canary served traffic and was measured: its cache never matched, the stable's did.
+    assert step["targetHitRate"] > 0.5, step
+    assert step["observedHitRate"] is not None and step["observedHitRate"] < 0.05, step
+    assert st["previous"]["weightsDigest"] == v2 and st["previous"]["replicas"] == 2, dump(st)
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "HitRateNotRecovered", degraded
+    evs = events(world.cluster, ns, "ModelRollout", "v3")
+    reasons = [e["reason"] for e in evs]
+    print("events: " + " ".join(reasons))
+    why = next(e for e in evs if e["reason"] == "HitRateNotRecovered")
+    print(f"event HitRateNotRecovered: {why['message']}")
+    assert why["type"] == "Warning" and "a cache-key field probably changed" in why["message"]
+    rolled_back = next(e for e in evs if e["reason"] == "RolledBack")
+    print(f"event RolledBack: {rolled_back['message']}")
+    assert reasons.index("HitRateNotRecovered") < reasons.index("RolledBack")
+    assert "StepPassed" not in reasons and "Promoting" not in reasons
+
+    target = _deployment(world, target_name)
+    assert _template_digest(target) == v2 and target["spec"]["replicas"] == 2
+    assert [c["image"] for c in target["spec"]["template"]["spec"]["containers"]] == [
+        stable_image]
+    # The real processes follow: the canary's is gone, the chart's 2 replicas serve v2.
+    wait_for(lambda: world.shim.running("kvfleet.dev/track=canary") == []
+             and len(_replica_processes(world)) == 2
+             and all(p.image == stable_image and _serving_digest(p) == v2
+                     for p in _replica_processes(world)),
+             "the canary's process gone, exactly the 2 stable v2 replica processes serve", 90,
+             lambda: _diagnostics(world))
+    assert canary.name not in [p.name for p in world.shim.running()]
+    wait_for(lambda: traffic.hit_rate(8) > 0.8, "traffic hits the v2 caches again", 60,
+             lambda: traffic.summary(8))
+    # Users never saw the bad version fail: every request through the router, from the apply
+    # to the restored fleet, succeeded.
+    during = traffic.recent(time.monotonic() - applied)
+    failed = [s for s in during if s.status != 200]
+    summary = traffic.summary(time.monotonic() - applied)
+    assert len(during) > 50 and not failed, summary
+    print(f"scenario B: {elapsed(started)}; traffic from the apply on: {summary}")
 
 
 def test_4_helm_upgrade_and_uninstall_leave_only_the_crds(world: World) -> None:
