@@ -393,8 +393,10 @@ DEFAULT_SAVED_PREFILL_QUERY = (
 
 
 class PrometheusSource(_Spec):
-    """PromQL templates; `${namespace}`, `${deployment}` and `${pod_regex}` (a regex matching the
-    deployment's pod names) are substituted. The hit-rate query returns a ratio in [0, 1]."""
+    """PromQL templates; `${namespace}`, `${deployment}` and `${pod_regex}` (a regex matching
+    exactly the pods the deployment has now, so a deleted pod's series still in the rate window,
+    such as a previous rollout's canary, is never counted) are substituted. The hit-rate query
+    returns a ratio in [0, 1]."""
 
     url: Annotated[str, Field(pattern=r"^https?://", max_length=2048)]
     hit_rate_query: Annotated[str, Field(min_length=1, max_length=4096)] = DEFAULT_HIT_RATE_QUERY

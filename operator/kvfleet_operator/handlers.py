@@ -290,18 +290,24 @@ def reconcile_rollout(
         raise _transient(exc) from exc
 
 
-def _pods(kube: Kube, namespace: str, deployment: Manifest | None, canary: bool) -> tuple[str, ...]:
+def _pods(kube: Kube, namespace: str, name: str, deployment: Manifest | None,
+          canary: bool) -> DeploymentPods:
+    """The Deployment's pods of one track: the ready ones' IPs, and the names of all that exist."""
     if deployment is None:
-        return ()
+        return DeploymentPods(namespace, name, ())
     labels = dict(deployment["spec"]["selector"].get("matchLabels") or {})
-    pods = kube.list_pods(namespace, labels)
-    out = []
-    for pod in pods:
+    ips, names = [], []
+    for pod in kube.list_pods(namespace, labels):
         is_canary = (pod["metadata"].get("labels") or {}).get(TRACK_LABEL) == "canary"
+        if is_canary != canary:
+            continue
         replica = pod_to_replica(pod)
-        if is_canary == canary and replica.ready and not replica.deleting and replica.ip:
-            out.append(replica.ip)
-    return tuple(sorted(out))
+        if replica.deleting:
+            continue
+        names.append(pod["metadata"]["name"])
+        if replica.ready and replica.ip:
+            ips.append(replica.ip)
+    return DeploymentPods(namespace, name, tuple(sorted(ips)), tuple(sorted(names)))
 
 
 def _reconcile_rollout_once(
@@ -342,12 +348,10 @@ def _reconcile_rollout_once(
     if target is not None and status.phase not in TERMINAL_PHASES:
         reading = read_hit_rates(
             spec.metrics,
-            DeploymentPods(namespace, target_name, _pods(kube, namespace, target, False)),
+            _pods(kube, namespace, target_name, target, False),
             None
             if canary is None
-            else DeploymentPods(
-                namespace, canary_name(target_name), _pods(kube, namespace, canary, True)
-            ),
+            else _pods(kube, namespace, canary_name(target_name), canary, True),
         )
     obs = Observations(
         target=target_w,

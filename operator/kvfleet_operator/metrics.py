@@ -37,6 +37,9 @@ class DeploymentPods:
     namespace: str
     deployment: str
     pod_ips: tuple[str, ...]
+    """Ready pods, for the `/cache/stats` fallback."""
+    pod_names: tuple[str, ...] = ()
+    """Every pod of the Deployment (and track) that exists now, ready or not, for Prometheus."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,15 +50,16 @@ class MetricReading:
     source: str
 
 
-def pod_regex(deployment: str) -> str:
-    """Pods of a Deployment are `<deployment>-<replicaset hash>-<suffix>`; the canary's
-    (`<deployment>-canary-...`) have one more dash and do not match the target's regex."""
-    return f"{deployment}-[a-z0-9]+-[a-z0-9]+"
+def pod_regex(pod_names: Sequence[str]) -> str:
+    """A PromQL regex matching exactly these pods. Exact names, not `<deployment>-.*`: the series
+    of a deleted pod stay in a rate window for a minute, so a pattern would judge a new canary
+    partly on the previous rollout's canary (same Deployment name, gone pods)."""
+    return "|".join(name.replace(".", "\\\\.") for name in sorted(pod_names))
 
 
-def render_query(template: str, namespace: str, deployment: str) -> str:
+def render_query(template: str, pods: DeploymentPods) -> str:
     return Template(template).safe_substitute(
-        namespace=namespace, deployment=deployment, pod_regex=pod_regex(deployment)
+        namespace=pods.namespace, deployment=pods.deployment, pod_regex=pod_regex(pods.pod_names)
     )
 
 
@@ -103,9 +107,9 @@ def read_hit_rates(
         try:
 
             def ask(template: str, pods: DeploymentPods) -> float | None:
-                return prometheus_query(
-                    prometheus, render_query(template, pods.namespace, pods.deployment)
-                )
+                if not pods.pod_names:
+                    return None  # no pods: nothing of theirs to measure (and no empty regex)
+                return prometheus_query(prometheus, render_query(template, pods))
 
             target_rate = ask(prometheus.hit_rate_query, target)
             canary_rate = None if canary is None else ask(prometheus.hit_rate_query, canary)

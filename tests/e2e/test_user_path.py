@@ -30,7 +30,6 @@ from typing import Any
 import pytest
 import yaml
 
-from kvfleet_operator.metrics import pod_regex
 from tests.cluster.fixtures import CommandError
 from tests.e2e.conftest import MODEL_ID, RELEASE, ROOT, World, dump
 from tests.e2e.kubelet import UNSTABLE_KEY_IMAGE, http_json
@@ -57,10 +56,10 @@ _state: dict[str, Any] = {}  # what one step hands the next (the traffic generat
 
 
 def _gate_query(namespace: str, deployment: str) -> str:
-    """HIT_RATE_QUERY as the operator renders it for `deployment`'s pods
-    (kvfleet_operator.metrics.render_query)."""
+    """HIT_RATE_QUERY over every pod `deployment` has had (the operator narrows it to the pods
+    that exist now: kvfleet_operator.metrics.render_query)."""
     return HIT_RATE_QUERY.replace("${namespace}", namespace).replace(
-        "${pod_regex}", pod_regex(deployment))
+        "${pod_regex}", f"{deployment}-[a-z0-9]+-[a-z0-9]+")
 
 
 def _replica_processes(world: World, digest: str | None = None) -> list[Any]:
@@ -324,14 +323,16 @@ def test_3_a_cache_key_that_never_recovers_is_rolled_back(world: World) -> None:
     assert stable_image != UNSTABLE_KEY_IMAGE
     traffic: Traffic = _state["traffic"]
     # Start from a settled fleet: the stable pods (re-created by A's handoff) warm again, which
-    # is the gate's baseline, and A's canary, stopped seconds ago, gone from the gate's canary
-    # query (its last samples stay in the rate window for 10 s and would be measured as v3's).
+    # is the gate's baseline. A's canary stopped seconds ago and its last samples are still in the
+    # rate window, under the same Deployment name as v3's canary: the operator must measure only
+    # the canary pods that exist now (metrics.pod_regex), so the test does not wait them out.
     stable_query = _gate_query(ns, target_name)
     canary_query = _gate_query(ns, f"{target_name}-canary")
-    wait_for(lambda: float(world.prometheus.query(stable_query)[0]["value"][1]) > 0.8
-             and world.prometheus.query(canary_query) == [],
-             "the stable replicas' hit rate (the gate's query) > 0.8, no canary series", 90,
-             lambda: f"canary: {world.prometheus.query(canary_query)}\n" + _diagnostics(world))
+    wait_for(lambda: float(world.prometheus.query(stable_query)[0]["value"][1]) > 0.8,
+             "the stable replicas' hit rate (the gate's query) > 0.8", 90,
+             lambda: _diagnostics(world))
+    print(f"A's canary series still in the rate window at the apply: "
+          f"{world.prometheus.query(canary_query)}")
     applied = time.monotonic()
     watch = RolloutWatch(world, "v3")
     # The window opens at CanaryReady, which kwok's own Ready can advance by a shim poll

@@ -46,16 +46,19 @@ def http_server() -> Iterator[Callable[[Responder], int]]:
         server.shutdown()
 
 
-def test_pod_regex_separates_target_and_canary() -> None:
-    regex = re.compile(pod_regex("llm"))
-    assert regex.fullmatch("llm-7d9f8b6c5-x2x9z")
-    assert not regex.fullmatch("llm-canary-7d9f8b6c5-x2x9z")
-    assert re.compile(pod_regex("llm-canary")).fullmatch("llm-canary-7d9f8b6c5-x2x9z")
+def test_pod_regex_matches_exactly_the_pods_that_exist() -> None:
+    regex = re.compile(pod_regex(["llm-canary-7d9f8b6c5-x2x9z", "llm-canary-7d9f8b6c5-aaaaa"]))
+    assert regex.fullmatch("llm-canary-7d9f8b6c5-x2x9z")
+    assert regex.fullmatch("llm-canary-7d9f8b6c5-aaaaa")
+    # A previous rollout's canary: same Deployment, another ReplicaSet, pods already deleted.
+    assert not regex.fullmatch("llm-canary-5c4b3a291-x2x9z")
+    assert not regex.fullmatch("llm-7d9f8b6c5-x2x9z")
 
 
 def test_query_template_substitution() -> None:
-    text = render_query('x{namespace="${namespace}",pod=~"${pod_regex}"}', "ns", "llm")
-    assert text == 'x{namespace="ns",pod=~"llm-[a-z0-9]+-[a-z0-9]+"}'
+    pods = DeploymentPods("ns", "llm", (), ("llm-7d9f8b6c5-b", "llm-7d9f8b6c5-a", "x.y"))
+    text = render_query('x{namespace="${namespace}",d="${deployment}",pod=~"${pod_regex}"}', pods)
+    assert text == 'x{namespace="ns",d="llm",pod=~"llm-7d9f8b6c5-a|llm-7d9f8b6c5-b|x\\\\.y"}'
 
 
 def test_prometheus_is_asked_per_deployment(http_server: Callable[[Responder], int]) -> None:
@@ -82,7 +85,9 @@ def test_prometheus_is_asked_per_deployment(http_server: Callable[[Responder], i
     port = http_server(respond)
     spec = MetricsSpec.model_validate({"prometheus": {"url": f"http://127.0.0.1:{port}"}})
     reading = read_hit_rates(
-        spec, DeploymentPods("ns", "llm", ()), DeploymentPods("ns", "llm-canary", ())
+        spec,
+        DeploymentPods("ns", "llm", (), ("llm-1-a",)),
+        DeploymentPods("ns", "llm-canary", (), ("llm-canary-1-a",)),
     )
     assert (reading.target_hit_rate, reading.canary_hit_rate) == (0.6, 0.25)
     assert reading.target_saved_prefill_tokens_per_s == 1234.5
@@ -100,9 +105,32 @@ def test_nan_and_empty_results_are_no_data(http_server: Callable[[Responder], in
         {"prometheus": {"url": f"http://127.0.0.1:{port}"}, "cacheStats": {"enabled": False}}
     )
     reading = read_hit_rates(
-        spec, DeploymentPods("ns", "llm", ()), DeploymentPods("ns", "llm-canary", ())
+        spec,
+        DeploymentPods("ns", "llm", (), ("llm-1-a",)),
+        DeploymentPods("ns", "llm-canary", (), ("llm-canary-1-a",)),
     )
     assert (reading.target_hit_rate, reading.canary_hit_rate) == (None, None)
+
+
+def test_a_deployment_without_pods_is_not_asked_about(
+    http_server: Callable[[Responder], int],
+) -> None:
+    asked: list[str] = []
+
+    def respond(path: str, query: dict[str, list[str]]) -> Any:
+        asked.append(query["query"][0])
+        return {"status": "success",
+                "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, "0.5"]}]}}
+
+    port = http_server(respond)
+    spec = MetricsSpec.model_validate(
+        {"prometheus": {"url": f"http://127.0.0.1:{port}"}, "cacheStats": {"enabled": False}}
+    )
+    reading = read_hit_rates(
+        spec, DeploymentPods("ns", "llm", (), ("llm-1-a",)), DeploymentPods("ns", "llm-canary", ())
+    )
+    assert (reading.target_hit_rate, reading.canary_hit_rate) == (0.5, None)
+    assert asked and all("llm-canary" not in q for q in asked)
 
 
 def test_unreachable_prometheus_falls_back_to_cache_stats(
