@@ -102,7 +102,7 @@ def fleet(
             table.add_column(col)
         table.add_row("raw socket", f"{t.raw_median_s * 1e3:.1f} ms", f"{t.raw_gb_s:.2f}", "1.00")
         table.add_row(
-            "T2 (HTTP, CRC32 frames, verified)",
+            "T2 (HTTP, XXH3-64 frames, verified)",
             f"{t.t2_median_s * 1e3:.1f} ms",
             f"{t.t2_gb_s:.2f}",
             f"{t.ratio:.2f}",

@@ -1,10 +1,13 @@
 """The T2 fetcher's HTTP/1.1 client: one POST, the response body received in place.
 
 aiohttp's client copies a bulk body twice before the caller sees it (the socket read into a new
-bytes object, the HTTP parser's chunk slice into another); here an `asyncio.BufferedProtocol`
-hands the socket the caller's destination views themselves (`get_buffer`), so payload bytes go
-from the kernel straight into the canonical KV buffers, one copy, as a raw socket does. HTTP chunk
-framing and the response head are parsed from a small staging buffer; payload bytes that land
+bytes object, the HTTP parser's chunk slice into another); here payload bytes go from the kernel
+straight into the caller's destination views, one copy, as a raw socket does. The response head
+arrives through an `asyncio.BufferedProtocol`; on a plain TCP connection the body is then read
+from a duplicate of the socket with `recvmsg_into` (scatter reads: one call fills many
+destination views, e.g. the rows of a KV chunk at their strided places in the canonical buffers),
+the transport's own reading paused. Over TLS the transport keeps reading, into one view at a time
+(`get_buffer`). HTTP chunk framing is parsed from a small staging buffer; payload bytes that land
 there (a few per chunk boundary, or while no destination is set) are copied on.
 
 Scope: exactly what the T2 route needs: one request per connection (`Connection: close`), a
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import ssl
 from collections import deque
 from collections.abc import Sequence
@@ -29,6 +33,8 @@ _STAGING = 64 << 10
 _MAX_HEAD = 64 << 10
 _MAX_PENDING = 8 << 20
 """Payload bytes buffered while no destination is set, before reading pauses."""
+_MAX_VIEWS = 512
+"""Destination views per scatter read (Linux allows 1024 iovecs)."""
 
 _HEAD, _SIZE, _DATA, _DATA_CRLF, _TRAILER, _DONE = range(6)
 
@@ -52,6 +58,7 @@ class BodyReader(asyncio.BufferedProtocol):
         self._direct = False
         self._paused = False
         self._closed: BaseException | None = None
+        self._sock: socket.socket | None = None  # the body's reader, after the head (plain TCP)
 
     # -- protocol ----------------------------------------------------------------------------
 
@@ -78,19 +85,110 @@ class BodyReader(asyncio.BufferedProtocol):
                     self._end_of_data()
             else:
                 self._feed(self._staging[:nbytes])
+                if self._state not in (_HEAD, _DONE) and self._sock is None:
+                    self._read_directly()
         except ValueError as exc:
             self._fail(exc)
-            if self.transport is not None:
-                self.transport.abort()
+            self.close(abort=True)
 
     def eof_received(self) -> bool:
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = exc if exc is not None else ConnectionResetError("peer closed")
+        self._stop_direct()
+        if self._closed is None:
+            self._closed = exc if exc is not None else ConnectionResetError("peer closed")
         if not self.head.done():
             self.head.set_exception(ConnectionResetError(f"peer closed before answering: {exc}"))
         self._wake()
+
+    def close(self, *, abort: bool = False) -> None:
+        """Close the connection (the direct reader too)."""
+        self._stop_direct()
+        if self.transport is not None:
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+    # -- the body read from the socket itself (plain TCP) ------------------------------------
+
+    def _read_directly(self) -> None:
+        """Once the head is parsed: pause the transport's reading and read the body from a
+        duplicate of its socket (scatter reads straight into the destination views)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if transport.get_extra_info("sslcontext") is not None:
+            return  # TLS: the transport decrypts, one view at a time
+        raw = transport.get_extra_info("socket")
+        if raw is None or raw.type != socket.SOCK_STREAM:
+            return
+        if not self._paused:
+            transport.pause_reading()
+        self._sock = raw.dup()
+        self._sock.setblocking(False)
+        if not self._paused:
+            self.loop.add_reader(self._sock.fileno(), self._readable)
+
+    def _stop_direct(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self.loop.remove_reader(sock.fileno())
+            sock.close()
+
+    def _views(self) -> list[memoryview]:
+        """Where the next body bytes go: destination views up to the end of the HTTP chunk."""
+        if self._state != _DATA or not self._targets or self._pending:
+            return []
+        budget = self._remaining
+        views: list[memoryview] = []
+        pos = self._pos
+        for target in self._targets:
+            view = target[pos : pos + budget]
+            pos = 0
+            views.append(view)
+            budget -= len(view)
+            if not budget or len(views) == _MAX_VIEWS:
+                break
+        return views
+
+    def _readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        views = self._views()
+        try:
+            if len(views) > 1:
+                nbytes = sock.recvmsg_into(views)[0]
+            else:
+                nbytes = sock.recv_into(views[0] if views else self._staging)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._stop_direct()
+            self._fail(exc)
+            return
+        if not nbytes:
+            self._stop_direct()
+            self._fail(ConnectionResetError("peer closed"))
+            return
+        self._direct = bool(views)
+        self.buffer_updated(nbytes)
+
+    def _pause(self) -> None:
+        self._paused = True
+        if self._sock is not None:
+            self.loop.remove_reader(self._sock.fileno())
+        elif self.transport is not None:
+            self.transport.pause_reading()
+
+    def _resume(self) -> None:
+        self._paused = False
+        if self._sock is not None:
+            self.loop.add_reader(self._sock.fileno(), self._readable)
+        elif self.transport is not None:
+            self.transport.resume_reading()
 
     # -- the caller's side -------------------------------------------------------------------
 
@@ -101,9 +199,8 @@ class BodyReader(asyncio.BufferedProtocol):
         if self._pending:
             pending, self._pending = self._pending, bytearray()
             self._deliver(memoryview(pending))
-            if self._paused and len(self._pending) < _MAX_PENDING and self.transport is not None:
-                self._paused = False
-                self.transport.resume_reading()
+            if self._paused and len(self._pending) < _MAX_PENDING:
+                self._resume()
         while self._targets:
             if self._closed is not None or self._state == _DONE:
                 missing = sum(len(v) for v in self._targets) - self._pos
@@ -130,7 +227,8 @@ class BodyReader(asyncio.BufferedProtocol):
             self._waiter.set_result(None)
 
     def _fail(self, exc: BaseException) -> None:
-        self._closed = exc
+        if self._closed is None:
+            self._closed = exc
         if not self.head.done():
             self.head.set_exception(exc)
         self._wake()
@@ -152,9 +250,8 @@ class BodyReader(asyncio.BufferedProtocol):
             self._advance(take)
         if data:
             self._pending += data
-            if len(self._pending) >= _MAX_PENDING and not self._paused and self.transport:
-                self._paused = True
-                self.transport.pause_reading()
+            if len(self._pending) >= _MAX_PENDING and not self._paused:
+                self._pause()
 
     def _end_of_data(self) -> None:
         if self._chunked:
@@ -256,7 +353,7 @@ async def post(
     url: str, path: str, body: Any, headers: dict[str, str], *, connect_timeout_s: float
 ) -> tuple[int, BodyReader]:
     """POST `body` (JSON) to `url` + `path`; returns (status, reader of the body). The caller
-    closes `reader.transport` when done."""
+    closes the reader (`reader.close()`) when done."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"unsupported peer URL {url!r}")
@@ -282,7 +379,6 @@ async def post(
         reader.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload)
         status, _ = await reader.head
     except BaseException:
-        if reader.transport is not None:
-            reader.transport.abort()
+        reader.close(abort=True)
         raise
     return status, reader
