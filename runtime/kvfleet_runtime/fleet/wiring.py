@@ -152,6 +152,15 @@ class _HeldBlocks:
         return len(chain)
 
 
+def hint_index_for(settings: FleetSettings) -> HintIndex:
+    """Redis when a URL is configured (with the configured lookup budget), else embedded."""
+    if settings.redis_url:
+        return RedisHintIndex.from_url(
+            settings.redis_url, lookup_budget_s=settings.hint_lookup_budget_s
+        )
+    return EmbeddedHintIndex()
+
+
 class FleetTier:
     """The fleet tier of one replica; built by `attach_fleet`, started with the app."""
 
@@ -160,11 +169,7 @@ class FleetTier:
         self.replica = replica
         self.cache = replica.cache
         self.settings = settings
-        self.index: HintIndex = (
-            RedisHintIndex.from_url(settings.redis_url)
-            if settings.redis_url
-            else EmbeddedHintIndex()
-        )
+        self.index = hint_index_for(settings)
         self.publisher = HintPublisher(self.index, settings.name)
         self.held = _HeldBlocks()
         self.config: FleetConfig | None = None

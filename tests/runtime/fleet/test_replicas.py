@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import requests
 
 from kvfleet_runtime.fleet import T2_PATH, TENANT_HEADER, peer_token
@@ -188,6 +189,16 @@ def held_blocks(url: str) -> int:
     return int(stats["totals"]["num_blocks"])
 
 
+def hinted_blocks(fleet: Fleet, host: str) -> int:
+    """Blocks the hint index in Redis says `host` holds."""
+    client = redis.Redis.from_url(fleet.redis.url)
+    try:
+        return sum(client.zscore(key, host) is not None
+                   for key in client.scan_iter("kvfleet:b:*"))
+    finally:
+        client.close()
+
+
 def test_prefix_stored_on_one_replica_is_fetched_by_another_and_equals_recompute(
     fleet: Fleet,
 ) -> None:
@@ -195,7 +206,7 @@ def test_prefix_stored_on_one_replica_is_fetched_by_another_and_equals_recompute
     recomputed, headers = complete(a.url, PROMPT, tenant="acme")
     assert headers["X-Kvfleet-Cached-Tokens"] == "0"
     wait_for(lambda: held_blocks(a.url) >= 15)
-    time.sleep(1.0)  # the publisher flushes every 50 ms
+    wait_for(lambda: hinted_blocks(fleet, "r0") >= 15)  # published (batched, asynchronously)
     fetched, headers = complete(b.url, PROMPT, tenant="acme")
     assert int(headers["X-Kvfleet-Cached-Tokens"]) == 15 * 16
     assert headers["X-Kvfleet-Cache-Tier"] != "none"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet_runtime.fleet import wiring
+from kvfleet_runtime.fleet import EmbeddedHintIndex, RedisHintIndex, wiring
 from kvfleet_runtime.fleet.wiring import FleetSettings
 
 
@@ -72,3 +72,18 @@ def test_hint_lookup_budget(tmp_path: Path) -> None:
         FleetSettings.from_env({**env, "KVFLEET_HINT_LOOKUP_BUDGET_S": "fast"}, port=1)
     with pytest.raises(ValueError, match="> 0"):
         FleetSettings.from_env({**env, "KVFLEET_HINT_LOOKUP_BUDGET_S": "0"}, port=1)
+
+
+async def test_the_hint_lookup_budget_reaches_the_redis_index() -> None:
+    env = {"KVFLEET_PEER_SECRET": "s", "KVFLEET_REDIS_URL": "redis://127.0.0.1:1/0",
+           "KVFLEET_HINT_LOOKUP_BUDGET_S": "0.25"}
+    settings = FleetSettings.from_env(env, port=1)
+    assert settings is not None
+    index = wiring.hint_index_for(settings)
+    try:
+        assert isinstance(index, RedisHintIndex) and index.lookup_budget_s == 0.25
+    finally:
+        await index.close()
+    embedded = FleetSettings.from_env({"KVFLEET_PEER_SECRET": "s"}, port=1)
+    assert embedded is not None
+    assert isinstance(wiring.hint_index_for(embedded), EmbeddedHintIndex)
