@@ -5,11 +5,14 @@ only the demo, which then stops each group (SIGTERM, then SIGKILL after a grace 
 idempotent and runs from `__exit__`, so errors, Ctrl-C and SIGTERM (turned into KeyboardInterrupt
 by the CLI) all end with no child left.
 
-The replicas get the fleet tier's environment (name, peer secret, peer URL; `KVFLEET_REDIS_URL`
-only when a Redis URL is given), so they serve the load report the router polls for occupancy and
-spill decisions. Without Redis each process has its own embedded hint index: the tiers a request
-can hit are then the replica's own T0 and T1 (no T2 between processes). With Redis, replicas find
-each other's blocks over T2 and the router's cache-aware override is on.
+The replicas get the fleet tier's environment (name, peer secret, peer URL, and a fleet config
+file `fleet.yaml` listing every replica's name and URL; `KVFLEET_REDIS_URL` only when a Redis URL
+is given), so they serve the load report the router polls for occupancy and spill decisions, and
+find each other's blocks over T2 either way. Without Redis their hint index is the peer probe
+(`kvfleet_runtime.fleet.probe`): a replica that misses a prefix asks the other replicas on
+loopback how much of it they hold, then fetches the longest run over T2. With Redis the replicas
+publish hints there instead, and the router's cache-aware override is on too (the router reads
+hints only from Redis; without it routing is plain tenant affinity with spill).
 
 The cache is toggled live through each replica's watched config file (`cache.enabled`), so the
 cache-off baseline and the cached run use the same processes.
@@ -145,16 +148,24 @@ class LocalFleet:
         logs = opts.work_dir / "logs"
         logs.mkdir(exist_ok=True)
         secret = secrets.token_hex(16)
-        for i in range(opts.num_replicas):
-            name = f"r{i}"
-            port = free_port()
-            self._ports[name] = port
+        names = [f"r{i}" for i in range(opts.num_replicas)]
+        for name in names:
+            self._ports[name] = free_port()
+        # The replica list: each replica's peer names resolve to URLs through it, and without
+        # Redis it is whom the peer-probe hint index asks.
+        fleet_config = opts.work_dir / "fleet.yaml"
+        fleet_config.write_text(json.dumps({"replicas": [
+            {"name": n, "url": f"http://127.0.0.1:{self._ports[n]}"} for n in names
+        ]}, indent=1))
+        for name in names:
+            port = self._ports[name]
             self._configs[name] = opts.work_dir / f"{name}.yaml"
             self._write_config(name, cache_enabled=cache_enabled)
             env = {
                 "KVFLEET_FLEET_NAME": name,
                 "KVFLEET_PEER_SECRET": secret,
                 "KVFLEET_PEER_URL": f"http://127.0.0.1:{port}",
+                "KVFLEET_FLEET_CONFIG": str(fleet_config),
             }
             if opts.redis_url:
                 env["KVFLEET_REDIS_URL"] = opts.redis_url
@@ -197,6 +208,15 @@ class LocalFleet:
                 lambda url=url: self._get_json(f"{url}/cache/stats").get("enabled") is enabled,
                 f"replica {name} to apply cache.enabled={enabled}",
             )
+
+    def t2_counters(self) -> dict[str, dict[str, Any]]:
+        """Each replica's T2 counters so far (its load report's `t2`: fetch outcomes, blocks
+        and bytes fetched from peers); {} for a replica that does not answer."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, url in self.replica_urls.items():
+            t2 = self._get_json(f"{url}/fleet/v1/load").get("t2")
+            out[name] = t2 if isinstance(t2, dict) else {}
+        return out
 
     def stop(self) -> None:
         """Stop every child's process group: SIGTERM, then SIGKILL after a grace period."""

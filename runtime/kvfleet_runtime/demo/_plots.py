@@ -90,7 +90,7 @@ def _tier_mix(report: dict[str, Any], path: Path) -> Path:
     by_pop: dict[str, dict[str, int]] = report["tiers"]["by_population"]
     groups = [*by_pop, "all"]
     data = {**by_pop, "all": report["tiers"]["tokens"]}
-    no_t2 = not str(report["fleet"]["hint_index"]).startswith("redis")
+    no_t2 = str(report["fleet"]["hint_index"]).startswith("embedded")
     labels = {"t0": "T0 (device)", "t1": "T1 (host DRAM)",
               "t2": "T2 (peer; off: no shared index)" if no_t2 else "T2 (peer, inferred)",
               "miss": "miss (prefilled)"}

@@ -266,6 +266,15 @@ def render_report(report: dict[str, Any]) -> list[str]:
                                   for t in ("t0", "t1", "t2", "miss"))
         + "   (share of prompt tokens)"
     )
+    t2 = fleet.get("t2_measured")
+    if t2:
+        others = {o: n for o, n in t2["outcomes"].items()
+                  if o != "ok" and not o.startswith("partial_")}
+        lines.append(
+            f"T2         {t2['fetches_ok']} peer fetches, {t2['tokens_fetched']:,} tokens "
+            f"({t2['bytes_fetched'] / 2**20:,.1f} MiB) measured on the replicas"
+            + (f"; no fetch: {others}" if others else "")
+        )
     decisions = ", ".join(f"{k} {v}" for k, v in sorted(report["routing"]["decisions"].items()))
     lines.append(f"routing    spill rate {report['routing']['spill_rate']:.1%} ({decisions})")
     errs = {**runs["baseline"]["errors"], **runs["cached"]["errors"]}

@@ -1,6 +1,7 @@
 """The fleet tier (T2): global hint index, hint publishing, and authenticated peer KV transfer.
 
     index = RedisHintIndex.from_url(url) if url else EmbeddedHintIndex()
+    # or, no Redis but the peers are known: PeerProbeHintIndex(secret, peers, self_host)
     publisher = HintPublisher(index, host=replica_name); publisher.start()
     fetcher = PeerFetcher(session, secret, index, self_host=replica_name)
     app.add_routes(peer_routes(CacheBlockSource(cache), secret))
@@ -25,8 +26,11 @@ from kvfleet_runtime.fleet.index import (
     best_peer,
     leading_runs,
 )
+from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher, PublisherStats
 from kvfleet_runtime.fleet.transfer import (
+    HELD_PATH,
+    MAX_PROBE_BLOCKS,
     T2_PATH,
     TENANT_HEADER,
     BlockSource,
@@ -42,7 +46,10 @@ if TYPE_CHECKING:
     from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier, chain_hashes
 
 __all__ = [
+    "DEFAULT_PROBE_BUDGET_S",
     "DEFAULT_TTL_S",
+    "HELD_PATH",
+    "MAX_PROBE_BLOCKS",
     "T2_PATH",
     "TENANT_HEADER",
     "BlockSource",
@@ -55,6 +62,7 @@ __all__ = [
     "HintIndexStats",
     "HintPublisher",
     "PeerFetcher",
+    "PeerProbeHintIndex",
     "PeerTier",
     "PublisherStats",
     "RedisHintIndex",

@@ -6,10 +6,13 @@ host may hold it (a missed opportunity). Either costs performance, never correct
 method here swallows its failures: a lookup that cannot answer within its budget answers "nobody",
 a publish that fails is dropped. Nothing raises to the request path.
 
-Two implementations with one contract (`HintIndex`):
+Three implementations with one contract (`HintIndex`):
 
-- `EmbeddedHintIndex`: a dict in this process. The default when no Redis URL is configured, so
-  a single machine needs nothing; it only sees what this process published.
+- `EmbeddedHintIndex`: a dict in this process; it only sees what this process published. The
+  fallback when neither a Redis URL nor the fleet's replica list is configured.
+- `PeerProbeHintIndex` (`fleet.probe`): no Redis, but the replica list is known (the fleet
+  config): a lookup asks every peer directly how much of the chain it holds. So several replica
+  processes on one machine find each other's blocks with nothing to install.
 - `RedisHintIndex` (redis.asyncio), shared by the replicas and routers of a fleet:
 
       {ns}:b:{hash hex}  sorted set, member = host name, score = expiry (unix s); key EXPIREs
@@ -72,10 +75,16 @@ class HintIndex(Protocol):
     async def withdraw(self, host: str, hashes: Sequence[bytes]) -> None:
         """Announce that `host` dropped `hashes`; best effort."""
 
-    async def lookup(self, hashes: Sequence[bytes]) -> list[frozenset[str]]:
-        """Hosts listed for each hash (same length as `hashes`); all empty on any failure."""
+    async def lookup(
+        self, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> list[frozenset[str]]:
+        """Hosts listed for each hash (same length as `hashes`); all empty on any failure.
+        `tenant`: whose chain `hashes` is (the peer-probe index needs it for the credential;
+        the others ignore it)."""
 
-    async def lookup_runs(self, hashes: Sequence[bytes]) -> dict[str, int]:
+    async def lookup_runs(
+        self, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> dict[str, int]:
         """`leading_runs(lookup(hashes))`, in one round trip; {} on any failure."""
 
     async def register_host(self, host: str, url: str) -> None:
@@ -152,7 +161,9 @@ class EmbeddedHintIndex:
                     del self._blocks[h]
         self.stats.num_withdrawn += len(hashes)
 
-    async def lookup(self, hashes: Sequence[bytes]) -> list[frozenset[str]]:
+    async def lookup(
+        self, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> list[frozenset[str]]:
         self.stats.num_lookups += 1
         now = self.clock()
         return [
@@ -160,7 +171,9 @@ class EmbeddedHintIndex:
             for h in hashes
         ]
 
-    async def lookup_runs(self, hashes: Sequence[bytes]) -> dict[str, int]:
+    async def lookup_runs(
+        self, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> dict[str, int]:
         return leading_runs(await self.lookup(hashes))
 
     async def register_host(self, host: str, url: str) -> None:
@@ -292,7 +305,9 @@ class RedisHintIndex:
         if await self._run(build, self.write_timeout_s) is not None:
             self.stats.num_withdrawn += len(hashes)
 
-    async def lookup(self, hashes: Sequence[bytes]) -> list[frozenset[str]]:
+    async def lookup(
+        self, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> list[frozenset[str]]:
         self.stats.num_lookups += 1
         if not hashes:
             return []
@@ -307,7 +322,9 @@ class RedisHintIndex:
             return [frozenset()] * len(hashes)
         return [frozenset(_text(m) for m in members) for members in result]
 
-    async def lookup_runs(self, hashes: Sequence[bytes]) -> dict[str, int]:
+    async def lookup_runs(
+        self, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> dict[str, int]:
         self.stats.num_lookups += 1
         if not hashes:
             return {}

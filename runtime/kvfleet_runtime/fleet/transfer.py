@@ -42,6 +42,21 @@ output). XXH3-64 (not a cryptographic hash) because peers are authenticated sepa
 credential, compared in constant time): the checksum only guards against corrupt bytes, at ~15
 GB/s here, where zlib's CRC32 (protocol version 2) ran at ~1-2 GB/s and blake2b at ~0.4 GB/s.
 
+The held probe (the peer-probe hint index, `fleet.probe`, when no Redis is configured), same
+credential:
+
+    POST /kv/v1/held
+    X-Kvfleet-Tenant: <tenant>
+    Authorization: Bearer <same credential as above>
+    {"block_hashes": [hex, ...]}            (1..MAX_PROBE_BLOCKS hashes of one chain, in order)
+    -> 200 {"leading_blocks": n}            how many leading hashes of that chain are held here
+
+The one route that takes hashes from the caller; it answers only a count, and only blocks stored
+for the credential's tenant (or allow-listed platform blocks) count. Every chained hash commits to
+its tenant, so a probe of tenant B's chain never matches tenant A's blocks, and even A's exact
+hashes presented with B's credential count nothing. 400 with a message for a bad body, 401 and
+503 as above.
+
 This module is torch-free (it moves bytes); `kvfleet_runtime.fleet.replica` adapts it to
 `PrefixCache` tensors.
 """
@@ -71,6 +86,8 @@ from kvfleet_runtime.fleet.index import HintIndex, best_peer
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "HELD_PATH",
+    "MAX_PROBE_BLOCKS",
     "T2_PATH",
     "TENANT_HEADER",
     "BlockSource",
@@ -87,6 +104,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 T2_PATH = "/kv/v1/blocks"
+HELD_PATH = "/kv/v1/held"
+MAX_PROBE_BLOCKS = 4096
+"""Most chain hashes one held probe may ask about (a 64k-token prompt)."""
+MAX_HASH_BYTES = 64
 TENANT_HEADER = "X-Kvfleet-Tenant"
 MAGIC = b"KVT2"
 VERSION = 3
@@ -217,23 +238,22 @@ def peer_routes(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_served: Callable[[int], None] | None = None,
     buffers: BufferPool | None = None,
+    held: Callable[[Sequence[bytes], str], int] | None = None,
 ) -> list[web.RouteDef]:
-    """The T2 endpoint for an aiohttp app: `app.add_routes(peer_routes(source, secret))`.
+    """The T2 endpoint and the held probe for an aiohttp app:
+    `app.add_routes(peer_routes(source, secret, held=...))`.
 
-    `secret=None` (or empty) keeps the route but refuses every request. `on_served(bytes)` is
-    called after each complete transfer (for metrics). Send buffers come from `buffers` (by
-    default a pool keeping `MAX_IDLE_SEND_BUFFERS`)."""
+    `held(hashes, tenant)` answers the probe: how many leading hashes of the chain are held here
+    for `tenant` (or the platform); None -> the probe answers 503. `secret=None` (or empty) keeps
+    the routes but refuses every request. `on_served(bytes)` is called after each complete
+    transfer (for metrics). Send buffers come from `buffers` (by default a pool keeping
+    `MAX_IDLE_SEND_BUFFERS`)."""
     pool = BufferPool(MAX_IDLE_SEND_BUFFERS) if buffers is None else buffers
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        if not secret:
-            return _error(503, "peer transfer is disabled: no fleet secret configured")
-        tenant = request.headers.get(TENANT_HEADER, "")
-        presented = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        expected = peer_token(secret, tenant)
-        # compare_digest over the ASCII bytes: constant time in the presented value.
-        if not tenant or not hmac.compare_digest(presented.encode(), expected.encode()):
-            return _error(401, "peer credential missing or invalid")
+        tenant = _authenticate(request, secret)
+        if isinstance(tenant, web.Response):
+            return tenant
         try:
             key, token_ids, start_block, max_blocks = _parse_request(
                 await request.json(), max_tokens
@@ -250,7 +270,47 @@ def peer_routes(
             return _error(404, f"no block held at or after block {start_block}")
         return await _stream_run(request, run, chunk_bytes, on_served, pool)
 
-    return [web.post(T2_PATH, handle)]
+    async def handle_held(request: web.Request) -> web.StreamResponse:
+        tenant = _authenticate(request, secret)
+        if isinstance(tenant, web.Response):
+            return tenant
+        if held is None:
+            return _error(503, "this replica does not answer held probes")
+        try:
+            hashes = _parse_held(await request.json())
+        except (ValueError, json.JSONDecodeError) as exc:
+            return _error(400, str(exc))
+        return web.json_response({"leading_blocks": held(hashes, tenant)})
+
+    return [web.post(T2_PATH, handle), web.post(HELD_PATH, handle_held)]
+
+
+def _authenticate(request: web.Request, secret: bytes | None) -> str | web.Response:
+    """The tenant the request's credential is for, or the error response to send."""
+    if not secret:
+        return _error(503, "peer transfer is disabled: no fleet secret configured")
+    tenant = request.headers.get(TENANT_HEADER, "")
+    presented = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    expected = peer_token(secret, tenant)
+    # compare_digest over the ASCII bytes: constant time in the presented value.
+    if not tenant or not hmac.compare_digest(presented.encode(), expected.encode()):
+        return _error(401, "peer credential missing or invalid")
+    return tenant
+
+
+def _parse_held(body: Any) -> list[bytes]:
+    if not isinstance(body, dict) or set(body) != {"block_hashes"}:
+        raise ValueError('body must be a JSON object {"block_hashes": [hex, ...]}')
+    raw = body["block_hashes"]
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_PROBE_BLOCKS:
+        raise ValueError(f"block_hashes must be a list of 1..{MAX_PROBE_BLOCKS} hex strings")
+    try:
+        hashes = [bytes.fromhex(h) for h in raw if isinstance(h, str)]
+    except ValueError:
+        raise ValueError("block_hashes must be hex strings") from None
+    if len(hashes) != len(raw) or not all(0 < len(h) <= MAX_HASH_BYTES for h in hashes):
+        raise ValueError(f"block_hashes must be hex strings of 1..{MAX_HASH_BYTES} bytes")
+    return hashes
 
 
 def _gather(
@@ -429,6 +489,7 @@ class FetchStats:
 
     outcomes: dict[str, int] = field(default_factory=dict)
     bytes_fetched: int = 0
+    blocks_fetched: int = 0
 
     def count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -511,7 +572,8 @@ class PeerFetcher:
         if len(wanted) < self.min_blocks:
             self.stats.count("too_short")
             return None
-        peer = best_peer(await self.index.lookup_runs(wanted), exclude=self.self_host)
+        runs = await self.index.lookup_runs(wanted, tenant=key.tenant_id)
+        peer = best_peer(runs, exclude=self.self_host)
         if peer is None or peer[1] < self.min_blocks:
             self.stats.count("no_peer")
             return None
@@ -551,6 +613,7 @@ class PeerFetcher:
         run.peer = host
         self.stats.count(f"partial_{run.partial}" if run.partial else "ok")
         self.stats.bytes_fetched += 2 * len(run.k) * run.num_blocks // run.capacity_blocks
+        self.stats.blocks_fetched += run.num_blocks
         return run
 
     async def _url(self, host: str) -> str | None:

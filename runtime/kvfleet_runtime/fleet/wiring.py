@@ -10,6 +10,8 @@ What it adds to the replica's aiohttp app:
 - `GET /fleet/v1/load`: the load report the router polls (`kvfleet_runtime.router._view`):
   KV occupancy of the engine's working blocks, queue depth and an estimated queue delay, and the
   cache key fields and tokenizer id the router needs to compute the prompt's block hashes.
+- `POST /kv/v1/held`: the held probe (same credential as T2): how many leading blocks of a chain
+  this replica holds for the caller's tenant, for peers whose hint index is the peer probe.
 - A cache listener that publishes "stored" blocks to the hint index and withdraws "removed" ones
   (batched, in the background), and registers this replica's peer URL.
 - `replica.before_submit`: before a request enters the engine, if the prompt's leading blocks are
@@ -18,15 +20,22 @@ What it adds to the replica's aiohttp app:
 - The fleet config file (if any) is watched: `tiers.t2_peer` turns fetching on and off, and its
   replica list resolves peer names to URLs before the index's own registry.
 
+The hint index (`hint_index_for`): Redis when `KVFLEET_REDIS_URL` is set; else, when a fleet config
+is configured, the peer probe (`fleet.probe`: each lookup asks the config's other replicas
+directly, so replicas on one machine share blocks over T2 with nothing installed); else the
+embedded in-process index (which only sees this process: no T2 between processes).
+
 Environment (all optional; none of the first four set -> no fleet tier):
 
     KVFLEET_FLEET_NAME      this replica's name in the fleet (default $POD_NAME, else hostname)
-    KVFLEET_REDIS_URL       hint index; unset -> the embedded in-process index
+    KVFLEET_REDIS_URL       hint index; unset -> the peer probe (with a fleet config) or the
+                            embedded in-process index
     KVFLEET_PEER_SECRET     shared T2 secret, or KVFLEET_PEER_SECRET_FILE (default
                             /etc/kvfleet/peer/token when present); none -> T2 refused both ways
     KVFLEET_FLEET_CONFIG    fleet config file (default /etc/kvfleet/fleet/fleet.yaml when present)
     KVFLEET_PEER_URL        URL peers use for this replica (default http://$POD_IP:<port>)
-    KVFLEET_HINT_LOOKUP_BUDGET_S   hint lookup budget (default 0.002)
+    KVFLEET_HINT_LOOKUP_BUDGET_S   hint lookup budget (default 0.002 with Redis, 0.05 for the
+                                   peer probe)
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,10 +56,11 @@ from aiohttp import web
 
 from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent
 from kvfleet_runtime.fleet.index import EmbeddedHintIndex, HintIndex, RedisHintIndex
+from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier, chain_hashes
 from kvfleet_runtime.fleet.transfer import PeerFetcher, peer_routes
-from kvfleet_runtime.fleetconfig import FleetConfig, load_fleet_config
+from kvfleet_runtime.fleetconfig import PLATFORM_TENANT, FleetConfig, load_fleet_config
 
 if TYPE_CHECKING:
     from kvfleet_runtime.server import Replica
@@ -63,6 +73,7 @@ LOAD_PATH = "/fleet/v1/load"
 TOKENIZER_ID = "byte-v1"
 DEFAULT_SECRET_FILE = Path("/etc/kvfleet/peer/token")
 DEFAULT_FLEET_CONFIG = Path("/etc/kvfleet/fleet/fleet.yaml")
+DEFAULT_REDIS_BUDGET_S = 0.002
 _ENABLING = (
     "KVFLEET_FLEET_NAME",
     "KVFLEET_REDIS_URL",
@@ -84,8 +95,9 @@ class FleetSettings:
     """Runs shorter than this are recomputed: a round trip costs more than a few blocks."""
     config_poll_s: float = 2.0
     register_every_s: float = 60.0
-    hint_lookup_budget_s: float = 0.002
-    """A hint lookup slower than this answers "nobody" (the request recomputes)."""
+    hint_lookup_budget_s: float | None = None
+    """A hint lookup slower than this answers "nobody" (the request recomputes). None: the
+    index's default (2 ms for Redis, `probe.DEFAULT_PROBE_BUDGET_S` for the peer probe)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, port: int) -> FleetSettings | None:
@@ -111,12 +123,12 @@ class FleetSettings:
         )
         budget = environ.get("KVFLEET_HINT_LOOKUP_BUDGET_S")
         try:
-            budget_s = float(budget) if budget else 0.002
+            budget_s = float(budget) if budget else None
         except ValueError:
             raise ValueError(
                 f"KVFLEET_HINT_LOOKUP_BUDGET_S must be seconds, got {budget!r}"
             ) from None
-        if not budget_s > 0:
+        if budget_s is not None and not budget_s > 0:
             raise ValueError(f"KVFLEET_HINT_LOOKUP_BUDGET_S must be > 0, got {budget!r}")
         return cls(
             name=name,
@@ -131,34 +143,65 @@ class FleetSettings:
 class _HeldBlocks:
     """This replica's blocks as seen through cache events: answers "how many leading blocks of
     this chain are here?" without a cache lookup (which would count in the hit-rate stats).
-    Eventually consistent like the hints; a wrong answer only costs a useless or a missed fetch."""
+    Eventually consistent like the hints; a wrong answer only costs a useless or a missed fetch.
+
+    Each block remembers the tenant it was stored for (the platform tenant for allow-listed
+    platform blocks), so `leading(chain, tenant)` (the held probe peers send) counts only that
+    tenant's and the platform's blocks: knowing another tenant's hashes reveals nothing."""
 
     def __init__(self) -> None:
-        self._held: set[bytes] = set()
+        self._held: dict[bytes, str] = {}
         self._lock = threading.Lock()
 
     def on_event(self, event: BlockEvent) -> None:
         with self._lock:
             if event.kind == "stored":
-                self._held.update(event.block_hashes)
+                tenant = event.key.tenant_id
+                for h in event.block_hashes:
+                    self._held[h] = tenant
             else:
-                self._held.difference_update(event.block_hashes)
+                for h in event.block_hashes:
+                    self._held.pop(h, None)
 
-    def leading(self, chain: Sequence[bytes]) -> int:
+    def leading(self, chain: Sequence[bytes], tenant: str | None = None) -> int:
+        """Leading blocks of `chain` held here; with `tenant`, only blocks stored for that tenant
+        or the platform count."""
         with self._lock:
             for i, h in enumerate(chain):
-                if h not in self._held:
+                owner = self._held.get(h)
+                if owner is None or (tenant is not None and owner not in (tenant, PLATFORM_TENANT)):
                     return i
         return len(chain)
 
 
-def hint_index_for(settings: FleetSettings) -> HintIndex:
-    """Redis when a URL is configured (with the configured lookup budget), else embedded."""
+def hint_index_for(
+    settings: FleetSettings, peers: Callable[[], Mapping[str, str]] | None = None
+) -> HintIndex:
+    """Redis when a URL is configured; else the peer probe when the replica knows its peers (a
+    fleet config is configured and `peers` reads its replica list: {name: URL}); else the
+    embedded in-process index. The configured lookup budget reaches Redis and the probe."""
+    budget = settings.hint_lookup_budget_s
     if settings.redis_url:
         return RedisHintIndex.from_url(
-            settings.redis_url, lookup_budget_s=settings.hint_lookup_budget_s
+            settings.redis_url, lookup_budget_s=DEFAULT_REDIS_BUDGET_S if budget is None else budget
+        )
+    if peers is not None and settings.fleet_config is not None:
+        return PeerProbeHintIndex(
+            settings.secret,
+            peers,
+            settings.name,
+            lookup_budget_s=DEFAULT_PROBE_BUDGET_S if budget is None else budget,
         )
     return EmbeddedHintIndex()
+
+
+def hint_index_kind(index: HintIndex) -> str:
+    """The kind of `index`: "redis", "peer-probe" or "embedded" (for logs and reports)."""
+    if isinstance(index, RedisHintIndex):
+        return "redis"
+    if isinstance(index, PeerProbeHintIndex):
+        return "peer-probe"
+    return "embedded"
 
 
 class FleetTier:
@@ -169,10 +212,11 @@ class FleetTier:
         self.replica = replica
         self.cache = replica.cache
         self.settings = settings
-        self.index = hint_index_for(settings)
+        self.config: FleetConfig | None = None
+        self._peer_urls: dict[str, str] = {}
+        self.index = hint_index_for(settings, peers=self._peers)
         self.publisher = HintPublisher(self.index, settings.name)
         self.held = _HeldBlocks()
-        self.config: FleetConfig | None = None
         self.session: aiohttp.ClientSession | None = None
         self.tier: PeerTier | None = None
         self.cache.add_listener(self.held.on_event)
@@ -183,6 +227,10 @@ class FleetTier:
             self.publisher.offer_stored(event.block_hashes)
         else:
             self.publisher.offer_removed(event.block_hashes)
+
+    def _peers(self) -> dict[str, str]:
+        """The fleet config's ready replicas other than this one: {name: URL}."""
+        return self._peer_urls
 
     def _resolve(self, host: str) -> str | None:
         if self.config is None:
@@ -232,6 +280,17 @@ class FleetTier:
             },
             "tokenizer": TOKENIZER_ID,
             "name": self.settings.name,
+            "t2": self.t2_report(),
+        }
+
+    def t2_report(self) -> dict[str, Any]:
+        """What this replica fetched from peers so far (for reports; the router ignores it)."""
+        stats = self.tier.fetcher.stats if self.tier is not None else None
+        return {
+            "hint_index": hint_index_kind(self.index),
+            "fetches": dict(stats.outcomes) if stats is not None else {},
+            "blocks_fetched": stats.blocks_fetched if stats is not None else 0,
+            "bytes_fetched": stats.bytes_fetched if stats is not None else 0,
         }
 
     def _reload_config(self) -> None:
@@ -244,6 +303,9 @@ class FleetTier:
             log.error("fleet config rejected, keeping the last good one: %s", exc)
             return
         self.config = new
+        self._peer_urls = {
+            r.name: r.url for r in new.replicas if r.ready and r.name != self.settings.name
+        }
         if self.tier is not None:
             self.tier.enabled = new.tiers.t2_peer
 
@@ -279,6 +341,7 @@ class FleetTier:
         )
         self.tier = PeerTier(self.cache, fetcher)
         self._reload_config()
+        log.info("fleet tier %s: hint index %s", self.settings.name, hint_index_kind(self.index))
         self.publisher.start()
         task = asyncio.create_task(self._background(), name="kvfleet-fleet-tier")
         yield
@@ -294,7 +357,11 @@ def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings
     """Add the fleet tier's routes, listeners and background tasks to a replica's app."""
     fleet = FleetTier(replica, settings)
     app.add_routes(
-        peer_routes(CacheBlockSource(fleet.cache, held=fleet.held.leading), settings.secret)
+        peer_routes(
+            CacheBlockSource(fleet.cache, held=fleet.held.leading),
+            settings.secret,
+            held=fleet.held.leading,
+        )
     )
 
     async def load(request: web.Request) -> web.StreamResponse:

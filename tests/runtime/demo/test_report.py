@@ -52,3 +52,10 @@ def test_report_figures_and_inferred_t2() -> None:
     assert report["routing"] == {"spill_rate": 0.0, "decisions": {"home": 3}}
     text = "\n".join(render_report(report))
     assert "T2 " in text and "4.0x" in text
+    assert "measured on the replicas" not in text  # no counters given: no such line
+    report["fleet"]["t2_measured"] = {"fetches_ok": 1, "tokens_fetched": 64,
+                                      "bytes_fetched": 3 << 20,
+                                      "outcomes": {"no_peer": 2, "ok": 1}}
+    lines = [line for line in render_report(report) if "measured on the replicas" in line]
+    assert lines == ["T2         1 peer fetches, 64 tokens (3.0 MiB) measured on the replicas; "
+                     "no fetch: {'no_peer': 2}"]
