@@ -288,11 +288,14 @@ def test_2_rollout_promoted_step_by_step_across_an_operator_kill(world: World) -
     for step in st["steps"]:
         assert step["observedHitRate"] >= step["targetHitRate"] > 0.5, step
     assert st["metricSource"] == "prometheus"
+    wanted = {"StepStarted", "CanaryReady", "StepPassed", "Promoting", "TargetReady",
+              "Succeeded"}
+    # Events are posted after the status write they describe: give the last one a moment.
+    wait_for(lambda: wanted <= {e["reason"] for e in events(world.cluster, ns, "ModelRollout",
+                                                              "v2")},
+             "the rollout's events", 60, lambda: _diagnostics(world))
     reasons = [e["reason"] for e in events(world.cluster, ns, "ModelRollout", "v2")]
     print("events: " + " ".join(reasons))
-    for reason in ("StepStarted", "CanaryReady", "StepPassed", "Promoting", "TargetReady",
-                   "Succeeded"):
-        assert reason in reasons
     target = _deployment(world, f"{RELEASE}-replica")
     assert _template_digest(target) == v2 and target["spec"]["replicas"] == 2
     # The real processes follow: the chart's Deployment now serves v2, the canary is gone.
@@ -361,6 +364,9 @@ def test_3_a_cache_key_that_never_recovers_is_rolled_back(world: World) -> None:
     assert st["previous"]["weightsDigest"] == v2 and st["previous"]["replicas"] == 2, dump(st)
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "HitRateNotRecovered", degraded
+    wait_for(lambda: {"HitRateNotRecovered", "RolledBack"} <= {
+        e["reason"] for e in events(world.cluster, ns, "ModelRollout", "v3")},
+        "the rollback's events", 60, lambda: _diagnostics(world))
     evs = events(world.cluster, ns, "ModelRollout", "v3")
     reasons = [e["reason"] for e in evs]
     print("events: " + " ".join(reasons))

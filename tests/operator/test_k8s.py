@@ -403,6 +403,8 @@ def test_rollout_that_recovers_is_promoted_step_by_step_across_an_operator_kill(
     replacement = start_operator(operator_identity, operator_logs / "operator-2.log", 200)
     try:
         wait_for(lambda: status().get("phase") == "Succeeded", "rollout succeeded", 420)
+        # The event follows the status write: stopping the operator at once could drop it.
+        wait_for(lambda: "Succeeded" in events(installed, ns, "roll"), "Succeeded event", 60)
     finally:
         replacement.stop()
         assert_no_forbidden(replacement.log())
@@ -485,8 +487,8 @@ def test_rollout_that_never_recovers_is_rolled_back(
             ),
             "canary deleted",
         )
-        reasons = events(installed, ns, "bad")
-        assert "HitRateNotRecovered" in reasons and "RolledBack" in reasons
+        wait_for(lambda: {"HitRateNotRecovered", "RolledBack"} <= set(events(installed, ns, "bad")),
+                 "HitRateNotRecovered and RolledBack events", 60)
         degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
         assert degraded["status"] == "True"
     finally:
