@@ -101,6 +101,11 @@ class CacheManager:
             sustain_s=config.thrash_sustain_s,
             min_blocks=config.thrash_min_blocks,
         )
+        self.store_max_blocks = max(
+            config.store_min_blocks,
+            int(config.store_max_fraction * (config.num_t0_blocks + config.num_t1_blocks)),
+        )
+        """New blocks one store may write beyond the free room (`store_max_fraction`)."""
         self.events: list[BlockEvent] = []
         self._tenants: dict[str, TenantStats] = {}
         # Longest first, so the longest allow-listed prefix a request starts with wins.
@@ -173,6 +178,10 @@ class CacheManager:
             stats.num_admissions_refused += len(hashes) - max(admitted, len(resident))
         if admitted <= len(resident):
             return StoreOutcome.RESIDENT if resident else StoreOutcome.REFUSED
+        # Beyond the cap (or the free room, whichever is more) the rest of an admissible prefix
+        # waits for its next sighting: one prompt must not flush the cache. Not a refusal.
+        free = sum(alloc.num_free for alloc in self.index.allocators)
+        admitted = min(admitted, len(resident) + max(self.store_max_blocks, free))
         sightings = counts[admitted - 1]
         placement = place(
             sightings,

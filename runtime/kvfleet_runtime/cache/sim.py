@@ -15,7 +15,10 @@ capacity counted in blocks:
 - `simulate_belady`: Belady's offline optimum (MIN with bypass): evict the block whose next use is
   furthest away, deepest first among ties, never admit a block that would be that victim;
 - `simulate_kvfleet`: the shipped policy, i.e. this package's `CacheManager` (sketch, admission on
-  the second sighting, TinyLFU duel, pinning, thrash detector) driven with the same hashes.
+  the second sighting, TinyLFU duel, pinning, thrash detector) driven with the same hashes;
+- `simulate_wtinylfu`: a W-TinyLFU at leaf granularity (window LRU, segmented main, frequency
+  duel), a candidate policy measured here before it would be built into the index (issue 4; the
+  figures are in docs/cache.md). Not the shipped policy.
 
 `load_mooncake_trace` replays the Mooncake trace format: each 512-token `hash_id` expands into 32
 blocks of deterministic tokens derived from (hash id, sub-block index), the last block cut to
@@ -48,6 +51,7 @@ __all__ = [
     "simulate_lru",
     "simulate_radix",
     "simulate_vllm",
+    "simulate_wtinylfu",
     "unique_blocks",
 ]
 
@@ -433,4 +437,187 @@ def simulate_radix(
         fits = max(0, capacity_blocks - tree.num_blocks)
         tree.insert(blocks[: hit + min(need, fits)])
     result.extra["evictions"] = num_evicted
+    return result
+
+
+class _AgedCounts:
+    """Exact sighting counts, all halved every `sample_size` sightings (lazily, per entry)."""
+
+    __slots__ = ("_counts", "_epoch", "_num", "_sample_size")
+
+    def __init__(self, sample_size: int | None) -> None:
+        self._counts: dict[BlockHash, tuple[int, int]] = {}
+        self._epoch = 0
+        self._num = 0
+        self._sample_size = sample_size
+
+    def get(self, block: BlockHash) -> int:
+        entry = self._counts.get(block)
+        if entry is None:
+            return 0
+        count, epoch = entry
+        age = self._epoch - epoch
+        return count >> age if age < 32 else 0
+
+    def add(self, block: BlockHash) -> None:
+        self._counts[block] = (self.get(block) + 1, self._epoch)
+        self._num += 1
+        if self._sample_size is not None and self._num >= self._sample_size:
+            self._epoch += 1
+            self._num //= 2
+
+
+_WINDOW, _PROBATION, _PROTECTED = 0, 1, 2
+
+
+def simulate_wtinylfu(
+    requests: Sequence[TraceRequest],
+    capacity_blocks: int,
+    *,
+    window_fraction: float = 0.01,
+    protected_fraction: float = 0.8,
+    admit_min_sightings: int = 1,
+    sample_size: int | None = None,
+    ties_admit: bool = True,
+) -> SimResult:
+    """W-TinyLFU over blocks, under the radix constraints (only leaves are dropped).
+
+    Every block of a request beyond its hit that has been seen `admit_min_sightings` times (this
+    request included) enters the window, an LRU of `window_fraction` of the capacity; the rest is
+    the main space, a segmented LRU: protected (up to `protected_fraction` of it) and probation.
+    When the window is full its least recent leaf is the candidate to leave it: it moves to
+    probation while the cache has room, else it duels the least recent leaf of probation
+    (protected's when probation has none) on exact sighting counts (all halved every
+    `sample_size` sightings; None: never): the more frequent stays, the other is dropped (ties go
+    to the candidate when `ties_admit`). A hit moves probation blocks to protected; protected
+    beyond its share returns its least recent leaf to probation. Blocks of the request being
+    stored are never victims; when the window holds nothing else, the newcomer duels the main
+    victim itself and the request's insertion stops at its first loss. Recency as in
+    `simulate_lru`: a request's blocks are touched together, deepest least recent."""
+    if capacity_blocks < 1:
+        raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+    result = SimResult("wtinylfu", capacity_blocks)
+    window_cap = max(1, int(window_fraction * capacity_blocks))
+    protected_cap = int((capacity_blocks - window_cap) * protected_fraction)
+    counts = _AgedCounts(sample_size)
+    parent: dict[BlockHash, BlockHash | None] = {}
+    segment: dict[BlockHash, int] = {}
+    children: dict[BlockHash, int] = {}
+    tick: dict[BlockHash, int] = {}
+    sizes = [0, 0, 0]
+    heaps: tuple[list[tuple[int, int, BlockHash]], ...] = ([], [], [])
+    seq = itertools.count()
+    now = 0
+
+    def push(b: BlockHash) -> None:
+        if not children.get(b):
+            heapq.heappush(heaps[segment[b]], (tick[b], next(seq), b))
+
+    def pop_leaf(seg: int, busy: set[BlockHash]) -> BlockHash | None:
+        """The least recent leaf of `seg` that `busy` does not hold (taken off its heap)."""
+        heap, held, found = heaps[seg], [], None
+        while heap:
+            entry = heapq.heappop(heap)
+            t, _, b = entry
+            if segment.get(b) != seg or tick[b] != t or children.get(b):
+                continue  # stale: moved, dropped, touched since, or no longer a leaf
+            if b in busy:
+                held.append(entry)
+                continue
+            found = b
+            break
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return found
+
+    def move(b: BlockHash, seg: int) -> None:
+        sizes[segment[b]] -= 1
+        segment[b] = seg
+        sizes[seg] += 1
+        push(b)
+
+    def drop(b: BlockHash) -> None:
+        sizes[segment.pop(b)] -= 1
+        del tick[b]
+        children.pop(b, None)
+        p = parent[b]
+        if p is not None:
+            children[p] -= 1
+            if not children[p]:
+                push(p)
+
+    def main_victim(busy: set[BlockHash]) -> BlockHash | None:
+        victim = pop_leaf(_PROBATION, busy)
+        return victim if victim is not None else pop_leaf(_PROTECTED, busy)
+
+    def wins(candidate: BlockHash, victim: BlockHash) -> bool:
+        c, v = counts.get(candidate), counts.get(victim)
+        return c > v or (ties_admit and c == v)
+
+    for request in requests:
+        blocks = request.blocks
+        hit = 0
+        for b in blocks:
+            if b not in segment:
+                break
+            hit += 1
+        result.record(request, hit)
+        prev: BlockHash | None = None
+        for b in blocks:
+            counts.add(b)
+            parent.setdefault(b, prev)
+            prev = b
+        now += 1
+        for b in blocks[:hit]:
+            tick[b] = now
+            if segment[b] == _PROBATION:
+                sizes[_PROBATION] -= 1
+                segment[b] = _PROTECTED
+                sizes[_PROTECTED] += 1
+            push(b)
+        while sizes[_PROTECTED] > protected_cap:
+            demoted = pop_leaf(_PROTECTED, set())
+            if demoted is None:
+                break
+            move(demoted, _PROBATION)
+        busy = set(blocks[:hit])
+        now += 1
+        new: list[BlockHash] = []
+        for b in blocks[hit:]:
+            if counts.get(b) < admit_min_sightings:
+                break
+            full = len(segment) >= capacity_blocks
+            candidate = pop_leaf(_WINDOW, busy) if sizes[_WINDOW] >= window_cap else None
+            if candidate is not None and not full:
+                move(candidate, _PROBATION)
+            elif candidate is not None:
+                victim = main_victim(busy)
+                if victim is not None and wins(candidate, victim):
+                    drop(victim)
+                    move(candidate, _PROBATION)
+                else:
+                    if victim is not None:
+                        push(victim)
+                    drop(candidate)
+            elif full:
+                victim = main_victim(busy)
+                if victim is None:
+                    victim = pop_leaf(_WINDOW, busy)
+                if victim is None or not wins(b, victim):
+                    if victim is not None:
+                        push(victim)
+                    break
+                drop(victim)
+            segment[b] = _WINDOW
+            sizes[_WINDOW] += 1
+            tick[b] = now
+            busy.add(b)
+            p = parent[b]
+            if p is not None:
+                children[p] = children.get(p, 0) + 1
+            new.append(b)
+        for b in new:
+            push(b)
+    result.extra["window_blocks"] = window_cap
+    result.extra["protected_blocks"] = protected_cap
     return result

@@ -7,8 +7,11 @@ from collections.abc import Callable
 
 import pytest
 
-from kvfleet_runtime.cache import CountMinSketch, Placement, StoreQueue
+from kvfleet_runtime.cache import CacheConfig, CountMinSketch, Placement, StoreQueue
+from kvfleet_runtime.cache._manager import CacheManager, StoreOutcome, StorePlan
 from kvfleet_runtime.cache._policy import ThrashDetector, place
+
+from .conftest import make_key
 
 
 def test_sketch_counts_saturate_and_age() -> None:
@@ -164,3 +167,48 @@ def test_sketch_counts_structured_ids_exactly(label: Callable[[int], bytes]) -> 
     expected = [sum(1 for n in range(1, 8) if i < 200 // n) for i in range(200)]
     assert sketch.estimate_many(ids) == expected
     assert [sketch.estimate(x) for x in ids] == expected
+
+
+def test_one_store_writes_at_most_its_share_of_the_cache_and_the_prefix_grows() -> None:
+    # 8 blocks, a store may write a quarter of them (2) or the free room, whichever is more.
+    config = CacheConfig(num_t0_blocks=8, store_max_fraction=0.25, store_min_blocks=1)
+    manager = CacheManager(config, bytes_per_block=1, clock=lambda: 0.0)
+    assert manager.store_max_blocks == 2
+    key = make_key()
+    other = [bytes([i]) * 16 for i in range(100, 106)]
+    manager.plan_store(key, other)
+    plan = manager.plan_store(key, other)
+    assert isinstance(plan, StorePlan) and len(plan.hashes) == 6  # 8 free: the whole chain
+    manager.finish_commit(manager.commit(plan))
+    chain = [bytes([i]) * 16 for i in range(1, 6)]
+    assert manager.plan_store(key, chain) is StoreOutcome.REFUSED  # first sighting
+    matched = []
+    for _ in range(3):
+        plan = manager.plan_store(key, chain)
+        assert isinstance(plan, StorePlan)
+        manager.finish_commit(manager.commit(plan))
+        path = manager.lookup(key, chain, 16 * len(chain))
+        matched.append((plan.start_block, len(plan.hashes), len(path)))
+        manager.release(path)
+    # Each sighting extends the cached prefix by at most 2 blocks, from what is resident; the
+    # other chain gives up its deepest blocks, one leaf at a time (6 -> 3 resident).
+    assert matched == [(0, 2, 2), (2, 4, 4), (4, 5, 5)]
+    assert manager.plan_store(key, chain) is StoreOutcome.RESIDENT
+    assert len(manager.index.match(other)) == 3
+    assert manager.stats().totals.num_admissions_refused == 6 + 5  # first sightings only
+
+
+def test_store_cap_floor_keeps_small_caches_storing_whole_prompts() -> None:
+    def cap(t0: int, t1: int = 0) -> int:
+        config = CacheConfig(num_t0_blocks=t0, num_t1_blocks=t1)
+        return CacheManager(config, bytes_per_block=1, clock=lambda: 0.0).store_max_blocks
+
+    assert cap(512, 2048) == 1024  # the floor (the server's default pools)
+    assert cap(13_321) == 1332  # 10% of a 1% cache of the Mooncake trace
+    assert cap(1000, 39_000) == 4000  # T1 counts
+    with pytest.raises(ValueError, match="store_max_fraction"):
+        CacheConfig(num_t0_blocks=8, store_max_fraction=0.0)
+    with pytest.raises(ValueError, match="store_max_fraction"):
+        CacheConfig(num_t0_blocks=8, store_max_fraction=1.5)
+    with pytest.raises(ValueError, match="store_min_blocks"):
+        CacheConfig(num_t0_blocks=8, store_min_blocks=0)
