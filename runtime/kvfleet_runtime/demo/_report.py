@@ -270,10 +270,15 @@ def render_report(report: dict[str, Any]) -> list[str]:
     if t2:
         others = {o: n for o, n in t2["outcomes"].items()
                   if o != "ok" and not o.startswith("partial_")}
+        why = ""
+        if not t2["fetches_ok"] and set(others) == {"no_peer"}:
+            why = (f"; the peers were asked on {others['no_peer']} local misses and held none "
+                   f"of them (a miss at a request's home was a miss fleet-wide)")
+        elif others:
+            why = f"; no fetch: {others}"
         lines.append(
             f"T2         {t2['fetches_ok']} peer fetches, {t2['tokens_fetched']:,} tokens "
-            f"({t2['bytes_fetched'] / 2**20:,.1f} MiB) measured on the replicas"
-            + (f"; no fetch: {others}" if others else "")
+            f"({t2['bytes_fetched'] / 2**20:,.1f} MiB) measured on the replicas" + why
         )
     decisions = ", ".join(f"{k} {v}" for k, v in sorted(report["routing"]["decisions"].items()))
     lines.append(f"routing    spill rate {report['routing']['spill_rate']:.1%} ({decisions})")
