@@ -7,10 +7,11 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -86,3 +87,10 @@ def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    """One aiohttp client session per test (the peer fetchers' and the probes')."""
+    async with aiohttp.ClientSession() as s:
+        yield s

@@ -79,12 +79,6 @@ async def peers() -> AsyncIterator[Callable[..., Awaitable[Peer]]]:
         await runner.cleanup()
 
 
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 def creds(tenant: str, secret: bytes = SECRET) -> dict[str, str]:
     return {TENANT_HEADER: tenant, "Authorization": f"Bearer {peer_token(secret, tenant)}"}
 

@@ -3,11 +3,10 @@ cache's (no stale bytes from a previous transfer), buffers returned when a run e
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import aiohttp
 import numpy as np
-import pytest
 import torch
 from aiohttp import web
 
@@ -45,12 +44,6 @@ def fetched(run: FetchedRun, num_blocks: int) -> tuple[torch.Tensor, torch.Tenso
     k = torch.frombuffer(run.k, dtype=torch.float16).view(full)[:, :, :n]
     v = torch.frombuffer(run.v, dtype=torch.float16).view(full)[:, :, :n]
     return k.clone(), v.clone()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_send_buffers_are_reused_and_every_run_is_exact(

@@ -111,12 +111,6 @@ async def fleet() -> AsyncIterator[tuple[EmbeddedHintIndex, Callable[..., Awaita
         await runner.cleanup()
 
 
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 def tier_for(cache: PrefixCache, fetcher: PeerFetcher) -> PeerTier:
     return PeerTier(cache, fetcher)
 
