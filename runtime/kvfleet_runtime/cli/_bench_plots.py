@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -47,15 +48,8 @@ def _hit_rates(report: PolicyComparison, path: Path) -> Path:
         ax.set_xlabel("capacity, % of the workload's unique blocks")
         ax.set_ylabel("token hit rate, %")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(report.workloads) :]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
-    fig.suptitle("Prefix-cache token hit rate by policy, same requests, same capacity")
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, axes, len(report.workloads), path,
+                   "Prefix-cache token hit rate by policy, same requests, same capacity", 0.05)
 
 
 def _ratios(report: PolicyComparison, path: Path) -> Path:
@@ -82,12 +76,19 @@ def _ratios(report: PolicyComparison, path: Path) -> Path:
         ax.set_xlabel("capacity, % of unique blocks")
         ax.set_ylabel("ratio of token hit rates")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(report.workloads) :]:
+    return _finish(fig, axes, len(report.workloads), path,
+                   "kvfleet's hit rate over each baseline's (above 1: kvfleet hits more)", 0.06)
+
+
+def _finish(fig: Any, axes: Any, num_panels: int, path: Path, title: str, legend_room: float
+            ) -> Path:
+    """Blank the unused panels, one legend below the grid, the title; write and close."""
+    for ax in list(axes.flat)[num_panels:]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
-    fig.suptitle("kvfleet's hit rate over each baseline's (above 1: kvfleet hits more)")
-    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, legend_room, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

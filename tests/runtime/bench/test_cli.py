@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvfleet_runtime.cli import app
+from tests.runtime.cache.test_sim import write_trace
 
 TINY = ["--requests", "60", "--fractions", "0.1,0.5"]
 
@@ -26,20 +27,11 @@ def kvfleet(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def write_trace(path: Path) -> Path:
-    rows = [(0, 1100, [1, 2, 3]), (1000, 600, [1, 4]), (2000, 1100, [1, 2, 3]), (3000, 70, [9])]
-    path.write_text(
-        "".join(
-            json.dumps({"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": ids})
-            + "\n"
-            for t, n, ids in rows
-        )
-    )
-    return path
+ROWS = [(0, 1100, [1, 2, 3]), (1000, 600, [1, 4]), (2000, 1100, [1, 2, 3]), (3000, 70, [9])]
 
 
 def test_policies_writes_its_table_json_and_plots(tmp_path: Path) -> None:
-    trace = write_trace(tmp_path / "trace.jsonl")
+    trace = write_trace(tmp_path / "trace.jsonl", ROWS)
     out = tmp_path / "out"
     result = kvfleet(
         "policies",
