@@ -46,6 +46,7 @@ from kvfleet_runtime.cache._keys import (
     PLATFORM_TENANT,
     BlockHash,
     CacheKey,
+    ChainMemo,
     block_hashes,
     iter_block_hashes,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "CacheKey",
     "CacheManager",
     "CacheStats",
+    "ChainMemo",
     "CountMinSketch",
     "Hit",
     "KVLayout",

@@ -96,16 +96,23 @@ class PrefixCache:
 
     # -- request path ----------------------------------------------------------------------
 
+    def block_hashes(self, key: CacheKey, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The chain this cache files the full blocks of `token_ids` under (platform prefixes
+        scoped as in `lookup`): what the fleet tier publishes, probes and fetches by. No lock:
+        hashing reads only the config, and the memo tolerates concurrent chains."""
+        hashes, _ = self._manager.hashes(key, token_ids)
+        return list(hashes)
+
     def lookup(self, key: CacheKey, token_ids: Sequence[int]) -> Hit | Miss:
         """Longest cached block-aligned prefix of `token_ids` under `key`."""
         with self._lock:
-            hashes, _ = self._manager.hashes(key, token_ids)
+            hashes, _ = self._manager.hashes(key, token_ids, lookup=True)
             path = self._manager.lookup(key, hashes, len(token_ids))
         if not path:
             return Miss()
         return Hit(
             matched_tokens=len(path) * BLOCK_SIZE,
-            blocks=tuple(n.block_hash for n in path),
+            blocks=tuple([n.block_hash for n in path]),
             tier=Tier(path[-1].tier),
             key=key,
             _path=path,

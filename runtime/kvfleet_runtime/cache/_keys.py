@@ -21,7 +21,6 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
-import itertools
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +31,7 @@ __all__ = [
     "PLATFORM_TENANT",
     "BlockHash",
     "CacheKey",
+    "ChainMemo",
     "block_hashes",
     "continue_chain",
     "iter_block_hashes",
@@ -120,49 +120,129 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     return raw.tobytes()
 
 
-def _step(prev: bytes, chunk: bytes) -> bytes:
-    h = _BLOCK_PROTO.copy()
-    h.update(prev + chunk)
-    return h.digest()
-
-
 def _scope_seed(tenant_digest: bytes, platform_tail: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=HASH_BYTES, person=_SCOPE_PERSON)
     h.update(tenant_digest + platform_tail)
     return h.digest()
 
 
+class ChainMemo:
+    """Remembers the chain steps of prefixes that lookups hit, so that a hot prefix is hashed
+    once, not at every request.
+
+    A replica looks up the same system prompts and documents again and again, and per-block
+    hashing is most of a lookup's cost. The memo maps the exact bytes a step hashes (`prev ||
+    chunk`, 80 bytes) to its digest: bytes equality decides a hit, so a memo hit returns what
+    hashing would, never a near miss.
+
+    Only lookups add steps (`remember=True`): a lookup computes the steps of the blocks the index
+    holds plus one, so one-shot prompts never fill the memo, and the store after every prefill,
+    the fleet tier and peer imports only read it. Bounded to `max_entries` steps (about 200 B
+    each) in two generations: a step found in the old generation moves to the young one, and
+    when the young one holds `max_entries // 2` steps the old one is dropped. No lock: concurrent
+    chains may lose each other's inserts, never corrupt a value."""
+
+    __slots__ = ("_half", "_old", "_young", "num_hits", "num_misses")
+
+    def __init__(self, max_entries: int) -> None:
+        if not isinstance(max_entries, int) or max_entries < 2:
+            raise ValueError(f"ChainMemo max_entries must be an int >= 2, got {max_entries!r}")
+        self._half = max_entries // 2
+        self._young: dict[bytes, bytes] = {}
+        self._old: dict[bytes, bytes] = {}
+        self.num_hits = 0
+        self.num_misses = 0
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def clear(self) -> None:
+        self._young = {}
+        self._old = {}
+
+    def chain(
+        self, prev: bytes, data: bytes, start: int, stop: int, *, remember: bool
+    ) -> Iterator[bytes]:
+        """The hashes of the blocks `data[start:stop]` (whole blocks) chained onto `prev`; with
+        `remember`, the steps not already in the young generation are put there."""
+        young, old = self._young, self._old
+        copy = _BLOCK_PROTO.copy
+        misses = 0
+        i = start - _BLOCK_BYTES
+        try:
+            for i in range(start, stop, _BLOCK_BYTES):
+                link = prev + data[i : i + _BLOCK_BYTES]
+                digest = young.get(link)
+                if digest is None:
+                    digest = old.get(link)
+                    if digest is None:
+                        misses += 1
+                        h = copy()
+                        h.update(link)
+                        digest = h.digest()
+                    if remember:
+                        if len(young) >= self._half:
+                            self._old = old = young
+                            self._young = young = {}
+                        young[link] = digest
+                prev = digest
+                yield digest
+        finally:  # also when a lookup stops at its first miss and drops the chain
+            steps = (i - start) // _BLOCK_BYTES + 1
+            self.num_hits += steps - misses
+            self.num_misses += misses
+
+
 def iter_block_hashes(
-    key: CacheKey, token_ids: Sequence[int], *, platform_blocks: int = 0
+    key: CacheKey,
+    token_ids: Sequence[int],
+    *,
+    platform_blocks: int = 0,
+    memo: ChainMemo | None = None,
+    remember: bool = False,
 ) -> Iterator[BlockHash]:
     """Lazily yield the chained hashes of the full blocks of `token_ids`.
 
     Lazy so that a lookup stops hashing at its first miss. The first `platform_blocks` blocks are
-    hashed under the platform tenant (the caller has checked them against the allow-list).
+    hashed under the platform tenant (the caller has checked them against the allow-list). With a
+    `memo`, steps it holds are looked up instead of hashed; with `remember` (lookups), the steps
+    taken are added to it.
     """
     data = token_bytes(token_ids)
     num_blocks = len(data) // _BLOCK_BYTES
     if not 0 <= platform_blocks <= num_blocks:
         raise ValueError(f"platform_blocks must be in [0, {num_blocks}], got {platform_blocks}")
-    chunks = [data[i : i + _BLOCK_BYTES] for i in range(0, num_blocks * _BLOCK_BYTES, _BLOCK_BYTES)]
-    step: Callable[[bytes, bytes], bytes] = _step
+    chain = _plain_chain if memo is None else functools.partial(memo.chain, remember=remember)
+    end = num_blocks * _BLOCK_BYTES
     if platform_blocks == 0:
-        hashes = itertools.accumulate(chunks, step, initial=key_digest(key))
-        next(hashes)  # the seed itself
-        # BlockHash is a NewType of bytes: a cast, not a call per block on the lookup path.
-        return cast(Iterator[BlockHash], hashes)
-    return _scoped_hashes(key, chunks, platform_blocks)
+        hashes = chain(key_digest(key), data, 0, end)
+    else:
+        hashes = _scoped_hashes(key, data, platform_blocks * _BLOCK_BYTES, end, chain)
+    # BlockHash is a NewType of bytes: one cast here, not a call per block on the lookup path.
+    return cast(Iterator[BlockHash], hashes)
 
 
-def _scoped_hashes(key: CacheKey, chunks: list[bytes], platform_blocks: int) -> Iterator[BlockHash]:
-    prev = key_digest(platform_key(key))
-    for chunk in chunks[:platform_blocks]:
-        prev = _step(prev, chunk)
-        yield BlockHash(prev)
-    prev = _scope_seed(key_digest(key), prev)
-    for chunk in chunks[platform_blocks:]:
-        prev = _step(prev, chunk)
-        yield BlockHash(prev)
+def _plain_chain(prev: bytes, data: bytes, start: int, stop: int) -> Iterator[bytes]:
+    copy = _BLOCK_PROTO.copy
+    for i in range(start, stop, _BLOCK_BYTES):
+        h = copy()
+        h.update(prev + data[i : i + _BLOCK_BYTES])
+        prev = h.digest()
+        yield prev
+
+
+def _scoped_hashes(
+    key: CacheKey,
+    data: bytes,
+    split: int,
+    end: int,
+    chain: Callable[[bytes, bytes, int, int], Iterator[bytes]],
+) -> Iterator[bytes]:
+    tail = key_digest(platform_key(key))
+    for block_hash in chain(tail, data, 0, split):
+        yield block_hash
+        tail = block_hash
+    yield from chain(_scope_seed(key_digest(key), tail), data, split, end)
 
 
 def continue_chain(prev: bytes, token_ids: Sequence[int]) -> list[BlockHash]:
@@ -170,11 +250,8 @@ def continue_chain(prev: bytes, token_ids: Sequence[int]) -> list[BlockHash]:
     `key_digest(key)` for a chain's first block): `block_hashes(key, a + b)` equals
     `block_hashes(key, a) + continue_chain(block_hashes(key, a)[-1], b)` for whole-block `a`."""
     data = token_bytes(token_ids)
-    out: list[BlockHash] = []
-    for i in range(0, len(data) - _BLOCK_BYTES + 1, _BLOCK_BYTES):
-        prev = _step(prev, data[i : i + _BLOCK_BYTES])
-        out.append(BlockHash(prev))
-    return out
+    end = len(data) // _BLOCK_BYTES * _BLOCK_BYTES
+    return cast(list[BlockHash], list(_plain_chain(prev, data, 0, end)))
 
 
 def block_hashes(

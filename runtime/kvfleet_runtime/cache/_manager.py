@@ -20,6 +20,7 @@ from kvfleet_runtime.cache._keys import (
     PLATFORM_TENANT,
     BlockHash,
     CacheKey,
+    ChainMemo,
     iter_block_hashes,
     key_digest,
     platform_key,
@@ -106,6 +107,7 @@ class CacheManager:
             int(config.store_max_fraction * (config.num_t0_blocks + config.num_t1_blocks)),
         )
         """New blocks one store may write beyond the free room (`store_max_fraction`)."""
+        self.memo = ChainMemo(config.hash_memo_entries) if config.hash_memo_entries else None
         self.events: list[BlockEvent] = []
         self._tenants: dict[str, TenantStats] = {}
         # Longest first, so the longest allow-listed prefix a request starts with wins.
@@ -120,10 +122,17 @@ class CacheManager:
                 return n // BLOCK_SIZE
         return 0
 
-    def hashes(self, key: CacheKey, token_ids: Sequence[int]) -> tuple[Iterable[BlockHash], int]:
+    def hashes(
+        self, key: CacheKey, token_ids: Sequence[int], *, lookup: bool = False
+    ) -> tuple[Iterable[BlockHash], int]:
+        """The lazy chain of `token_ids` and its platform block count. A `lookup` adds the steps
+        it takes to the memo (the blocks the index holds, plus one); everything else reads it."""
         check_key(key)
         platform_blocks = self.platform_blocks(token_ids)
-        return iter_block_hashes(key, token_ids, platform_blocks=platform_blocks), platform_blocks
+        hashes = iter_block_hashes(
+            key, token_ids, platform_blocks=platform_blocks, memo=self.memo, remember=lookup
+        )
+        return hashes, platform_blocks
 
     def _tenant(self, tenant_id: str) -> TenantStats:
         stats = self._tenants.get(tenant_id)

@@ -1,10 +1,11 @@
 """`kvfleet bench cache`: the cache core's figures, each measured side by side with its reference.
 
-- lookup latency p50/p99 for 2k/8k/32k-token prompts against an index of 100k+ blocks, next to the
-  same tokens hashed block by block with SHA-256;
+- lookup latency p50/p99 for 2k/8k/32k-token prompts against an index of 100k+ blocks, warm (a
+  prefix hashed recently: chain steps from the memo) and cold (memo emptied: every block hashed),
+  next to the same tokens hashed block by block with SHA-256;
 - materialize bandwidth T1 -> device for a 2,000-token prefix of a realistic shape, as a ratio to
   one raw torch copy of the same bytes, next to a per-block copy loop (and the TP4 strided gather);
-- metadata bytes per indexed block;
+- metadata bytes per indexed block, and per step of the (fixed-size) chain memo;
 - token hit rate on a Mooncake trace at 1%/3%/10% of its unique blocks: plain LRU, the shipped
   policy, Belady's offline optimum and the infinite cache (`kvfleet_runtime.cache.sim`).
 
@@ -20,7 +21,7 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,14 @@ from kvfleet_runtime.cache._allocator import contiguous_runs
 from kvfleet_runtime.cache._cache import Hit, PrefixCache
 from kvfleet_runtime.cache._config import CacheConfig, KVLayout
 from kvfleet_runtime.cache._index import Move, Tier
-from kvfleet_runtime.cache._keys import BLOCK_SIZE, CacheKey, block_hashes, token_bytes
+from kvfleet_runtime.cache._keys import (
+    BLOCK_SIZE,
+    CacheKey,
+    ChainMemo,
+    block_hashes,
+    iter_block_hashes,
+    token_bytes,
+)
 from kvfleet_runtime.cache._manager import CacheManager, StorePlan
 from kvfleet_runtime.cache._policy import Placement
 from kvfleet_runtime.cache._pool import execute_moves
@@ -65,7 +73,14 @@ class LookupLatency:
     prompt_tokens: int
     num_index_blocks: int
     p50_us: float
+    """A prompt this replica hashed recently (a hot prefix): its chain steps come from the memo."""
     p99_us: float
+    cold_p50_us: float
+    """The same lookup with the chain memo emptied first: every block is hashed."""
+    cold_p99_us: float
+    plain_p50_us: float
+    """The same lookup in a cache without a memo (`hash_memo_entries=0`)."""
+    plain_p99_us: float
     sha256_p50_us: float
     sha256_p99_us: float
 
@@ -127,6 +142,8 @@ class CacheBenchReport:
     materialize: MaterializeBandwidth | None
     metadata_bytes_per_block: float
     metadata_num_blocks: int
+    memo_bytes_per_step: float
+    memo_max_steps: int
     hit_rates: list[HitRateRow]
     trace: str
     num_trace_requests: int
@@ -170,40 +187,77 @@ def bench_lookup(
     reps: int = 200,
     seed: int = 0,
 ) -> list[LookupLatency]:
-    """Full-hit lookups (hash, walk, take refs) plus release, against a filled index."""
+    """Full-hit lookups (hash, walk, take refs), against a filled index: warm (the prompt's steps
+    in the chain memo), cold (memo emptied first) and in a cache without a memo."""
     rng = random.Random(seed)
     longest = max(prompt_tokens)
     blocks_per_prompt = longest // BLOCK_SIZE
     num_prompts = max(1, -(-num_index_blocks // blocks_per_prompt))
     tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16")
     config = CacheConfig(num_t0_blocks=num_prompts * blocks_per_prompt)
-    cache = PrefixCache(config, tiny, clock=time.monotonic)
-    manager: CacheManager = cache._manager
     prompts = [[rng.randrange(128_000) for _ in range(longest)] for _ in range(num_prompts)]
-    for prompt in prompts:  # index metadata only: lookups never touch the tensors
-        hashes = block_hashes(BENCH_KEY, prompt)
-        plan = StorePlan(BENCH_KEY, hashes, 0, 0, Placement.REUSED, 0)
-        manager.finish_commit(manager.commit(plan))
+
+    def filled(config: CacheConfig) -> PrefixCache:
+        cache = PrefixCache(config, tiny, clock=time.monotonic)
+        for prompt in prompts:  # index metadata only: lookups never touch the tensors
+            plan = StorePlan(BENCH_KEY, block_hashes(BENCH_KEY, prompt), 0, 0, Placement.REUSED, 0)
+            cache._manager.finish_commit(cache._manager.commit(plan))
+        return cache
+
+    cache = filled(config)
+    plain = filled(replace(config, hash_memo_entries=0))
+    manager: CacheManager = cache._manager
+    memo = manager.memo
+    assert memo is not None, "the default config has a chain memo"
+
+    def timed_lookup(on: PrefixCache, query: list[int], out: list[int]) -> None:
+        t0 = time.perf_counter_ns()
+        hit = on.lookup(BENCH_KEY, query)
+        out.append(time.perf_counter_ns() - t0)
+        assert isinstance(hit, Hit) and hit.matched_tokens == len(query) // BLOCK_SIZE * BLOCK_SIZE
+        on.release(hit)
+
     results = []
     for n in prompt_tokens:
         query = prompts[0][:n]
-        samples: list[int] = []
+        warm: list[int] = []
+        cold: list[int] = []
+        no_memo: list[int] = []
         sha: list[int] = []
         for _ in range(reps):
+            timed_lookup(cache, query, warm)
+            memo.clear()
+            timed_lookup(cache, query, cold)
+            timed_lookup(plain, query, no_memo)
             t0 = time.perf_counter_ns()
-            hit = cache.lookup(BENCH_KEY, query)
-            t1 = time.perf_counter_ns()
-            assert isinstance(hit, Hit) and hit.matched_tokens == n // BLOCK_SIZE * BLOCK_SIZE
-            cache.release(hit)
-            t2 = time.perf_counter_ns()
             _sha256_chain(query)
-            t3 = time.perf_counter_ns()
-            samples.append(t1 - t0)
-            sha.append(t3 - t2)
-        p50, p99 = _percentiles_us(samples)
-        s50, s99 = _percentiles_us(sha)
-        results.append(LookupLatency(n, len(manager.index), p50, p99, s50, s99))
+            sha.append(time.perf_counter_ns() - t0)
+        results.append(
+            LookupLatency(
+                n,
+                len(manager.index),
+                *_percentiles_us(warm),
+                *_percentiles_us(cold),
+                *_percentiles_us(no_memo),
+                *_percentiles_us(sha),
+            )
+        )
     return results
+
+
+def bench_memo_bytes_per_step(*, num_steps: int = 65_536) -> float:
+    """Bytes a full `ChainMemo` holds per remembered step (keys, digests, dict slots)."""
+    rng = random.Random(2)
+    tokens = [rng.randrange(128_000) for _ in range(num_steps * BLOCK_SIZE)]
+    memo = ChainMemo(2 * num_steps)  # room for every step in the young generation
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in iter_block_hashes(BENCH_KEY, tokens, memo=memo, remember=True):
+        pass
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return (after - before) / len(memo)
 
 
 def _best_s(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
@@ -396,6 +450,8 @@ def run_cache_bench(
     lookup = bench_lookup(num_index_blocks=index_blocks, reps=lookup_reps)
     materialize = bench_materialize(layout=layout, device=device, reps=materialize_reps)
     per_block = bench_metadata(num_blocks=index_blocks)
+    memo_steps = CacheConfig(num_t0_blocks=1).hash_memo_entries
+    per_step = bench_memo_bytes_per_step(num_steps=memo_steps)
     rows, num_requests, unique = bench_hit_rates(
         trace, fractions=fractions, max_requests=max_requests
     )
@@ -404,6 +460,8 @@ def run_cache_bench(
         materialize=materialize,
         metadata_bytes_per_block=per_block,
         metadata_num_blocks=index_blocks,
+        memo_bytes_per_step=per_step,
+        memo_max_steps=memo_steps,
         hit_rates=rows,
         trace=str(trace),
         num_trace_requests=num_requests,

@@ -71,18 +71,37 @@ def cache(
         return
     out = Console(highlight=False)
     table = Table(title=f"lookup, full hit, index of {report.lookup[0].num_index_blocks:,} blocks")
-    for col in ("prompt", "p50", "p99", "SHA-256 chain p50", "p99", "lookup / SHA-256 (p50)"):
+    for col in (
+        "prompt",
+        "p50",
+        "p99",
+        "cold p50",
+        "p99",
+        "no memo p50",
+        "SHA-256 chain p50",
+        "p99",
+        "lookup / SHA-256 (p50)",
+        "cold / SHA-256",
+    ):
         table.add_column(col, justify="right")
     for row in report.lookup:
         table.add_row(
             f"{row.prompt_tokens:,} tok",
             f"{row.p50_us:.0f} us",
             f"{row.p99_us:.0f} us",
+            f"{row.cold_p50_us:.0f} us",
+            f"{row.cold_p99_us:.0f} us",
+            f"{row.plain_p50_us:.0f} us",
             f"{row.sha256_p50_us:.0f} us",
             f"{row.sha256_p99_us:.0f} us",
             f"{row.p50_us / row.sha256_p50_us:.2f}x",
+            f"{row.cold_p50_us / row.sha256_p50_us:.2f}x",
         )
     out.print(table)
+    out.print(
+        "p50/p99: a prefix this replica looked up recently (chain steps from the memo); cold: "
+        "the memo emptied first, every block hashed and remembered; no memo: hash_memo_entries=0"
+    )
     out.print("target: 2,000 tokens <= 100 us p50")
     m = report.materialize
     if m is not None:
@@ -126,7 +145,10 @@ def cache(
         out.print(table)
     out.print(
         f"metadata per indexed block: {report.metadata_bytes_per_block:.0f} B "
-        f"({report.metadata_num_blocks:,} blocks; target <= 256 B)"
+        f"({report.metadata_num_blocks:,} blocks; target <= 256 B); chain memo: "
+        f"{report.memo_bytes_per_step:.0f} B per step, "
+        f"{report.memo_bytes_per_step * report.memo_max_steps / 2**20:.1f} MiB full "
+        f"({report.memo_max_steps:,} steps, fixed)"
     )
     table = Table(
         title=f"token hit rate, {report.num_trace_requests:,} requests of "

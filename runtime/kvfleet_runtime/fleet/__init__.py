@@ -43,7 +43,7 @@ from kvfleet_runtime.fleet.transfer import (
 )
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier, chain_hashes
+    from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
 
 __all__ = [
     "DEFAULT_PROBE_BUDGET_S",
@@ -67,13 +67,12 @@ __all__ = [
     "PublisherStats",
     "RedisHintIndex",
     "best_peer",
-    "chain_hashes",
     "leading_runs",
     "peer_routes",
     "peer_token",
 ]
 
-_TORCH_EXPORTS = {"CacheBlockSource", "PeerTier", "chain_hashes"}
+_TORCH_EXPORTS = {"CacheBlockSource", "PeerTier"}
 
 
 def __getattr__(name: str) -> Any:

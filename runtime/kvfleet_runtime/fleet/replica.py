@@ -23,26 +23,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent, BlockHash, CacheKey, Hit, block_hashes
+from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent, BlockHash, CacheKey, Hit
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.transfer import ExportedRun, FetchedRun, PeerFetcher
 
 if TYPE_CHECKING:
     from kvfleet_runtime.cache import PrefixCache
 
-__all__ = ["CacheBlockSource", "PeerTier", "chain_hashes"]
+__all__ = ["CacheBlockSource", "PeerTier"]
 
 log = logging.getLogger(__name__)
-
-
-def chain_hashes(cache: PrefixCache, key: CacheKey, token_ids: Sequence[int]) -> list[BlockHash]:
-    """The chain the cache itself uses for (key, token_ids), platform scoping included."""
-    platform_blocks = 0
-    for prefix in sorted(cache.config.platform_prefixes, key=len, reverse=True):
-        if len(token_ids) >= len(prefix) and tuple(token_ids[: len(prefix)]) == prefix:
-            platform_blocks = len(prefix) // BLOCK_SIZE
-            break
-    return list(block_hashes(key, token_ids, platform_blocks=platform_blocks))
 
 
 class CacheBlockSource:
@@ -71,7 +61,7 @@ class CacheBlockSource:
     ) -> ExportedRun | None:
         release: Callable[[], None] = _nothing
         if self.held is not None:
-            chain = chain_hashes(self.cache, key, token_ids)[start_block : start_block + max_blocks]
+            chain = self.cache.block_hashes(key, token_ids)[start_block : start_block + max_blocks]
             run = tuple(chain[: self.held(chain)])
         else:
             hit = self.cache.lookup(key, token_ids)
@@ -150,7 +140,7 @@ class PeerTier:
         if not self.enabled:
             return 0
         try:
-            chain = chain_hashes(self.cache, key, token_ids)
+            chain = self.cache.block_hashes(key, token_ids)
             chain = chain[: local_blocks + self.max_fetch_blocks]
             if len(chain) <= local_blocks:
                 return 0

@@ -58,7 +58,7 @@ from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent
 from kvfleet_runtime.fleet.index import EmbeddedHintIndex, HintIndex, RedisHintIndex
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
-from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier, chain_hashes
+from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
 from kvfleet_runtime.fleet.transfer import PeerFetcher, peer_routes
 from kvfleet_runtime.fleetconfig import PLATFORM_TENANT, FleetConfig, load_fleet_config
 
@@ -248,7 +248,7 @@ class FleetTier:
             return
         try:
             key = self.replica.engine.key_fields.key(tenant_id)
-            chain = chain_hashes(self.cache, key, token_ids[: usable_blocks * BLOCK_SIZE])
+            chain = self.cache.block_hashes(key, token_ids[: usable_blocks * BLOCK_SIZE])
             local = self.held.leading(chain)
             if local:
                 self.publisher.offer_stored(chain[:local], refresh=True)

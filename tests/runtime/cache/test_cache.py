@@ -24,6 +24,7 @@ from kvfleet_runtime.cache import (
     StoreOutcome,
     TensorPool,
     Tier,
+    block_hashes,
 )
 from tests.runtime.cache.conftest import DIGEST_A, DIGEST_B, FakeClock, make_key
 
@@ -187,6 +188,31 @@ def test_tenants_never_share_and_platform_prefixes_do(clock: FakeClock) -> None:
     cache.release(hit)
     with pytest.raises(ValueError, match="reserved"):
         cache.lookup(make_key("__platform__"), private)
+
+
+@pytest.mark.parametrize("memo_entries", [0, 4, 65_536])
+def test_block_hashes_are_the_chain_a_hit_is_filed_under(
+    clock: FakeClock, memo_entries: int
+) -> None:
+    # The fleet tier publishes and fetches by `block_hashes`: it must be the chain `lookup` and
+    # `store` use, platform scoping included, memo or not (a 4-step memo rotates constantly).
+    preamble = tuple(range(100, 132))
+    cache = make_cache(clock, platform_prefixes=(preamble,), hash_memo_entries=memo_entries)
+    b = make_key("tenant-b")
+    shared = [*preamble, *range(500, 532)]
+    warm(cache, make_key("tenant-a"), shared, *kv(64))
+    warm(cache, b, shared, *kv(64, seed=1))
+    chain = cache.block_hashes(b, [*shared, 7])
+    assert chain == block_hashes(b, shared, platform_blocks=2)
+    hit = cache.lookup(b, shared)
+    assert isinstance(hit, Hit) and hit.blocks == tuple(chain)
+    cache.release(hit)
+    assert (cache._manager.memo is None) == (memo_entries == 0)
+
+
+def test_a_memo_too_small_for_two_steps_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="hash_memo_entries"):
+        CacheConfig(num_t0_blocks=4, hash_memo_entries=1)
 
 
 def test_invalidate_makes_a_version_unreachable_and_reclaims_it(clock: FakeClock) -> None:

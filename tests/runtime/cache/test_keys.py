@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, block_hashes, iter_block_hashes
+from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, ChainMemo, block_hashes, iter_block_hashes
 from kvfleet_runtime.cache._keys import key_digest, platform_key
 from tests.runtime.cache.conftest import make_key
 
@@ -124,3 +126,82 @@ def test_empty_key_field_is_rejected() -> None:
 def test_hashing_is_lazy() -> None:
     it = iter_block_hashes(KEY, list(range(BLOCK_SIZE * 3)))
     assert next(it).hex() == VECTORS_HEX[0]
+
+
+# -- the chain memo ---------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(
+        st.lists(st.integers(0, 3), min_size=0, max_size=6 * BLOCK_SIZE), min_size=1, max_size=8
+    ),
+    tenants=st.lists(st.sampled_from(["tenant-a", "tenant-b"]), min_size=8, max_size=8),
+    platform=st.lists(st.booleans(), min_size=8, max_size=8),
+    remember=st.lists(st.booleans(), min_size=8, max_size=8),
+    max_entries=st.integers(2, 12),
+)
+def test_a_memo_returns_exactly_what_hashing_returns(
+    prompts: list[list[int]],
+    tenants: list[str],
+    platform: list[bool],
+    remember: list[bool],
+    max_entries: int,
+) -> None:
+    # Tiny alphabets and memos: steps repeat across prompts and tenants and the memo rotates
+    # its generations all the time, so a wrong hit (another tenant, another position) shows.
+    memo = ChainMemo(max_entries)
+    for _ in range(2):
+        for tokens, tenant, scoped, add in zip(prompts, tenants, platform, remember, strict=False):
+            key = KEY._replace(tenant_id=tenant)
+            blocks = 1 if scoped and len(tokens) >= BLOCK_SIZE else 0
+            expected = block_hashes(key, tokens, platform_blocks=blocks)
+            got = list(
+                iter_block_hashes(key, tokens, platform_blocks=blocks, memo=memo, remember=add)
+            )
+            assert got == expected
+            assert len(memo) <= max_entries
+
+
+def test_a_memo_hashes_a_hot_prefix_once_and_counts_only_the_steps_taken() -> None:
+    memo = ChainMemo(1024)
+    tokens = list(range(10 * BLOCK_SIZE))
+
+    def chain(remember: bool) -> list[bytes]:
+        return list(iter_block_hashes(KEY, tokens, memo=memo, remember=remember))
+
+    assert chain(remember=False) == block_hashes(KEY, tokens)  # a store or a peer: reads only
+    assert (memo.num_hits, memo.num_misses, len(memo)) == (0, 10, 0)
+    assert chain(remember=True) == block_hashes(KEY, tokens)  # a lookup: remembers
+    assert (memo.num_hits, memo.num_misses, len(memo)) == (0, 20, 10)
+    assert chain(remember=False) == block_hashes(KEY, tokens)
+    assert (memo.num_hits, memo.num_misses) == (10, 20)
+    lazy = iter_block_hashes(KEY, tokens, memo=memo, remember=True)
+    next(lazy), next(lazy)
+    del lazy  # a lookup stops at its first miss and drops the chain
+    assert (memo.num_hits, memo.num_misses) == (12, 20)
+
+
+def test_a_memo_is_bounded_and_keeps_what_was_used_last() -> None:
+    memo = ChainMemo(8)  # two generations of 4 steps
+
+    def look(tokens: list[int]) -> None:
+        list(iter_block_hashes(KEY, tokens, memo=memo, remember=True))
+
+    hot = list(range(2 * BLOCK_SIZE))
+    look(hot)
+    for n in range(6):  # other prefixes looked up between uses of the hot one
+        look([1000 + n] * BLOCK_SIZE)
+        hits = memo.num_hits
+        look(hot)
+        assert memo.num_hits == hits + 2
+        assert len(memo) <= 8
+    cold = memo.num_misses
+    look([1000] * BLOCK_SIZE)  # long gone
+    assert memo.num_misses == cold + 1
+
+
+@pytest.mark.parametrize("bad", [0, 1, -4, 2.5])
+def test_a_memo_needs_room_for_two_steps(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_entries"):
+        ChainMemo(bad)  # type: ignore[arg-type]

@@ -29,7 +29,6 @@ from kvfleet_runtime.fleet import (
     peer_token,
     wiring,
 )
-from kvfleet_runtime.fleet.replica import chain_hashes
 from kvfleet_runtime.fleet.wiring import FleetSettings, _HeldBlocks, hint_index_for
 from tests.runtime.fleet.conftest import free_port
 from tests.runtime.fleet.test_transfer import (
@@ -102,13 +101,13 @@ async def test_held_probe_answers_leading_blocks_of_the_callers_chain(
 ) -> None:
     a = await peers("a")
     store(a.cache, KEY_A, TOKENS)
-    chain = chain_hashes(a.cache, KEY_A, TOKENS)
+    chain = a.cache.block_hashes(KEY_A, TOKENS)
     assert len(chain) == 8
     assert await probe(session, a.url, {"block_hashes": hexes(chain)}, creds("tenant-a")) == (
         200,
         {"leading_blocks": 8},
     )
-    longer = chain_hashes(a.cache, KEY_A, TOKENS + list(range(64)))
+    longer = a.cache.block_hashes(KEY_A, TOKENS + list(range(64)))
     status, answer = await probe(session, a.url, {"block_hashes": hexes(longer)}, creds("tenant-a"))
     assert (status, answer) == (200, {"leading_blocks": 8})
     # A gap ends the run: block 0 missing -> 0 even though the rest is held.
@@ -123,7 +122,7 @@ async def test_held_probe_authentication(
 ) -> None:
     a = await peers("a")
     store(a.cache, KEY_A, TOKENS)
-    body = {"block_hashes": hexes(chain_hashes(a.cache, KEY_A, TOKENS))}
+    body = {"block_hashes": hexes(a.cache.block_hashes(KEY_A, TOKENS))}
     for headers in (
         {},
         {TENANT_HEADER: "tenant-a"},
@@ -196,8 +195,8 @@ async def test_tenant_b_learns_nothing_about_tenant_a_blocks(
     credential, count as nothing: only blocks stored for the credential's tenant answer."""
     a = await peers("a")
     store(a.cache, KEY_A, TOKENS)
-    chain_a = chain_hashes(a.cache, KEY_A, TOKENS)
-    chain_b = chain_hashes(a.cache, KEY_B, TOKENS)
+    chain_a = a.cache.block_hashes(KEY_A, TOKENS)
+    chain_b = a.cache.block_hashes(KEY_B, TOKENS)
     assert not set(chain_a) & set(chain_b)
     ok = await probe(session, a.url, {"block_hashes": hexes(chain_a)}, creds("tenant-a"))
     assert ok == (200, {"leading_blocks": 8})
@@ -237,8 +236,8 @@ async def test_platform_blocks_count_for_every_tenant() -> None:
     )
     cache.add_listener(held.on_event)
     store(cache, KEY_A, TOKENS)
-    chain_a = chain_hashes(cache, KEY_A, TOKENS)
-    chain_b = chain_hashes(cache, KEY_B, TOKENS)
+    chain_a = cache.block_hashes(KEY_A, TOKENS)
+    chain_b = cache.block_hashes(KEY_B, TOKENS)
     assert chain_a[:4] == chain_b[:4] and not set(chain_a[4:]) & set(chain_b[4:])
     assert held.leading(chain_a, "tenant-a") == held.leading(chain_a) == 8
     assert held.leading(chain_a, "tenant-b") == held.leading(chain_b, "tenant-b") == 4
@@ -257,7 +256,7 @@ async def test_peer_probe_finds_each_peers_run_and_the_fetch_equals_recompute(
     urls = {"a": a.url, "c": c.url, "b": "http://127.0.0.1:1"}
     index = PeerProbeHintIndex(SECRET, lambda: urls, "b", lookup_budget_s=5.0)
     try:
-        chain = chain_hashes(b_cache, KEY_A, TOKENS)
+        chain = b_cache.block_hashes(KEY_A, TOKENS)
         assert await index.lookup_runs(chain, tenant="tenant-a") == {"a": 8, "c": 3}
         hosts = await index.lookup(chain[:4], tenant="tenant-a")
         assert hosts == [frozenset({"a", "c"})] * 3 + [frozenset({"a"})]
@@ -293,7 +292,7 @@ async def test_peers_down_slow_or_wrong_hold_nothing_and_the_lookup_never_raises
 ) -> None:
     a = await peers("a")
     store(a.cache, KEY_A, TOKENS)
-    chain = chain_hashes(a.cache, KEY_A, TOKENS)
+    chain = a.cache.block_hashes(KEY_A, TOKENS)
     runners = []
     urls = {"a": a.url, "dead": f"http://127.0.0.1:{free_port()}"}
     for name, app in (

@@ -27,7 +27,6 @@ from kvfleet_runtime.fleet import (
     peer_routes,
     peer_token,
 )
-from kvfleet_runtime.fleet.replica import chain_hashes
 from tests.runtime.fleet.conftest import free_port
 
 SECRET = b"fleet-secret-for-tests"
@@ -116,7 +115,7 @@ def tier_for(cache: PrefixCache, fetcher: PeerFetcher) -> PeerTier:
 
 
 async def publish_all(index: EmbeddedHintIndex, replica: Replica, key: CacheKey) -> None:
-    await index.publish(replica.name, chain_hashes(replica.cache, key, TOKENS))
+    await index.publish(replica.name, replica.cache.block_hashes(key, TOKENS))
 
 
 async def test_prefix_stored_on_a_is_fetched_by_b_and_equals_recompute(
@@ -338,7 +337,7 @@ async def test_hash_and_layout_mismatches_are_rejected(
     store(a.cache, KEY_A, TOKENS)
     await publish_all(index, a, KEY_A)
     fetcher = PeerFetcher(session, SECRET, index, "b")
-    chain = chain_hashes(b.cache, KEY_A, TOKENS)
+    chain = b.cache.block_hashes(KEY_A, TOKENS)
     wrong = [bytes(16), *chain[1:]]
     # The index is asked about the wrong chain, so point it there too.
     await index.publish("a", wrong)
@@ -385,7 +384,7 @@ async def test_receive_buffers_are_reused_without_mixing_runs(
     stored = []
     for tokens in prompts:
         stored.append(store(a.cache, KEY_A, tokens))
-        await index.publish("a", chain_hashes(a.cache, KEY_A, tokens))
+        await index.publish("a", a.cache.block_hashes(KEY_A, tokens))
     fetcher = PeerFetcher(session, SECRET, index, "b")
     tier = tier_for(b.cache, fetcher)
     assert await tier.fill(KEY_A, prompts[0], 0) == 8
