@@ -7,7 +7,8 @@
   one raw torch copy of the same bytes, next to a per-block copy loop (and the TP4 strided gather);
 - metadata bytes per indexed block, and per step of the (fixed-size) chain memo;
 - token hit rate on a Mooncake trace at 1%/3%/10% of its unique blocks: plain LRU, the shipped
-  policy, Belady's offline optimum and the infinite cache (`kvfleet_runtime.cache.sim`).
+  policy, Belady's offline optimum, the infinite cache, and a frequency ranking told each block's
+  whole-trace popularity in advance (the ceiling of frequency ranking; `kvfleet_runtime.cache.sim`).
 
 Library code: returns a report, prints nothing (the CLI formats it).
 """
@@ -48,6 +49,7 @@ from kvfleet_runtime.cache.sim import (
     simulate_infinite,
     simulate_kvfleet,
     simulate_lru,
+    simulate_popularity_oracle,
     unique_blocks,
 )
 
@@ -127,6 +129,9 @@ class HitRateRow:
     kvfleet: float
     belady: float
     infinite: float
+    popularity_oracle: float
+    """A frequency ranking told every block's whole-trace request count in advance: the ceiling of
+    ranking by frequency (`sim.simulate_popularity_oracle`)."""
     kvfleet_request_rate: float
     lru_request_rate: float
     seconds: dict[str, float] = field(default_factory=dict)
@@ -413,6 +418,7 @@ def bench_hit_rates(
             ("lru", simulate_lru),
             ("kvfleet", simulate_kvfleet),
             ("belady", simulate_belady),
+            ("popularity_oracle", simulate_popularity_oracle),
         ):
             t0 = time.perf_counter()
             results[name] = fn(requests, capacity)
@@ -425,6 +431,7 @@ def bench_hit_rates(
                 kvfleet=results["kvfleet"].token_hit_rate,
                 belady=results["belady"].token_hit_rate,
                 infinite=infinite,
+                popularity_oracle=results["popularity_oracle"].token_hit_rate,
                 kvfleet_request_rate=results["kvfleet"].request_hit_rate,
                 lru_request_rate=results["lru"].request_hit_rate,
                 seconds=seconds,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +49,7 @@ __all__ = [
     "simulate_infinite",
     "simulate_kvfleet",
     "simulate_lru",
+    "simulate_popularity_oracle",
     "simulate_radix",
     "simulate_vllm",
     "simulate_wtinylfu",
@@ -215,6 +216,43 @@ def simulate_belady(requests: Sequence[TraceRequest], capacity_blocks: int) -> S
         if len(heap) > 4 * capacity_blocks + 4096:
             # Entries are unique per (block, next use): keep only the live ones.
             heap = [e for e in heap if resident.get(e[2]) == -e[0]]
+            heapq.heapify(heap)
+    return result
+
+
+def simulate_popularity_oracle(
+    requests: Sequence[TraceRequest], capacity_blocks: int, *, admit_min_sightings: int = 2
+) -> SimResult:
+    """Not an online policy: a frequency ranking that knows how often every block is requested
+    over the WHOLE trace, with the shipped admission (from the second sighting) and no other
+    foresight. It bounds what ranking by frequency can reach: an online policy only ever sees
+    the counts so far. The lowest total goes first (deepest, then least recent, among equals,
+    and newcomers included: it may bypass); a block is requested at least as often as any block
+    after it, so this order only ever drops leaves."""
+    total = Counter(b for request in requests for b in request.blocks)
+    result = SimResult("popularity_oracle", capacity_blocks)
+    sightings: Counter[BlockHash] = Counter()
+    last_use: dict[BlockHash, int] = {}  # resident block -> the request that last pushed it
+    heap: list[tuple[int, int, int, BlockHash]] = []  # (total, -depth, last use); lazily stale
+    for r, request in enumerate(requests):
+        hit = 0
+        for b in request.blocks:
+            if b not in last_use:
+                break
+            hit += 1
+        result.record(request, hit)
+        sightings.update(request.blocks)
+        for depth, b in enumerate(request.blocks):
+            if sightings[b] < admit_min_sightings:
+                break  # only a prefix can be stored
+            last_use[b] = r
+            heapq.heappush(heap, (total[b], -depth, r, b))
+        while len(last_use) > capacity_blocks:
+            _, _, used, b = heapq.heappop(heap)
+            if last_use.get(b) == used:
+                del last_use[b]
+        if len(heap) > 4 * capacity_blocks + 4096:
+            heap = [e for e in heap if last_use.get(e[3]) == e[2]]
             heapq.heapify(heap)
     return result
 

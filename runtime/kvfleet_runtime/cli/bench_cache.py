@@ -73,27 +73,21 @@ def cache(
     table = Table(title=f"lookup, full hit, index of {report.lookup[0].num_index_blocks:,} blocks")
     for col in (
         "prompt",
-        "p50",
-        "p99",
-        "cold p50",
-        "p99",
+        "p50 / p99",
+        "cold p50 / p99",
         "no memo p50",
-        "SHA-256 chain p50",
-        "p99",
-        "lookup / SHA-256 (p50)",
+        "SHA-256 chain p50 / p99",
+        "p50 / SHA-256",
         "cold / SHA-256",
     ):
         table.add_column(col, justify="right")
     for row in report.lookup:
         table.add_row(
             f"{row.prompt_tokens:,} tok",
-            f"{row.p50_us:.0f} us",
-            f"{row.p99_us:.0f} us",
-            f"{row.cold_p50_us:.0f} us",
-            f"{row.cold_p99_us:.0f} us",
+            f"{row.p50_us:.0f} / {row.p99_us:.0f} us",
+            f"{row.cold_p50_us:.0f} / {row.cold_p99_us:.0f} us",
             f"{row.plain_p50_us:.0f} us",
-            f"{row.sha256_p50_us:.0f} us",
-            f"{row.sha256_p99_us:.0f} us",
+            f"{row.sha256_p50_us:.0f} / {row.sha256_p99_us:.0f} us",
             f"{row.p50_us / row.sha256_p50_us:.2f}x",
             f"{row.cold_p50_us / row.sha256_p50_us:.2f}x",
         )
@@ -160,6 +154,7 @@ def cache(
         "LRU",
         "kvfleet",
         "kvfleet / LRU",
+        "popularity oracle",
         "Belady",
         "infinite",
         "request hit rate LRU / kvfleet",
@@ -171,11 +166,16 @@ def cache(
             f"{r.lru:.2%}",
             f"{r.kvfleet:.2%}",
             f"{r.kvfleet_vs_lru:.2f}x",
+            f"{r.popularity_oracle:.2%}",
             f"{r.belady:.2%}",
             f"{r.infinite:.2%}",
             f"{r.lru_request_rate:.1%} / {r.kvfleet_request_rate:.1%}",
         )
     out.print(table)
+    out.print(
+        "popularity oracle: not online; ranks blocks by their whole-trace request counts, known in "
+        "advance (the ceiling of ranking by frequency)"
+    )
     scope = "whole trace" if full else f"first {requests:,} requests; --full for the whole trace"
     out.print(
         f"targets: kvfleet never below LRU; >= 1.5x LRU at 1%. ({scope}; "

@@ -20,6 +20,7 @@ from kvfleet_runtime.cache.sim import (
     simulate_infinite,
     simulate_kvfleet,
     simulate_lru,
+    simulate_popularity_oracle,
     simulate_wtinylfu,
     unique_blocks,
 )
@@ -160,3 +161,26 @@ def test_the_policy_does_not_depend_on_the_values_of_block_ids() -> None:
         }
         hits = {name: (r.num_hit_tokens, r.extra["evictions"]) for name, r in results.items()}
         assert len(set(hits.values())) == 1, (cap, hits)
+
+
+def test_the_popularity_oracle_admits_on_a_second_sighting_and_drops_the_least_requested() -> None:
+    a, b, c = 1, 2, 3  # whole-trace requests: a 5, b 2, c 3
+    trace = [req(a, b), req(a, b), req(a, c), req(a, c), req(a, c)]
+    result = simulate_popularity_oracle(trace, 2)
+    # [a b] x1: one sighting each, nothing stored; [a b] x2: stored, no hit yet; [a c]: a hits,
+    # c seen once; [a c]: a hits, c stored and b (2 < 3) goes; [a c]: both hit.
+    assert result.num_hit_tokens == (0 + 0 + 1 + 1 + 2) * 16
+    assert result.num_hit_requests == 3
+
+
+def test_the_popularity_oracle_is_below_belady_and_the_infinite_cache() -> None:
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(10**6) for _ in range(rng.randint(1, 6))] for _ in range(12)]
+    trace = [
+        req(*prefixes[min(int(rng.expovariate(0.4)), 11)], rng.randrange(10**6, 2 * 10**6))
+        for _ in range(200)
+    ]
+    for cap in (4, 10, 30):
+        oracle = simulate_popularity_oracle(trace, cap).num_hit_tokens
+        assert oracle <= simulate_belady(trace, cap).num_hit_tokens
+        assert oracle <= simulate_infinite(trace).num_hit_tokens
