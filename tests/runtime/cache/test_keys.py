@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -205,3 +206,31 @@ def test_a_memo_is_bounded_and_keeps_what_was_used_last() -> None:
 def test_a_memo_needs_room_for_two_steps(bad: object) -> None:
     with pytest.raises(ValueError, match="max_entries"):
         ChainMemo(bad)  # type: ignore[arg-type]
+
+
+def test_a_memo_shared_by_threads_never_returns_a_wrong_digest() -> None:
+    # No lock: threads racing on a 6-step memo rotate its generations under each other.
+    memo = ChainMemo(6)
+    prompts = [[(p * 7 + t) % 5 for t in range(4 * BLOCK_SIZE)] for p in range(6)]
+    expected = [block_hashes(KEY, tokens) for tokens in prompts]
+    wrong: list[int] = []
+
+    def worker(offset: int) -> None:
+        for i in range(300):
+            p = (i + offset) % len(prompts)
+            got = list(iter_block_hashes(KEY, prompts[p], memo=memo, remember=i % 3 != 0))
+            if got != expected[p]:
+                wrong.append(p)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads every few bytecodes, inside the chain loop
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(thread.is_alive() for thread in threads)
+    assert wrong == []
