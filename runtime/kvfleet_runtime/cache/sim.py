@@ -31,7 +31,7 @@ import heapq
 import itertools
 import json
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +43,7 @@ __all__ = [
     "MOONCAKE_BLOCKS_PER_HASH_ID",
     "SimResult",
     "TraceRequest",
+    "cached_prefix",
     "load_mooncake_trace",
     "mooncake_block_tokens",
     "simulate_belady",
@@ -148,6 +149,16 @@ def load_mooncake_trace(
     return requests
 
 
+def cached_prefix(blocks: Sequence[BlockHash], held: Container[BlockHash]) -> int:
+    """How many leading blocks of a chain `held` has: a hit is a prefix."""
+    hit = 0
+    for b in blocks:
+        if b not in held:
+            break
+        hit += 1
+    return hit
+
+
 def unique_blocks(requests: Sequence[TraceRequest]) -> int:
     return len({b for r in requests for b in r.blocks})
 
@@ -156,12 +167,7 @@ def simulate_infinite(requests: Sequence[TraceRequest]) -> SimResult:
     result = SimResult("infinite", None)
     seen: set[BlockHash] = set()
     for request in requests:
-        hit = 0
-        for b in request.blocks:
-            if b not in seen:
-                break
-            hit += 1
-        result.record(request, hit)
+        result.record(request, cached_prefix(request.blocks, seen))
         seen.update(request.blocks)
     return result
 
@@ -170,12 +176,7 @@ def simulate_lru(requests: Sequence[TraceRequest], capacity_blocks: int) -> SimR
     result = SimResult("lru", capacity_blocks)
     cache: OrderedDict[BlockHash, None] = OrderedDict()
     for request in requests:
-        hit = 0
-        for b in request.blocks:
-            if b not in cache:
-                break
-            hit += 1
-        result.record(request, hit)
+        result.record(request, cached_prefix(request.blocks, cache))
         for b in reversed(request.blocks):
             if b in cache:
                 cache.move_to_end(b)
@@ -200,12 +201,7 @@ def simulate_belady(requests: Sequence[TraceRequest], capacity_blocks: int) -> S
     resident: dict[BlockHash, int] = {}  # block -> its current next use
     heap: list[tuple[int, int, BlockHash]] = []  # (-next use, -depth, block), lazily invalidated
     for r, request in enumerate(requests):
-        hit = 0
-        for b in request.blocks:
-            if b not in resident:
-                break
-            hit += 1
-        result.record(request, hit)
+        result.record(request, cached_prefix(request.blocks, resident))
         for depth, (b, nu) in enumerate(zip(request.blocks, next_use[r], strict=True)):
             resident[b] = nu
             heapq.heappush(heap, (-nu, -depth, b))
@@ -235,12 +231,7 @@ def simulate_popularity_oracle(
     last_use: dict[BlockHash, int] = {}  # resident block -> the request that last pushed it
     heap: list[tuple[int, int, int, BlockHash]] = []  # (total, -depth, last use); lazily stale
     for r, request in enumerate(requests):
-        hit = 0
-        for b in request.blocks:
-            if b not in last_use:
-                break
-            hit += 1
-        result.record(request, hit)
+        result.record(request, cached_prefix(request.blocks, last_use))
         sightings.update(request.blocks)
         for depth, b in enumerate(request.blocks):
             if sightings[b] < admit_min_sightings:
@@ -594,11 +585,7 @@ def simulate_wtinylfu(
 
     for request in requests:
         blocks = request.blocks
-        hit = 0
-        for b in blocks:
-            if b not in segment:
-                break
-            hit += 1
+        hit = cached_prefix(blocks, segment)
         result.record(request, hit)
         prev: BlockHash | None = None
         for b in blocks:
