@@ -325,6 +325,8 @@ class CacheManager:
             num_thrash_episodes=self.thrash.num_episodes,
             store_queue_len=store_queue_len,
             num_indexed_blocks=len(self.index),
+            num_memo_hits=self.memo.num_hits if self.memo else 0,
+            num_memo_misses=self.memo.num_misses if self.memo else 0,
         )
 
     def tenants(self) -> list[str]:

@@ -91,3 +91,11 @@ class CacheCollector(Collector):
         yield GaugeMetricFamily(
             f"{p}_indexed_blocks", "Blocks in the radix index.", value=total.num_indexed_blocks
         )
+        yield CounterMetricFamily(
+            f"{p}_hash_memo_hits",
+            "Chain steps the hash memo answered without hashing.",
+            value=total.num_memo_hits,
+        )
+        yield CounterMetricFamily(
+            f"{p}_hash_memo_misses", "Chain steps hashed.", value=total.num_memo_misses
+        )

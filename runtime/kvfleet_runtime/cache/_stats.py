@@ -68,3 +68,6 @@ class CacheStats:
     num_thrash_episodes: int
     store_queue_len: int
     num_indexed_blocks: int
+    num_memo_hits: int = 0
+    """Chain steps the hash memo answered (`ChainMemo`); all tenants."""
+    num_memo_misses: int = 0

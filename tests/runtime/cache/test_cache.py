@@ -208,6 +208,12 @@ def test_block_hashes_are_the_chain_a_hit_is_filed_under(
     assert isinstance(hit, Hit) and hit.blocks == tuple(chain)
     cache.release(hit)
     assert (cache._manager.memo is None) == (memo_entries == 0)
+    assert cache.stats().num_memo_hits == 0  # stores and block_hashes read; lookups remember
+    assert cache.block_hashes(b, shared) == chain
+    stats = cache.stats()
+    assert (stats.num_memo_hits, stats.num_memo_misses > 0) == (
+        (4, True) if memo_entries else (0, False)
+    )
 
 
 def test_a_memo_too_small_for_two_steps_is_a_config_error() -> None:
@@ -329,6 +335,10 @@ def test_stats_per_tenant_and_prometheus_metrics(clock: FakeClock) -> None:
     assert get("kvfleet_cache_matched_tokens_total", {"tenant": "tenant-a"}) == 32
     assert get("kvfleet_cache_tier_used_blocks", {"tier": "t0"}) == 2
     assert get("kvfleet_cache_thrashing") == 0
+    # Two stores and tenant-a's lookup hash 2 steps each, tenant-b's lookup 1: none remembered
+    # before tenant-a's lookup, which stores and tenant-b's chain never read again.
+    assert get("kvfleet_cache_hash_memo_misses_total") == 7
+    assert get("kvfleet_cache_hash_memo_hits_total") == 0
 
 
 def test_listener_hears_stores_and_removals(clock: FakeClock) -> None:
