@@ -1,7 +1,7 @@
 """`kvfleet bench cache`: the cache core's figures, each measured side by side with its reference.
 
 - lookup latency p50/p99 for 2k/8k/32k-token prompts against an index of 100k+ blocks, warm (a
-  prefix hashed recently: chain steps from the memo) and cold (memo emptied: every block hashed),
+  prefix looked up recently: chain steps from the memo) and cold (memo emptied: every block hashed),
   next to the same tokens hashed block by block with SHA-256;
 - materialize bandwidth T1 -> device for a 2,000-token prefix of a realistic shape, as a ratio to
   one raw torch copy of the same bytes, next to a per-block copy loop (and the TP4 strided gather);
@@ -75,7 +75,7 @@ class LookupLatency:
     prompt_tokens: int
     num_index_blocks: int
     p50_us: float
-    """A prompt this replica hashed recently (a hot prefix): its chain steps come from the memo."""
+    """A prompt this replica looked up recently (a hot prefix): chain steps from the memo."""
     p99_us: float
     cold_p50_us: float
     """The same lookup with the chain memo emptied first: every block is hashed."""
