@@ -459,18 +459,16 @@ def test_hit_rate_alarm_uses_the_metrics_the_operator_gates_on(render: Render) -
 
 def test_hit_rate_alarm_uses_metrics_the_replica_cache_exports(render: Render) -> None:
     """The names in the rule are samples the replica's cache collector really emits."""
-    from types import SimpleNamespace
-
+    from kvfleet_runtime.cache import CacheStats, TenantStats
     from kvfleet_runtime.cache._metrics import _TENANT_COUNTERS, CacheCollector
 
-    totals = SimpleNamespace(num_blocks=1, **{attr: 1 for _, attr, _ in _TENANT_COUNTERS})
-    total = SimpleNamespace(
-        tiers=(), thrashing=False, num_thrash_episodes=0, store_queue_len=0,
-        num_indexed_blocks=0,
+    totals = TenantStats(num_blocks=1, **{attr: 1 for _, attr, _ in _TENANT_COUNTERS})
+    total = CacheStats(
+        tenant=None, totals=totals, tiers=(), thrashing=False, num_thrash_episodes=0,
+        store_queue_len=0, num_indexed_blocks=0,
     )
     # The replica builds its PrefixCache with the default metrics prefix, "kvfleet_cache".
-    collector = CacheCollector(lambda: (total, {"acme": SimpleNamespace(totals=totals)}),
-                               "kvfleet_cache")
+    collector = CacheCollector(lambda: (total, {"acme": total}), "kvfleet_cache")
     exported = {sample.name for family in collector.collect() for sample in family.samples}
     rules = _rules(render(MONITORING, api_versions=MONITORING_APIS))
     (record,) = [r for r in rules if "record" in r]
