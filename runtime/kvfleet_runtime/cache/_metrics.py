@@ -75,27 +75,20 @@ class CacheCollector(Collector):
             for tier in total.tiers:
                 gauge.add_metric([tier.tier], getattr(tier, attr))
             yield gauge
-        yield GaugeMetricFamily(
-            f"{p}_thrashing",
-            "1 while the thrash detector is engaged.",
-            value=1.0 if total.thrashing else 0.0,
+        scalars: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, float], ...]
+        scalars = (
+            (GaugeMetricFamily, "thrashing", "1 while the thrash detector is engaged.",
+             1.0 if total.thrashing else 0.0),
+            (CounterMetricFamily, "thrash_episodes", "Times thrashing was detected.",
+             total.num_thrash_episodes),
+            (GaugeMetricFamily, "store_queue_entries", "Pending writes in the store queue.",
+             total.store_queue_len),
+            (GaugeMetricFamily, "indexed_blocks", "Blocks in the radix index.",
+             total.num_indexed_blocks),
+            (CounterMetricFamily, "hash_memo_hits",
+             "Chain steps the hash memo answered without hashing.", total.num_memo_hits),
+            (CounterMetricFamily, "hash_memo_misses", "Chain steps hashed.",
+             total.num_memo_misses),
         )
-        yield CounterMetricFamily(
-            f"{p}_thrash_episodes", "Times thrashing was detected.", value=total.num_thrash_episodes
-        )
-        yield GaugeMetricFamily(
-            f"{p}_store_queue_entries",
-            "Pending writes in the store queue.",
-            value=total.store_queue_len,
-        )
-        yield GaugeMetricFamily(
-            f"{p}_indexed_blocks", "Blocks in the radix index.", value=total.num_indexed_blocks
-        )
-        yield CounterMetricFamily(
-            f"{p}_hash_memo_hits",
-            "Chain steps the hash memo answered without hashing.",
-            value=total.num_memo_hits,
-        )
-        yield CounterMetricFamily(
-            f"{p}_hash_memo_misses", "Chain steps hashed.", value=total.num_memo_misses
-        )
+        for kind, name, doc, value in scalars:
+            yield kind(f"{p}_{name}", doc, value=value)
