@@ -16,7 +16,15 @@ from kvfleet_runtime.model.model import (
     PagedKV,
     Transformer,
 )
-from kvfleet_runtime.model.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, ByteTokenizer, StreamDecoder
+from kvfleet_runtime.model.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    VOCAB_SIZE,
+    ByteTokenizer,
+    IncrementalDecoder,
+    StreamDecoder,
+    Tokenizer,
+)
 
 __all__ = [
     "BLOCK_SIZE",
@@ -25,10 +33,12 @@ __all__ = [
     "PRESETS",
     "VOCAB_SIZE",
     "ByteTokenizer",
+    "IncrementalDecoder",
     "LoadedModel",
     "ModelArgs",
     "PagedKV",
     "StreamDecoder",
+    "Tokenizer",
     "Transformer",
     "args_from_hf_config",
     "args_to_hf_config",
