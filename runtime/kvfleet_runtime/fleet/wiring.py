@@ -70,7 +70,6 @@ __all__ = ["LOAD_PATH", "FleetSettings", "FleetTier", "attach_fleet"]
 log = logging.getLogger(__name__)
 
 LOAD_PATH = "/fleet/v1/load"
-TOKENIZER_ID = "byte-v1"
 DEFAULT_SECRET_FILE = Path("/etc/kvfleet/peer/token")
 DEFAULT_FLEET_CONFIG = Path("/etc/kvfleet/fleet/fleet.yaml")
 DEFAULT_REDIS_BUDGET_S = 0.002
@@ -278,7 +277,7 @@ class FleetTier:
                 "rope_config_hash": fields.rope_config_hash,
                 "attn_impl_id": fields.attn_impl_id,
             },
-            "tokenizer": TOKENIZER_ID,
+            "tokenizer": self.replica.tokenizer.name,
             "name": self.settings.name,
             "t2": self.t2_report(),
         }

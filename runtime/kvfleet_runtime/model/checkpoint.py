@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvfleet_runtime.model.model import ModelArgs, Transformer
+from kvfleet_runtime.tokenizer import BYTE_TOKENIZER_DECLARATION, BYTE_TOKENIZER_NAME
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -109,7 +110,10 @@ def generate_checkpoint(out_dir: Path, args: ModelArgs, *, seed: int = 0) -> str
             value = torch.randn(param.shape, generator=gen) / fan_in**0.5
         tensors[_hf_name(name)] = value.to(torch.float32).contiguous()
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    config = json.dumps(args_to_hf_config(args), indent=2, sort_keys=True)
+    # The generated model has no trained tokenizer: it declares the byte tokenizer (a folder
+    # without a tokenizer or a declaration is refused).
+    hf_config = {**args_to_hf_config(args), BYTE_TOKENIZER_DECLARATION: BYTE_TOKENIZER_NAME}
+    config = json.dumps(hf_config, indent=2, sort_keys=True)
     (out_dir / CONFIG_FILE).write_text(config + "\n")
     return weights_digest(out_dir)
 

@@ -9,10 +9,15 @@
 Per request: API key -> tenant (a client-sent `X-Kvfleet-Tenant` is discarded and replaced, and
 the API key is not forwarded), then the pure decision (`kvfleet_runtime.routing.choose_replica`)
 over the fleet view, then the proxy. The cache-aware override needs each replica's matched tokens
-for this prompt; the router computes the prompt's chained block hashes itself (the key fields and
-tokenizer come from the replicas' load reports, so they cannot drift from what replicas hash) and
-asks the hint index for the leading run per host, in one round trip under a ~1 ms budget. No
-index, no key yet, or a failed lookup: the override is simply off for that request.
+for this prompt; the router computes the prompt's chained block hashes itself (the key fields
+come from the replicas' load reports, so they cannot drift from what replicas hash) and asks the
+hint index for the leading run per host, in one round trip under a ~1 ms budget. No index, no key
+yet, or a failed lookup: the override is simply off for that request.
+
+Text prompts are tokenized only with the replicas' own tokenizer: the load report names it (a
+digest of the tokenizer files), and the router encodes with its `--tokenizer` (the model folder's
+tokenizer files) only when the names are equal; the byte tokenizer needs no files. A different or
+missing tokenizer routes the request without tokens (no override), never with other ids.
 
 A replica that cannot be reached, or answers 503 before any byte was sent to the client, is
 skipped and the request is decided again without it (at most `max_attempts` replicas).
@@ -45,27 +50,36 @@ from kvfleet_runtime.cache import BLOCK_SIZE, block_hashes
 from kvfleet_runtime.fleet.index import HintIndex
 from kvfleet_runtime.router._view import FleetView
 from kvfleet_runtime.routing import ApiKeyMap, RouteDecision, choose_replica
+from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["RouterState", "create_router_app", "prompt_token_ids"]
 
 log = logging.getLogger(__name__)
 
 TENANT_HEADER = "X-Kvfleet-Tenant"
-_BOS_ID = 256
-"""The replicas' byte tokenizer (`kvfleet_runtime.model.tokenizer`, tokenizer "byte-v1"):
-ids 0-255 are UTF-8 bytes, 256 is BOS. Mirrored here because the model package imports torch;
-a test pins the two together. An unknown tokenizer only turns the override off."""
+_BYTE_TOKENIZER = ByteTokenizer()
 _FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
 _MAX_BODY_BYTES = 64 << 20
 
 
-def prompt_token_ids(prompt: Any, tokenizer: str) -> list[int] | None:
-    """The token ids the replica will see for `prompt`, when the router can know them."""
+def prompt_token_ids(prompt: Any, tokenizer: str,
+                     local: Tokenizer | None = None) -> list[int] | None:
+    """The token ids the replica will see for `prompt`, when the router can know them.
+
+    `tokenizer` is the name the replicas report; `local` the router's own (`--tokenizer`), used
+    only when its name is that one."""
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         return list(prompt)
-    if isinstance(prompt, str) and tokenizer == "byte-v1":
-        return [_BOS_ID, *prompt.encode("utf-8")]
-    return None
+    if not isinstance(prompt, str):
+        return None
+    own = _tokenizer_named(tokenizer, local)
+    return None if own is None else own.encode(prompt)
+
+
+def _tokenizer_named(name: str, local: Tokenizer | None) -> Tokenizer | None:
+    if local is not None and name and local.name == name:
+        return local
+    return _BYTE_TOKENIZER if name == _BYTE_TOKENIZER.name else None
 
 
 @dataclass
@@ -82,7 +96,11 @@ class RouterState:
     poll_interval_s: float = 0.5
     config_poll_s: float = 1.0
     session: aiohttp.ClientSession | None = None
+    tokenizer: Tokenizer | None = None
+    """The model's tokenizer (`kvfleet router --tokenizer DIR`), for text prompts; used only while
+    the replicas report the same tokenizer name."""
     _recent: deque[bool] = field(default_factory=deque)
+    _warned_tokenizers: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -164,7 +182,9 @@ async def _matched_tokens(state: RouterState, tenant: str, prompt: Any) -> dict[
     if report is None:
         return {}
     key = report.key(tenant)
-    token_ids = prompt_token_ids(prompt, report.tokenizer)
+    token_ids = prompt_token_ids(prompt, report.tokenizer, state.tokenizer)
+    if token_ids is None and isinstance(prompt, str):
+        _warn_untokenized(state, report.tokenizer)
     if key is None or token_ids is None or len(token_ids) < BLOCK_SIZE:
         return {}
     token_ids = token_ids[: state.max_hint_blocks * BLOCK_SIZE]
@@ -176,6 +196,15 @@ async def _matched_tokens(state: RouterState, tenant: str, prompt: Any) -> dict[
     if not runs and getattr(state.index, "available", True) is False:
         state.m_hint_errors.inc()
     return {host: n * BLOCK_SIZE for host, n in runs.items() if host in view.replicas}
+
+
+def _warn_untokenized(state: RouterState, replica_tokenizer: str) -> None:
+    if replica_tokenizer in state._warned_tokenizers:
+        return
+    state._warned_tokenizers.add(replica_tokenizer)
+    mine = state.tokenizer.name if state.tokenizer is not None else "none (no --tokenizer)"
+    log.warning("replicas report tokenizer %r, the router has %s: text prompts are routed "
+                "without the cache-aware override", replica_tokenizer or "(none)", mine)
 
 
 def _decide(
