@@ -84,7 +84,7 @@ LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"
 CHATML_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 
-def _byte_level_bpe() -> Tokenizer:
+def byte_level_bpe() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     # Llama-3 / GPT-4 style: a regex split, then byte-level without its own regex.
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -105,7 +105,7 @@ def _byte_level_bpe() -> Tokenizer:
     return tok
 
 
-def _byte_fallback_bpe() -> Tokenizer:
+def byte_fallback_bpe() -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=CHATML_SPECIALS,
@@ -142,7 +142,7 @@ def save_with_transformers(tok: Tokenizer, out: Path, *, chat_template: str | No
 @pytest.fixture(scope="session")
 def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bpe")
-    save_with_transformers(_byte_level_bpe(), out, chat_template=LLAMA3_TEMPLATE,
+    save_with_transformers(byte_level_bpe(), out, chat_template=LLAMA3_TEMPLATE,
                            bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": 0, "eos_token_id": [1, 4]}))
@@ -152,7 +152,7 @@ def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def spm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("spm")
-    save_with_transformers(_byte_fallback_bpe(), out, chat_template=CHATML_TEMPLATE,
+    save_with_transformers(byte_fallback_bpe(), out, chat_template=CHATML_TEMPLATE,
                            bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     (out / "config.json").write_text(json.dumps({"eos_token_id": 2}))
     return out
