@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.cli import app
 from kvfleet_runtime.fleet import EmbeddedHintIndex
-from kvfleet_runtime.router import prompt_token_ids
+from kvfleet_runtime.router import chat_token_ids, prompt_token_ids
 from kvfleet_runtime.routing import rendezvous_top_k
 from kvfleet_runtime.tokenizer import ByteTokenizer, load_tokenizer
 from tests.router.conftest import KEY_FIELDS, FakeReplica, StartRouter
@@ -68,3 +68,13 @@ def test_router_cli_refuses_a_folder_without_a_tokenizer(keys: Path, tmp_path: P
     assert result.exit_code == 2
     assert "--tokenizer:" in result.output and "has no tokenizer" in result.output
     assert "Traceback" not in result.output
+
+
+def test_chat_ids_are_the_replicas_template_or_none(bpe_dir: Path) -> None:  # noqa: F811
+    tok = load_tokenizer(bpe_dir)
+    messages = [{"role": "user", "content": "hi 🙂"}]
+    assert chat_token_ids(messages, tok.name, tok) == tok.encode_chat(messages)
+    assert chat_token_ids(messages, "hf-sha256:other", tok) is None
+    assert chat_token_ids("not a list", tok.name, tok) is None
+    assert chat_token_ids([], tok.name, tok) is None  # the replica says why
+    assert chat_token_ids(messages, "byte-v1") == ByteTokenizer().encode_chat(messages)

@@ -6,7 +6,12 @@ Pure decisions live in `kvfleet_runtime.routing`; this package is the aiohttp sh
 
 from __future__ import annotations
 
-from kvfleet_runtime.router._app import RouterState, create_router_app, prompt_token_ids
+from kvfleet_runtime.router._app import (
+    RouterState,
+    chat_token_ids,
+    create_router_app,
+    prompt_token_ids,
+)
 from kvfleet_runtime.router._view import LOAD_PATH, FleetView, LoadReport, parse_load_report
 
 __all__ = [
@@ -14,6 +19,7 @@ __all__ = [
     "FleetView",
     "LoadReport",
     "RouterState",
+    "chat_token_ids",
     "create_router_app",
     "parse_load_report",
     "prompt_token_ids",

@@ -52,7 +52,7 @@ from kvfleet_runtime.router._view import FleetView
 from kvfleet_runtime.routing import ApiKeyMap, RouteDecision, choose_replica
 from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
 
-__all__ = ["RouterState", "create_router_app", "prompt_token_ids"]
+__all__ = ["RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,20 @@ def prompt_token_ids(prompt: Any, tokenizer: str,
         return None
     own = _tokenizer_named(tokenizer, local)
     return None if own is None else own.encode(prompt)
+
+
+def chat_token_ids(messages: Any, tokenizer: str,
+                   local: Tokenizer | None = None) -> list[int] | None:
+    """The ids a replica computes for a chat request's `messages` (its template, with the
+    generation prompt), under the same rule as `prompt_token_ids`; None also when the template
+    refuses the messages (the replica answers that request with the reason)."""
+    own = _tokenizer_named(tokenizer, local)
+    if own is None or not isinstance(messages, list):
+        return None
+    try:
+        return own.encode_chat(messages, add_generation_prompt=True)
+    except ValueError:
+        return None
 
 
 def _tokenizer_named(name: str, local: Tokenizer | None) -> Tokenizer | None:

@@ -52,8 +52,16 @@ class ByteTokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
                     add_generation_prompt: bool = True) -> list[int]:
-        text = "".join(self.CHAT_TEMPLATE.format(role=m["role"], content=m["content"])
-                       for m in messages)
+        if not messages:
+            raise ValueError("messages is empty; a chat needs at least one message")
+        parts = []
+        for i, m in enumerate(messages):
+            role, content = m.get("role"), m.get("content")
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise ValueError(f"messages[{i}] needs a string role and a string content, got "
+                                 f"role {role!r} and content of type {type(content).__name__}")
+            parts.append(self.CHAT_TEMPLATE.format(role=role, content=content))
+        text = "".join(parts)
         if add_generation_prompt:
             text += "<|assistant|>\n"
         return self.encode(text)

@@ -120,3 +120,38 @@ def test_max_tokens_cuts_a_character_and_the_text_says_so(
                                                temperature=0)
     assert out.choices[0].finish_reason == "length"
     assert out.choices[0].text == tok.decode(chain[1:3])
+
+
+def _replica_config(tmp_path: Path, model: Path) -> tuple[Path, dict[str, str]]:
+    config_path = tmp_path / "replica.yaml"
+    config_path.write_text(yaml.safe_dump({**TEST_CONFIG, "model_id": "m"}))
+    return config_path, {"model_dir": str(model)}
+
+
+def test_a_folder_without_a_tokenizer_is_refused_at_start(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    generate_checkpoint(model, ModelArgs.from_preset("tiny"), seed=0)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("kvfleet_tokenizer")
+    (model / "config.json").write_text(json.dumps(config))
+    config_path, overrides = _replica_config(tmp_path, model)
+    with pytest.raises(ValueError, match=r"has no tokenizer: no tokenizer\.json"):
+        build_replica(load_config(config_path, environ={}, overrides=overrides),
+                      overrides=overrides)
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_is_refused(
+        tmp_path: Path, bpe_dir: Path) -> None:  # noqa: F811
+    model = tmp_path / "m"
+    generate_checkpoint(model, ModelArgs.from_preset("tiny"), seed=0)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("kvfleet_tokenizer")
+    (model / "config.json").write_text(json.dumps(config))
+    for f in bpe_dir.iterdir():
+        shutil.copy(f, model / f.name)
+    config_path, overrides = _replica_config(tmp_path, model)
+    size = load_tokenizer(bpe_dir).vocab_size
+    with pytest.raises(ValueError, match=f"the tokenizer has {size} ids but the model's "
+                                         r"vocabulary has 259 \(vocab_size in config.json\)"):
+        build_replica(load_config(config_path, environ={}, overrides=overrides),
+                      overrides=overrides)
