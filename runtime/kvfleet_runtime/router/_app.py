@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 
 TENANT_HEADER = "X-Kvfleet-Tenant"
 _BYTE_TOKENIZER = ByteTokenizer()
+_INLINE_ENCODE_MAX_CHARS = 4096
+"""Longer text prompts are tokenized on a worker thread: tens of milliseconds for a long document
+would stall every request on the router's event loop."""
 _FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
 _MAX_BODY_BYTES = 64 << 20
 
@@ -196,7 +199,11 @@ async def _matched_tokens(state: RouterState, tenant: str, prompt: Any) -> dict[
     if report is None:
         return {}
     key = report.key(tenant)
-    token_ids = prompt_token_ids(prompt, report.tokenizer, state.tokenizer)
+    if isinstance(prompt, str) and len(prompt) > _INLINE_ENCODE_MAX_CHARS:
+        token_ids = await asyncio.to_thread(prompt_token_ids, prompt, report.tokenizer,
+                                            state.tokenizer)
+    else:
+        token_ids = prompt_token_ids(prompt, report.tokenizer, state.tokenizer)
     if token_ids is None and isinstance(prompt, str):
         _warn_untokenized(state, report.tokenizer)
     if key is None or token_ids is None or len(token_ids) < BLOCK_SIZE:

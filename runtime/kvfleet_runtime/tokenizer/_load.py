@@ -152,10 +152,17 @@ def _token_content(value: Any) -> str | None:
 
 
 def _special_tokens(model_dir: Path, tok_config: Mapping[str, Any]) -> dict[str, str]:
+    """The named special tokens a chat template sees: the standard seven, then, as transformers
+    5 does, any other `*_token` string (and `extra_special_tokens` given as a name -> token map)."""
     legacy = _read_json(model_dir / SPECIAL_TOKENS_MAP)
+    extra = tok_config.get("extra_special_tokens")
+    named = {**legacy, **tok_config, **(extra if isinstance(extra, Mapping) else {})}
+    keys = [*_SPECIAL_TOKEN_KEYS,
+            *sorted(k for k, v in named.items() if k.endswith("_token") and
+                    k not in _SPECIAL_TOKEN_KEYS and _token_content(v) is not None)]
     out: dict[str, str] = {}
-    for key in _SPECIAL_TOKEN_KEYS:
-        value = tok_config.get(key, legacy.get(key))
+    for key in keys:
+        value = named.get(key)
         content = _token_content(value)
         if value is not None and content is None:
             raise ValueError(f"{model_dir}/{TOKENIZER_CONFIG}: {key} {value!r} is neither a string "

@@ -173,3 +173,16 @@ def test_loading_imports_no_torch(bpe_dir: Path) -> None:
             f"load_tokenizer({str(bpe_dir)!r}).encode('x'); "
             f"sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_model_specific_tokens_reach_the_template(tmp_path: Path, bpe_dir: Path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(bpe_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                              "eot_token": "<|eot_id|>"}))
+    (folder / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eot_token }}{% endfor %}")
+    expected = _hf(folder).apply_chat_template(CHATS[2], tokenize=False)
+    assert _ours(folder).render_chat(CHATS[2], add_generation_prompt=False) == expected
+    assert expected.count("<|eot_id|>") == len(CHATS[2])
