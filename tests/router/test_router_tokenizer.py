@@ -53,6 +53,13 @@ async def test_cache_aware_override_with_the_models_tokenizer(
     router.state.tokenizer = tok
     _, headers, body = await router.post({"prompt": PROMPT})
     assert body["replica"] == warm and headers["X-Kvfleet-Route"] == "warm"
+    # A long document is tokenized off the event loop, to the same ids.
+    long = "A long document 📄 with CJK 文書. " * 200
+    assert len(long) > 4096
+    warm_g = next(n for n in NAMES if n not in rendezvous_top_k("globex", NAMES, 3))
+    await index.publish(warm_g, block_hashes(CacheKey("globex", **KEY_FIELDS), tok.encode(long)))
+    _, headers, body = await router.post({"prompt": long}, key="sk-globex")
+    assert body["replica"] == warm_g and headers["X-Kvfleet-Route"] == "warm"
 
 
 @pytest.fixture
