@@ -15,6 +15,7 @@ __all__ = [
     "BOS_ID",
     "BYTE_TOKENIZER_NAME",
     "EOS_ID",
+    "NUM_BYTE_TOKENS",
     "PAD_ID",
     "VOCAB_SIZE",
     "ByteTokenizer",
@@ -49,6 +50,9 @@ class ByteTokenizer:
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < NUM_BYTE_TOKENS else b""
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
                     add_generation_prompt: bool = True) -> list[int]:

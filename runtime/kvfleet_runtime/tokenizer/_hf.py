@@ -12,7 +12,10 @@ equals `decode` of all ids.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
+from functools import cache
 from typing import Any
 
 from tokenizers import Tokenizer as _Backend
@@ -22,13 +25,31 @@ from kvfleet_runtime.tokenizer._chat import ChatTemplate
 __all__ = ["HFStreamDecoder", "HFTokenizer"]
 
 _REPLACEMENT = "\ufffd"
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_METASPACE = "\u2581"
+
+
+@cache
+def _byte_level_decoding() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte (the inverse of `bytes_to_unicode`)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 class HFTokenizer:
     """A model folder's tokenizer; built by `load_tokenizer`, which checks the folder."""
 
-    __slots__ = ("_backend", "_chat", "bos_token", "chat_templates", "eos_token", "name",
-                 "special_tokens", "stop_ids", "vocab_size")
+    __slots__ = ("_added", "_backend", "_byte_fallback", "_byte_level", "_chat", "_metaspace",
+                 "bos_token", "chat_templates", "eos_token", "name", "special_tokens",
+                 "stop_ids", "vocab_size")
 
     def __init__(self, backend: _Backend, *, name: str, stop_ids: frozenset[int],
                  special_tokens: Mapping[str, str],
@@ -45,6 +66,12 @@ class HFTokenizer:
         """Template sources by name; "default" is the one `encode_chat` uses."""
         default = self.chat_templates.get("default")
         self._chat = ChatTemplate(default) if default is not None else None
+        spec = json.loads(backend.to_str())
+        decoder = json.dumps(spec.get("decoder"), ensure_ascii=False)
+        self._byte_level = '"ByteLevel"' in decoder
+        self._metaspace = _METASPACE in decoder or '"Metaspace"' in decoder
+        self._byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
+        self._added = {int(t["id"]) for t in spec.get("added_tokens", [])}
 
     @property
     def has_chat_template(self) -> bool:
@@ -61,6 +88,24 @@ class HFTokenizer:
 
     def stream_decoder(self) -> HFStreamDecoder:
         return HFStreamDecoder(self)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, even when they are part of a character (a byte-level
+        or byte-fallback piece); an added token is its text, an unknown id nothing."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added:
+            return str(piece).encode()
+        if self._byte_fallback and (m := _BYTE_FALLBACK_TOKEN.fullmatch(piece)):
+            return bytes([int(m.group(1), 16)])
+        if self._byte_level:
+            table = _byte_level_decoding()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if self._metaspace:
+            return str(piece).replace(_METASPACE, " ").encode()
+        return self.decode([token_id]).encode()
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
                     add_generation_prompt: bool = True) -> str:

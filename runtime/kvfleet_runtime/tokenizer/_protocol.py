@@ -36,5 +36,9 @@ class Tokenizer(Protocol):
 
     def stream_decoder(self) -> IncrementalDecoder: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes (for logprobs: often part of a character, never U+FFFD)."""
+        ...
+
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
                     add_generation_prompt: bool = True) -> list[int]: ...

@@ -186,3 +186,26 @@ def test_model_specific_tokens_reach_the_template(tmp_path: Path, bpe_dir: Path)
     expected = _hf(folder).apply_chat_template(CHATS[2], tokenize=False)
     assert _ours(folder).render_chat(CHATS[2], add_generation_prompt=False) == expected
     assert expected.count("<|eot_id|>") == len(CHATS[2])
+
+
+@pytest.mark.parametrize("text", STRINGS)
+def test_token_bytes_are_the_texts_bytes(bpe_dir: Path, spm_dir: Path, text: str) -> None:
+    """Token by token, the raw bytes add up to the text (split characters included); the
+    sentencepiece-style tokenizer's own leading space (its normalizer prepends one to every
+    stretch of text between special tokens) is a byte too, which the decoder strips."""
+    bpe, spm = _ours(bpe_dir), _ours(spm_dir)
+    assert b"".join(bpe.token_bytes(i) for i in bpe.encode(text, bos=False)) == text.encode()
+    if "<s>" in text:
+        return
+    spm_bytes = b"".join(spm.token_bytes(i) for i in spm.encode(text, bos=False))
+    assert spm_bytes == (b" " + text.encode() if text else b"")
+
+
+def test_token_bytes_of_a_split_emoji_are_its_utf8_bytes(bpe_dir: Path, spm_dir: Path) -> None:
+    for folder in (bpe_dir, spm_dir):
+        tok = _ours(folder)
+        pieces = [tok.token_bytes(i) for i in tok.encode("🙂", bos=False)]
+        assert b"".join(pieces).endswith("🙂".encode()) and len(pieces) > 1
+    bpe = _ours(bpe_dir)
+    assert bpe.token_bytes(bpe.encode("x")[0]) == b"<|begin_of_text|>"
+    assert bpe.token_bytes(10**6) == b""
