@@ -85,3 +85,11 @@ def test_chat_ids_are_the_replicas_template_or_none(bpe_dir: Path) -> None:  # n
     assert chat_token_ids("not a list", tok.name, tok) is None
     assert chat_token_ids([], tok.name, tok) is None  # the replica says why
     assert chat_token_ids(messages, "byte-v1") == ByteTokenizer().encode_chat(messages)
+
+
+def test_text_that_is_not_unicode_is_not_tokenized(bpe_dir: Path) -> None:  # noqa: F811
+    tok = load_tokenizer(bpe_dir)
+    assert prompt_token_ids("a\ud800b", tok.name, tok) is None
+    assert prompt_token_ids("a\ud800b", "byte-v1") is None
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        tok.encode("a\ud800b")

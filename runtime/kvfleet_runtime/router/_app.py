@@ -76,7 +76,12 @@ def prompt_token_ids(prompt: Any, tokenizer: str,
     if not isinstance(prompt, str):
         return None
     own = _tokenizer_named(tokenizer, local)
-    return None if own is None else own.encode(prompt)
+    if own is None:
+        return None
+    try:
+        return own.encode(prompt)
+    except ValueError:  # a lone surrogate: the replica refuses it with a 400
+        return None
 
 
 def chat_token_ids(messages: Any, tokenizer: str,

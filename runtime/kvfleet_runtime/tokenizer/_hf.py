@@ -80,7 +80,10 @@ class HFTokenizer:
     def encode(self, text: str, *, bos: bool = True) -> list[int]:
         """`bos=True` applies the tokenizer's post-processor (its BOS/EOS rules), as transformers'
         `encode` does by default; False encodes the bare text."""
-        ids: list[int] = self._backend.encode(text, add_special_tokens=bos).ids
+        try:
+            ids: list[int] = self._backend.encode(text, add_special_tokens=bos).ids
+        except TypeError as exc:  # the library's answer to a lone surrogate
+            raise ValueError(f"text is not valid Unicode (a lone surrogate?): {exc}") from exc
         return ids
 
     def decode(self, ids: Iterable[int]) -> str:
