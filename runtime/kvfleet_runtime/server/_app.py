@@ -308,7 +308,11 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
                 raise ApiError(400, f"prompt has {len(body.prompt)} characters; the limit is "
                                f"{limits.max_prompt_tokens - 1}", param="prompt",
                                code="prompt_too_long")
-            token_ids = tok.encode(body.prompt)
+            try:
+                token_ids = tok.encode(body.prompt)
+            except ValueError as exc:
+                raise ApiError(400, f"prompt: {exc}", param="prompt",
+                               code="invalid_value") from exc
         else:
             token_ids = list(body.prompt)
         if len(token_ids) > limits.max_prompt_tokens:

@@ -14,6 +14,8 @@ import dataclasses
 import itertools
 import json
 import shutil
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -155,3 +157,15 @@ def test_a_tokenizer_with_more_ids_than_the_model_is_refused(
                                          r"vocabulary has 259 \(vocab_size in config.json\)"):
         build_replica(load_config(config_path, environ={}, overrides=overrides),
                       overrides=overrides)
+
+
+def test_text_that_is_not_unicode_is_a_400(served: tuple[str, list[int], HFTokenizer]) -> None:
+    base_url, _, _ = served
+    # JSON may spell a lone surrogate (the openai client cannot send one).
+    body = b'{"model": "m", "prompt": "a\\ud800b", "max_tokens": 2}'
+    request = urllib.request.Request(base_url + "/completions", data=body, headers={
+        "Content-Type": "application/json", "X-Kvfleet-Tenant": "acme"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 400
+    assert "error" in json.loads(err.value.read())
