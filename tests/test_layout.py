@@ -27,11 +27,13 @@ def test_stdlib_operator_module_is_the_one_imported_from_the_repo_root() -> None
     assert hasattr(importlib.import_module("operator"), "itemgetter")
 
 
-@pytest.mark.parametrize("package", ["kvfleet_runtime", "kvfleet_operator"])
-def test_packages_import_from_their_folders(package: str) -> None:
+@pytest.mark.parametrize(
+    ("package", "folder"),
+    [("kvfleet_runtime", "runtime"), ("kvfleet_lab", "runtime"), ("kvfleet_operator", "operator")],
+)
+def test_packages_import_from_their_folders(package: str, folder: str) -> None:
     module = importlib.import_module(package)
     assert module.__file__ is not None
-    folder = "runtime" if package == "kvfleet_runtime" else "operator"
     assert Path(module.__file__).parent == ROOT / folder / package
 
 
