@@ -31,10 +31,16 @@ def test_stdlib_operator_module_is_the_one_imported_from_the_repo_root() -> None
     ("package", "folder"),
     [("kvfleet_runtime", "runtime"), ("kvfleet_lab", "runtime"), ("kvfleet_operator", "operator")],
 )
-def test_packages_import_from_their_folders(package: str, folder: str) -> None:
+def test_packages_import_from_their_folders(package: str, folder: str, tmp_path: Path) -> None:
     module = importlib.import_module(package)
     assert module.__file__ is not None
     assert Path(module.__file__).parent == ROOT / folder / package
+    # So do the processes the tests start, from any working directory.
+    code = f"import {package}; print({package}.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert Path(out).parent == ROOT / folder / package
 
 
 @pytest.mark.parametrize("module", ["kvfleet_operator", "kvfleet_runtime.breakeven"])
