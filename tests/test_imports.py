@@ -235,3 +235,25 @@ def test_the_torch_rule_would_catch_torch() -> None:
     assert any(
         n.split(".")[0] == "torch" for n in _closure("kvfleet_runtime.engine", top_level_only=True)
     )
+
+
+# The cache core's micro-benchmark times the layers themselves (pool moves, commits, runs): the
+# one module allowed below the cache's public surface.
+_CACHE_INTERNALS_ALLOWED = {"kvfleet_lab.cache.bench"}
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        m for m in _sources()
+        if (m.startswith(("kvfleet_lab", "kvfleet_runtime.fleet", "kvfleet_runtime.router")))
+        and m not in _CACHE_INTERNALS_ALLOWED
+    ],
+)
+def test_replays_and_the_fleet_tier_stay_above_the_cache_manager(module: str) -> None:
+    below = sorted(
+        n for n in _imports(module, top_level_only=False)
+        if n.startswith(("kvfleet_runtime.cache._manager", "kvfleet_runtime.cache._index"))
+        or n.endswith(".StorePlan")
+    )
+    assert below == [], f"{module} reaches into the cache manager: {below}"

@@ -15,11 +15,9 @@ from rich.table import Table
 
 from kvfleet_runtime.cli._app import app, fail
 
-__all__ = ["TRACE_NAME", "bench", "default_trace"]
+__all__ = ["TRACE_HELP", "bench", "default_trace"]
 
-# The lab's trace name, repeated here so that loading the CLI does not import the lab; a test
-# checks that the two agree (tests/lab/bench/test_cli.py).
-TRACE_NAME = "mooncake_synthetic_trace.jsonl"
+TRACE_HELP = "Mooncake-format JSONL trace; default: the vendored Mooncake synthetic trace."
 
 
 def default_trace() -> Path:

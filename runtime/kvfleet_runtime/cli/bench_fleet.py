@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import bench, default_trace
+from kvfleet_runtime.cli.bench import TRACE_HELP, bench, default_trace
 
 __all__ = ["fleet"]
 
@@ -21,7 +21,7 @@ __all__ = ["fleet"]
 def fleet(
     trace: Annotated[
         Path | None,
-        typer.Option(help="Mooncake-format JSONL trace; default: the vendored Mooncake trace."),
+        typer.Option(help=TRACE_HELP),
     ] = None,
     replicas: Annotated[int, typer.Option(help="Replicas in the hit-rate simulation.")] = 4,
     capacity_fraction: Annotated[

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import TRACE_NAME, bench, default_trace
+from kvfleet_runtime.cli.bench import TRACE_HELP, bench, default_trace
 
 __all__ = ["QUICK_ARGS", "all_benchmarks", "policies"]
 
@@ -54,7 +54,7 @@ def _parse_fractions(text: str) -> list[float]:
 def policies(
     trace: Annotated[
         Path | None,
-        typer.Option(help=f"Mooncake-format JSONL trace; default: the vendored {TRACE_NAME}."),
+        typer.Option(help=TRACE_HELP),
     ] = None,
     trace_requests: Annotated[
         int, typer.Option(help="Replay the first N requests of the trace (the quick run).")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from kvfleet_lab.traces import DEFAULT_TRACE, TRACE_NAME
-from kvfleet_runtime.cli.bench import TRACE_NAME as CLI_TRACE_NAME
+from kvfleet_runtime.cli.bench import default_trace
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -30,7 +30,7 @@ EXPECTED_HIT_TOKENS = {
 
 
 def test_the_cli_names_the_vendored_trace() -> None:
-    assert CLI_TRACE_NAME == TRACE_NAME and DEFAULT_TRACE.is_file()
+    assert default_trace() == DEFAULT_TRACE and DEFAULT_TRACE.is_file()
     assert DEFAULT_TRACE.is_relative_to(ROOT / "runtime" / "kvfleet_lab" / "traces")
     notice = (DEFAULT_TRACE.parent / "README.md").read_text()
     assert "kvcache-ai/Mooncake" in notice
