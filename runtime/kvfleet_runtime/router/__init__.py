@@ -12,15 +12,6 @@ from kvfleet_runtime.router._app import (
     create_router_app,
     prompt_token_ids,
 )
-from kvfleet_runtime.router._view import LOAD_PATH, FleetView, LoadReport, parse_load_report
+from kvfleet_runtime.router._view import FleetView
 
-__all__ = [
-    "LOAD_PATH",
-    "FleetView",
-    "LoadReport",
-    "RouterState",
-    "chat_token_ids",
-    "create_router_app",
-    "parse_load_report",
-    "prompt_token_ids",
-]
+__all__ = ["FleetView", "RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids"]

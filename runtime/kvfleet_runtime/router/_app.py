@@ -46,17 +46,17 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvfleet_runtime.cache import BLOCK_SIZE, block_hashes
+from kvfleet_runtime.cache import block_hashes
 from kvfleet_runtime.fleet.index import HintIndex
 from kvfleet_runtime.router._view import FleetView
 from kvfleet_runtime.routing import ApiKeyMap, RouteDecision, choose_replica
 from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
+from kvfleet_runtime.wire import BLOCK_SIZE, TENANT_HEADER
 
 __all__ = ["RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids"]
 
 log = logging.getLogger(__name__)
 
-TENANT_HEADER = "X-Kvfleet-Tenant"
 _BYTE_TOKENIZER = ByteTokenizer()
 _INLINE_ENCODE_MAX_CHARS = 4096
 """Longer text prompts are tokenized on a worker thread: tens of milliseconds for a long document
