@@ -77,23 +77,27 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo["kube"].ensure_cluster_peering(settings.peering.name)
 
 
-def _policy(memo: Any, namespace: str | None, name: str) -> None:
+def _policy(memo: Any, namespace: str | None, name: str, tick: bool = False) -> None:
     key = ("policy", _ns(namespace), name)
 
     def once() -> float:
         handlers.reconcile_policy(_kube(memo), key[1], name)
         return 0.0  # a valid policy is due on every tick: pods come and go
 
-    with memo["locks"].of(*key):
-        run_scheduled(memo["schedule"], key, once)
+    with memo["locks"].of(*key):  # the due check too: a change handler may be re-arming it
+        if not tick or memo["schedule"].is_due(key):
+            run_scheduled(memo["schedule"], key, once)
 
 
-def _rollout(memo: Any, namespace: str | None, name: str) -> None:
+def _rollout(memo: Any, namespace: str | None, name: str, tick: bool = False) -> None:
     key = ("rollout", _ns(namespace), name)
     with memo["locks"].of(*key):
-        run_scheduled(
-            memo["schedule"], key, lambda: handlers.reconcile_rollout(_kube(memo), key[1], name)
-        )
+        if not tick or memo["schedule"].is_due(key):
+            run_scheduled(
+                memo["schedule"],
+                key,
+                lambda: handlers.reconcile_rollout(_kube(memo), key[1], name),
+            )
 
 
 @kopf.on.resume(*_POLICY)
@@ -107,8 +111,7 @@ def policy_changed(namespace: str | None, name: str, memo: Any, **_: Any) -> Non
 @kopf.timer(*_POLICY, interval=POLICY_INTERVAL_S, initial_delay=POLICY_INTERVAL_S)
 def policy_tick(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
     """Re-plan home sets as replica pods come and go (level-triggered: a no-op when unchanged)."""
-    if memo["schedule"].is_due(("policy", _ns(namespace), name)):
-        _policy(memo, namespace, name)
+    _policy(memo, namespace, name, tick=True)
 
 
 @kopf.on.resume(*_ROLLOUT)
@@ -123,8 +126,7 @@ def rollout_changed(namespace: str | None, name: str, memo: Any, **_: Any) -> No
 def rollout_tick(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
     """Evaluate the rollout's gate when the last evaluation asked to: pods get ready, hit rates
     recover by themselves."""
-    if memo["schedule"].is_due(("rollout", _ns(namespace), name)):
-        _rollout(memo, namespace, name)
+    _rollout(memo, namespace, name, tick=True)
 
 
 def run() -> None:

@@ -12,6 +12,10 @@ answer:
   until the object changes, so the error is logged once, not once per tick;
 - `kopf.TemporaryError`: left due, kopf itself waits the error's delay before the next tick.
 
+An object the schedule has never seen is not due: kopf runs a change handler (resume at start,
+create, update) for every object before anything else, and that run arms the schedule. So a timer
+that fires first does not evaluate an object twice (once for the tick, once for its creation).
+
 Pure bookkeeping with an injected clock: no sleeping, no threads of its own.
 """
 
@@ -35,9 +39,9 @@ class Schedule:
         self._due_s: dict[Hashable, float | None] = {}
 
     def is_due(self, key: Hashable) -> bool:
-        """An object never seen (a tick before its first reconcile) is due."""
+        """An object never seen (a tick before its first change handler) is not due."""
         with self._guard:
-            due_s = self._due_s.get(key, float("-inf"))
+            due_s = self._due_s.get(key)
         return due_s is not None and self._clock() >= due_s
 
     def after(self, key: Hashable, delay_s: float | None) -> None:

@@ -24,8 +24,12 @@ def clock() -> Clock:
     return Clock()
 
 
-def test_an_object_never_evaluated_is_due(clock: Clock) -> None:
-    assert Schedule(clock).is_due(KEY)
+def test_an_object_is_due_only_once_a_change_handler_armed_it(clock: Clock) -> None:
+    schedule = Schedule(clock)
+    clock.now_s += 1e9
+    assert not schedule.is_due(KEY)
+    run_scheduled(schedule, KEY, lambda: 0.0)
+    assert schedule.is_due(KEY)
 
 
 def test_the_requeue_delay_decides_the_next_tick(clock: Clock) -> None:
@@ -33,6 +37,7 @@ def test_the_requeue_delay_decides_the_next_tick(clock: Clock) -> None:
     assert run_scheduled(schedule, KEY, lambda: 15.0) == 15.0
     clock.now_s += 14.9
     assert not schedule.is_due(KEY)
+    schedule.after(("rollout", "ns", "other"), 0.0)
     assert schedule.is_due(("rollout", "ns", "other"))  # keys are independent
     clock.now_s += 0.1
     assert schedule.is_due(KEY)
@@ -56,6 +61,7 @@ def test_a_permanent_error_stops_the_ticks_until_a_change(clock: Clock) -> None:
         calls.append(1)
         raise kopf.PermanentError("invalid ModelRollout ns/roll")
 
+    schedule.after(KEY, 0.0)  # armed by its create handler, say, which did not raise
     ticks = 0
     for _ in range(10):  # ten timer ticks, one second apart
         if schedule.is_due(KEY):
