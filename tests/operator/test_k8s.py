@@ -76,7 +76,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
         (
             "KVCachePolicy",
             {"selector": {"matchLabels": {"a": "b"}}, "model": {"tpDegree": 3}},
-            "spec.model.tpDegree: Invalid value: \"object\": tpDegree must divide the 8 KV heads",
+            "spec.model.tpDegree: Invalid value",
         ),
         (
             "KVCachePolicy",
@@ -84,7 +84,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
                 "selector": {"matchLabels": {"a": "b"}},
                 "model": {"profile": "llama-3-8b", "tpDegree": 16},
             },
-            "spec.model.tpDegree",
+            "tpDegree must divide the 8 KV heads of reference-70b, llama-3-8b, llama-3-405b",
         ),
         (
             "ModelRollout",
