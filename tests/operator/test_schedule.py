@@ -3,6 +3,8 @@ one only on change, an invalid one never again until it changes."""
 
 from __future__ import annotations
 
+import contextlib
+
 import kopf
 import pytest
 
@@ -89,3 +91,43 @@ def test_a_temporary_error_leaves_it_due(clock: Clock) -> None:
 def test_a_negative_delay_is_refused(clock: Clock) -> None:
     with pytest.raises(ValueError, match="-1"):
         Schedule(clock).after(KEY, -1.0)
+
+
+def test_the_rollout_timer_acts_when_the_planner_asked(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """main's glue: the change handler evaluates at once and arms the schedule with the planner's
+    requeue delay; timer ticks (every second) evaluate only once it has passed; after a
+    PermanentError no tick evaluates, and the next change does."""
+    from kvfleet_operator import handlers, main
+
+    answers: list[float | Exception | None] = [15.0, 1.0, kopf.PermanentError("invalid"), None]
+    calls: list[str] = []
+
+    def reconcile(kube: object, namespace: str, name: str) -> float | None:
+        calls.append(f"{namespace}/{name}")
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(handlers, "reconcile_rollout", reconcile)
+    memo = {"kube": None, "locks": main._Locks(), "schedule": Schedule(clock)}
+
+    def ticks(seconds: int) -> int:
+        before = len(calls)
+        for _ in range(seconds):
+            clock.now_s += 1
+            with contextlib.suppress(kopf.PermanentError):
+                main.rollout_tick(namespace="ns", name="roll", memo=memo)
+        return len(calls) - before
+
+    assert ticks(5) == 0  # never seen by a change handler: not due
+    main.rollout_changed(namespace="ns", name="roll", memo=memo)  # -> 15 s
+    assert calls == ["ns/roll"]
+    assert ticks(14) == 0
+    assert ticks(1) == 1  # -> 1 s
+    assert ticks(1) == 1  # -> PermanentError
+    assert ticks(60) == 0
+    main.rollout_changed(namespace="ns", name="roll", memo=memo)  # a change -> None
+    assert ticks(60) == 0 and len(calls) == 4
