@@ -165,7 +165,6 @@ _API_VERSION = (
     f"{GROUP}/{VERSION}."
 )
 _KIND = "Kind is the REST resource this object represents, in CamelCase."
-_METADATA = "Standard object metadata: name, namespace, labels, annotations."
 
 
 def _printer(name: str, type_: str, path: str, priority: int = 0) -> dict[str, Any]:
@@ -224,7 +223,9 @@ def _crd(
                             "properties": {
                                 "apiVersion": {"type": "string", "description": _API_VERSION},
                                 "kind": {"type": "string", "description": _KIND},
-                                "metadata": {"type": "object", "description": _METADATA},
+                                # The API server refuses anything here but name/generateName
+                                # rules; it documents ObjectMeta itself.
+                                "metadata": {"type": "object"},
                                 "spec": spec_schema,
                                 "status": status_schema,
                             },

@@ -325,13 +325,12 @@ def test_invalid_rollout_writes_its_condition_once_and_stops(
     cond = wait_for(condition, "Ready condition")
     assert (cond["status"], cond["reason"]) == ("False", "InvalidTarget")
     assert "container 'nope' not in the pod template (has: replica)" in cond["message"]
-    prefix = f"[{ns}/no-container]"
-
     def failures() -> list[str]:
+        # kopf's line: "Handler 'rollout_changed' failed permanently: <ns>/no-container: ..."
         return [
             line
             for line in operator.log().splitlines()
-            if prefix in line and "failed permanently" in line
+            if "failed permanently" in line and f"{ns}/no-container:" in line
         ]
 
     wait_for(failures, "the permanent failure logged")
