@@ -93,3 +93,26 @@ def test_text_that_is_not_unicode_is_not_tokenized(bpe_dir: Path) -> None:  # no
     assert prompt_token_ids("a\ud800b", "byte-v1") is None
     with pytest.raises(ValueError, match="not valid Unicode"):
         tok.encode("a\ud800b")
+
+
+async def test_chat_messages_are_matched_under_the_replicas_template(
+        bpe_dir: Path, replicas: list[FakeReplica], start_router: StartRouter) -> None:  # noqa: F811
+    from kvfleet_runtime.router._app import _matched_tokens
+
+    tok = load_tokenizer(bpe_dir)
+    for r in replicas:
+        r.load["tokenizer"] = tok.name
+    index = EmbeddedHintIndex()
+    router = await start_router(replicas, index=index, recompute_s_per_token=1e-3)
+    router.state.tokenizer = tok
+    messages = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "hi"}]
+    ids = tok.encode_chat(messages)
+    await index.publish("r1", block_hashes(CacheKey("acme", **KEY_FIELDS), ids))
+    matched = await _matched_tokens(router.state, "acme", messages, chat=True)
+    assert matched == {"r1": len(ids) // 16 * 16}
+    long = [{"role": "user", "content": PROMPT * 30}]
+    assert len(PROMPT * 30) > 4096
+    await index.publish("r2", block_hashes(CacheKey("acme", **KEY_FIELDS), tok.encode_chat(long)))
+    assert (await _matched_tokens(router.state, "acme", long, chat=True)).get("r2", 0) > 4096
+    router.state.tokenizer = None
+    assert await _matched_tokens(router.state, "acme", messages, chat=True) == {}

@@ -187,8 +187,10 @@ def _error(
     )
 
 
-async def _matched_tokens(state: RouterState, tenant: str, prompt: Any) -> dict[str, int]:
-    """Hinted prefix tokens per replica for this prompt; {} when unknown."""
+async def _matched_tokens(state: RouterState, tenant: str, prompt: Any, *,
+                          chat: bool = False) -> dict[str, int]:
+    """Hinted prefix tokens per replica for this prompt (a chat request's `messages` when
+    `chat`); {} when unknown."""
     view = state.view
     if state.index is None or view.recompute_cost is None or not view.t2_enabled:
         return {}
@@ -204,12 +206,13 @@ async def _matched_tokens(state: RouterState, tenant: str, prompt: Any) -> dict[
     if report is None:
         return {}
     key = report.key(tenant)
-    if isinstance(prompt, str) and len(prompt) > _INLINE_ENCODE_MAX_CHARS:
-        token_ids = await asyncio.to_thread(prompt_token_ids, prompt, report.tokenizer,
-                                            state.tokenizer)
+    encode = chat_token_ids if chat else prompt_token_ids
+    text_chars = len(json.dumps(prompt)) if chat else len(prompt) if isinstance(prompt, str) else 0
+    if text_chars > _INLINE_ENCODE_MAX_CHARS:
+        token_ids = await asyncio.to_thread(encode, prompt, report.tokenizer, state.tokenizer)
     else:
-        token_ids = prompt_token_ids(prompt, report.tokenizer, state.tokenizer)
-    if token_ids is None and isinstance(prompt, str):
+        token_ids = encode(prompt, report.tokenizer, state.tokenizer)
+    if token_ids is None and (chat or isinstance(prompt, str)):
         _warn_untokenized(state, report.tokenizer)
     if key is None or token_ids is None or len(token_ids) < BLOCK_SIZE:
         return {}
