@@ -317,8 +317,8 @@ def _read_tensors(path: Path, data_start: int, entries: list[TensorEntry],
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of one file, read into its own buffer; every byte of the file hashed."""
     with path.open("rb", buffering=0) as f:
-        head = f.read(data_start)
-        hasher.update(head)
+        # Every update goes through the one worker, so the bytes are hashed in file order.
+        pending.append(pool.submit(hasher.update, _read_exact(f, data_start, path)))
         pos = 0
         for entry in entries:
             if entry.begin < pos:
