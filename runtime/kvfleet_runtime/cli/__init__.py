@@ -21,6 +21,7 @@ from kvfleet_runtime.cli import bench_fleet as _bench_fleet  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_policies as _bench_policies  # noqa: E402, F401
 from kvfleet_runtime.cli import breakeven as _breakeven  # noqa: E402, F401
 from kvfleet_runtime.cli import demo as _demo  # noqa: E402, F401
+from kvfleet_runtime.cli import model as _model  # noqa: E402, F401
 from kvfleet_runtime.cli import replica as _replica  # noqa: E402, F401
 from kvfleet_runtime.cli import router as _router  # noqa: E402, F401
 from kvfleet_runtime.cli import simulate as _simulate  # noqa: E402, F401

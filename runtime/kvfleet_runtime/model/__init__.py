@@ -3,12 +3,14 @@
 Which architectures are served and how a config is read: `kvfleet_runtime.architectures`."""
 
 from kvfleet_runtime.model.checkpoint import (
+    CheckpointReport,
     LoadedModel,
     args_from_hf_config,
     args_to_hf_config,
     checkpoint_args,
     default_device,
     generate_checkpoint,
+    inspect_checkpoint,
     load_checkpoint,
     read_config,
     weight_files,
@@ -38,6 +40,7 @@ __all__ = [
     "PRESETS",
     "VOCAB_SIZE",
     "ByteTokenizer",
+    "CheckpointReport",
     "IncrementalDecoder",
     "LoadedModel",
     "ModelArgs",
@@ -50,6 +53,7 @@ __all__ = [
     "checkpoint_args",
     "default_device",
     "generate_checkpoint",
+    "inspect_checkpoint",
     "load_checkpoint",
     "read_config",
     "weight_files",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +39,7 @@ from kvfleet_runtime.model.model import Transformer, torch_dtype
 
 __all__ = [
     "CONFIG_FILE",
+    "CheckpointReport",
     "INDEX_FILE",
     "WEIGHTS_FILE",
     "LoadedModel",
@@ -47,6 +49,7 @@ __all__ = [
     "checkpoint_args",
     "default_device",
     "generate_checkpoint",
+    "inspect_checkpoint",
     "load_checkpoint",
     "read_config",
     "read_header",
@@ -352,6 +355,58 @@ def _read_exact(f: BinaryIO, n: int, path: Path) -> bytes:
     if len(data) != n:
         raise ValueError(f"{path} is truncated")
     return data
+
+
+@dataclass(slots=True, frozen=True)
+class CheckpointReport:
+    """What `kvfleet model inspect` prints: read from the config and the file headers."""
+
+    model_dir: str
+    architecture: str
+    supported: bool
+    reason: str | None
+    """Why the checkpoint is refused (the loader's own error), None when supported."""
+    num_params: int
+    checkpoint_dtype: str
+    serving_dtype: str | None
+    kv_bytes_per_token: int | None
+    checkpoint_bytes: int
+    num_files: int
+    weights_digest: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def inspect_checkpoint(model_dir: Path, *, dtype: str | None = None,
+                       digest: bool = True) -> CheckpointReport:
+    """Report a checkpoint without loading it; ValueError only when the folder is unreadable."""
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    names = config.get("architectures")
+    architecture = (str(names[0]) if isinstance(names, list) and names
+                    else str(config.get("model_type", "?")))
+    files = [(path, *read_header(path)) for path in weight_files(model_dir)]
+    entries = [e for _, _, es in files for e in es]
+    dtypes = sorted({e.dtype for e in entries})
+    reason: str | None = None
+    args: ModelArgs | None = None
+    try:
+        args, _ = checkpoint_args(model_dir, dtype=parse_dtype(dtype) if dtype else None)
+    except ValueError as exc:
+        reason = str(exc)
+    tied = args.tie_word_embeddings if args is not None else bool(
+        config.get("tie_word_embeddings"))
+    num_params = sum(math.prod(e.shape) for e in entries
+                     if not (tied and e.name == "lm_head.weight"))
+    return CheckpointReport(
+        model_dir=str(model_dir), architecture=architecture, supported=args is not None,
+        reason=reason, num_params=num_params, checkpoint_dtype="/".join(dtypes) or "none",
+        serving_dtype=args.dtype if args else None,
+        kv_bytes_per_token=args.kv_bytes_per_token if args else None,
+        checkpoint_bytes=sum(p.stat().st_size for p, _, _ in files), num_files=len(files),
+        weights_digest=weights_digest(model_dir) if digest else None,
+    )
 
 
 def default_device() -> torch.device:
