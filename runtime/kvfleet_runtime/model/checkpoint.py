@@ -39,9 +39,9 @@ from kvfleet_runtime.model.model import Transformer, torch_dtype
 
 __all__ = [
     "CONFIG_FILE",
-    "CheckpointReport",
     "INDEX_FILE",
     "WEIGHTS_FILE",
+    "CheckpointReport",
     "LoadedModel",
     "TensorEntry",
     "args_from_hf_config",
@@ -330,7 +330,7 @@ def _read_tensors(path: Path, data_start: int, entries: list[TensorEntry],
                 pending.append(pool.submit(hasher.update, _read_exact(f, entry.begin - pos,
                                                                      path)))
             buf = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
-            view = memoryview(buf.numpy())
+            view = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
             _read_into(f, view, path)
             pending.append(pool.submit(hasher.update, view))  # in order: one worker
             pos = entry.end

@@ -134,8 +134,8 @@ def test_untied_checkpoint_without_lm_head_says_why(tiny: Path) -> None:
     state = load_file(str(tiny / "model.safetensors"))
     del state["lm_head.weight"]
     save_file(state, str(tiny / "model.safetensors"))
-    with pytest.raises(ValueError, match="lm_head.weight is missing and tie_word_embeddings is "
-                                         "false"):
+    with pytest.raises(ValueError, match=r"lm_head\.weight is missing and tie_word_embeddings "
+                                         r"is false"):
         load_checkpoint(tiny, device=torch.device("cpu"))
     _rewrite_config(tiny, tie_word_embeddings=True)
     assert load_checkpoint(tiny, device=torch.device("cpu")).args.tie_word_embeddings
@@ -154,7 +154,7 @@ def test_undeclared_attention_bias_says_why(tmp_path: Path) -> None:
 def test_pickled_weights_are_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04")
-    with pytest.raises(ValueError, match="PyTorch .bin weights only"):
+    with pytest.raises(ValueError, match=r"PyTorch \.bin weights only"):
         load_checkpoint(tmp_path, device=torch.device("cpu"))
 
 
