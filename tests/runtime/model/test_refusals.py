@@ -204,3 +204,67 @@ def test_inspect_agrees_with_breakeven(tmp_path: Path) -> None:
     # recompute costs 2N FLOPs per token: the planner's N is inspect's parameter count
     assert round(plan["recompute_s_per_token"] * plan["gpu_dense_flops"] / 2) == report[
         "num_params"]
+
+
+# The config.json files of public checkpoints, complete and as published (transformers 4 style):
+# every field they carry must be understood.
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0",
+    "use_cache": True, "vocab_size": 32000,
+}
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+    "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 21,
+    "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+@pytest.mark.parametrize(("config", "expect"), [
+    (LLAMA_31_8B, dict(dtype="bfloat16", kv_bytes_per_token=131072, sliding_window=None,
+                       rope_theta=500000.0, qkv_bias=False, tie_word_embeddings=False)),
+    (MISTRAL_7B, dict(dtype="bfloat16", kv_bytes_per_token=131072, sliding_window=4096,
+                      max_seq_len=32768)),
+    (QWEN25_05B, dict(dtype="bfloat16", kv_bytes_per_token=12288, sliding_window=None,
+                      qkv_bias=True, o_bias=False, tie_word_embeddings=True)),
+    (QWEN3_06B, dict(dtype="bfloat16", kv_bytes_per_token=114688, qk_norm=True,
+                     head_dim=128, tie_word_embeddings=True)),
+], ids=["llama-3.1-8b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b"])
+def test_published_configs_are_read(config: dict[str, Any], expect: dict[str, Any]) -> None:
+    args = parse_hf_config(config)
+    assert {k: getattr(args, k) for k in expect} == expect
+    # parameter counts as published: 8.03B, 7.24B, 0.49B, 0.60B (0.44B without the embedding)
+    published = {"LlamaForCausalLM": 8.03e9, "MistralForCausalLM": 7.24e9,
+                 "Qwen2ForCausalLM": 0.494e9, "Qwen3ForCausalLM": 0.596e9}
+    assert args.num_params == pytest.approx(published[args.architecture], rel=0.005)
