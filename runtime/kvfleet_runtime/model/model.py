@@ -283,7 +283,10 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        # An explicit (uninitialized) weight skips Embedding's normal_ init: on the meta device
+        # that op alone pulls in torch's Python meta kernels (sympy, ~160 MB resident).
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim,
+                                         _weight=torch.empty(args.vocab_size, args.dim))
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
