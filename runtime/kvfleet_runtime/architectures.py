@@ -26,10 +26,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvfleet_runtime.wire import BLOCK_SIZE
+
 __all__ = [
     "ARCHITECTURES",
     "ATTN_IMPLS",
-    "BLOCK_SIZE",
     "DTYPE_ALIASES",
     "DTYPE_BYTES",
     "PRESETS",
@@ -40,9 +41,6 @@ __all__ = [
     "parse_hf_config",
     "supported_table",
 ]
-
-BLOCK_SIZE = 16
-"""Tokens per KV block: the paged-attention block and the prefix cache's block are the same."""
 
 ATTN_IMPLS = ("eager", "sdpa")
 

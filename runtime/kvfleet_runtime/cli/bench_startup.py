@@ -29,7 +29,7 @@ def startup(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Start-up and peak RSS of `kvfleet replica` vs transformers' from_pretrained, side by side."""
-    from kvfleet_lab.startup import run_startup_bench
+    from kvfleet_lab.model.startup import run_startup_bench
 
     if reps < 1 or threads < 1 or not 0 < scale <= 1:
         fail("--reps and --threads must be >= 1 and --scale in (0, 1]")

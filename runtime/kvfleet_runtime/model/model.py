@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvfleet_runtime.architectures import ATTN_IMPLS, BLOCK_SIZE, PRESETS, ModelArgs
+from kvfleet_runtime.architectures import ATTN_IMPLS, PRESETS, ModelArgs
+from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
-    "ATTN_IMPLS", "BLOCK_SIZE", "PRESETS", "ModelArgs", "PagedKV", "Transformer", "apply_rope",
-    "rope_inv_freq",
+    "ATTN_IMPLS", "PRESETS", "ModelArgs", "PagedKV", "Transformer", "apply_rope", "rope_inv_freq",
 ]
 
 
