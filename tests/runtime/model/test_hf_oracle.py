@@ -71,6 +71,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-yarn": ("LlamaConfig", {"max_position_embeddings": 512, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 128}}),
+    "llama-yarn-mscale": ("LlamaConfig", {"max_position_embeddings": 512, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 128, "beta_fast": 16.0, "beta_slow": 2.0,
+        "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}}),
     "llama-bias-tied": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True,
                                         "tie_word_embeddings": True}),
     "mistral-window16": ("MistralConfig", {"sliding_window": 16}),
@@ -336,6 +340,23 @@ def test_window_hits_stay_exact_across_the_window_edge(cases: dict[str, Case]) -
         assert torch.equal(model.prefill(tokens[cut:], cut, t_hit, kv_hit), logits_full)
         k_hit, v_hit = kv_hit.gather(t_hit, 70)
         assert torch.equal(k_hit, k_full) and torch.equal(v_hit, v_full)
+
+
+def test_replica_serves_in_the_chosen_dtype(cases: dict[str, Case]) -> None:
+    """`--dtype bf16` on a float32 checkpoint: weights, working KV, cache pools and key in bf16."""
+    from kvfleet_runtime.server import build_replica, load_config
+
+    case = cases["qwen2"]
+    config = load_config(None, environ={}, overrides={
+        "model_dir": str(case.dir), "device": "cpu", "dtype": "bf16",
+        "engine": {"num_kv_blocks": 8}, "cache": {"num_t0_blocks": 8, "num_t1_blocks": 8}})
+    replica = build_replica(config)
+    assert replica.loaded.model.lm_head.weight.dtype == torch.bfloat16
+    assert replica.engine.kv.k.dtype == torch.bfloat16
+    assert replica.cache is not None and replica.cache.layout.dtype == "bfloat16"
+    assert replica.engine.key_fields.kv_dtype == "bfloat16"
+    assert replica.loaded.weights_digest == case.loaded.weights_digest
+    assert replica.loaded.args.kv_bytes_per_token == case.loaded.args.kv_bytes_per_token // 2
 
 
 def test_digest_mismatch_is_reported_before_the_weights_move(
