@@ -175,6 +175,21 @@ def test_logits_and_greedy_tokens_equal_transformers(cases: dict[str, Case], nam
     assert tokens == ref_tokens
 
 
+@pytest.mark.parametrize("name", ["mistral-window16", "qwen2.5-tied-window", "qwen3"])
+def test_sdpa_attention_equals_transformers_too(cases: dict[str, Case], name: str) -> None:
+    case = cases[name]
+    loaded = load_checkpoint(case.dir, device=CPU, attn_impl="sdpa")
+    assert loaded.args.attn_impl_id() != case.loaded.args.attn_impl_id()
+    ids = torch.tensor([case.prompt])
+    with torch.no_grad():
+        gen = case.hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)
+    tokens, logits = kvfleet_greedy(loaded, case.prompt, NEW_TOKENS)
+    steps = torch.stack([row[0] for row in gen.logits])
+    assert (torch.stack(logits) - steps).abs().max().item() <= 1e-4
+    assert tokens == gen.sequences[0, PROMPT_LEN:].tolist()
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_transformers4_config_reads_as_the_same_model(cases: dict[str, Case], name: str) -> None:
     case = cases[name]
