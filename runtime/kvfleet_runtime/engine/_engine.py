@@ -67,9 +67,8 @@ class CacheKeyFields:
     @classmethod
     def for_model(cls, loaded: LoadedModel, model_id: str) -> CacheKeyFields:
         """Everything prefill depends on besides the tokens, derived from the loaded model."""
-        args = loaded.args
-        kv_dtype = str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch.")
-        return cls(model_id, loaded.weights_digest, kv_dtype, args.rope_config_hash(),
+        args = loaded.args  # the KV is written in the serving dtype
+        return cls(model_id, loaded.weights_digest, args.dtype, args.rope_config_hash(),
                    args.attn_impl_id())
 
     def key(self, tenant_id: str) -> CacheKey:

@@ -138,15 +138,15 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
         torch.set_num_threads(config.cpu_threads)
     # The tokenizer first: a folder we cannot tokenize for is refused before the weights load.
     tokenizer = load_tokenizer(Path(config.model_dir))
-    loaded = load_checkpoint(Path(config.model_dir), device=device, attn_impl=config.attn_impl)
+    # A refused config, a checkpoint that does not match it, or weights with another digest
+    # than expected: ValueError naming the problem (the CLI prints it, no traceback).
+    loaded = load_checkpoint(Path(config.model_dir), device=device, attn_impl=config.attn_impl,
+                             dtype=config.dtype,
+                             expected_digest=config.expected_weights_digest or None)
     if tokenizer.vocab_size > loaded.args.vocab_size:
         raise ValueError(f"{config.model_dir}: the tokenizer has {tokenizer.vocab_size} ids but "
                          f"the model's vocabulary has {loaded.args.vocab_size} (vocab_size in "
                          "config.json): the tokenizer is not this model's")
-    expected = config.expected_weights_digest
-    if expected and expected != loaded.weights_digest:
-        raise ValueError(f"{config.model_dir} holds weights {loaded.weights_digest}, but "
-                         f"{expected} was expected (KVFLEET_WEIGHTS_DIGEST)")
     model_id = config.model_id or Path(config.model_dir).resolve().name
     registry = registry or CollectorRegistry()
     args = loaded.args
@@ -155,7 +155,7 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
         CacheConfig(num_t0_blocks=cache_cfg.num_t0_blocks, num_t1_blocks=cache_cfg.num_t1_blocks,
                     admit_min_sightings=cache_cfg.admit_min_sightings,
                     store_queue_max_entries=cache_cfg.store_queue_max_entries),
-        KVLayout(args.n_layers, args.n_kv_heads, args.head_dim, dtype="float32"),
+        KVLayout(args.n_layers, args.n_kv_heads, args.head_dim, dtype=args.dtype),
         clock=time.monotonic,
         device=device,
         registry=registry,
