@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -357,13 +358,21 @@ def test_window_hits_stay_exact_across_the_window_edge(cases: dict[str, Case]) -
         assert torch.equal(k_hit, k_full) and torch.equal(v_hit, v_full)
 
 
-def test_replica_serves_in_the_chosen_dtype(cases: dict[str, Case]) -> None:
+def test_replica_serves_in_the_chosen_dtype(cases: dict[str, Case], tmp_path: Path) -> None:
     """`--dtype bf16` on a float32 checkpoint: weights, working KV, cache pools and key in bf16."""
     from kvfleet_runtime.server import build_replica, load_config
+    from kvfleet_runtime.tokenizer import BYTE_TOKENIZER_DECLARATION, BYTE_TOKENIZER_NAME
 
     case = cases["qwen2"]
+    # The replica needs a tokenizer; this model has none of its own, so it declares the byte one
+    # (its 300 ids cover the byte tokenizer's 259).
+    served = tmp_path / "qwen2"
+    shutil.copytree(case.dir, served)
+    config_json = json.loads((served / "config.json").read_text())
+    config_json[BYTE_TOKENIZER_DECLARATION] = BYTE_TOKENIZER_NAME
+    (served / "config.json").write_text(json.dumps(config_json))
     config = load_config(None, environ={}, overrides={
-        "model_dir": str(case.dir), "device": "cpu", "dtype": "bf16",
+        "model_dir": str(served), "device": "cpu", "dtype": "bf16",
         "engine": {"num_kv_blocks": 8}, "cache": {"num_t0_blocks": 8, "num_t1_blocks": 8}})
     replica = build_replica(config)
     assert replica.loaded.model.lm_head.weight.dtype == torch.bfloat16
