@@ -57,7 +57,13 @@ def replica(
     from aiohttp import web
 
     from kvfleet_runtime.fleet.wiring import attach_fleet, settings_from_env
-    from kvfleet_runtime.server import CONFIG_ENV, build_replica, create_app, load_config
+    from kvfleet_runtime.server import (
+        CONFIG_ENV,
+        ReplicaAuth,
+        build_replica,
+        create_app,
+        load_config,
+    )
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -71,11 +77,13 @@ def replica(
         cfg = load_config(config_path, overrides=overrides)
         rep = build_replica(cfg, config_path=config_path, overrides=overrides)
         fleet = settings_from_env(cfg.port)
+        auth = ReplicaAuth.from_env()
     except (ValueError, OSError) as exc:
         fail(str(exc))
     logging.getLogger("kvfleet.replica").info(
         "serving %s (%s) on %s:%d", rep.model_id, rep.loaded.weights_digest, cfg.host, cfg.port)
-    app = create_app(rep)
+    logging.getLogger("kvfleet.replica").info("tenant authentication: %s", auth.mode)
+    app = create_app(rep, auth=auth)
     if fleet is not None:  # the fleet tier (issue 6): T2 endpoint, load report, hints
         attach_fleet(app, rep, fleet)
     web.run_app(app, host=cfg.host, port=cfg.port, print=None)

@@ -56,6 +56,7 @@ def router(
     """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware)."""
     from aiohttp import web
 
+    from kvfleet_runtime.auth import read_router_secret
     from kvfleet_runtime.fleet.index import RedisHintIndex
     from kvfleet_runtime.router import FleetView, RouterState, create_router_app
     from kvfleet_runtime.routing import load_api_keys
@@ -73,6 +74,7 @@ def router(
         fail("give --fleet-config or at least one --replica NAME=URL")
     try:
         api_keys = load_api_keys(keys)
+        router_secret = read_router_secret()
     except ValueError as exc:
         fail(str(exc))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -88,5 +90,6 @@ def router(
         keys=api_keys,
         index=RedisHintIndex.from_url(redis_url) if redis_url else None,
         poll_interval_s=poll_interval_s,
+        router_secret=router_secret,
     )
     web.run_app(create_router_app(state), host=host, port=port, print=None)

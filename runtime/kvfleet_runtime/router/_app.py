@@ -41,6 +41,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kvfleet_runtime.auth import ASSERTION_HEADER, sign_assertion
 from kvfleet_runtime.cache import BLOCK_SIZE, block_hashes
 from kvfleet_runtime.fleet.index import HintIndex
 from kvfleet_runtime.router._view import FleetView
@@ -82,6 +83,10 @@ class RouterState:
     poll_interval_s: float = 0.5
     config_poll_s: float = 1.0
     session: aiohttp.ClientSession | None = None
+    router_secret: bytes | None = None
+    """Signs the tenant assertion sent with every proxied request (`kvfleet_runtime.auth`);
+    None: the tenant goes unsigned and only replicas without a router secret (tenant `default`,
+    loopback) accept it."""
     _recent: deque[bool] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -244,6 +249,11 @@ def create_router_app(state: RouterState) -> web.Application:
             tried.add(name)
             replica = state.view.replicas[name]
             headers = {TENANT_HEADER: tenant, "Content-Type": "application/json"}
+            if state.router_secret:
+                # One per attempt: bound to this replica, method and path, for seconds.
+                headers[ASSERTION_HEADER] = sign_assertion(
+                    state.router_secret, tenant, audience=name, method="POST", path=path,
+                    now_s=time.time())
             timeout = aiohttp.ClientTimeout(
                 total=state.upstream_timeout_s, sock_connect=state.upstream_connect_timeout_s
             )
