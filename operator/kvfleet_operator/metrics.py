@@ -5,6 +5,8 @@ rates. When it is not configured, unreachable or has no data, the fallback reads
 on every ready pod of the Deployment and divides the summed matched tokens by the summed looked-up
 tokens. Those counters are cumulative since each pod started; for a canary (whose pods are new)
 that lags the instantaneous rate, so the fallback can only delay a promotion, never hasten one.
+The fallback reads all tenants' totals, which replicas show only to the operator's token
+(`kvfleet_runtime.auth`; the chart mounts it in the operator and the replicas).
 """
 
 from __future__ import annotations
@@ -79,14 +81,19 @@ def prometheus_query(source: PrometheusSource, query: str) -> float | None:
     return None if math.isnan(number) or math.isinf(number) else number
 
 
-def read_cache_stats(source: CacheStatsSource, pod_ips: Sequence[str]) -> float | None:
-    """Hit rate over the pods' cumulative token counters; pods that do not answer are skipped."""
+def read_cache_stats(
+    source: CacheStatsSource, pod_ips: Sequence[str], token: bytes | None = None
+) -> float | None:
+    """Hit rate over the pods' cumulative token counters; pods that do not answer (or refuse:
+    a missing or wrong `token`) are skipped."""
     matched = looked_up = 0
     answered = False
+    headers = {"Authorization": "Bearer " + token.decode()} if token else {}
     for ip in pod_ips:
         url = f"http://{ip}:{source.port}{source.path}"
+        request = urllib.request.Request(url, headers=headers)
         try:
-            with urllib.request.urlopen(url, timeout=source.timeout_seconds) as response:
+            with urllib.request.urlopen(request, timeout=source.timeout_seconds) as response:
                 data: dict[str, Any] = json.loads(response.read())
         except (OSError, ValueError):
             continue
@@ -100,8 +107,13 @@ def read_cache_stats(source: CacheStatsSource, pod_ips: Sequence[str]) -> float 
 
 
 def read_hit_rates(
-    spec: MetricsSpec, target: DeploymentPods, canary: DeploymentPods | None
+    spec: MetricsSpec,
+    target: DeploymentPods,
+    canary: DeploymentPods | None,
+    *,
+    token: bytes | None = None,
 ) -> MetricReading:
+    """`token`: the operator token the `/cache/stats` fallback presents."""
     prometheus = spec.prometheus
     if prometheus is not None:
         try:
@@ -121,8 +133,8 @@ def read_hit_rates(
                 return MetricReading(None, None, None, f"prometheus unavailable: {exc}"[:200])
     stats = spec.cache_stats
     return MetricReading(
-        read_cache_stats(stats, target.pod_ips),
-        None if canary is None else read_cache_stats(stats, canary.pod_ips),
+        read_cache_stats(stats, target.pod_ips, token),
+        None if canary is None else read_cache_stats(stats, canary.pod_ips, token),
         None,
         "cache-stats",
     )

@@ -19,6 +19,9 @@
 
 {{/* The router container's environment. */}}
 {{- define "kvfleet.router.env" -}}
+{{- /* It signs each forwarded request's tenant with this (docs/security.md). */}}
+- name: KVFLEET_ROUTER_SECRET_FILE
+  value: /etc/kvfleet/router-secret/secret
 {{ include "kvfleet.redisUrlEnv" . }}
 {{- end -}}
 
