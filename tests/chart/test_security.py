@@ -107,7 +107,8 @@ def _secret_mount(out: Rendered, deployment: str, volume: str) -> tuple[str, str
 
 
 def _secret_volumes(out: Rendered, deployment: str) -> set[tuple[str, str]]:
-    return {(v["secret"]["secretName"], item["key"]) for v in _pod(out, deployment)["spec"]["volumes"]
+    volumes = _pod(out, deployment)["spec"]["volumes"]
+    return {(v["secret"]["secretName"], item["key"]) for v in volumes
             if "secret" in v for item in v["secret"]["items"]}
 
 
