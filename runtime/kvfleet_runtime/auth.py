@@ -239,7 +239,7 @@ def verify_assertion(secret: bytes, value: str | None, tenant: str, *, method: s
     expected = _mac(secret, tenant, parsed.audience, parsed.nonce, parsed.expires_ms, method, path)
     if not hmac.compare_digest(parsed.mac, expected):
         return AssertionRefused("forged", f"{ASSERTION_HEADER} does not verify for tenant "
-                                f"{tenant!r} on {method.upper()} {path}")
+                                f"{tenant[:80]!r} on {method.upper()} {path[:200]}")
     expires_at_s = parsed.expires_ms / 1000
     if expires_at_s + MAX_CLOCK_SKEW_S < now_s:
         return AssertionRefused("expired", f"{ASSERTION_HEADER} expired "
