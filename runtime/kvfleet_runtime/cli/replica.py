@@ -53,7 +53,11 @@ def replica(
     device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
-    """Serve one replica: OpenAI-compatible completions over the prefix cache."""
+    """Serve one replica: OpenAI-compatible completions over the prefix cache.
+
+    Tenants come only from the router, signed with KVFLEET_ROUTER_SECRET[_FILE].
+    Without it: only the tenant "default", on loopback.
+    Cache control needs KVFLEET_OPERATOR_TOKEN[_FILE] (docs/security.md)."""
     from aiohttp import web
 
     from kvfleet_runtime.fleet.wiring import attach_fleet, settings_from_env

@@ -53,7 +53,10 @@ def router(
     poll_interval_s: Annotated[float, typer.Option(help="Replica load poll period.")] = 0.5,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
-    """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware)."""
+    """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware).
+
+    With KVFLEET_ROUTER_SECRET[_FILE] it signs each request's tenant for its replica.
+    Replicas holding that secret accept a tenant only so signed (docs/security.md)."""
     from aiohttp import web
 
     from kvfleet_runtime.auth import read_router_secret
