@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 import urllib.parse
 
-from kvfleet_runtime.auth import ASSERTION_HEADER, sign_assertion
+from kvfleet_runtime.auth import sign_assertion
+from kvfleet_runtime.wire import ASSERTION_HEADER, TENANT_HEADER
 
 ROUTER_SECRET = "router-secret-under-test"
 OPERATOR_TOKEN = "operator-token-under-test"
-TENANT_HEADER = "X-Kvfleet-Tenant"
 
 ENV = {"KVFLEET_ROUTER_SECRET": ROUTER_SECRET, "KVFLEET_OPERATOR_TOKEN": OPERATOR_TOKEN}
 """For a replica process (router processes need only KVFLEET_ROUTER_SECRET; extra is harmless)."""

@@ -5,7 +5,9 @@ rates. When it is not configured, unreachable or has no data, the fallback reads
 on every ready pod of the Deployment and divides the summed matched tokens by the summed looked-up
 tokens. Those counters are cumulative since each pod started; for a canary (whose pods are new)
 that lags the instantaneous rate, so the fallback can only delay a promotion, never hasten one.
-The fallback reads all tenants' totals, which replicas show only to the operator's token
+The pods are asked all at once, and the whole read has one budget (the source's timeout): a slow
+or unreachable pod costs one timeout per read, not one per pod, and is skipped. The fallback
+reads all tenants' totals, which replicas show only to the operator's token
 (`kvfleet_runtime.auth`; the chart mounts it in the operator and the replicas).
 """
 
@@ -17,6 +19,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from string import Template
 from typing import Any
@@ -32,6 +35,10 @@ __all__ = [
     "read_hit_rates",
     "render_query",
 ]
+
+# Threads of one `/cache/stats` read: a Deployment of up to this many ready pods is asked at once
+# (a larger one in rounds, within the same budget).
+MAX_STATS_READERS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,25 +88,48 @@ def prometheus_query(source: PrometheusSource, query: str) -> float | None:
     return None if math.isnan(number) or math.isinf(number) else number
 
 
+def _pod_totals(source: CacheStatsSource, ip: str, token: bytes | None) -> tuple[int, int]:
+    """(matched, looked-up) tokens of one pod. Raises OSError or ValueError when it does not
+    answer, refuses (a missing or wrong `token`: 401) or answers garbage."""
+    url = f"http://{ip}:{source.port}{source.path}"
+    headers = {"Authorization": "Bearer " + token.decode()} if token else {}
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=source.timeout_seconds) as response:
+        data: dict[str, Any] = json.loads(response.read())
+    totals = data.get("totals") or {}
+    return int(totals.get("num_matched_tokens", 0)), int(totals.get("num_lookup_tokens", 0))
+
+
 def read_cache_stats(
     source: CacheStatsSource, pod_ips: Sequence[str], token: bytes | None = None
 ) -> float | None:
-    """Hit rate over the pods' cumulative token counters; pods that do not answer (or refuse:
-    a missing or wrong `token`) are skipped."""
+    """Hit rate over the pods' cumulative token counters. Every pod is asked concurrently (with
+    the operator `token`) and the read returns after at most `source.timeout_seconds` in all;
+    pods that have not answered by then, or answered an error (a refused token included), are
+    skipped (their requests finish in the background, bounded by the same timeout)."""
+    if not pod_ips:
+        return None
+    pool = ThreadPoolExecutor(
+        max_workers=min(len(pod_ips), MAX_STATS_READERS), thread_name_prefix="cache-stats"
+    )
+    try:
+        futures: list[Future[tuple[int, int]]] = [
+            pool.submit(_pod_totals, source, ip, token) for ip in pod_ips
+        ]
+        done, _ = wait(futures, timeout=source.timeout_seconds)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     matched = looked_up = 0
     answered = False
-    headers = {"Authorization": "Bearer " + token.decode()} if token else {}
-    for ip in pod_ips:
-        url = f"http://{ip}:{source.port}{source.path}"
-        request = urllib.request.Request(url, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=source.timeout_seconds) as response:
-                data: dict[str, Any] = json.loads(response.read())
-        except (OSError, ValueError):
-            continue
-        totals = data.get("totals") or {}
-        matched += int(totals.get("num_matched_tokens", 0))
-        looked_up += int(totals.get("num_lookup_tokens", 0))
+    for future in done:
+        error = future.exception()
+        if isinstance(error, OSError | ValueError):
+            continue  # an unreachable pod, or one that answered garbage
+        if error is not None:
+            raise error
+        pod_matched, pod_looked_up = future.result()
+        matched += pod_matched
+        looked_up += pod_looked_up
         answered = True
     if not answered or looked_up == 0:
         return None

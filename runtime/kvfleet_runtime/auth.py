@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from kvfleet_runtime.wire import ASSERTION_HEADER
+
 __all__ = [
-    "ASSERTION_HEADER",
     "DEFAULT_ASSERTION_TTL_S",
     "DEFAULT_TENANT",
     "MAX_ASSERTION_TTL_S",
@@ -62,7 +63,6 @@ __all__ = [
     "verify_assertion",
 ]
 
-ASSERTION_HEADER = "X-Kvfleet-Tenant-Assertion"
 DEFAULT_TENANT = "default"
 """The one tenant a replica without a router secret serves (on loopback only: the demo path)."""
 DEFAULT_ASSERTION_TTL_S = 10.0

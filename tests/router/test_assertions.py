@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 from kvfleet_runtime.auth import (
-    ASSERTION_HEADER,
     ReplayCache,
     TenantAssertion,
     verify_assertion,
 )
+from kvfleet_runtime.wire import ASSERTION_HEADER
 
 from .conftest import FakeReplica, StartRouter
 

@@ -27,7 +27,6 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvfleet_runtime.auth import (
-    ASSERTION_HEADER,
     DEFAULT_TENANT,
     AssertionRefused,
     ReplayCache,
@@ -36,7 +35,8 @@ from kvfleet_runtime.auth import (
     read_router_secret,
     verify_assertion,
 )
-from kvfleet_runtime.server._schemas import TENANT_HEADER, TENANT_PATTERN
+from kvfleet_runtime.server._schemas import TENANT_PATTERN
+from kvfleet_runtime.wire import ASSERTION_HEADER, TENANT_HEADER
 
 __all__ = ["ErrorFactory", "ReplicaAuth", "auth_middleware"]
 

@@ -22,9 +22,10 @@ import pytest
 import redis
 import requests
 
-from kvfleet_runtime.auth import ASSERTION_HEADER, sign_assertion
+from kvfleet_runtime.auth import sign_assertion
 from kvfleet_runtime.fleet import RedisHintIndex
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
+from kvfleet_runtime.wire import ASSERTION_HEADER
 from tests import credentials
 from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess, free_port
 from tests.runtime.fleet.test_replicas import _spawn, _wait_ready

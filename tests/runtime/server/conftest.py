@@ -16,10 +16,10 @@ import torch
 import yaml
 from aiohttp import web
 
-from kvfleet_runtime.auth import ASSERTION_HEADER, sign_assertion
+from kvfleet_runtime.auth import sign_assertion
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.server import Replica, ReplicaAuth, build_replica, create_app, load_config
-from kvfleet_runtime.server._schemas import TENANT_HEADER
+from kvfleet_runtime.wire import ASSERTION_HEADER, TENANT_HEADER
 
 ROUTER_SECRET = b"test-router-secret"
 OPERATOR_TOKEN = b"test-operator-token"

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvfleet_runtime.auth import ASSERTION_HEADER, MAX_CLOCK_SKEW_S, sign_assertion
+from kvfleet_runtime.auth import MAX_CLOCK_SKEW_S, sign_assertion
 from kvfleet_runtime.server import ReplicaAuth, build_replica, load_config
 from kvfleet_runtime.server._auth import _is_loopback
+from kvfleet_runtime.wire import ASSERTION_HEADER
 
 from .conftest import TEST_CONFIG, ServerThread
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from kvfleet_runtime.auth import ASSERTION_HEADER, sign_assertion
+from kvfleet_runtime.auth import sign_assertion
 from kvfleet_runtime.cli import app
+from kvfleet_runtime.wire import ASSERTION_HEADER
 
 
 def _free_port() -> int:
