@@ -117,8 +117,9 @@ class BlockIndex:
         self.num_pinned = 0
         self.pin_limit = 0
         self.max_frequency: int | None = None
-        """Sightings beyond this rank alike in eviction and in the duel (None: no cap). The manager
-        sets it from `CacheConfig.eviction_max_sightings`; see there for why."""
+        """Sightings beyond this rank alike in eviction and in the duel (None: no cap; 1: plain
+        recency). The manager sets it, through `set_max_frequency`, to the ranking its
+        `AdaptiveRanking` follows."""
         self.duel = True
         """Whether newcomers must out-frequent their victims (the manager turns it on under
         thrash; off, eviction is plain leaf-first LRU and every admitted block gets in)."""
@@ -223,6 +224,20 @@ class BlockIndex:
             heapq.heappush(self._heaps[tier], entry)
             if len(self._heaps[tier]) > 4 * len(self._nodes) + 1024:
                 self._compact(tier)
+
+    def set_max_frequency(self, max_frequency: int | None) -> None:
+        """Rank eviction with another sighting cap, re-ranking every evictable block now (a
+        lazy heap re-ranks only entries whose weight grew: a lower cap would leave old heavy
+        entries behind the new light ones)."""
+        self.max_frequency = max_frequency
+        for tier in (Tier.T0, Tier.T1):
+            heap = [
+                (n.pinned, self._weight(n), n.last_tick, next(self._seq), n)
+                for n in self._nodes.values()
+                if self._evictable(n, tier)
+            ]
+            heapq.heapify(heap)
+            self._heaps[tier][:] = heap
 
     def _compact(self, tier: int) -> None:
         heap = [e for e in self._heaps[tier] if self._valid_entry(e, tier)]
