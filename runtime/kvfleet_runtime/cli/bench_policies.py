@@ -67,9 +67,10 @@ def policies(
     workloads: Annotated[
         str,
         typer.Option(
-            help="Comma-separated: trace, system-prompts, rag, agent-loops, mixed (default all)."
+            help="Comma-separated: trace, system-prompts, rag, agent-loops, conversation, mixed "
+            "(default all)."
         ),
-    ] = "trace,system-prompts,rag,agent-loops,mixed",
+    ] = "trace,system-prompts,rag,agent-loops,conversation,mixed",
     fractions: Annotated[
         str, typer.Option(help="Capacities, as fractions of each workload's unique blocks.")
     ] = DEFAULT_FRACTIONS,
@@ -216,7 +217,7 @@ def all_benchmarks(
                 trace_requests=2000,
                 full=False,
                 requests=1000,
-                workloads="trace,system-prompts,rag,agent-loops,mixed",
+                workloads="trace,system-prompts,rag,agent-loops,conversation,mixed",
                 fractions=DEFAULT_FRACTIONS,
                 seed=1,
                 out=out,
