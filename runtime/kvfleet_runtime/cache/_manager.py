@@ -100,8 +100,6 @@ class CacheManager:
         self.bytes_per_block = bytes_per_block
         self.clock = clock
         self.sketch = CountMinSketch(config.sketch_width, config.sketch_depth)
-        self.index = BlockIndex((config.num_t0_blocks, config.num_t1_blocks), self.sketch)
-        self.index.pin_limit = int(config.pin_max_fraction * config.num_t0_blocks)
         capacity = config.num_t0_blocks + config.num_t1_blocks
         sample = 1
         while capacity // sample > config.ghost_max_blocks:
@@ -111,7 +109,12 @@ class CacheManager:
             decay=config.ranking_decay,
             margin=config.ranking_margin,
         )
-        self.index.set_max_frequency(self.ranking.max_frequency)
+        self.index = BlockIndex(
+            (config.num_t0_blocks, config.num_t1_blocks),
+            self.sketch,
+            max_frequency=self.ranking.max_frequency,
+            pin_limit=int(config.pin_max_fraction * config.num_t0_blocks),
+        )
         self.thrash = ThrashDetector(
             ratio=config.thrash_ratio,
             window_s=config.thrash_window_s,
@@ -158,9 +161,10 @@ class CacheManager:
 
     @property
     def thrashing(self) -> bool:
-        """Under pressure, as far as admission and the duel are concerned: the thrash detector
-        fired and the ranking in use counts reuse. Under plain recency (the ghosts found that
-        LRU hits the most here) thrash does not tighten anything: being selective is what lost."""
+        """Under pressure, as far as admission is concerned: the thrash detector fired and the
+        ranking in use counts reuse (then one more sighting is needed). Under plain recency (the
+        ghosts found that LRU hits the most here) thrash tightens nothing: selectivity is what
+        lost, and the duel refuses nothing either (every count is capped to 1)."""
         return self.thrash.thrashing and self.ranking.strict
 
     # -- lookup ----------------------------------------------------------------------------
@@ -199,7 +203,7 @@ class CacheManager:
         if resident:
             self.index.touch(resident)
         if self.ranking.observe(hashes, counts, len(resident)):
-            self.index.set_max_frequency(self.ranking.max_frequency)
+            self.index.set_ranking(self.ranking.max_frequency)
         cfg = self.config
         thrashing = self.thrashing
         admit = admit_threshold(cfg.admit_min_sightings, thrashing=thrashing)
@@ -239,7 +243,6 @@ class CacheManager:
     def commit(self, plan: StorePlan) -> Commit:
         """Index the plan's new blocks (as many as fit) and say where their data goes."""
         index = self.index
-        index.duel = self.thrashing
         resident = index.match(plan.hashes)
         start = len(resident)
         parent = resident[-1] if resident else None
@@ -275,7 +278,6 @@ class CacheManager:
         self.index.release(commit.nodes)
 
     def promote(self, path: list[BlockNode]) -> list[Move]:
-        self.index.duel = self.thrashing
         plan = self.index.promote(path)
         self._after(plan)
         return plan.moves

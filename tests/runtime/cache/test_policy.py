@@ -78,7 +78,7 @@ def test_index_re_ranks_every_evictable_block_when_the_cap_drops() -> None:
     put(index, ns, old)
     index.sketch.increment(new[0])
     put(index, ns, new)
-    index.set_max_frequency(1)  # plain recency: "old" is the least recent, it goes
+    index.set_ranking(1)  # plain recency: "old" is the least recent, it goes
     index.sketch.increment(h("x"))
     put(index, ns, [h("x")])
     assert index.match(old) == [] and len(index.match(new)) == 1
