@@ -17,12 +17,11 @@ from kvfleet_runtime.server._config import (
     ReplicaConfig,
     load_config,
 )
-from kvfleet_runtime.server._schemas import TENANT_HEADER, CompletionRequest, InvalidateRequest
+from kvfleet_runtime.server._schemas import CompletionRequest, InvalidateRequest
 
 __all__ = [
     "CONFIG_ENV",
     "ENV_PREFIX",
-    "TENANT_HEADER",
     "ApiError",
     "CacheSettings",
     "CompletionRequest",

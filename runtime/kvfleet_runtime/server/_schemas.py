@@ -11,7 +11,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 __all__ = [
-    "TENANT_HEADER",
     "TENANT_PATTERN",
     "WEIGHTS_DIGEST_PATTERN",
     "CompletionChoice",
@@ -26,7 +25,6 @@ __all__ = [
     "Usage",
 ]
 
-TENANT_HEADER = "X-Kvfleet-Tenant"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 WEIGHTS_DIGEST_PATTERN = r"^(sha256:[0-9a-f]{64}|sha512:[0-9a-f]{128}|blake2b:[0-9a-f]{32,128})$"
 
