@@ -3,8 +3,9 @@ request: the baseline users actually have, beside the project's model of it (`si
 
 Standalone on purpose: vllm pins its own torch, so this file runs in a separate environment that
 has vllm and nothing of kvfleet (stdlib + vllm only). `kvfleet bench policies` runs it as
-`<python> vllm_pool.py IN OUT` where IN holds the requests' chained block hashes and OUT receives
-one hit count per request. Making the environment (docs/cache.md):
+`<python> vllm_pool.py IN OUT CAPACITY[,CAPACITY...]` where IN holds the requests' chained block
+hashes and OUT receives, per capacity, one hit count per request (`blockpool.py` is the caller).
+Making the environment (docs/cache.md):
 
     uv venv ~/.cache/kvfleet/vllm-venv --python 3.11
     uv pip install --python ~/.cache/kvfleet/vllm-venv/bin/python vllm==0.33.0
@@ -17,7 +18,7 @@ freed tail first (`free_blocks(reversed(...))`), so its head is the last to go. 
 `capacity + 1` blocks: vLLM keeps one as its null block.
 
 IN format: a little-endian uint32 request count, then per request a uint32 block count and that
-many 16-byte hashes. OUT: a JSON list of hit blocks per request.
+many 16-byte hashes. OUT: a JSON object, capacity (as a string) -> hit blocks per request.
 """
 
 from __future__ import annotations
@@ -78,10 +79,11 @@ def replay(requests: list[list[bytes]], capacity_blocks: int) -> list[int]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 4:
-        sys.stderr.write("usage: vllm_pool.py IN OUT CAPACITY_BLOCKS\n")
+        sys.stderr.write("usage: vllm_pool.py IN OUT CAPACITY[,CAPACITY...]\n")
         return 2
     requests = read_requests(Path(argv[1]))
-    hits = replay(requests, int(argv[3]))
+    capacities = [int(c) for c in argv[3].split(",")]
+    hits = {str(c): replay(requests, c) for c in capacities}
     Path(argv[2]).write_text(json.dumps(hits))
     return 0
 
