@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvfleet_lab.cache.blockpool import simulate_vllm_pool
 from kvfleet_lab.cache.sim import (
     SimResult,
     TraceRequest,
@@ -77,6 +78,9 @@ class CapacityRow:
     """Of the workload's unique blocks."""
     capacity_blocks: int
     figures: dict[str, PolicyFigure]
+    vllm_pool: PolicyFigure | None = None
+    """vLLM's own `BlockPool` replayed on the same requests (`blockpool.py`), beside the
+    project's model of it ("vllm"); None where vllm was not found."""
 
     def rate(self, policy: str) -> float:
         return self.figures[policy].token_hit_rate
@@ -101,6 +105,8 @@ class WorkloadResult:
     num_tokens: int
     num_unique_blocks: int
     rows: list[CapacityRow]
+    vllm_pool_error: str | None = None
+    """Why vLLM's BlockPool replay did not run here (None: it ran, or vllm was not looked for)."""
 
 
 @dataclass(slots=True)
@@ -142,6 +148,24 @@ class PolicyComparison:
                 cells.append(f"{r.prefill_vs_no_cache('kvfleet'):.0%}")
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
+            if any(r.vllm_pool is not None for r in w.rows):
+                lines += [
+                    "vLLM's own BlockPool (`vllm.v1.core.block_pool`) on the same requests, beside "
+                    "the project's vLLM replay:",
+                    "",
+                    "| capacity | vLLM BlockPool | vLLM replay | hit tokens equal |",
+                    "|---|---|---|---|",
+                ]
+                for r in w.rows:
+                    if r.vllm_pool is not None:
+                        same = r.vllm_pool.num_hit_tokens == r.figures["vllm"].num_hit_tokens
+                        lines.append(
+                            f"| {r.capacity_fraction:.0%} | {r.vllm_pool.token_hit_rate:.2%} | "
+                            f"{r.rate('vllm'):.2%} | {'yes' if same else 'no'} |"
+                        )
+                lines.append("")
+            if w.vllm_pool_error:
+                lines += [f"vLLM's BlockPool replay did not run: {w.vllm_pool_error}", ""]
         return "\n".join(lines)
 
 
@@ -167,8 +191,10 @@ def compare_workload(
     fractions: Sequence[float],
     *,
     on_progress: Callable[[str], None] | None = None,
+    vllm_python: str | None = None,
 ) -> WorkloadResult:
-    """Every policy on `requests` at each capacity (a fraction of the unique blocks)."""
+    """Every policy on `requests` at each capacity (a fraction of the unique blocks); with
+    `vllm_python` (an interpreter that imports vllm), vLLM's own BlockPool too."""
     if not requests:
         raise ValueError(f"workload {name!r} has no requests")
     if not fractions or any(not 0 < f <= 1 for f in fractions):
@@ -189,6 +215,21 @@ def compare_workload(
             figures[policy] = _figure(result, time.perf_counter() - t0)
         figures["infinite"] = infinite
         rows.append(CapacityRow(fraction, capacity, {p: figures[p] for p in POLICIES}))
+    error = None
+    if vllm_python is not None:
+        if on_progress is not None:
+            on_progress(f"{name}: vLLM's BlockPool at every capacity ({vllm_python})")
+        t0 = time.perf_counter()
+        try:
+            pool = simulate_vllm_pool(
+                requests, [r.capacity_blocks for r in rows], python=vllm_python
+            )
+        except RuntimeError as exc:
+            error = str(exc)
+        else:
+            seconds = (time.perf_counter() - t0) / len(rows)
+            for row in rows:
+                row.vllm_pool = _figure(pool[row.capacity_blocks], seconds)
     return WorkloadResult(
         name,
         description,
@@ -196,6 +237,7 @@ def compare_workload(
         sum(r.num_tokens for r in requests),
         unique,
         rows,
+        error,
     )
 
 
@@ -204,10 +246,18 @@ def compare_policies(
     fractions: Sequence[float],
     *,
     on_progress: Callable[[str], None] | None = None,
+    vllm_python: str | None = None,
 ) -> PolicyComparison:
     start = time.perf_counter()
     results = [
-        compare_workload(name, description, requests, fractions, on_progress=on_progress)
+        compare_workload(
+            name,
+            description,
+            requests,
+            fractions,
+            on_progress=on_progress,
+            vllm_python=vllm_python,
+        )
         for name, description, requests in workloads
     ]
     return PolicyComparison(results, time.perf_counter() - start)

@@ -9,7 +9,13 @@ side-by-side policy comparison of `kvfleet bench`. Pure, seeded, torch-free.
   (an agent prompt of 1,000-2,000 tokens, 5-25 steps of 100-600 tokens, a step every 2-6 s) and
   chats (a 500-token system prompt, 2-8 turns of 100-800 tokens, a turn every 10-60 s), half each;
   a transcript is reused only by its own next step and is dead after its last;
-- `mixed`: the three interleaved in time, a third of the requests each.
+- `conversation`: multi-turn chats (issue 16): sessions of 2-30 turns (median 6) arriving as a
+  Poisson stream; each turn re-sends the whole history (one of 20 system prompts of 100-1,500
+  tokens, Zipf 1.0, then every earlier user message and answer) plus the previous answer
+  (50-800 tokens) and a new user message (20-400 tokens); think times between turns are
+  log-normal from seconds to many minutes (median 45 s, capped at an hour); a session ends after
+  its last turn and its transcript is never sent again;
+- `mixed`: the three design populations interleaved in time, a third of the requests each.
 
 Every prompt length is drawn so that it rarely ends on a block boundary. Token ids are
 deterministic per segment (segment id, position), so equal segments hash equally and nothing else
@@ -18,7 +24,9 @@ does; chains are hashed under `sim.SIM_KEY` exactly as `load_mooncake_trace` doe
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -153,6 +161,42 @@ def _agent_loops(
     return out
 
 
+def _conversations(
+    rng: random.Random, prompts: _Prompts, n: int, rate_rps: float
+) -> list[TraceRequest]:
+    system = [prompts.segment(rng.randint(100, 1500)) for _ in range(20)]
+    pick = _zipf_picker(rng, len(system), 1.0)
+    mean_turns = 8.0  # of the turn-count law below (median 6, clipped to 2-30)
+    # Next turn of each live session, by time: (time, seq, session).
+    due: list[tuple[float, int, int]] = []
+    # Per live session: (transcript so far, its number of turns, the next turn's index).
+    sessions: dict[int, tuple[tuple[_Segment, ...], int, int]] = {}
+    seq = itertools.count()
+    arrival_s = 0.0
+    out: list[TraceRequest] = []
+    while len(out) < n:
+        if not due or arrival_s <= due[0][0]:
+            session = next(seq)
+            num_turns = min(30, max(2, round(rng.lognormvariate(math.log(6.0), 0.7))))
+            sessions[session] = ((system[pick()],), num_turns, 0)
+            heapq.heappush(due, (arrival_s, session, session))
+            arrival_s += rng.expovariate(rate_rps / mean_turns)
+            continue
+        at_s, _, session = heapq.heappop(due)
+        history, num_turns, turn = sessions[session]
+        transcript = (*history, prompts.segment(rng.randint(20, 400)))
+        last = turn == num_turns - 1
+        out.append(prompts.request(at_s, transcript, keep=not last))
+        if last:
+            del sessions[session]
+            continue
+        answer = prompts.segment(rng.randint(50, 800))
+        sessions[session] = ((*transcript, answer), num_turns, turn + 1)
+        think_s = min(3600.0, rng.lognormvariate(math.log(45.0), 1.3))
+        heapq.heappush(due, (at_s + think_s, next(seq), session))
+    return out
+
+
 _POPULATIONS = {
     "system-prompts": (
         _system_prompts,
@@ -169,8 +213,17 @@ _POPULATIONS = {
         "and chats of 2-8 turns every 10-60 s",
     ),
 }
+"""The design's three populations (`mixed` interleaves them)."""
+_GENERATED = {
+    **_POPULATIONS,
+    "conversation": (
+        _conversations,
+        "multi-turn chats: sessions of 2-30 turns re-sending the whole history plus the last "
+        "answer and a new message, think times from seconds to many minutes",
+    ),
+}
 
-WORKLOADS = (*_POPULATIONS, "mixed")
+WORKLOADS = (*_GENERATED, "mixed")
 
 
 def generate_workload(
@@ -187,7 +240,7 @@ def generate_workload(
     rng = random.Random(f"{name}/{seed}")
     prompts = _Prompts()
     if name != "mixed":
-        generate, description = _POPULATIONS[name]
+        generate, description = _GENERATED[name]
         return Workload(name, description, generate(rng, prompts, num_requests, rate_rps))
     parts: list[TraceRequest] = []
     for i, (generate, _) in enumerate(_POPULATIONS.values()):

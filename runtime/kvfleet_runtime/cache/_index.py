@@ -14,21 +14,22 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
 - only leaves are dropped: an interior block is never evicted before its descendants;
 - every slot of every tier is either free or held by exactly one block.
 
-Eviction is TinyLFU-style: victims come from a heap of evictable blocks ordered (unpinned first,
-least recently used first), and a newcomer takes a victim's slot only if the count-min sketch says
-it is at least as frequent ("the duel"); a demotion T0 -> T1 must win the same duel in T1.
+The index decides what is evictable (unreferenced, valid, a leaf of its tier); the order among
+evictable blocks is the policy's, one `VictimQueue` per tier (`_ranking.py`): unpinned first, lowest
+capped sighting count, least recent. A newcomer takes a victim's slot only if the count-min sketch
+says it is at least as frequent, capped alike ("the duel"; under a cap of 1, plain recency, it never
+refuses); a demotion T0 -> T1 must win the same duel in T1.
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
-import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvfleet_runtime.cache._allocator import BlockAllocator
 from kvfleet_runtime.cache._keys import BlockHash, CacheKey
+from kvfleet_runtime.cache._ranking import VictimQueue
 from kvfleet_runtime.cache._sketch import CountMinSketch
 
 __all__ = ["BlockIndex", "BlockNode", "Move", "Namespace", "Tier", "TierCounters"]
@@ -94,13 +95,6 @@ class TierCounters:
     num_stored: int = 0
 
 
-_Entry = tuple[bool, int, int, int, BlockNode]
-"""Eviction heap entry: (pinned, aged frequency, last tick, seq, node); smallest goes first."""
-
-_MAX_REFRESH = 32
-"""Victim candidates re-ranked per pop before the current best is taken regardless."""
-
-
 @dataclass(slots=True)
 class _Plan:
     moves: list[Move] = field(default_factory=list)
@@ -110,23 +104,34 @@ class _Plan:
 class BlockIndex:
     """Chain hash -> block node, plus per-tier slot accounting, ref counts and eviction."""
 
-    def __init__(self, num_blocks: tuple[int, int], sketch: CountMinSketch) -> None:
+    def __init__(
+        self,
+        num_blocks: tuple[int, int],
+        sketch: CountMinSketch,
+        *,
+        max_frequency: int | None = None,
+        pin_limit: int = 0,
+    ) -> None:
         self.sketch = sketch
         self.allocators = (BlockAllocator(num_blocks[0]), BlockAllocator(num_blocks[1]))
         self.counters = (TierCounters(), TierCounters())
         self.num_pinned = 0
-        self.pin_limit = 0
-        self.max_frequency: int | None = None
-        """Sightings beyond this rank alike in eviction and in the duel (None: no cap). The manager
-        sets it from `CacheConfig.eviction_max_sightings`; see there for why."""
-        self.duel = True
-        """Whether newcomers must out-frequent their victims (the manager turns it on under
-        thrash; off, eviction is plain leaf-first LRU and every admitted block gets in)."""
+        self.pin_limit = pin_limit
+        """Pinned blocks T0 may hold at most."""
+        self._queues = (
+            VictimQueue(sketch, max_frequency=max_frequency),
+            VictimQueue(sketch, max_frequency=max_frequency),
+        )
+        """Victim order per tier: the eviction policy (`_ranking.VictimQueue`)."""
         self._nodes: dict[BlockHash, BlockNode] = {}
         self._namespaces: dict[CacheKey, Namespace] = {}
-        self._heaps: tuple[list[_Entry], ...] = ([], [])
-        self._seq = itertools.count()
         self._tick = 0
+
+    @property
+    def max_frequency(self) -> int | None:
+        """Sightings beyond this rank alike in eviction and in the duel (None: no cap; 1: plain
+        recency, under which the duel never refuses anything)."""
+        return self._queues[0].max_frequency
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -200,58 +205,29 @@ class BlockIndex:
         return node.num_t0_children == 0 if tier == Tier.T0 else node.num_children == 0
 
     def _frequency(self, block_hash: BlockHash) -> int:
-        """The sketch's estimate, capped at `max_frequency`."""
-        freq = self.sketch.estimate(block_hash)
-        cap = self.max_frequency
-        return freq if cap is None or freq <= cap else cap
-
-    def _frequencies(self, hashes: Sequence[BlockHash]) -> list[int]:
-        freqs = self.sketch.estimate_many(hashes)
-        cap = self.max_frequency
-        return freqs if cap is None else [min(f, cap) for f in freqs]
-
-    def _weight(self, node: BlockNode) -> int:
-        """Frequency scaled by 2^(sketch resets so far). Every reset halves all counters, so
-        ordering by f * 2^resets_at_push ranks entries pushed in different epochs exactly as
-        their aged frequencies would, without ever re-keying the heap."""
-        return self._frequency(node.block_hash) << self.sketch.num_resets
+        return self._queues[0].frequency(block_hash)
 
     def _push(self, node: BlockNode) -> None:
         tier = node.tier
         if tier != _GONE and self._evictable(node, tier):
-            entry = (node.pinned, self._weight(node), node.last_tick, next(self._seq), node)
-            heapq.heappush(self._heaps[tier], entry)
-            if len(self._heaps[tier]) > 4 * len(self._nodes) + 1024:
-                self._compact(tier)
+            queue = self._queues[tier]
+            queue.push(node)
+            if len(queue) > 4 * len(self._nodes) + 1024:
+                queue.compact(lambda n: self._evictable(n, tier))
 
-    def _compact(self, tier: int) -> None:
-        heap = [e for e in self._heaps[tier] if self._valid_entry(e, tier)]
-        heapq.heapify(heap)
-        self._heaps[tier][:] = heap
-
-    def _valid_entry(self, entry: _Entry, tier: int) -> bool:
-        pinned, _, tick, _, node = entry
-        return node.last_tick == tick and node.pinned == pinned and self._evictable(node, tier)
+    def set_ranking(self, max_frequency: int | None) -> None:
+        """Rank eviction with another sighting cap: new victim queues holding every evictable
+        block, ranked now (a lazy queue only re-ranks entries whose weight grew, so a lower cap
+        would leave old heavy entries behind the new light ones)."""
+        queues = []
+        for tier in (Tier.T0, Tier.T1):
+            queue = VictimQueue(self.sketch, max_frequency=max_frequency)
+            queue.fill(n for n in self._nodes.values() if self._evictable(n, tier))
+            queues.append(queue)
+        self._queues = (queues[0], queues[1])
 
     def _pop_victim(self, tier: int) -> BlockNode | None:
-        """The least frequent evictable block (unpinned first, least recent among equals).
-
-        A popped entry whose block has become more frequent since it was pushed is re-ranked
-        (bounded, so one pop stays cheap)."""
-        heap = self._heaps[tier]
-        refreshed = 0
-        while heap:
-            entry = heapq.heappop(heap)
-            if not self._valid_entry(entry, tier):
-                continue
-            node = entry[4]
-            weight = self._weight(node)
-            if weight > entry[1] and refreshed < _MAX_REFRESH:
-                refreshed += 1
-                heapq.heappush(heap, (entry[0], weight, entry[2], entry[3], node))
-                continue
-            return node
-        return None
+        return self._queues[tier].pop(lambda n: self._evictable(n, tier))
 
     def _free_slot(self, node: BlockNode) -> None:
         tier = node.tier
@@ -357,7 +333,7 @@ class BlockIndex:
             parent.ref_count += 1
         if tier != Tier.T0 or self.num_pinned + len(hashes) > self.pin_limit:
             pinned = False
-        ids = self._reserve(tier, len(hashes), self._frequencies(hashes), plan)
+        ids = self._reserve(tier, len(hashes), self._queues[0].frequencies(hashes), plan)
         if parent is not None:
             parent.ref_count -= 1
             self._push(parent)
@@ -394,7 +370,7 @@ class BlockIndex:
         t1_nodes = [n for n in path if n.tier == Tier.T1]
         if not t1_nodes or not self.allocators[Tier.T0].num_blocks:
             return plan
-        freqs = self._frequencies([n.block_hash for n in t1_nodes])
+        freqs = self._queues[0].frequencies([n.block_hash for n in t1_nodes])
         ids = self._reserve(Tier.T0, len(t1_nodes), freqs, plan)
         for node, block_id in zip(t1_nodes, ids, strict=False):
             plan.moves.append(Move(Tier.T1, node.block_id, Tier.T0, block_id))

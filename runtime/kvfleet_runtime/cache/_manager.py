@@ -26,7 +26,14 @@ from kvfleet_runtime.cache._keys import (
     platform_key,
     validate_weights_digest,
 )
-from kvfleet_runtime.cache._policy import Placement, ThrashDetector, admit_threshold, place
+from kvfleet_runtime.cache._policy import (
+    AdaptiveRanking,
+    GhostRanking,
+    Placement,
+    ThrashDetector,
+    admit_threshold,
+    place,
+)
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
 
@@ -93,9 +100,21 @@ class CacheManager:
         self.bytes_per_block = bytes_per_block
         self.clock = clock
         self.sketch = CountMinSketch(config.sketch_width, config.sketch_depth)
-        self.index = BlockIndex((config.num_t0_blocks, config.num_t1_blocks), self.sketch)
-        self.index.pin_limit = int(config.pin_max_fraction * config.num_t0_blocks)
-        self.index.max_frequency = config.eviction_max_sightings
+        capacity = config.num_t0_blocks + config.num_t1_blocks
+        sample = 1
+        while capacity // sample > config.ghost_max_blocks:
+            sample *= 2
+        self.ranking = AdaptiveRanking(
+            [GhostRanking(capacity, cap, sample=sample) for cap in config.eviction_rankings],
+            decay=config.ranking_decay,
+            margin=config.ranking_margin,
+        )
+        self.index = BlockIndex(
+            (config.num_t0_blocks, config.num_t1_blocks),
+            self.sketch,
+            max_frequency=self.ranking.max_frequency,
+            pin_limit=int(config.pin_max_fraction * config.num_t0_blocks),
+        )
         self.thrash = ThrashDetector(
             ratio=config.thrash_ratio,
             window_s=config.thrash_window_s,
@@ -140,6 +159,14 @@ class CacheManager:
             stats = self._tenants[tenant_id] = TenantStats()
         return stats
 
+    @property
+    def thrashing(self) -> bool:
+        """Under pressure, as far as admission is concerned: the thrash detector fired and the
+        ranking in use counts reuse (then one more sighting is needed). Under plain recency (the
+        ghosts found that LRU hits the most here) thrash tightens nothing: selectivity is what
+        lost, and the duel refuses nothing either (every count is capped to 1)."""
+        return self.thrash.thrashing and self.ranking.strict
+
     # -- lookup ----------------------------------------------------------------------------
 
     def lookup(
@@ -175,8 +202,10 @@ class CacheManager:
         resident = self.index.match(hashes)
         if resident:
             self.index.touch(resident)
+        if self.ranking.observe(hashes, counts, len(resident)):
+            self.index.set_ranking(self.ranking.max_frequency)
         cfg = self.config
-        thrashing = self.thrash.thrashing
+        thrashing = self.thrashing
         admit = admit_threshold(cfg.admit_min_sightings, thrashing=thrashing)
         admitted = 0
         for count in counts:  # counts only fall along a chain, up to sketch noise: stop early
@@ -187,6 +216,9 @@ class CacheManager:
             stats.num_admissions_refused += len(hashes) - max(admitted, len(resident))
         if admitted <= len(resident):
             return StoreOutcome.RESIDENT if resident else StoreOutcome.REFUSED
+        stats.num_first_sighting_admissions += sum(
+            1 for count in counts[len(resident) : admitted] if count == 1
+        )
         # Beyond the cap (or the free room, whichever is more) the rest of an admissible prefix
         # waits for its next sighting: one prompt must not flush the cache. Not a refusal.
         free = sum(alloc.num_free for alloc in self.index.allocators)
@@ -211,7 +243,6 @@ class CacheManager:
     def commit(self, plan: StorePlan) -> Commit:
         """Index the plan's new blocks (as many as fit) and say where their data goes."""
         index = self.index
-        index.duel = self.thrash.thrashing
         resident = index.match(plan.hashes)
         start = len(resident)
         parent = resident[-1] if resident else None
@@ -265,7 +296,6 @@ class CacheManager:
         return len(self.index.match(hashes))
 
     def promote(self, path: list[BlockNode]) -> list[Move]:
-        self.index.duel = self.thrash.thrashing
         plan = self.index.promote(path)
         self._after(plan)
         return plan.moves
@@ -341,6 +371,10 @@ class CacheManager:
             tiers=tuple(tiers),
             thrashing=self.thrash.thrashing,
             num_thrash_episodes=self.thrash.num_episodes,
+            eviction_ranking=_ranking_label(self.ranking.max_frequency),
+            strictness=self.ranking.current,
+            num_ranking_switches=self.ranking.num_switches,
+            num_ghost_hit_blocks=self.ranking.num_ghost_hit_blocks,
             store_queue_len=store_queue_len,
             num_indexed_blocks=len(self.index),
             num_memo_hits=self.memo.num_hits if self.memo else 0,
@@ -349,3 +383,9 @@ class CacheManager:
 
     def tenants(self) -> list[str]:
         return sorted(self._tenants)
+
+
+def _ranking_label(max_frequency: int | None) -> str:
+    if max_frequency is None:
+        return "count"
+    return "recency" if max_frequency == 1 else f"count<={max_frequency}"

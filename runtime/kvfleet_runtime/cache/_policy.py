@@ -12,9 +12,18 @@ threshold is raised by one: under pressure the scarce resource is the right to o
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-__all__ = ["Placement", "ThrashDetector", "admit_threshold", "place"]
+__all__ = [
+    "AdaptiveRanking",
+    "GhostRanking",
+    "Placement",
+    "ThrashDetector",
+    "admit_threshold",
+    "place",
+]
 
 
 class Placement(enum.Enum):
@@ -90,3 +99,148 @@ class ThrashDetector:
             self._above_since_s = None
             if self.thrashing and below:
                 self.thrashing = False
+
+
+_MAX_CLASS = 255
+"""Sketch counters saturate at 255: an uncapped ranking has at most this many classes."""
+
+
+class GhostRanking:
+    """What one eviction ranking would hold at this cache's capacity: a flat directory of block
+    hashes only (no data, no tree), replayed on the same stores as the cache.
+
+    The ranking is "lowest capped sighting class first, least recent within a class": a cap of 1
+    is plain LRU (vLLM's free queue), higher caps let reuse count, None ranks by the raw count.
+    Every block offered is admitted (the ghost measures eviction order, not admission), and a
+    sampled ghost (SHARDS-style spatial sampling: it keeps only blocks whose hash falls in
+    1/`sample` of the hash space, at 1/`sample` of the capacity) costs that fraction of the memory
+    and measures about the same hit rate."""
+
+    __slots__ = ("_classes", "_limit", "_where", "capacity_blocks", "max_frequency", "sample")
+
+    def __init__(
+        self, capacity_blocks: int, max_frequency: int | None, *, sample: int = 1
+    ) -> None:
+        if capacity_blocks < 1 or sample < 1 or sample & (sample - 1):
+            raise ValueError(
+                f"need capacity_blocks >= 1 and sample a power of two, got {capacity_blocks} "
+                f"and {sample}"
+            )
+        if max_frequency is not None and not 1 <= max_frequency <= _MAX_CLASS:
+            raise ValueError(
+                f"max_frequency must be in [1, {_MAX_CLASS}] or None, got {max_frequency}"
+            )
+        self.capacity_blocks = capacity_blocks
+        self.max_frequency = max_frequency
+        self.sample = sample
+        num_classes = _MAX_CLASS if max_frequency is None else max_frequency
+        self._classes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_classes)]
+        self._where: dict[bytes, int] = {}
+        self._limit = max(1, capacity_blocks // sample)
+        """Blocks the ghost holds: the capacity's share of the sampled hash space."""
+
+    def sampled(self, block_hash: bytes) -> bool:
+        # Low bits of a digest are uniform; sample 1 keeps every block.
+        return block_hash[-1] & (self.sample - 1) == 0
+
+    def match(self, hashes: Sequence[bytes]) -> int:
+        """Blocks of the leading run this ranking would hit, counting sampled blocks only,
+        scaled back to the whole hash space."""
+        where = self._where
+        hit = 0
+        for h in hashes:
+            if h[-1] & (self.sample - 1):
+                continue
+            if h not in where:
+                break
+            hit += 1
+        return hit * self.sample
+
+    def offer(self, hashes: Sequence[bytes], counts: Sequence[int]) -> None:
+        """One sighting of a chain (with each block's count after it): tail first, so the
+        chain's head is the most recent, as the index touches it."""
+        where, classes = self._where, self._classes
+        top = len(classes)
+        mask = self.sample - 1
+        for h, count in zip(reversed(hashes), reversed(counts), strict=True):
+            if h[-1] & mask:
+                continue
+            k = min(max(count, 1), top) - 1
+            old = where.get(h)
+            if old is not None:
+                del classes[old][h]
+            classes[k][h] = None
+            where[h] = k
+        excess = len(where) - self._limit
+        k = 0
+        while excess > 0:
+            while not classes[k]:
+                k += 1
+            h, _ = classes[k].popitem(last=False)
+            del where[h]
+            excess -= 1
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+@dataclass(slots=True)
+class AdaptiveRanking:
+    """Which eviction ranking the cache uses, chosen from observed behaviour (R4): one ghost per
+    candidate ranking replays every store, and the cache follows the ghost that would have hit
+    the most tokens lately (scores decay by `decay` per store). It switches only when another
+    ghost leads the current one by `margin` (hysteresis: a switch re-ranks the index).
+
+    Why: no single ranking is right at every pressure. Where space is scarce, counting reuse
+    keeps the prefixes that come back (an uncapped ranking hits 2.7x LRU's tokens at 1% of the
+    system-prompt workload); where it is not, the live conversation is what comes back next and
+    recency wins (plain LRU beats a capped count by 10% at 30% of the agent loops)."""
+
+    ghosts: list[GhostRanking]
+    decay: float
+    margin: float
+    current: int = 0
+    """Index into `ghosts` of the ranking the cache uses now (starts with the first: LRU)."""
+    scores: list[float] = field(default_factory=list)
+    num_switches: int = 0
+    num_ghost_hit_blocks: int = 0
+    """Blocks the current ranking's ghost matched beyond what the cache itself held: evicted or
+    refused blocks that came back (ARC's ghost hits)."""
+
+    def __post_init__(self) -> None:
+        if not self.ghosts:
+            raise ValueError("AdaptiveRanking needs at least one ghost ranking")
+        if not 0.0 < self.decay < 1.0 or self.margin < 0.0:
+            raise ValueError(f"need 0 < decay < 1 and margin >= 0, got {self.decay}, {self.margin}")
+        self.scores = [0.0] * len(self.ghosts)
+
+    @property
+    def max_frequency(self) -> int | None:
+        """The eviction cap of the ranking in use (1: plain recency)."""
+        return self.ghosts[self.current].max_frequency
+
+    @property
+    def strict(self) -> bool:
+        """Whether the ranking in use counts reuse (frequency) rather than recency alone: only
+        then does thrash raise the admission threshold and arm the duel."""
+        cap = self.max_frequency
+        return cap is None or cap > 1
+
+    def observe(self, hashes: Sequence[bytes], counts: Sequence[int], resident_blocks: int) -> bool:
+        """Score every ghost on this chain, then replay it into them; True when the ranking in
+        use changed."""
+        decay = self.decay
+        for i, ghost in enumerate(self.ghosts):
+            hit = ghost.match(hashes)
+            if i == self.current and hit > resident_blocks:
+                self.num_ghost_hit_blocks += hit - resident_blocks
+            self.scores[i] = self.scores[i] * decay + hit
+            ghost.offer(hashes, counts)
+        best = max(range(len(self.ghosts)), key=self.scores.__getitem__)
+        if best != self.current and self.scores[best] > (1.0 + self.margin) * self.scores[
+            self.current
+        ]:
+            self.current = best
+            self.num_switches += 1
+            return True
+        return False

@@ -20,6 +20,8 @@ class TenantStats:
     num_blocks_stored: int = 0
     num_admissions_refused: int = 0
     """Blocks not stored because they had not been seen often enough (one-shot)."""
+    num_first_sighting_admissions: int = 0
+    """Blocks admitted to a store at their first sighting (no pressure, or a recency ranking)."""
     num_store_drops: int = 0
     """Pending writes dropped from a full store queue as its least valuable entry."""
     num_evictions: int = 0
@@ -68,6 +70,15 @@ class CacheStats:
     num_thrash_episodes: int
     store_queue_len: int
     num_indexed_blocks: int
+    eviction_ranking: str = "recency"
+    """The eviction ranking the cache follows now: "recency" (LRU), "count<=N" (sightings capped
+    at N, then recency) or "count" (raw sightings)."""
+    strictness: int = 0
+    """Position of that ranking in `CacheConfig.eviction_rankings` (0: the first, recency)."""
+    num_ranking_switches: int = 0
+    num_ghost_hit_blocks: int = 0
+    """Blocks the followed ranking's ghost matched beyond the cache: evicted or refused blocks
+    that came back."""
     num_memo_hits: int = 0
     """Chain steps the hash memo answered (`ChainMemo`); all tenants."""
     num_memo_misses: int = 0

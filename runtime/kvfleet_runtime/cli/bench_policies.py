@@ -67,9 +67,10 @@ def policies(
     workloads: Annotated[
         str,
         typer.Option(
-            help="Comma-separated: trace, system-prompts, rag, agent-loops, mixed (default all)."
+            help="Comma-separated: trace, system-prompts, rag, agent-loops, conversation, mixed "
+            "(default all)."
         ),
-    ] = "trace,system-prompts,rag,agent-loops,mixed",
+    ] = "trace,system-prompts,rag,agent-loops,conversation,mixed",
     fractions: Annotated[
         str, typer.Option(help="Capacities, as fractions of each workload's unique blocks.")
     ] = DEFAULT_FRACTIONS,
@@ -80,9 +81,17 @@ def policies(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the JSON report instead of tables.")
     ] = False,
+    vllm_pool: Annotated[
+        bool,
+        typer.Option(
+            help="Also replay through vLLM's own BlockPool when vllm is importable here or in "
+            "$KVFLEET_VLLM_PYTHON / $KVFLEET_HOME/vllm-venv (docs/cache.md)."
+        ),
+    ] = True,
 ) -> None:
     """Hit rates side by side: no cache, vLLM-style hash + LRU, radix + LRU (SGLang), kvfleet,
     Belady and the infinite cache, on the trace and the generated populations."""
+    from kvfleet_lab.cache.blockpool import vllm_python
     from kvfleet_lab.cache.compare import compare_policies
     from kvfleet_lab.cache.sim import TraceRequest, load_mooncake_trace
     from kvfleet_lab.cache.workloads import WORKLOADS, generate_workload
@@ -114,7 +123,12 @@ def policies(
     def progress(message: str) -> None:
         err.print(f"[{time.perf_counter() - start:6.0f} s] {message}", markup=False)
 
-    report = compare_policies(inputs, capacity_fractions, on_progress=progress)
+    python = vllm_python() if vllm_pool else None
+    if vllm_pool and python is None:
+        progress("vLLM's BlockPool: vllm not found (docs/cache.md makes its environment); skipped")
+    report = compare_policies(
+        inputs, capacity_fractions, on_progress=progress, vllm_python=python
+    )
     report.seconds = time.perf_counter() - start
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -159,6 +173,18 @@ def policies(
                 _ratio(r.of_infinite("kvfleet")),
             )
         console.print(table)
+        if any(r.vllm_pool is not None for r in w.rows):
+            console.print(
+                "  vLLM's own BlockPool beside the vLLM replay: "
+                + ", ".join(
+                    f"{r.capacity_fraction:.0%} {r.vllm_pool.token_hit_rate:.2%} vs "
+                    f"{r.rate('vllm'):.2%}"
+                    for r in w.rows
+                    if r.vllm_pool is not None
+                )
+            )
+        if w.vllm_pool_error:
+            console.print(f"  vLLM's BlockPool replay did not run: {w.vllm_pool_error}")
     console.print(
         "Token hit rates; kv/X = kvfleet's over X's; no cache prefills every prompt token "
         f"(hit rate 0); each policy over the infinite cache in policies.md. "
@@ -216,7 +242,7 @@ def all_benchmarks(
                 trace_requests=2000,
                 full=False,
                 requests=1000,
-                workloads="trace,system-prompts,rag,agent-loops,mixed",
+                workloads="trace,system-prompts,rag,agent-loops,conversation,mixed",
                 fractions=DEFAULT_FRACTIONS,
                 seed=1,
                 out=out,

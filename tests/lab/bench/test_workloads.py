@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvfleet_lab.cache.compare import POLICIES, compare_workload
@@ -57,3 +59,19 @@ def test_comparison_rows_and_ratios() -> None:
         assert row.of_infinite("infinite") == 1.0
     with pytest.raises(ValueError, match="fractions"):
         compare_workload("sp", "test", requests, [0.0])
+
+
+def test_conversation_turns_resend_the_previous_turn_plus_the_answer() -> None:
+    requests = generate_workload("conversation", num_requests=300, seed=1).requests
+    # Each turn's prompt starts with the whole previous turn of its session (its full blocks),
+    # then the answer to it and a new message: a strict prefix, reused within think time.
+    extends = 0
+    for i, r in enumerate(requests):
+        earlier = [p for p in requests[:i] if p.blocks and r.blocks[: len(p.blocks)] == p.blocks]
+        if any(len(p.blocks) < len(r.blocks) for p in earlier):
+            extends += 1
+    assert extends > 150
+    gaps = [b.timestamp_s - a.timestamp_s for a, b in itertools.pairwise(requests)]
+    assert min(gaps) >= 0.0
+    # The infinite cache hits most of a conversation (every turn but the first is mostly reuse).
+    assert simulate_infinite(requests).token_hit_rate > 0.5

@@ -70,9 +70,17 @@ def test_policies_on_a_tiny_trace_with_exact_hit_counts() -> None:
     assert simulate_lru(trace, 2).num_hit_tokens == 0  # each one-shot flushes A
     assert simulate_lru(trace, 4).num_hit_tokens == 3 * 32
     assert simulate_belady(trace, 2).num_hit_tokens == 3 * 32  # keeps A, bypasses one-shots
+    strict = simulate_kvfleet(
+        trace, 2, config=lambda c: CacheConfig(c, admit_min_sightings=2, eviction_rankings=(3,))
+    )
+    # Second-sighting admission: stored on A's second sighting, hit on the third and fourth;
+    # one-shots never enter.
+    assert strict.num_hit_tokens == 2 * 32 and strict.num_hit_requests == 2
     kv = simulate_kvfleet(trace, 2, config=lambda c: CacheConfig(num_t0_blocks=c))
-    # Stored on A's second sighting, hit on the third and fourth; one-shots never enter.
-    assert kv.num_hit_tokens == 2 * 32 and kv.num_hit_requests == 2
+    # The default starts as LRU (admit everything, A flushed by each one-shot); at A's third
+    # sighting the count ghosts have hit it and LRU's has not, so the cache follows a count
+    # ranking from then on and A's fourth sighting hits.
+    assert kv.num_hit_tokens == 32 and kv.num_hit_requests == 1
 
 
 def test_belady_is_an_upper_bound_of_lru_and_kvfleet_on_a_random_trace() -> None:

@@ -171,7 +171,9 @@ def test_sketch_counts_structured_ids_exactly(label: Callable[[int], bytes]) -> 
 
 def test_one_store_writes_at_most_its_share_of_the_cache_and_the_prefix_grows() -> None:
     # 8 blocks, a store may write a quarter of them (2) or the free room, whichever is more.
-    config = CacheConfig(num_t0_blocks=8, store_max_fraction=0.25, store_min_blocks=1)
+    config = CacheConfig(
+        num_t0_blocks=8, store_max_fraction=0.25, store_min_blocks=1, admit_min_sightings=2
+    )
     manager = CacheManager(config, bytes_per_block=1, clock=lambda: 0.0)
     assert manager.store_max_blocks == 2
     key = make_key()

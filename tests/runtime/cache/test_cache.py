@@ -77,8 +77,22 @@ def test_only_prefixes_match(clock: FakeClock) -> None:
     assert isinstance(cache.lookup(key, prompt[16:]), Miss)
 
 
-def test_store_on_second_sighting_and_hit_on_third(clock: FakeClock) -> None:
+def test_store_on_first_sighting_and_hit_on_second(clock: FakeClock) -> None:
+    # The default admits on the first sighting: a conversation's next turn re-sends this prefix.
     cache = make_cache(clock)
+    key = make_key()
+    prompt = list(range(40))
+    k, v = kv(40)
+    assert cache.store(key, prompt, k, v) is StoreOutcome.QUEUED
+    assert cache.drain_store_queue() == 2
+    hit = cache.lookup(key, prompt)
+    assert isinstance(hit, Hit) and hit.matched_tokens == 32
+    cache.release(hit)
+    assert cache.stats().totals.num_first_sighting_admissions == 2
+
+
+def test_store_on_second_sighting_and_hit_on_third(clock: FakeClock) -> None:
+    cache = make_cache(clock, admit_min_sightings=2)
     key = make_key()
     prompt = list(range(40))
     k, v = kv(40)
@@ -221,7 +235,7 @@ def test_a_memo_too_small_for_two_steps_is_a_config_error() -> None:
 
 
 def test_invalidate_makes_a_version_unreachable_and_reclaims_it(clock: FakeClock) -> None:
-    cache = make_cache(clock)
+    cache = make_cache(clock, admit_min_sightings=2)
     old, new = make_key(digest=DIGEST_A), make_key(digest=DIGEST_B)
     prompt = list(range(48))
     warm(cache, old, prompt, *kv(48))
@@ -251,7 +265,7 @@ def test_invalidate_racing_the_store_drain_never_leaves_the_version_indexed(
 ) -> None:
     """The drain pops a write and is preempted; an invalidate of its version arrives right then.
     The write must not re-index blocks of the withdrawn version afterwards."""
-    cache = make_cache(clock)
+    cache = make_cache(clock, admit_min_sightings=2)
     key = make_key(digest=DIGEST_A)
     prompt = list(range(32))
     cache.store(key, prompt, *kv(32))
@@ -306,7 +320,8 @@ def test_store_rejects_bad_tensors(
 
 def test_stats_per_tenant_and_prometheus_metrics(clock: FakeClock) -> None:
     registry = CollectorRegistry()
-    cache = PrefixCache(CacheConfig(num_t0_blocks=8), LAYOUT, clock=clock, registry=registry)
+    config = CacheConfig(num_t0_blocks=8, admit_min_sightings=2)
+    cache = PrefixCache(config, LAYOUT, clock=clock, registry=registry)
     PrefixCache(
         CacheConfig(num_t0_blocks=8), LAYOUT, clock=clock, registry=CollectorRegistry()
     )  # a second cache does not collide

@@ -18,8 +18,12 @@ def chain(prefix: str, n: int) -> list[BlockHash]:
     return [h(f"{prefix}{i}") for i in range(n)]
 
 
-def make_index(t0: int, t1: int = 0) -> tuple[BlockIndex, Namespace]:
-    index = BlockIndex((t0, t1), CountMinSketch(width=1024))
+def make_index(
+    t0: int, t1: int = 0, *, max_frequency: int | None = None, pin_limit: int = 0
+) -> tuple[BlockIndex, Namespace]:
+    index = BlockIndex(
+        (t0, t1), CountMinSketch(width=1024), max_frequency=max_frequency, pin_limit=pin_limit
+    )
     return index, index.namespace(make_key())
 
 
@@ -105,8 +109,7 @@ def test_frequency_duel_keeps_frequent_blocks_against_a_colder_newcomer() -> Non
 
 
 def test_unpinned_blocks_are_evicted_before_pinned_ones() -> None:
-    index, ns = make_index(4)
-    index.pin_limit = 2
+    index, ns = make_index(4, pin_limit=2)
     put(index, ns, chain("p", 2), pinned=True)  # ids 0, 1
     put(index, ns, chain("u", 2))  # ids 2, 3, more recent than p
     assert index.num_pinned == 2
@@ -116,8 +119,7 @@ def test_unpinned_blocks_are_evicted_before_pinned_ones() -> None:
 
 
 def test_pin_limit_caps_pinned_blocks() -> None:
-    index, ns = make_index(4)
-    index.pin_limit = 1
+    index, ns = make_index(4, pin_limit=1)
     nodes = put(index, ns, chain("p", 2), pinned=True)
     assert index.num_pinned == 0 and not any(n.pinned for n in nodes)
 
@@ -178,8 +180,7 @@ def test_invalidate_unindexes_now_and_frees_held_blocks_at_release() -> None:
 def test_frequencies_above_the_cap_rank_alike_so_recency_decides(
     max_frequency: int | None, survivor: str
 ) -> None:
-    index, ns = make_index(2)
-    index.max_frequency = max_frequency
+    index, ns = make_index(2, max_frequency=max_frequency)
     old, new = chain("old", 1), chain("new", 1)
     for _ in range(5):  # popular once, then never again
         index.sketch.increment(old[0])
