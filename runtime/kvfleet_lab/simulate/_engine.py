@@ -259,6 +259,7 @@ def simulate(config: SimConfig) -> SimResult:
     new_version = np.zeros(n, dtype=bool)
     fetch_s = np.zeros(n)
     tier_l = [TIER_MISS] * n
+    chain_l: list[tuple[BlockHash, ...]] = [()] * n  # each request's chain, from its arrival on
     rep_l = [0] * n
 
     heap: list[tuple[float, int, int, int, int]] = []
@@ -405,7 +406,7 @@ def simulate(config: SimConfig) -> SimResult:
             pid = prefix_l[i]
             if template_l[i]:
                 rep.routed.add(pid)
-            chain = chain_of(rep.version, tenant, pid)
+            chain = chain_l[i] = chain_of(rep.version, tenant, pid)
             found = rep.cache.tier(chain)
             tier_l[i] = found
             if found == TIER_DRAM:
@@ -427,7 +428,7 @@ def simulate(config: SimConfig) -> SimResult:
                 fetch_s[i] = now_s - arrival_l[i]
                 if link_kind == TIER_NVME:  # fetched into DRAM: offered to it
                     v, t = int(new_version[i]), tenants_l[i]
-                    replicas[r].cache.offer(keys[v][t], chain_of(v, t, prefix_l[i]))
+                    replicas[r].cache.offer(keys[v][t], chain_l[i])
                 enqueue(r, i, wl.suffix_tokens, now_s)
             done = link.next_done_s()
             if done is not None:
@@ -439,7 +440,8 @@ def simulate(config: SimConfig) -> SimResult:
             hit = tier_l[i] != TIER_MISS
             if not hit:  # the KV exists now: the replica offers it to its cache
                 v, t = int(new_version[i]), tenants_l[i]
-                replicas[r].cache.offer(keys[v][t], chain_of(v, t, prefix_l[i]))
+                replicas[r].cache.offer(keys[v][t], chain_l[i])
+            chain_l[i] = ()  # the request is done with its cache
             if rollout is not None:
                 completions.append((now_s, wl.prefix_tokens if hit else 0, bool(new_version[i])))
 
