@@ -28,7 +28,15 @@ from collections.abc import Callable, Sequence
 
 from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheConfig, CacheKey, CacheManager
 
-__all__ = ["TIER_DRAM", "TIER_MISS", "TIER_NVME", "ReplicaCache", "scaled_config", "sketch_width"]
+__all__ = [
+    "TIER_DRAM",
+    "TIER_MISS",
+    "TIER_NVME",
+    "ReplicaCache",
+    "admission_sightings",
+    "scaled_config",
+    "sketch_width",
+]
 
 TIER_MISS = 0
 TIER_DRAM = 1
@@ -53,6 +61,13 @@ def sketch_width(num_distinct_keys: int) -> int:
     return min(width, CacheConfig(num_t0_blocks=1).sketch_width)
 
 
+def admission_sightings(admit_after: int | None) -> int:
+    """The sighting a prefix is stored on: `admit_after`, or the shipped cache's own admission."""
+    if admit_after is not None:
+        return admit_after
+    return CacheConfig(num_t0_blocks=1).admit_min_sightings
+
+
 def scaled_config(
     num_entries: int,
     prefix_tokens: int,
@@ -66,7 +81,7 @@ def scaled_config(
     tokens, rounded up; byte figures (`pin_max_bytes`) need nothing since a block's bytes are the
     prefix's; the hash memo is off (replays are given hashes, nothing is hashed)."""
     shipped = CacheConfig(num_t0_blocks=0, num_t1_blocks=num_entries)
-    admit = shipped.admit_min_sightings if admit_min_sightings is None else admit_min_sightings
+    admit = admission_sightings(admit_min_sightings)
 
     def per_prefix(num_blocks: int) -> int:
         return max(1, math.ceil(num_blocks * BLOCK_SIZE / prefix_tokens))
