@@ -7,11 +7,14 @@ replicas run.
 
 Granularity: one manager block per whole template prefix (`bytes_per_block` = the prefix's KV
 bytes), not 16-token blocks. Every prefix of the simulated workload is exactly `prefix_tokens`
-long and is either wholly cached or absent, so 16-token blocks would find the same hits, at ~94
-times the replay work: `kvfleet simulate all` replays 2.5 million requests, and one replay costs
-about as much as the rest of the simulation of a request. The knobs of `CacheConfig` that count
-blocks rather than bytes are rescaled to the same number of tokens (`scaled_config`), so that one
-prefix-sized block weighs what its 16-token blocks weigh in a replica.
+long and is either wholly cached or absent, so 16-token blocks would find the same hits. Time
+decides it: `kvfleet simulate all` replays 2.5 million requests, and even a one-block replay
+costs several times the rest of a request's simulation (a whole run went from 27 s to 210 s of
+CPU with the manager; docs/benchmarks.md); a 93-block replay costs ~6x a one-block replay (420
+vs 67 us measured on the shared machine), i.e. ~18 minutes of CPU per run. The knobs of
+`CacheConfig` that count blocks rather than bytes are rescaled to the same number of tokens
+(`scaled_config`), so that one prefix-sized block weighs what its 16-token blocks weigh in a
+replica.
 
 Tiers, as the product has them: the replica's host DRAM is the manager's T1 pool, T0 has no
 blocks (HBM holds the in-flight requests' KV, which is how the fleet is sized). The optional
