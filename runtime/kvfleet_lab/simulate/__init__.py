@@ -1,9 +1,10 @@
 """`kvfleet simulate`: a discrete-event simulation of a cache-aware fleet at the design's scale.
 
 Requests arrive (Poisson), are routed (random, least loaded, or rendezvous affinity with an
-occupancy threshold and spill), find their prefix in a replica's host-DRAM cache (LRU, optional
-NVMe tier) or recompute it, queue for prefill, and their TTFT is measured. Bandwidths and
-per-token recompute time come from the break-even profiles (`kvfleet_runtime.breakeven`).
+occupancy threshold and spill), find their prefix in a replica's host-DRAM cache (the shipped
+`CacheManager`, one per replica, optional NVMe tier behind it) or recompute it, queue for
+prefill, and their TTFT is measured. Bandwidths and per-token recompute time come from the
+break-even profiles (`kvfleet_runtime.breakeven`).
 Pure: a run is a function of its config and seed; no wall clock, no I/O, no torch.
 """
 

@@ -65,8 +65,9 @@ class Fleet:
     """Fraction of a replica's GPU time its scheduler gives to prefill; decode has the rest. A
     prefill runs at full speed, then the GPU owes decode the time in proportion, so the share
     limits prefill throughput without stretching a lone prefill."""
-    admit_after: int = 2
-    """Store a prefix on its n-th sighting at the replica (the design's admission: n = 2)."""
+    admit_after: int | None = None
+    """Store a prefix from its n-th sighting at the replica; None: the shipped cache's own
+    admission (`CacheConfig.admit_min_sightings`)."""
     nvme_bytes: int = 0
     """T3 local NVMe behind DRAM (DRAM evictions are demoted there); 0 switches the tier off."""
 
@@ -74,7 +75,8 @@ class Fleet:
         _positive("num_replicas", self.num_replicas)
         _positive("cache_bytes", self.cache_bytes)
         _positive("hbm_kv_bytes", self.hbm_kv_bytes)
-        _positive("admit_after", self.admit_after)
+        if self.admit_after is not None:
+            _positive("admit_after", self.admit_after)
         _non_negative("nvme_bytes", self.nvme_bytes)
         if not 0.0 < self.prefill_share <= 1.0:
             raise ValueError(f"prefill_share must be in (0, 1], got {self.prefill_share!r}")

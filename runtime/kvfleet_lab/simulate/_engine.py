@@ -2,15 +2,15 @@
 
 Events (a heapq ordered by time, then by insertion): a request arrives and is routed; a cache
 fetch completes on a shared link; a prefill finishes (first token: TTFT is measured, the prefix is
-stored); a replica's prefill server frees; the rollout controller ticks. Arrivals are drawn up
-front from the seeded generator and merged with the heap, so a run is a pure function of its
-config and seed: no wall clock is read.
+offered to the cache); a replica's prefill server frees; the rollout controller ticks. Arrivals are
+drawn up front from the seeded generator and merged with the heap, so a run is a pure function of
+its config and seed: no wall clock is read (the cache managers read the simulated clock).
 
-Granularity: the cache holds whole template prefixes (one entry = `prefix_tokens` of KV), not
-16-token blocks. Every prefix of the workload is exactly that long and is either fully present or
-absent, so block-level matching would find the same hits; it only matters for partial prefixes,
-which this workload does not have. Eviction is LRU per replica and tier; the admission counter is
-exact where the runtime uses a count-min sketch.
+Each replica's cache is the shipped `CacheManager` (`_cache.ReplicaCache`: one manager block per
+whole template prefix, and why). A request's tier is decided when it arrives, from what is cached
+then; the manager sees the request as the replica's engine shows it: a hit when it is looked up,
+a miss when its prefill has produced the KV (nothing is stored before it exists). A weights
+version is part of the cache key, so a new version finds nothing of the old one.
 """
 
 from __future__ import annotations
@@ -21,13 +21,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvfleet_lab.simulate._cache import (
+    TIER_DRAM,
+    TIER_MISS,
+    TIER_NVME,
+    ReplicaCache,
+    scaled_config,
+    sketch_width,
+)
 from kvfleet_lab.simulate._config import Routing, SimConfig
 from kvfleet_lab.simulate._link import SharedLink
+from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheKey, block_hashes
 from kvfleet_runtime.routing import ReplicaLoad, choose_replica, home_sets
 
-TIER_MISS = 0
-TIER_DRAM = 1
-TIER_NVME = 3
+__all__ = [
+    "TIER_DRAM",
+    "TIER_MISS",
+    "TIER_NVME",
+    "RolloutEvent",
+    "SimResult",
+    "replica_name",
+    "simulate",
+    "tenant_name",
+    "version_digest",
+]
 
 _ARRIVAL_FETCH_DONE = 0
 _PREFILL_DONE = 1
@@ -36,6 +53,9 @@ _CONTROL = 3
 
 _VERSION_SHIFT = 40
 _BASELINE_WINDOW_S = 300.0
+_NUM_VERSIONS = 2
+_ROPE_CONFIG = "rope-default"
+_ATTN_IMPL = "sim-sdpa"
 
 
 def replica_name(index: int) -> str:
@@ -44,6 +64,18 @@ def replica_name(index: int) -> str:
 
 def tenant_name(index: int) -> str:
     return f"tenant-{index:05d}"
+
+
+def version_digest(version: int) -> str:
+    """The weights digest of model version `version` (0: before the rollout, 1: after)."""
+    return f"sha256:{version:064x}"
+
+
+def prefix_tokens_of(prefix_id: int) -> list[int]:
+    """The 16 token ids that stand for prefix `prefix_id` in its one-block chain: distinct
+    prefixes, distinct tokens, so distinct hashes under the same key."""
+    base = prefix_id * BLOCK_SIZE
+    return [(base + t) % 2**32 for t in range(BLOCK_SIZE)]
 
 
 @dataclass(slots=True)
@@ -83,20 +115,16 @@ class SimResult:
 class _Replica:
     __slots__ = (
         "busy",
-        "dram",
-        "nvme",
+        "cache",
         "pending_tokens",
         "queue",
         "routed",
-        "seen",
         "surge",
         "version",
     )
 
-    def __init__(self) -> None:
-        self.dram: dict[int, None] = {}
-        self.nvme: dict[int, None] = {}
-        self.seen: dict[int, int] = {}
+    def __init__(self, cache: ReplicaCache) -> None:
+        self.cache = cache
         self.queue: deque[tuple[int, int]] = deque()
         self.busy = False
         self.pending_tokens = 0
@@ -148,18 +176,81 @@ def simulate(config: SimConfig) -> SimResult:
         sets = home_sets([tenant_name(t) for t in range(wl.num_tenants)], names, routing.k)
         homes = [tuple(index_of[r] for r in sets[tenant_name(t)]) for t in range(wl.num_tenants)]
 
-    replicas = [_Replica() for _ in range(n_rep)]
+    # Each replica's cache: the shipped manager, reading the simulated clock.
+    clock_s = [0.0]
+    versions = _NUM_VERSIONS if config.rollout is not None else 1
+    width = sketch_width(num_templates * versions + n // n_rep + 1)
+    dram_cfg = (
+        scaled_config(
+            dram_entries,
+            wl.prefix_tokens,
+            sketch_width=width,
+            admit_min_sightings=fleet.admit_after,
+        )
+        if dram_entries
+        else None
+    )
+    # NVMe takes what DRAM evicts: DRAM's admission already let it in.
+    nvme_cfg = (
+        scaled_config(nvme_entries, wl.prefix_tokens, sketch_width=width, admit_min_sightings=1)
+        if nvme_entries
+        else None
+    )
+    replicas = [
+        _Replica(
+            ReplicaCache(
+                dram_cfg,
+                nvme_cfg,
+                prefix_bytes=prefix_bytes,
+                prefix_tokens=wl.prefix_tokens,
+                clock=lambda: clock_s[0],
+            )
+        )
+        for _ in range(n_rep)
+    ]
+    keys = [
+        [
+            CacheKey(
+                tenant_name(t),
+                prof.model,
+                version_digest(v),
+                prof.kv_dtype,
+                _ROPE_CONFIG,
+                _ATTN_IMPL,
+            )
+            for t in range(wl.num_tenants)
+        ]
+        for v in range(versions)
+    ]
+    chains: dict[int, tuple[BlockHash, ...]] = {}
+
+    def chain_of(version: int, tenant: int, pid: int) -> tuple[BlockHash, ...]:
+        """The one-block chain of prefix `pid` under its tenant's key of `version`."""
+        memo_key = (version << _VERSION_SHIFT) | pid
+        chain = chains.get(memo_key)
+        if chain is None:
+            chain = tuple(block_hashes(keys[version][tenant], prefix_tokens_of(pid)))
+            if pid < num_templates:  # one-shot prefixes are never asked for again
+                chains[memo_key] = chain
+        return chain
+
     dram_links = [SharedLink(prof.dram_bytes_per_s) for _ in range(n_rep)]
     nvme_links = [SharedLink(prof.nvme_bytes_per_s) for _ in range(n_rep)]
 
-    if config.warm_start:
+    if config.warm_start and dram_cfg is not None:
+        # Affinity's steady state: every template seen often enough to be admitted at its first
+        # home, as long as that home has room (nothing is evicted to warm it).
+        warmed = [0] * n_rep
         for t in range(wl.num_tenants):
-            rep = replicas[homes[t][0]]
+            h = homes[t][0]
+            cache = replicas[h].cache
             for j in range(wl.templates_per_tenant):
-                key = t * wl.templates_per_tenant + j
-                if len(rep.dram) < dram_entries:
-                    rep.dram[key] = None
-                    rep.seen[key] = fleet.admit_after
+                if warmed[h] >= dram_entries:
+                    break
+                chain = chain_of(0, t, t * wl.templates_per_tenant + j)
+                for _ in range(dram_cfg.admit_min_sightings):
+                    cache.offer(keys[0][t], chain)
+                warmed[h] += cache.tier(chain) == TIER_DRAM
 
     ttft = np.full(n, np.nan)
     tier = np.zeros(n, dtype=np.int8)
@@ -168,6 +259,7 @@ def simulate(config: SimConfig) -> SimResult:
     new_version = np.zeros(n, dtype=bool)
     fetch_s = np.zeros(n)
     tier_l = [TIER_MISS] * n
+    chain_l: list[tuple[BlockHash, ...]] = [()] * n  # each request's chain, from its arrival on
     rep_l = [0] * n
 
     heap: list[tuple[float, int, int, int, int]] = []
@@ -273,6 +365,7 @@ def simulate(config: SimConfig) -> SimResult:
         else:
             break
         num_events += 1
+        clock_s[0] = now_s
 
         if kind == -1:  # arrival
             i = a
@@ -313,16 +406,14 @@ def simulate(config: SimConfig) -> SimResult:
             pid = prefix_l[i]
             if template_l[i]:
                 rep.routed.add(pid)
-            key = (rep.version << _VERSION_SHIFT) | pid
-            rep.seen[key] = rep.seen.get(key, 0) + 1
-            if key in rep.dram:
-                del rep.dram[key]
-                rep.dram[key] = None  # most recently used
-                tier_l[i] = TIER_DRAM
+            chain = chain_l[i] = chain_of(rep.version, tenant, pid)
+            found = rep.cache.tier(chain)
+            tier_l[i] = found
+            if found == TIER_DRAM:
+                rep.cache.offer(keys[rep.version][tenant], chain)
                 start_fetch(dram_links, TIER_DRAM, r, i, now_s)
-            elif key in rep.nvme:
-                del rep.nvme[key]
-                tier_l[i] = TIER_NVME
+            elif found == TIER_NVME:
+                rep.cache.offer_nvme(keys[rep.version][tenant], chain)
                 start_fetch(nvme_links, TIER_NVME, r, i, now_s)
             else:
                 enqueue(r, i, wl.prefix_tokens + wl.suffix_tokens, now_s)
@@ -335,13 +426,9 @@ def simulate(config: SimConfig) -> SimResult:
                 continue  # superseded: a fetch joined or left since this was scheduled
             for i in link.finish(now_s):
                 fetch_s[i] = now_s - arrival_l[i]
-                if link_kind == TIER_NVME:
-                    _insert(
-                        replicas[r],
-                        (replicas[r].version << _VERSION_SHIFT) | prefix_l[i],
-                        dram_entries,
-                        nvme_entries,
-                    )
+                if link_kind == TIER_NVME:  # fetched into DRAM: offered to it
+                    v, t = int(new_version[i]), tenants_l[i]
+                    replicas[r].cache.offer(keys[v][t], chain_l[i])
                 enqueue(r, i, wl.suffix_tokens, now_s)
             done = link.next_done_s()
             if done is not None:
@@ -350,12 +437,11 @@ def simulate(config: SimConfig) -> SimResult:
         elif kind == _PREFILL_DONE:
             i, r = x, y
             ttft[i] = now_s - arrival_l[i]
-            rep = replicas[r]
             hit = tier_l[i] != TIER_MISS
-            if not hit:
-                key = (int(new_version[i]) << _VERSION_SHIFT) | prefix_l[i]
-                if rep.seen.get(key, 0) >= fleet.admit_after and key not in rep.dram:
-                    _insert(rep, key, dram_entries, nvme_entries)
+            if not hit:  # the KV exists now: the replica offers it to its cache
+                v, t = int(new_version[i]), tenants_l[i]
+                replicas[r].cache.offer(keys[v][t], chain_l[i])
+            chain_l[i] = ()  # the request is done with its cache
             if rollout is not None:
                 completions.append((now_s, wl.prefix_tokens if hit else 0, bool(new_version[i])))
 
@@ -401,7 +487,7 @@ def simulate(config: SimConfig) -> SimResult:
     for i in range(n):
         tier[i] = tier_l[i]
         replica_of[i] = rep_l[i]
-    resident = np.array([len(rep.dram) * prefix_bytes for rep in replicas], dtype=np.float64)
+    resident = np.array([rep.cache.dram_resident_bytes for rep in replicas], dtype=np.float64)
     routed = np.array([len(rep.routed) * prefix_bytes for rep in replicas], dtype=np.float64)
     return SimResult(
         config=config,
@@ -422,15 +508,3 @@ def simulate(config: SimConfig) -> SimResult:
         baseline_hit_rate=baseline_hit,
         num_events=num_events,
     )
-
-
-def _insert(rep: _Replica, key: int, dram_entries: int, nvme_entries: int) -> None:
-    """Store `key` in DRAM; the least recently used entry is demoted to NVMe or dropped."""
-    rep.dram[key] = None
-    while len(rep.dram) > dram_entries:
-        victim = next(iter(rep.dram))
-        del rep.dram[victim]
-        if nvme_entries:
-            rep.nvme[victim] = None
-            while len(rep.nvme) > nvme_entries:
-                del rep.nvme[next(iter(rep.nvme))]

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from kvfleet_lab.simulate._cache import admission_sightings
 from kvfleet_lab.simulate._closed_form import (
     FleetFigures,
     fleet_figures,
@@ -176,6 +177,8 @@ class SavingsReport:
     design_replica_tokens_per_s: float
     random_sighting_interval_s: float
     """Under random routing, how often one replica sees a given template."""
+    admit_min_sightings: int
+    """The sighting a replica's cache stores a prefix on (the shipped admission by default)."""
     runs: tuple[PolicyRun, ...]
     duration_s: float
     measure_from_s: float
@@ -199,8 +202,8 @@ def savings(
     measure_from_s: float = 900.0,
     policies: tuple[Routing, ...] = (Routing.AFFINITY, Routing.RANDOM),
 ) -> SavingsReport:
-    """60% of requests reuse a template, the rest carry one-shot prefixes; admission stores a
-    prefix on its second sighting. The prefill saved comes out of the run."""
+    """60% of requests reuse a template, the rest carry one-shot prefixes; the shipped admission
+    decides what is stored. The prefill saved comes out of the run."""
     workload = workload or Workload(reuse_fraction=PLANNED_HIT_RATE)
     fleet = fleet or Fleet()
     runs = _run_policies(
@@ -213,6 +216,7 @@ def savings(
         random_sighting_interval_s=num_templates
         * fleet.num_replicas
         / (workload.rps * workload.reuse_fraction),
+        admit_min_sightings=admission_sightings(fleet.admit_after),
         runs=runs,
         duration_s=duration_s,
         measure_from_s=measure_from_s,

@@ -185,12 +185,17 @@ def _policy_table(runs: tuple[Any, ...], console: Console) -> None:
     console.print(table)
 
 
+def _ordinal(n: int) -> str:
+    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
+
+
 def render_savings(report: SavingsReport, console: Console) -> None:
     f = report.figures
     runs = {run.policy: run for run in report.runs}
     console.print(
         f"[bold]savings[/] · {PLANNED_HIT_RATE:.0%} of requests reuse a template, the rest carry "
-        f"one-shot prefixes; stored on second sighting · seed {report.seed}"
+        f"one-shot prefixes; stored on {_ordinal(report.admit_min_sightings)} sighting "
+        f"· seed {report.seed}"
     )
     table = _figure_table("Prefill saved")
     design_replicas = 74_700 / report.design_replica_tokens_per_s
@@ -228,7 +233,8 @@ def render_savings(report: SavingsReport, console: Console) -> None:
         console.print(
             "[dim]random routing stays under its bound: a replica sees a given template once "
             f"every ~{report.random_sighting_interval_s / 60:,.0f} min, "
-            "so admission on the second sighting rarely stores it[/]"
+            f"so admission on the {_ordinal(report.admit_min_sightings)} sighting rarely "
+            "stores it[/]"
         )
     _policy_table(report.runs, console)
 

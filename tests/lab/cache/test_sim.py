@@ -20,7 +20,6 @@ from kvfleet_lab.cache.sim import (
     simulate_kvfleet,
     simulate_lru,
     simulate_popularity_oracle,
-    simulate_wtinylfu,
     unique_blocks,
 )
 from kvfleet_runtime.cache import BlockHash, CacheConfig, block_hashes
@@ -94,44 +93,7 @@ def test_belady_is_an_upper_bound_of_lru_and_kvfleet_on_a_random_trace() -> None
         best = simulate_belady(trace, cap).num_hit_tokens
         assert best >= simulate_lru(trace, cap).num_hit_tokens
         assert best >= simulate_kvfleet(trace, cap).num_hit_tokens
-        assert best >= simulate_wtinylfu(trace, cap, window_fraction=0.25).num_hit_tokens
         assert best <= simulate_infinite(trace).num_hit_tokens
-
-
-def test_wtinylfu_window_duel_and_segments_on_a_four_block_cache() -> None:
-    # Capacity 4: window 1 block, protected int(3 * 0.8) = 2, probation the rest.
-    a, b, c, d, e = 1, 2, 3, 4, 5
-    trace = [req(a, b), req(c), req(d), req(a, b), req(e), req(d), req(c)]
-
-    def hits(n: int, **kw: bool) -> int:
-        result = simulate_wtinylfu(trace[:n], 4, window_fraction=0.25, **kw)
-        assert result.extra == {"window_blocks": 1, "protected_blocks": 2}
-        return result.num_hit_tokens // 16
-
-    # [a b]: both enter the window (a request's own blocks never leave it while it stores).
-    # [c]: the window's least recent leaf b moves to probation (room left); c enters.
-    # [d]: a is interior (b hangs below it), so c is the window's leaf that moves; d enters.
-    # [a b]: hit 2 (a in the window, b probation -> protected).
-    assert hits(4) == 2
-    # [e]: full. Window candidate d (seen once) duels probation's c (seen once): a tie goes to
-    # the candidate, so c is dropped and d moves to probation; then [d] hits, [c] misses.
-    assert hits(6) == 3 and hits(7) == 3
-    # Ties to the incumbent: d is dropped, c stays; [d] misses and, re-entering, pushes the
-    # window's e (seen once) into a duel it loses against c, so [c] hits.
-    assert hits(6, ties_admit=False) == 2 and hits(7, ties_admit=False) == 3
-
-
-def test_wtinylfu_admission_threshold_and_leaf_only_drops() -> None:
-    # Seen once, nothing is admitted with a threshold of 2; the second sighting stores.
-    trace = [req(1, 2, 3), req(1, 2, 3), req(1, 2, 3)]
-    assert simulate_wtinylfu(trace, 8, admit_min_sightings=2).num_hit_tokens == 3 * 16
-    # A 2-block cache holding chain (1, 2): request (1, 9) hits 1 and must drop the leaf 2 to
-    # store 9 -- never the interior 1 -- so (1, 9) hits 2 blocks next time, and (1, 2) only 1.
-    trace = [req(1, 2), req(1, 9), req(1, 9), req(1, 2)]
-    result = simulate_wtinylfu(trace, 2, window_fraction=0.5)
-    assert result.num_hit_tokens == (1 + 2 + 1) * 16
-    with pytest.raises(ValueError, match="capacity_blocks"):
-        simulate_wtinylfu(trace, 0)
 
 
 def _relabel(trace: list[TraceRequest], label: Callable[[int], bytes]) -> list[TraceRequest]:
