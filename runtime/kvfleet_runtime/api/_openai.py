@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 __all__ = [
     "MAX_N",
@@ -47,6 +47,24 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _integral(value: Any) -> Any:
+    # JSON has one number type: JSON Schema's "integer" includes 257.0, so it is accepted as
+    # 257 (strictness still refuses 2.5, "4" and true).
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+_INTEGRAL = BeforeValidator(_integral)
+# The constraints come before the validator, so the JSON schema keeps minimum/maximum.
+TokenId = Annotated[int, Field(ge=0), _INTEGRAL]
+PositiveInt = Annotated[int, Field(ge=1), _INTEGRAL]
+NumChoices = Annotated[int, Field(ge=1, le=MAX_N), _INTEGRAL]
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1), _INTEGRAL]
+NumLogprobs = Annotated[int, Field(ge=0, le=5), _INTEGRAL]
+NumTopLogprobs = Annotated[int, Field(ge=0, le=20), _INTEGRAL]
+
+
 def _prompt_kind(value: Any) -> str:
     if isinstance(value, str):
         return "text"
@@ -58,7 +76,7 @@ def _prompt_kind(value: Any) -> str:
     return "ids"
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
 
 Prompt = Annotated[
@@ -95,8 +113,8 @@ class _Sampling(_Strict):
     model: str | None = Field(default=None, description="Must name the served model when given.")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
-    n: int = Field(default=1, ge=1, le=MAX_N, description="Choices to generate.")
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1,
+    n: NumChoices = Field(default=1, description="Choices to generate.")
+    seed: Seed | None = Field(default=None,
                              description="Seeds sampling: same seed, same tokens; choice i "
                                          "uses seed + i.")
     stop: Stop = Field(default=None, description="Up to 4 strings; generation stops before "
@@ -128,8 +146,8 @@ class CompletionRequest(_Sampling):
     """OpenAI `POST /v1/completions`."""
 
     prompt: Prompt
-    max_tokens: int = Field(default=16, ge=1, description="Tokens to generate at most.")
-    logprobs: int | None = Field(default=None, ge=0, le=5,
+    max_tokens: PositiveInt = Field(default=16, description="Tokens to generate at most.")
+    logprobs: NumLogprobs | None = Field(default=None,
                                  description="Log-probabilities of the sampled token and of "
                                              "this many most likely ones.")
     echo: bool = Field(default=False, description="Return the prompt before the completion.")
@@ -161,11 +179,11 @@ class ChatCompletionRequest(_Sampling):
     """OpenAI `POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_tokens: int | None = Field(default=None, ge=1, description="Deprecated by OpenAI; "
+    max_tokens: PositiveInt | None = Field(default=None, description="Deprecated by OpenAI; "
                                    "the same as max_completion_tokens.")
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: NumTopLogprobs | None = None
     response_format: ResponseFormat | None = None
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
         default=None, max_length=16, description="Accepted and ignored.")

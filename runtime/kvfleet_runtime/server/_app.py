@@ -483,6 +483,9 @@ def _apply_limits(components: dict[str, Any], replica: Replica) -> None:
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = components[name]["properties"]
         props["model"] = model
+        for branch in props["logit_bias"]["anyOf"]:
+            if branch.get("type") == "object":  # keys are token ids and nothing else
+                branch["additionalProperties"] = False
         for field_name in ("max_tokens", "max_completion_tokens"):
             if field_name not in props:
                 continue

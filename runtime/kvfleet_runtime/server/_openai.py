@@ -40,6 +40,7 @@ from kvfleet_runtime.engine import (
     SamplingParams,
     TokenEvent,
 )
+from kvfleet_runtime.model.tokenizer import NUM_BYTE_TOKENS, ByteTokenizer
 
 if TYPE_CHECKING:
     from kvfleet_runtime.model.tokenizer import IncrementalDecoder
@@ -208,8 +209,20 @@ def _usage(prompts: list[_Prompt], choices: list[_Choice]) -> dict[str, Any]:
 
 # ---- log-probabilities -----------------------------------------------------------------------
 
+def _token_bytes(replica: Replica, token_id: int) -> bytes:
+    tok = replica.tokenizer
+    if isinstance(tok, ByteTokenizer):  # a byte token is one byte, often not a whole character
+        return bytes([token_id]) if 0 <= token_id < NUM_BYTE_TOKENS else b""
+    return tok.decode([token_id]).encode()
+
+
 def _token_text(replica: Replica, token_id: int) -> str:
-    return replica.tokenizer.decode([token_id])
+    """The token as text; part of a character is written `bytes:\\xNN` (OpenAI's convention)."""
+    raw = _token_bytes(replica, token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def _completion_logprobs(replica: Replica, events: list[TokenEvent], offset: int
@@ -227,8 +240,8 @@ def _completion_logprobs(replica: Replica, events: list[TokenEvent], offset: int
 
 def _chat_logprobs(replica: Replica, events: list[TokenEvent]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = _token_text(replica, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": _token_text(replica, token_id), "logprob": logprob,
+                "bytes": list(_token_bytes(replica, token_id))}
 
     return {"content": [{**entry(e.token_id, e.logprob or 0.0),
                          "top_logprobs": [entry(i, lp) for i, lp in e.top_logprobs]}
@@ -326,7 +339,7 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
         offsets = {c.index: len(c.prompt.text) if body.echo else 0 for c in choices}
 
         def chunk(choice: _Choice, text: str, event: TokenEvent | None) -> dict[str, Any] | None:
-            final = event is None
+            final = event is None or choice.done
             if not text and not final and not (want_logprobs and event is not None):
                 return None
             lp = None
@@ -336,8 +349,8 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
             offsets[choice.index] += len(text)
             ids = [event.token_id] if event is not None else []
             return {**head, "choices": [{"index": choice.index, "text": text, "logprobs": lp,
-                                         "finish_reason": choice.finish_reason if final or
-                                         choice.done else None, "token_ids": ids}], **extra}
+                                         "finish_reason": choice.finish_reason if final
+                                         else None, "token_ids": ids}], **extra}
 
         opening = ([{**head, "choices": [{"index": c.index, "text": c.prompt.text,
                                           "logprobs": None, "finish_reason": None,
