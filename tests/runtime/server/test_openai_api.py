@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import socket
+import sys
 import time
 from typing import Any
 
@@ -185,7 +186,6 @@ def test_logprobs_top_p_penalties_logit_bias_echo(running: RunningReplica) -> No
 def test_refused_and_bad_parameters_name_the_field(
     running: RunningReplica, path: str, body: dict[str, Any], status: int, needle: str
 ) -> None:
-    import sys
     sys.set_int_max_str_digits(0)  # json.dumps of the 5,001-digit seed (the client side)
     try:
         resp = post(running, json.dumps(body).encode(), path=path)
