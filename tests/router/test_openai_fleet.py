@@ -12,8 +12,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
