@@ -24,6 +24,7 @@ import torch
 from aiohttp import web
 from schemathesis import GenerationMode
 
+from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.router import FleetView, RouterState, create_router_app
 from kvfleet_runtime.server import build_replica
@@ -47,7 +48,8 @@ class RouterThread:
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(create_router_app(self.state))
+        self.runner = web.AppRunner(create_router_app(self.state),
+                                    handler_cancellation=CANCEL_ON_DISCONNECT)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())
@@ -290,3 +292,49 @@ def test_router_openapi_has_the_router_auth_not_the_tenant_header(fleet: Fleet) 
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as resp:
         return str(resp.read().decode())
+
+
+def test_a_non_streaming_client_that_goes_away_cancels_the_replica_request(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Hold every replica request in the fleet hook (before the engine sees it), so the client
+    # leaves while the router waits for the replica's answer: no timing involved.
+    entered, cancelled = threading.Event(), threading.Event()
+
+    async def hold(tenant: str, token_ids: list[int]) -> None:
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def leave() -> None:
+        async with aiohttp.ClientSession() as session:
+            post = session.post(fleet.url + "/v1/completions",
+                                json={"prompt": "held", "max_tokens": 4},
+                                headers={"Authorization": "Bearer sk-acme"})
+            task = asyncio.ensure_future(post)
+            while not entered.is_set():
+                await asyncio.sleep(0.01)
+            task.cancel()  # the client gives up and closes its connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    replicas = [s.replica for s in fleet.replicas]
+    submitted = [r.engine.metrics.prompt_tokens._value.get() for r in replicas]
+    before = sum(v for (_, o), v in fleet.outcomes().items() if o == "client_abort")
+    for r in replicas:
+        r.before_submit = hold
+    try:
+        with caplog.at_level(logging.DEBUG):
+            asyncio.run(leave())
+            _wait_for(cancelled.is_set)  # the router closed its request; the replica cancelled
+            _wait_for(lambda: sum(v for (_, o), v in fleet.outcomes().items()
+                                  if o == "client_abort") == before + 1)
+    finally:
+        for r in replicas:
+            r.before_submit = None
+    assert [r.engine.metrics.prompt_tokens._value.get() for r in replicas] == submitted
+    assert "broken" not in {o for _, o in fleet.outcomes()}
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -8,6 +8,7 @@
 
 from kvfleet_runtime.api._body import MAX_DEPTH, MAX_INT_DIGITS, parse_json, read_body, read_json
 from kvfleet_runtime.api._errors import (
+    CANCEL_ON_DISCONNECT,
     ApiError,
     error_body,
     error_middleware,
@@ -33,6 +34,7 @@ from kvfleet_runtime.api._openai import (
 from kvfleet_runtime.api._stop import StopMatcher
 
 __all__ = [
+    "CANCEL_ON_DISCONNECT",
     "MAX_DEPTH",
     "MAX_INT_DIGITS",
     "MAX_N",

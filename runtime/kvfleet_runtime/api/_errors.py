@@ -21,12 +21,18 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 __all__ = [
+    "CANCEL_ON_DISCONNECT",
     "ApiError",
     "error_body",
     "error_middleware",
     "error_response",
     "is_client_gone",
 ]
+
+CANCEL_ON_DISCONNECT = True
+"""aiohttp's `handler_cancellation` for every server that runs these apps: a client that goes
+away cancels its handler, so the replica cancels the sequences (streamed or not) and the router
+its upstream request, instead of computing an answer nobody reads."""
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

@@ -56,6 +56,7 @@ def replica(
     """Serve one replica: OpenAI-compatible completions over the prefix cache."""
     from aiohttp import web
 
+    from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
     from kvfleet_runtime.fleet.wiring import attach_fleet, settings_from_env
     from kvfleet_runtime.server import CONFIG_ENV, build_replica, create_app, load_config
 
@@ -78,4 +79,5 @@ def replica(
     app = create_app(rep)
     if fleet is not None:  # the fleet tier (issue 6): T2 endpoint, load report, hints
         attach_fleet(app, rep, fleet)
-    web.run_app(app, host=cfg.host, port=cfg.port, print=None)
+    web.run_app(app, host=cfg.host, port=cfg.port, print=None,
+                handler_cancellation=CANCEL_ON_DISCONNECT)

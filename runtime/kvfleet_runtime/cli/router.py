@@ -56,6 +56,7 @@ def router(
     """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware)."""
     from aiohttp import web
 
+    from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
     from kvfleet_runtime.fleet.index import RedisHintIndex
     from kvfleet_runtime.router import FleetView, RouterState, create_router_app
     from kvfleet_runtime.routing import load_api_keys
@@ -89,4 +90,5 @@ def router(
         index=RedisHintIndex.from_url(redis_url) if redis_url else None,
         poll_interval_s=poll_interval_s,
     )
-    web.run_app(create_router_app(state), host=host, port=port, print=None)
+    web.run_app(create_router_app(state), host=host, port=port, print=None,
+                handler_cancellation=CANCEL_ON_DISCONNECT)

@@ -309,6 +309,12 @@ def create_router_app(state: RouterState) -> web.Application:
                         state.m_requests.labels(name, "client_abort").inc()
                         log.debug("client went away; closed the request to replica %s", name)
                         return out[0]
+            except asyncio.CancelledError:
+                # The client went away (handler cancellation), waiting for the replica or
+                # mid-answer: the upstream request is closed, and the replica cancels.
+                state.m_requests.labels(name, "client_abort").inc()
+                log.debug("client went away; closed the request to replica %s", name)
+                raise
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 if out:
                     # Bytes already went to the client: nothing is safe to retry. Drop the

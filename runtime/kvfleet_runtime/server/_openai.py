@@ -144,9 +144,11 @@ async def _submit(replica: Replica, tenant: str, prompts: list[_Prompt],
                 stream = engine.submit(gen)
                 choices.append(_Choice(p.index * body.n + j, p, stream, StopMatcher(stops),
                                        replica.tokenizer.stream_decoder()))
-    except (ValueError, EngineOverloaded) as exc:
+    except BaseException as exc:  # a refusal, or the client went away between two submits
         for c in choices:
             c.stream.cancel()
+        if not isinstance(exc, ValueError | EngineOverloaded):
+            raise
         if isinstance(exc, EngineOverloaded):
             raise ApiError(503, f"replica overloaded: {exc}", code="overloaded",
                            headers={"Retry-After": "1"}) from exc
