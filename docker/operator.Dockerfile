@@ -12,12 +12,9 @@ WORKDIR /src
 COPY pyproject.toml requirements.lock README.md ./
 COPY runtime/ runtime/
 COPY operator/ operator/
-# The project without its declared dependencies (they include torch for the replicas), then only
-# the distributions the operator imports, at the lock's versions. tests/chart/test_images.py
-# checks this list against what `kvfleet_operator` really imports.
-RUN /opt/kvfleet/bin/pip install --no-deps . \
- && /opt/kvfleet/bin/pip install --constraint requirements.lock \
-      kopf kubernetes pydantic pyyaml aiohttp prometheus-client
+# The operator's install set (the base and the `operator` extra: no torch, no matplotlib), at the
+# lock's versions. tests/chart/test_images.py checks it against what `kvfleet_operator` imports.
+RUN /opt/kvfleet/bin/pip install --constraint requirements.lock ".[operator]"
 
 FROM ${PYTHON_IMAGE}
 RUN groupadd --gid 10001 kvfleet \

@@ -17,9 +17,10 @@ WORKDIR /src
 COPY pyproject.toml requirements.lock README.md ./
 COPY runtime/ runtime/
 COPY operator/ operator/
-# The project and its declared dependencies, every version pinned by the lock (the lock also
-# names the dev tools; a constraint only pins what is installed, so they stay out).
-RUN /opt/kvfleet/bin/pip install --constraint requirements.lock .
+# The replica's and the router's install set (the base and the `replica` extra), every version
+# pinned by the lock (the lock also names the lab and dev tools; a constraint only pins what is
+# installed, so they stay out).
+RUN /opt/kvfleet/bin/pip install --constraint requirements.lock ".[replica]"
 
 FROM ${PYTHON_IMAGE}
 RUN groupadd --gid 10001 kvfleet \

@@ -7,7 +7,7 @@ export PATH="$KVFLEET_VENV/bin:$PATH"
 
 echo "== ruff"
 ruff check runtime operator tests
-echo "== mypy (strict on kvfleet_runtime and kvfleet_operator)"
-mypy runtime/kvfleet_runtime operator/kvfleet_operator
+echo "== mypy (strict on kvfleet_runtime, kvfleet_lab and kvfleet_operator)"
+mypy runtime/kvfleet_runtime runtime/kvfleet_lab operator/kvfleet_operator
 echo "== pytest"
 pytest "$@"

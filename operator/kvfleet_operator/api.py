@@ -4,6 +4,10 @@ These pydantic models are the one source of truth: `crds/*.yaml` are generated f
 (`python -m kvfleet_operator.crdgen`), and the handlers parse what the API server hands them with
 the same models. Field names are camelCase on the wire (aliases) and snake_case in Python.
 
+Every field has a description (a docstring under it, `use_attribute_docstrings`) with its unit;
+crdgen appends its default, so `kubectl explain` documents the whole API (a test walks both CRDs
+and fails on a field without one).
+
 Cross-field rules live twice on purpose: as CEL (`x-kubernetes-validations`) so that the API
 server refuses a bad object at `kubectl apply` with the field path, and as validators here so the
 pure planners never see one either (an object created before a rule existed, or a unit test).
@@ -17,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvfleet_runtime.breakeven import GPUS, MEDIA, MODELS
+from kvfleet_runtime.breakeven import GPUS, MEDIA, MODELS, check_tp_degree
 from kvfleet_runtime.breakeven.profiles import KVDtype
 
 __all__ = [
@@ -73,7 +77,11 @@ class _Spec(BaseModel):
     """Specs are immutable values; unknown fields are refused (the API server prunes them too)."""
 
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
     )
 
 
@@ -82,7 +90,11 @@ class _Status(BaseModel):
     (a newer operator's) are ignored rather than refused."""
 
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="ignore",
+        frozen=True,
+        use_attribute_docstrings=True,
     )
 
 
@@ -94,6 +106,7 @@ class LabelSelector(_Spec):
     """Selects the replica pods this policy governs (a subset of metav1.LabelSelector)."""
 
     match_labels: Annotated[dict[str, str], Field(min_length=1)]
+    """Labels every replica pod of the fleet carries (all must match; at least one)."""
 
 
 class ConditionStatus(StrEnum):
@@ -103,12 +116,20 @@ class ConditionStatus(StrEnum):
 
 
 class Condition(_Status):
+    """A Kubernetes-style condition."""
+
     type: Annotated[str, Field(min_length=1, max_length=316)]
+    """What the condition is about: Ready, Progressing or Degraded."""
     status: ConditionStatus
+    """True, False or Unknown."""
     reason: Annotated[str, Field(max_length=1024)] = ""
+    """One CamelCase word for the last transition (e.g. Reconciled, InvalidSpec)."""
     message: Annotated[str, Field(max_length=32768)] = ""
+    """Why, in words."""
     last_transition_time: Annotated[str, Field(json_schema_extra={"format": "date-time"})] = ""
+    """When status last changed value (UTC, RFC 3339)."""
     observed_generation: Annotated[int, Field(ge=0)] = 0
+    """The metadata.generation the condition was computed from."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +137,8 @@ class Condition(_Status):
 
 
 class TierMode(StrEnum):
+    """Enabled and Disabled are the user's call; Auto is the break-even arithmetic's."""
+
     ENABLED = "Enabled"
     DISABLED = "Disabled"
     AUTO = "Auto"
@@ -129,43 +152,72 @@ class FleetKind(StrEnum):
     BATCH = "Batch"
 
 
+def _tp_degree_rules() -> list[dict[str, str]]:
+    """CEL twins of `check_tp_degree` for the built-in profiles: one rule per KV head count."""
+    by_heads: dict[int, list[str]] = {}
+    for name, model in MODELS.items():
+        if model.mla is None:  # an MLA latent is not split by heads: any TP degree works
+            by_heads.setdefault(model.num_kv_heads, []).append(name)
+    rules = []
+    for heads, names in sorted(by_heads.items()):
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        quoted = ", ".join(f"'{n}'" for n in names)
+        rules.append(
+            _cel(
+                f"!(self.profile in [{quoted}]) || {heads} % self.tpDegree == 0",
+                f"tpDegree must divide the {heads} KV heads of {', '.join(names)} "
+                f"({', '.join(map(str, divisors))}): rank r of a replica holds heads "
+                f"h % tpDegree == r, so every rank needs the same number of whole heads",
+                ".tpDegree",
+            )
+        )
+    return rules
+
+
+_TP_DEGREE_RULES = _tp_degree_rules()
+
+
 class ModelSpec(_Spec):
     """The model and hardware the break-even decision is made for."""
 
-    profile: Annotated[
-        str,
-        Field(
-            description="built-in model profile",
-            json_schema_extra={"enum": list(MODELS)},
-        ),
-    ] = "reference-70b"
-    model_id: Annotated[
-        str, Field(max_length=253, description="model id published to the fleet (default: profile)")
-    ] = ""
+    model_config = ConfigDict(json_schema_extra=_validations(*_TP_DEGREE_RULES))
+    profile: Annotated[str, Field(json_schema_extra={"enum": list(MODELS)})] = "reference-70b"
+    """Built-in model profile (layers, KV heads, head size, parameters) the arithmetic uses."""
+    model_id: Annotated[str, Field(max_length=253)] = ""
+    """Model id published to the fleet, part of every cache key (empty: the profile's name)."""
     kv_dtype: Annotated[str, Field(json_schema_extra={"enum": [d.value for d in KVDtype]})] = "fp16"
+    """Element type of the cached K and V: bytes per token scale with it (fp8: half of fp16)."""
     gpu: Annotated[str, Field(json_schema_extra={"enum": list(GPUS)})] = "h100"
+    """GPU profile (dense FLOPS, HBM bandwidth): how fast a replica recomputes a prefix."""
     tp_degree: Annotated[int, Field(ge=1, le=64)] = 4
+    """GPUs per replica (tensor parallelism); must divide the model's KV heads (rank r holds
+    heads h % tpDegree == r)."""
     prefix_tokens: Annotated[int, Field(ge=16, le=1_048_576)] = 2000
+    """Typical cached prefix length in tokens, for the fetch and recompute times reported (the
+    break-even bandwidth itself does not depend on it)."""
+
+    @model_validator(mode="after")
+    def _tp_divides_kv_heads(self) -> ModelSpec:
+        model = MODELS.get(self.profile)
+        if model is not None:
+            check_tp_degree(model, self.tp_degree)
+        return self
 
 
 class TierSpec(_Spec):
+    """One cache tier: on, off, or decided by the break-even arithmetic."""
+
     mode: TierMode = TierMode.AUTO
-    medium: Annotated[
-        str | None,
-        Field(
-            description="storage medium profile (default: the tier's usual medium)",
-            json_schema_extra={"enum": list(MEDIUM_NAMES)},
-        ),
-    ] = None
+    """Enabled, Disabled, or Auto: on when fetching a prefix's KV from the medium is faster than
+    recomputing it (and, for a Batch fleet, also when it only adds capacity)."""
+    medium: Annotated[str | None, Field(json_schema_extra={"enum": list(MEDIUM_NAMES)})] = None
+    """Storage medium profile the decision assumes (unset: the tier's usual one: hbm for device,
+    dram-pcie5 for host, rdma-200g for peer, nvme-gen4 for nvme)."""
     measured_bandwidth_g_bps: Annotated[
-        float | None,
-        Field(
-            alias="measuredBandwidthGBps",
-            gt=0,
-            le=100_000,
-            description="measured bandwidth in GB/s (1e9 B/s); Auto decides with it",
-        ),
+        float | None, Field(alias="measuredBandwidthGBps", gt=0, le=100_000)
     ] = None
+    """Bandwidth measured on your hardware in GB/s (1e9 bytes/s); Auto decides with it instead
+    of the medium's profile (unset: the profile, or the fleet's shadow measurement)."""
 
 
 _MEASURED_ONLY_AUTO = _cel(
@@ -176,6 +228,8 @@ _MEASURED_ONLY_AUTO = _cel(
 
 
 class DeviceTierSpec(TierSpec):
+    """One cache tier: on, off, or decided by the break-even arithmetic."""
+
     model_config = ConfigDict(json_schema_extra=_validations(_MEASURED_ONLY_AUTO))
 
 
@@ -185,16 +239,26 @@ class NvmeTierSpec(TierSpec):
 
     model_config = ConfigDict(json_schema_extra=_validations(_MEASURED_ONLY_AUTO))
     shadow: bool = True
+    """Measure the tier in the background whatever the mode: store to NVMe, read back, discard,
+    record the achieved bandwidth."""
 
 
 class TiersSpec(_Spec):
+    """The four cache tiers of every replica (DESIGN.md section 1)."""
+
     device: DeviceTierSpec = DeviceTierSpec()
+    """T0: GPU HBM, the engine's own KV blocks."""
     host: DeviceTierSpec = DeviceTierSpec()
+    """T1: host DRAM of the replica's node, over PCIe."""
     peer: DeviceTierSpec = DeviceTierSpec()
+    """T2: another replica's cache, fetched over the network."""
     nvme: NvmeTierSpec = NvmeTierSpec()
+    """T3: local NVMe of the replica's node."""
 
 
 class AdmissionSpec(_Spec):
+    """What a replica's cache stores and pins (published to the fleet ConfigMap)."""
+
     model_config = ConfigDict(
         json_schema_extra=_validations(
             _cel(
@@ -205,10 +269,16 @@ class AdmissionSpec(_Spec):
         )
     )
     min_sightings: Annotated[int, Field(ge=1, le=16)] = 2
+    """Sightings (requests) of a block before it is stored: one-shot prefixes never enter."""
     hot_sightings: Annotated[int, Field(ge=2, le=1024)] = 3
+    """Sightings from which a small prefix is pinned in GPU memory; >= minSightings."""
     pin_max_tokens: Annotated[int, Field(ge=0, le=1_048_576)] = 2048
+    """Longest prefix, in tokens, that may be pinned (0: never pin)."""
     store_queue_size: Annotated[int, Field(ge=1, le=1_048_576)] = 256
+    """Pending cache writes (entries) held at once; a full queue drops its least valuable one."""
     thrash_ratio: Annotated[float, Field(gt=0, le=1)] = 0.9
+    """Share of offered blocks dropped (0-1) above which the cache is thrashing and admits only
+    blocks seen once more than minSightings."""
 
     @model_validator(mode="after")
     def _hot_after_min(self) -> AdmissionSpec:
@@ -221,65 +291,95 @@ class AdmissionSpec(_Spec):
 
 
 class AffinitySpec(_Spec):
+    """Tenant affinity: where the router sends each tenant."""
+
     k: Annotated[int, Field(ge=1, le=16)] = 3
+    """Replicas in each tenant's home set (rendezvous top-k over the ready replica pods)."""
     occupancy_threshold: Annotated[float, Field(gt=0, le=1)] = 0.85
+    """KV occupancy (0-1 of a replica's KV memory) at which the router stops sending a tenant
+    to a home and tries the next one."""
 
 
 class KVCachePolicySpec(_Spec):
     """A cache-aware fleet: which replicas, what model and hardware, which tiers, which knobs."""
 
     selector: LabelSelector
+    """The replica pods this policy governs."""
     replica_port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    """TCP port of each replica's HTTP server (published as http://<podIP>:<port>)."""
     fleet: FleetKind = FleetKind.INTERACTIVE
+    """Interactive (tiers only where they cut latency) or Batch (also where they add capacity)."""
     model: ModelSpec = ModelSpec()
+    """The model and hardware the tier decision is computed for."""
     tiers: TiersSpec = TiersSpec()
+    """Per-tier mode, medium and measured bandwidth."""
     admission: AdmissionSpec = AdmissionSpec()
+    """Cache admission and pinning knobs of every replica."""
     affinity: AffinitySpec = AffinitySpec()
+    """How tenants are spread over the replicas."""
     tenants: Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=253)]],
-        Field(max_length=100_000, description="tenants whose home sets are published"),
+        list[Annotated[str, Field(min_length=1, max_length=253)]], Field(max_length=100_000)
     ] = []
+    """Tenant ids whose home sets are planned and published (at most 100,000)."""
     platform_prefixes: Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=253)]],
-        Field(
-            max_length=1024,
-            description="platform-owned prefixes that may be shared across tenants",
-        ),
+        list[Annotated[str, Field(min_length=1, max_length=253)]], Field(max_length=1024)
     ] = []
+    """Ids of platform-owned prefixes (e.g. a system preamble) whose KV may be shared across
+    tenants; no other KV ever is."""
     config_map_name: Annotated[
-        str | None,
-        Field(
-            max_length=253,
-            pattern=DNS_LABEL_PATTERN,
-            description="the fleet ConfigMap (default: <policy>-fleet)",
-        ),
+        str | None, Field(max_length=253, pattern=DNS_LABEL_PATTERN)
     ] = None
+    """Name of the fleet ConfigMap the policy publishes (unset: <policy name>-fleet)."""
 
 
 class TierDecisionStatus(_Status):
+    """The decision for one tier."""
+
     tier: str
+    """device, host, peer or nvme."""
     medium: str
+    """The medium profile the decision assumed."""
     enabled: bool
+    """Whether replicas use the tier."""
     reason: str
+    """Why, e.g. "break-even 9.26 GB/s vs measured 6.1 GB/s: off"."""
 
 
 class HomeSetSummary(_Status):
+    """The published home sets, summarized (the sets themselves are in the ConfigMap)."""
+
     num_tenants: int = 0
+    """Tenants with a home set."""
     num_replicas: int = 0
+    """Ready replica pods the sets were planned over."""
     k: int = 0
+    """Replicas per home set."""
     min_tenants_per_replica: int = 0
+    """Fewest tenants any replica is home to."""
     max_tenants_per_replica: int = 0
+    """Most tenants any replica is home to."""
     config_map: str = ""
+    """The fleet ConfigMap's name."""
     config_hash: str = ""
+    """Digest of the published fleet.yaml text: changes exactly when the published config does."""
 
 
 class KVCachePolicyStatus(_Status):
+    """What the operator decided and published."""
+
     observed_generation: int = 0
+    """The metadata.generation this status was computed from."""
     break_even_g_bps: Annotated[float, Field(alias="breakEvenGBps")] = 0.0
+    """Bandwidth in GB/s (1e9 bytes/s) at which fetching a prefix's KV takes as long as
+    recomputing it, for the spec's model and hardware."""
     tiers_summary: str = ""
+    """The enabled tiers, comma-separated (none: every tier off)."""
     tiers: list[TierDecisionStatus] = []
+    """The decision for every tier, with its reason."""
     home_sets: HomeSetSummary = HomeSetSummary()
+    """The published tenant home sets."""
     conditions: list[Condition] = []
+    """Ready: whether the last reconcile published (False with InvalidSpec or ConfigTooLarge)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,12 +387,14 @@ class KVCachePolicyStatus(_Status):
 
 
 class TargetRef(_Spec):
+    """The replica Deployment to roll (in the rollout's namespace)."""
+
     kind: Literal["Deployment"] = "Deployment"
+    """Kind of the target; only Deployment."""
     name: Annotated[str, Field(min_length=1, max_length=240, pattern=DNS_LABEL_PATTERN)]
-    container: Annotated[
-        str | None,
-        Field(max_length=63, description="container carrying the weights (default: the first)"),
-    ] = None
+    """Name of the Deployment; its canary is <name>-canary."""
+    container: Annotated[str | None, Field(max_length=63)] = None
+    """Container that loads the weights (unset: the pod template's first container)."""
 
 
 class RolloutStep(_Spec):
@@ -308,7 +410,10 @@ class RolloutStep(_Spec):
         )
     )
     replicas: Annotated[int | None, Field(ge=1, le=10_000)] = None
+    """Replicas on the new weights at this step (unset: percent gives it)."""
     percent: Annotated[int | None, Field(ge=1, le=100)] = None
+    """Percent of the target's replicas on the new weights at this step, rounded up, at least
+    1 replica (unset: replicas gives it)."""
 
     @model_validator(mode="after")
     def _exactly_one(self) -> RolloutStep:
@@ -330,17 +435,20 @@ class GateSpec(_Spec):
     stable version's, within `windowSeconds` of the canary being ready; otherwise it rolls back."""
 
     recovery_percent: Annotated[int, Field(ge=1, le=100)] = 90
+    """Percent of the stable version's cache hit rate the canary must reach to pass a step."""
     window_seconds: Annotated[int, Field(ge=1, le=86_400)] = 1800
-    hold_seconds: Annotated[
-        int, Field(ge=0, le=86_400, description="minimum time in a step before it may pass")
-    ] = 60
-    ready_timeout_seconds: Annotated[
-        int, Field(ge=1, le=86_400, description="time for the canary's pods to become ready")
-    ] = 600
+    """Seconds from the canary being ready for its hit rate to recover; then it rolls back."""
+    hold_seconds: Annotated[int, Field(ge=0, le=86_400)] = 60
+    """Minimum seconds in a step's gate before it may pass, even when recovered at once."""
+    ready_timeout_seconds: Annotated[int, Field(ge=1, le=86_400)] = 600
+    """Seconds for the canary's pods to become ready before the rollout rolls back."""
     check_interval_seconds: Annotated[int, Field(ge=1, le=3600)] = 15
+    """Seconds between two evaluations of the gate (sooner when a hold or window ends)."""
 
 
 class SurgeMode(StrEnum):
+    """None: no extra replicas; Fixed: a given number; Computed: from the saved prefill rate."""
+
     NONE = "None"
     FIXED = "Fixed"
     COMPUTED = "Computed"
@@ -367,9 +475,13 @@ class SurgeSpec(_Spec):
         )
     )
     mode: SurgeMode = SurgeMode.NONE
+    """None, Fixed (surge.replicas) or Computed (from replicaPrefillTokensPerSecond)."""
     replicas: Annotated[int | None, Field(ge=0, le=10_000)] = None
+    """Extra canary replicas per step in Fixed mode (required there)."""
     replica_prefill_tokens_per_second: Annotated[float | None, Field(gt=0, le=1e9)] = None
+    """Prefill throughput of one replica in tokens/s, for Computed mode (required there)."""
     max_replicas: Annotated[int, Field(ge=0, le=10_000)] = 16
+    """Most extra replicas a step ever adds, in any mode."""
 
     @model_validator(mode="after")
     def _mode_fields(self) -> SurgeSpec:
@@ -399,23 +511,34 @@ class PrometheusSource(_Spec):
     returns a ratio in [0, 1]."""
 
     url: Annotated[str, Field(pattern=r"^https?://", max_length=2048)]
+    """Base URL of the Prometheus HTTP API (http:// or https://)."""
     hit_rate_query: Annotated[str, Field(min_length=1, max_length=4096)] = DEFAULT_HIT_RATE_QUERY
+    """PromQL for a Deployment's cache hit rate, a ratio in [0, 1] (matched over looked-up
+    prompt tokens over 1 minute)."""
     saved_prefill_query: Annotated[str, Field(min_length=1, max_length=4096)] = (
         DEFAULT_SAVED_PREFILL_QUERY
     )
+    """PromQL for the prefill tokens/s a Deployment's caches save (Computed surge)."""
     timeout_seconds: Annotated[float, Field(gt=0, le=60)] = 5.0
+    """Seconds one query may take."""
 
 
 class CacheStatsSource(_Spec):
     """Fallback: read each ready pod's `GET /cache/stats` and aggregate its token counters."""
 
     enabled: bool = True
+    """Use the fallback when Prometheus is not configured, unreachable or has no data."""
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    """TCP port of the replicas' HTTP server."""
     path: Annotated[str, Field(pattern=r"^/", max_length=1024)] = "/cache/stats"
+    """HTTP path of the replicas' cache statistics."""
     timeout_seconds: Annotated[float, Field(gt=0, le=60)] = 2.0
+    """Seconds one read of all the pods may take (they are asked at once; late ones skipped)."""
 
 
 class MetricsSpec(_Spec):
+    """Where the gate's hit rates come from: Prometheus, else each replica's /cache/stats."""
+
     model_config = ConfigDict(
         json_schema_extra=_validations(
             _cel(
@@ -425,7 +548,9 @@ class MetricsSpec(_Spec):
         )
     )
     prometheus: PrometheusSource | None = None
+    """Prometheus queries (unset: the cacheStats fallback only)."""
     cache_stats: CacheStatsSource = CacheStatsSource()
+    """The replicas' own cumulative counters, the fallback."""
 
     @model_validator(mode="after")
     def _some_source(self) -> MetricsSpec:
@@ -469,21 +594,29 @@ class ModelRolloutSpec(_Spec):
         )
     )
     target_ref: TargetRef
-    weights_digest: Annotated[
-        str, Field(pattern=DIGEST_PATTERN, description="sha256 of the new weights; never a tag")
-    ]
-    image: Annotated[
-        str | None, Field(min_length=1, max_length=1024, description="new image (optional)")
-    ] = None
+    """The replica Deployment to roll; immutable."""
+    weights_digest: Annotated[str, Field(pattern=DIGEST_PATTERN)]
+    """Digest of the new weights, sha256:<64 hex>, never a tag; part of every cache key;
+    immutable."""
+    image: Annotated[str | None, Field(min_length=1, max_length=1024)] = None
+    """New container image (unset: keep the target's image); immutable."""
     digest_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=253)] = (
         "KVFLEET_WEIGHTS_DIGEST"
     )
+    """Environment variable through which the replica container learns its weights digest."""
     steps: Annotated[list[RolloutStep], Field(min_length=1, max_length=20)] = list(DEFAULT_STEPS)
+    """Canary steps, 1 to 20, each a replica count or a percentage; the last is percent: 100;
+    immutable."""
     gate: GateSpec = GateSpec()
+    """When a step passes: the canary's cache hit rate recovered, within a window."""
     surge: SurgeSpec = SurgeSpec()
+    """Extra canary replicas while a step's cache is cold."""
     metrics: MetricsSpec = MetricsSpec()
+    """Where the hit rates come from."""
     paused: bool = False
+    """Hold the current step: its clocks stop and the workload stays; false resumes it."""
     abort: bool = False
+    """Roll back now from any phase (before the first step: touch nothing); cannot be undone."""
 
     @model_validator(mode="after")
     def _last_step_is_everything(self) -> ModelRolloutSpec:
@@ -520,52 +653,97 @@ class StepResult(StrEnum):
 
 
 class StepStatus(_Status):
+    """One step as it ran: its numbers are fixed when it starts."""
+
     index: int
+    """0-based position in spec.steps."""
     canary_replicas: int
+    """Replicas on the new weights at this step."""
     stable_replicas: int
+    """Replicas left on the old weights once the canary is ready."""
     surge_replicas: int = 0
+    """Extra canary replicas while the step's cache is cold."""
     target_hit_rate: float | None = None
+    """Hit rate (0-1) the canary must reach: recoveryPercent of the baseline."""
     observed_hit_rate: float | None = None
+    """The canary's last hit rate (0-1)."""
     baseline_hit_rate: float | None = None
+    """The stable version's hit rate (0-1) it was judged against."""
     started_at: str = ""
+    """When the step started (UTC, RFC 3339)."""
     gate_started_at: str = ""
+    """When the canary became ready and the hit-rate window opened (UTC, RFC 3339)."""
     finished_at: str = ""
+    """When the step ended (UTC, RFC 3339)."""
     result: StepResult = StepResult.RUNNING
+    """Running, Passed, TimedOut, NotReady or Aborted."""
 
 
 class PreviousVersion(_Status):
     """What the target ran before the rollout: what a rollback restores."""
 
     weights_digest: str = ""
+    """The weights digest before the rollout."""
     image: str = ""
+    """The image before the rollout."""
     replicas: int = 0
+    """The target's replica count before the rollout."""
 
 
 class HistoryEntry(_Status):
+    """One phase transition."""
+
     time: str
+    """When (UTC, RFC 3339)."""
     from_phase: str
+    """Phase before."""
     to_phase: str
+    """Phase after."""
     step: int
+    """The current step then (1-based; 0 before the first)."""
     reason: str
+    """One CamelCase word for why."""
     message: str = ""
+    """Why, in words."""
 
 
 class ModelRolloutStatus(_Status):
+    """Where the rollout is, and how it got there."""
+
     observed_generation: int = 0
+    """The metadata.generation this status was computed from."""
     phase: RolloutPhase = RolloutPhase.PENDING
-    current_step: Annotated[int, Field(description="1-based; 0 before the first step")] = 0
+    """Pending, Progressing, Paused, Promoting, Succeeded, RollingBack, RolledBack or Failed."""
+    current_step: int = 0
+    """The step running now, 1-based; 0 before the first step."""
     total_steps: int = 0
+    """Number of steps in spec.steps."""
     step_state: StepState | None = None
+    """Scaling (waiting for the canary's pods) or Gating (waiting for the hit rate)."""
     previous: PreviousVersion | None = None
+    """What the target ran before: what a rollback restores."""
     baseline_hit_rate: float | None = None
+    """The stable version's last cache hit rate (0-1)."""
     canary_hit_rate: float | None = None
-    metric_source: Annotated[str, Field(description="where the last hit rates came from")] = ""
+    """The canary's last cache hit rate (0-1)."""
+    metric_source: str = ""
+    """Where the last hit rates came from (prometheus, cache-stats, or why neither answered)."""
     promotion_started_at: str = ""
+    """When promotion began (UTC, RFC 3339)."""
     handoff_started_at: str = ""
+    """When the target became ready with the new weights (UTC, RFC 3339)."""
     paused_at: str = ""
+    """When spec.paused took effect (UTC, RFC 3339); empty when running."""
     resume_phase: RolloutPhase | None = None
-    reason: Annotated[str, Field(description="why the last transition happened")] = ""
+    """The phase a paused rollout resumes in."""
+    reason: str = ""
+    """Why the last transition happened, one CamelCase word."""
     message: str = ""
+    """Why, in words."""
     steps: list[StepStatus] = []
+    """Every step started so far."""
     history: list[HistoryEntry] = []
+    """The last 50 phase transitions."""
     conditions: list[Condition] = []
+    """Ready, Progressing and Degraded (Ready False with InvalidSpec or InvalidTarget: the
+    operator cannot act on this rollout)."""

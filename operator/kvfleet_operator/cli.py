@@ -1,20 +1,17 @@
-"""`kvfleet-operator`: run the operator, regenerate the manifests, or benchmark the planners.
+"""`kvfleet-operator`: run the operator or regenerate the manifests.
 
     kvfleet-operator run [--namespace NS ...] [--standalone] [--priority N] [--verbose]
     kvfleet-operator manifests [--check]      # crds/*.yaml and operator/rbac/clusterrole.yaml
-    kvfleet-operator bench [--json]           # the planners' benchmarks (issue 7)
 
-The benchmarks live here rather than under `kvfleet bench` because the runtime must never import
-the operator package; the operator depends on the runtime, not the other way round.
+The planners' benchmarks are `kvfleet bench operator`: they live in the lab package, which the
+operator may not import.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
-import sys
 
 __all__ = ["main"]
 
@@ -48,18 +45,6 @@ def _manifests(args: argparse.Namespace) -> int:
     return generate(["--check"] if args.check else [])
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from kvfleet_operator.bench import run_all
-
-    results = run_all(quick=args.quick)
-    if args.json:
-        sys.stdout.write(json.dumps(results, indent=2) + "\n")
-    else:
-        for name, figures in results.items():
-            sys.stdout.write(f"{name}: {figures}\n")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfleet-operator", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,10 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     manifests = sub.add_parser("manifests", help="regenerate crds/ and the ClusterRole")
     manifests.add_argument("--check", action="store_true", help="exit 1 when stale")
     manifests.set_defaults(func=_manifests)
-    bench = sub.add_parser("bench", help="benchmark the planners")
-    bench.add_argument("--json", action="store_true")
-    bench.add_argument("--quick", action="store_true", help="fewer repetitions")
-    bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code

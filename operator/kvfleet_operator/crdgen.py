@@ -6,11 +6,16 @@ checks it). Run `python -m kvfleet_operator.crdgen [--check] [--root .]` from th
 Pydantic emits JSON Schema (draft 2020-12: `$ref`, `anyOf` with null, `exclusiveMinimum` as a
 number); a CRD needs a *structural* OpenAPI v3.0 schema: everything inlined, every node typed, no
 `anyOf` with types, `additionalProperties` never beside `properties`. `to_structural` converts.
+
+Descriptions come from the models' field docstrings; a spec field's default is appended to its
+description ("Default: 8000."), so what `kubectl explain` says about defaults is what the API
+server applies.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,7 +78,21 @@ def _without_defaults(node: Any) -> Any:
     return node
 
 
-def _structural(node: dict[str, Any]) -> dict[str, Any]:
+def _describe_default(description: str, default: Any) -> str:
+    """The description with its default appended. Objects are skipped: their fields carry their
+    own defaults, and a whole object's JSON would only repeat them."""
+    if isinstance(default, dict):
+        return description
+    if default in ("", []):
+        shown = "empty"
+    elif isinstance(default, str):
+        shown = default
+    else:
+        shown = json.dumps(default, separators=(", ", ": "))
+    return f"{description.rstrip()} Default: {shown}."
+
+
+def _structural(node: dict[str, Any], describe_defaults: bool = True) -> dict[str, Any]:
     node = dict(node)
     # Optional[X] -> X (absence is how Kubernetes spells null); a null default means "no default".
     for key in ("anyOf", "oneOf"):
@@ -92,6 +111,8 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
         node["default"] = _without_nulls(node["default"])
     if "description" in node:
         node["description"] = " ".join(node["description"].split())
+        if describe_defaults and "default" in node:
+            node["description"] = _describe_default(node["description"], node["default"])
     if "const" in node:
         node["enum"] = [node.pop("const")]
     if "enum" in node and "type" not in node:
@@ -105,9 +126,11 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
         if key in _DROP:
             continue
         if key == "properties":
-            out[key] = {name: _structural(child) for name, child in value.items()}
+            out[key] = {
+                name: _structural(child, describe_defaults) for name, child in value.items()
+            }
         elif key in ("items",) or (key == "additionalProperties" and isinstance(value, dict)):
-            out[key] = _structural(value)
+            out[key] = _structural(value, describe_defaults)
         elif key == "additionalProperties":
             continue  # `false` is implied by listing properties; a CRD may not say it
         else:
@@ -127,14 +150,21 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def to_structural(model: type[BaseModel]) -> dict[str, Any]:
-    """The structural OpenAPI v3 schema of a pydantic model (aliases on, defaults kept)."""
+def to_structural(model: type[BaseModel], describe_defaults: bool = True) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of a pydantic model (aliases on, defaults kept, and
+    appended to the descriptions unless `describe_defaults` is False)."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
     resolved = _resolve(raw, defs)
-    out = _structural(resolved)
-    out.pop("description", None)
-    return out
+    return _structural(resolved, describe_defaults)
+
+
+# The standard descriptions of every object's first three fields (as in Kubernetes' own types).
+_API_VERSION = (
+    "APIVersion defines the versioned schema of this representation of an object: "
+    f"{GROUP}/{VERSION}."
+)
+_KIND = "Kind is the REST resource this object represents, in CamelCase."
 
 
 def _printer(name: str, type_: str, path: str, priority: int = 0) -> dict[str, Any]:
@@ -159,7 +189,7 @@ def _crd(
 ) -> dict[str, Any]:
     spec_schema = to_structural(spec)
     # The operator writes every status field it means; defaults there would only hide that.
-    status_schema = _without_defaults(to_structural(status))
+    status_schema = _without_defaults(to_structural(status, describe_defaults=False))
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -191,8 +221,10 @@ def _crd(
                             "description": description,
                             "required": ["spec"],
                             "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
+                                "apiVersion": {"type": "string", "description": _API_VERSION},
+                                "kind": {"type": "string", "description": _KIND},
+                                # The API server refuses anything here but name/generateName
+                                # rules; it documents ObjectMeta itself.
                                 "metadata": {"type": "object"},
                                 "spec": spec_schema,
                                 "status": status_schema,

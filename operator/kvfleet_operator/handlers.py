@@ -3,7 +3,13 @@
 `main.py` holds only the kopf decorators; each calls one function here. Every function is
 level-triggered: it re-reads the object (never trusts a cached body), so running it twice, or
 after a restart, does the same thing; the status is written with the resourceVersion that was
-read, so a concurrent change (409) makes it start over from a fresh read.
+read, so a concurrent change (409) makes it start over from a fresh read: at once a few times,
+then through kopf (`TemporaryError(delay=...)`), never by sleeping in the handler.
+
+An object the operator cannot act on (a spec the models refuse, a target without the named
+container) gets a `Ready=False` condition saying why, written once (an unchanged status is never
+re-written), and a `kopf.PermanentError`: `schedule.run_scheduled` then stops ticking it until the
+object changes.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from kvfleet_operator.constants import (
     TRACK_LABEL,
     WEIGHTS_DIGEST_ANNOTATION,
 )
-from kvfleet_operator.kube import Kube, KubeError, NamespaceTerminating, retry_on_conflict
+from kvfleet_operator.kube import Conflict, Kube, KubeError, NamespaceTerminating, retry_on_conflict
 from kvfleet_operator.manifests import (
     canary_deployment,
     canary_name,
@@ -75,6 +81,8 @@ Manifest = dict[str, Any]
 PostEvent = Callable[[Manifest, Event], None]
 Clock = Callable[[], datetime]
 _TRANSIENT_DELAY_S = 5.0
+# Conflicts that outlived the immediate re-reads: someone else writes the object right now.
+CONFLICT_DELAY_S = 1.0
 # A ConfigMap holds at most 1 MiB; keep room for its metadata.
 MAX_FLEET_CONFIG_BYTES = 1_000_000
 
@@ -136,7 +144,8 @@ def workload_of(deployment: Manifest, container: str | None, env_name: str) -> W
 
 
 def _transient(exc: KubeError) -> kopf.TemporaryError:
-    return kopf.TemporaryError(str(exc), delay=_TRANSIENT_DELAY_S)
+    delay = CONFLICT_DELAY_S if isinstance(exc, Conflict) else _TRANSIENT_DELAY_S
+    return kopf.TemporaryError(str(exc), delay=delay)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +196,7 @@ def _reconcile_policy_once(kube: Kube, namespace: str, name: str, now: Clock) ->
                 ),
             }
         )
-        wrote = _write_status(kube, namespace, POLICY_PLURAL, obj, _wire(status))
+        _write_status(kube, namespace, POLICY_PLURAL, obj, _wire(status))
         raise kopf.PermanentError(f"invalid KVCachePolicy {namespace}/{name}: {exc}") from exc
 
     pods = [pod_to_replica(p) for p in kube.list_pods(namespace, spec.selector.match_labels)]
@@ -318,11 +327,12 @@ def _reconcile_rollout_once(
         return None
     meta = obj["metadata"]
     generation = int(meta.get("generation") or 0)
+    status = ModelRolloutStatus.model_validate(obj.get("status") or {})
     try:
         spec = ModelRolloutSpec.model_validate(obj.get("spec") or {})
     except ValidationError as exc:
+        _refuse_rollout(kube, namespace, obj, status, now, "InvalidSpec", str(exc))
         raise kopf.PermanentError(f"invalid ModelRollout {namespace}/{name}: {exc}") from exc
-    status = ModelRolloutStatus.model_validate(obj.get("status") or {})
     container, env_name = spec.target_ref.container, spec.digest_env
     target_name = spec.target_ref.name
     target = kube.get_deployment(namespace, target_name)
@@ -342,7 +352,9 @@ def _reconcile_rollout_once(
         target_w = None if target is None else workload_of(target, container, env_name)
         canary_w = None if canary is None else workload_of(canary, container, env_name)
     except ValueError as exc:
-        raise kopf.PermanentError(f"{namespace}/{name}: target {target_name}: {exc}") from exc
+        message = f"target {target_name}: {exc}"
+        _refuse_rollout(kube, namespace, obj, status, now, "InvalidTarget", message)
+        raise kopf.PermanentError(f"{namespace}/{name}: {message}") from exc
 
     reading = MetricReading(None, None, None, status.metric_source)
     if target is not None and status.phase not in TERMINAL_PHASES:
@@ -377,6 +389,36 @@ def _reconcile_rollout_once(
     for event in transition.events:
         post_event(obj, event)
     return transition.requeue_after_s
+
+
+def _refuse_rollout(
+    kube: Kube,
+    namespace: str,
+    obj: Manifest,
+    status: ModelRolloutStatus,
+    now: Clock,
+    reason: str,
+    message: str,
+) -> None:
+    """Record why the rollout cannot proceed (Ready=False) and nothing else: the phase and the
+    workload stay as they are. A second call with the same reason writes nothing (the condition's
+    time moves only when its value does)."""
+    generation = int(obj["metadata"].get("generation") or 0)
+    refused = status.model_copy(
+        update={
+            "observed_generation": generation,
+            "conditions": set_condition(
+                status.conditions,
+                "Ready",
+                False,
+                reason,
+                message[:2000],
+                format_time(now()),
+                generation,
+            ),
+        }
+    )
+    _write_status(kube, namespace, ROLLOUT_PLURAL, obj, _wire(refused))
 
 
 def _apply_rollout_action(

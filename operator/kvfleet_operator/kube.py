@@ -3,7 +3,9 @@
 Every write is idempotent: server-side apply for what the operator owns (the fleet ConfigMap, the
 canary Deployment), a no-op when the live object already says what we want, and read-modify-write
 with the resourceVersion (optimistic concurrency) for what it shares with others (the target
-Deployment's template, our resources' status). A 409 Conflict re-reads and retries.
+Deployment's template, our resources' status). A 409 Conflict re-reads and retries at once, a few
+times, without sleeping: a handler never sleeps; when the conflicts persist, `Conflict` reaches the
+handler, which asks kopf to call it again later (`kopf.TemporaryError(delay=...)`).
 
 Errors: `ApiException` from the client is translated at this boundary into `KubeError` (with the
 status code); handlers turn a transient one into `kopf.TemporaryError`.
@@ -14,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,7 +33,8 @@ __all__ = [
     "retry_on_conflict",
 ]
 
-CONFLICT_RETRIES = 5
+# Immediate re-reads on a 409 before giving the conflict back to the handler (and kopf's delay).
+CONFLICT_RETRIES = 3
 T = TypeVar("T")
 Manifest = dict[str, Any]
 _APPLY = "application/apply-patch+yaml"
@@ -66,17 +68,17 @@ def _translate(exc: ApiException, what: str) -> KubeError:
     return KubeError(status, message)
 
 
-def retry_on_conflict(
-    attempt: Callable[[], T], retries: int = CONFLICT_RETRIES, backoff_s: float = 0.05
-) -> T:
-    """Run `attempt` (which must re-read what it writes) until it does not hit a 409."""
+def retry_on_conflict(attempt: Callable[[], T], retries: int = CONFLICT_RETRIES) -> T:
+    """Run `attempt` (which must re-read what it writes) until it does not hit a 409, at most
+    `retries` times, back to back: the fresh read is what makes the next try differ, so waiting in
+    between buys nothing, and a handler must not block its worker thread. The last `Conflict` is
+    raised for the handler to turn into a kopf retry with a delay."""
     for i in range(retries):
         try:
             return attempt()
         except Conflict:
             if i == retries - 1:
                 raise
-            time.sleep(backoff_s * (2**i))
     raise AssertionError("unreachable")
 
 

@@ -5,6 +5,8 @@ rates. When it is not configured, unreachable or has no data, the fallback reads
 on every ready pod of the Deployment and divides the summed matched tokens by the summed looked-up
 tokens. Those counters are cumulative since each pod started; for a canary (whose pods are new)
 that lags the instantaneous rate, so the fallback can only delay a promotion, never hasten one.
+The pods are asked all at once, and the whole read has one budget (the source's timeout): a slow
+or unreachable pod costs one timeout per read, not one per pod, and is skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from string import Template
 from typing import Any
@@ -30,6 +33,10 @@ __all__ = [
     "read_hit_rates",
     "render_query",
 ]
+
+# Threads of one `/cache/stats` read: a Deployment of up to this many ready pods is asked at once
+# (a larger one in rounds, within the same budget).
+MAX_STATS_READERS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,20 +86,44 @@ def prometheus_query(source: PrometheusSource, query: str) -> float | None:
     return None if math.isnan(number) or math.isinf(number) else number
 
 
+def _pod_totals(source: CacheStatsSource, ip: str) -> tuple[int, int]:
+    """(matched, looked-up) tokens of one pod. Raises OSError or ValueError when it does not
+    answer or answers garbage."""
+    url = f"http://{ip}:{source.port}{source.path}"
+    with urllib.request.urlopen(url, timeout=source.timeout_seconds) as response:
+        data: dict[str, Any] = json.loads(response.read())
+    totals = data.get("totals") or {}
+    return int(totals.get("num_matched_tokens", 0)), int(totals.get("num_lookup_tokens", 0))
+
+
 def read_cache_stats(source: CacheStatsSource, pod_ips: Sequence[str]) -> float | None:
-    """Hit rate over the pods' cumulative token counters; pods that do not answer are skipped."""
+    """Hit rate over the pods' cumulative token counters. Every pod is asked concurrently and the
+    read returns after at most `source.timeout_seconds` in all; pods that have not answered by
+    then, or answered an error, are skipped (their requests finish in the background, bounded by
+    the same timeout)."""
+    if not pod_ips:
+        return None
+    pool = ThreadPoolExecutor(
+        max_workers=min(len(pod_ips), MAX_STATS_READERS), thread_name_prefix="cache-stats"
+    )
+    try:
+        futures: list[Future[tuple[int, int]]] = [
+            pool.submit(_pod_totals, source, ip) for ip in pod_ips
+        ]
+        done, _ = wait(futures, timeout=source.timeout_seconds)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     matched = looked_up = 0
     answered = False
-    for ip in pod_ips:
-        url = f"http://{ip}:{source.port}{source.path}"
-        try:
-            with urllib.request.urlopen(url, timeout=source.timeout_seconds) as response:
-                data: dict[str, Any] = json.loads(response.read())
-        except (OSError, ValueError):
-            continue
-        totals = data.get("totals") or {}
-        matched += int(totals.get("num_matched_tokens", 0))
-        looked_up += int(totals.get("num_lookup_tokens", 0))
+    for future in done:
+        error = future.exception()
+        if isinstance(error, OSError | ValueError):
+            continue  # an unreachable pod, or one that answered garbage
+        if error is not None:
+            raise error
+        pod_matched, pod_looked_up = future.result()
+        matched += pod_matched
+        looked_up += pod_looked_up
         answered = True
     if not answered or looked_up == 0:
         return None

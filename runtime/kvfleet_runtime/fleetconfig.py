@@ -16,7 +16,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 FLEET_CONFIG_FILENAME = "fleet.yaml"
-PLATFORM_TENANT = "__platform__"
 
 
 class _Strict(BaseModel):

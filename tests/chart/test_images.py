@@ -200,7 +200,7 @@ def _locked_versions() -> dict[str, str]:
 
 def test_runtime_image_installs_the_locked_cuda_torch() -> None:
     installs = _pip_installs(parse_dockerfile(RUNTIME))
-    assert installs == [["--constraint", "requirements.lock", "."]], installs
+    assert installs == [["--constraint", "requirements.lock", ".[replica]"]], installs
     pins = _locked_versions()
     assert "torch" in pins, "the lock pins no torch"
     # The lock's torch is the CUDA build for linux x86_64: it brings the CUDA runtime as wheels.
@@ -251,21 +251,67 @@ def _operator_imports() -> set[str]:
     return dists
 
 
-def test_operator_image_has_what_the_operator_imports_and_no_torch() -> None:
+def _install_set(extras: list[str]) -> list[str]:
+    """pyproject.toml's requirements for `pip install .[extras]` (self-references expanded)."""
+    project = PYPROJECT["project"]
+    out = list(project["dependencies"])
+    todo, seen = list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for spec in project["optional-dependencies"][extra]:
+            req = Requirement(spec)
+            if canonicalize_name(req.name) == canonicalize_name(project["name"]):
+                todo += sorted(req.extras)
+            else:
+                out.append(spec)
+    return [Requirement(spec).name for spec in out]
+
+
+def test_operator_image_installs_the_operators_install_set() -> None:
     installs = _pip_installs(parse_dockerfile(OPERATOR))
-    assert ["--no-deps", "."] in installs, "the project must be installed without its deps (torch)"
-    named = [
-        w for args in installs if args[:2] == ["--constraint", "requirements.lock"]
-        for w in args[2:]
-    ]
-    assert named, "the operator's dependencies must be installed at the lock's versions"
+    assert installs == [["--constraint", "requirements.lock", ".[operator]"]], installs
+
+
+@pytest.mark.parametrize("extras", [["operator"], []], ids=["operator", "base"])
+def test_the_operators_install_set_pulls_no_torch_and_no_matplotlib(extras: list[str]) -> None:
+    named = _install_set(extras)
     pins = _locked_versions()
     unpinned = [n for n in named if canonicalize_name(n) not in pins]
     assert not unpinned, f"not pinned by requirements.lock: {unpinned}"
     closure = _requirement_closure(named)
-    assert "torch" not in closure, "the operator image would install torch"
+    assert "kopf" in closure or extras == [], "the closure reads nothing: the check would be void"
+    heavy = sorted(closure & {"torch", "matplotlib", "safetensors", "triton"})
+    assert heavy == [], f"pip install .[{','.join(extras)}] would install {heavy}"
+
+
+def test_the_lab_install_set_is_what_the_lab_needs() -> None:
+    # The guard above would be void if the heavy packages were nowhere: they sit in [lab].
+    closure = _requirement_closure(_install_set(["lab"]))
+    assert {"torch", "matplotlib", "kopf"} <= closure
+
+
+def test_operator_image_has_what_the_operator_imports() -> None:
+    closure = _requirement_closure(_install_set(["operator"]))
     missing = _operator_imports() - closure
     assert not missing, f"kvfleet_operator imports distributions the image lacks: {missing}"
+
+
+def test_importing_the_operator_loads_no_torch_and_no_matplotlib() -> None:
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import kvfleet_operator as p\n"
+        "for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "print(sorted({'torch', 'matplotlib'} & {n.split('.')[0] for n in sys.modules}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 def test_operator_package_does_not_need_torch_to_import() -> None:

@@ -1,12 +1,12 @@
-"""Traffic from the shared Mooncake trace, scaled to the tiny model, sent through the real router.
+"""Traffic from the vendored Mooncake trace, scaled to the tiny model, sent through the router.
 
-The trace (/work/shared/traces/mooncake_synthetic_trace.jsonl) has no tenants and 40k-token
-prompts. We keep the requests of its NUM_TENANTS most shared roots (a root hash id is a family of
-requests with a common prefix: one tenant's system prompt and documents), in trace order, and
-scale each hash id (512 tokens in Mooncake) to one 16-token block of byte tokens derived from the
-id, at most MAX_BLOCKS of them per prompt. Equal hash-id prefixes stay equal token prefixes, so the
-trace's sharing structure survives. The subset is replayed in a loop, at a bounded rate, by a few
-client threads with the tenants' API keys.
+The trace (kvfleet_lab.traces.DEFAULT_TRACE, vendored in the repository) has no tenants and
+40k-token prompts. We keep the requests of its NUM_TENANTS most shared roots (a root hash id is a
+family of requests with a common prefix: one tenant's system prompt and documents), in trace order,
+and scale each hash id (512 tokens in Mooncake) to one 16-token block of byte tokens derived from
+the id, at most MAX_BLOCKS of them per prompt. Equal hash-id prefixes stay equal token prefixes, so
+the trace's sharing structure survives. The subset is replayed in a loop, at a bounded rate, by a
+few client threads with the tenants' API keys.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvfleet_lab.traces import DEFAULT_TRACE
 from tests.e2e.kubelet import http_json
 
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+TRACE = DEFAULT_TRACE
 NUM_TENANTS = 48
 MAX_BLOCKS = 8
 BLOCK_TOKENS = 16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +150,104 @@ def test_cluster_role_is_generated_and_grants_no_secrets() -> None:
     assert "secrets" not in resources and "*" not in resources
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert "*" not in verbs and "escalate" not in verbs
+
+
+def _fields(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every named field under `node` (what `kubectl explain` lists), through arrays of objects."""
+    found = []
+    for name, child in node.get("properties", {}).items():
+        found.append((f"{path}.{name}", child))
+        found += _fields(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        found += _fields(node["items"], f"{path}[]")
+    return found
+
+
+@pytest.mark.parametrize("kind", ["KVCachePolicy", "ModelRollout"])
+def test_every_field_has_a_description(kind: str) -> None:
+    schema = _crds()[kind]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    fields = _fields(schema)
+    assert len(fields) > 40  # the walk reaches the nested fields, not just the top
+    missing = [
+        path
+        for path, node in fields
+        # metadata is ObjectMeta, which the API server describes (and allows nothing else on).
+        if path != ".metadata" and not node.get("description", "").strip()
+    ]
+    assert not missing, f"{kind}: fields without a description: {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("kind", ["KVCachePolicy", "ModelRollout"])
+def test_every_spec_default_is_in_its_description(kind: str) -> None:
+    spec = _crds()[kind]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    for path, node in _fields(spec, ".spec"):
+        if "default" in node and node.get("type") != "object":
+            default = node["default"]
+            if default in ("", []):
+                shown = "empty"
+            elif isinstance(default, bool | list):
+                shown = json.dumps(default, separators=(", ", ": "))
+            else:
+                shown = str(default)
+            assert node["description"].endswith(f"Default: {shown}."), (path, node["description"])
+
+
+def test_explain_texts_of_the_fields_the_issue_named() -> None:
+    crds = _crds()
+    policy = crds["KVCachePolicy"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec = policy["properties"]["spec"]
+    affinity = spec["properties"]["affinity"]["properties"]
+    assert affinity["k"]["description"].endswith("Default: 3.")
+    assert "KV occupancy (0-1" in affinity["occupancyThreshold"]["description"]
+    assert spec["description"].startswith("A cache-aware fleet")
+    measured = spec["properties"]["tiers"]["properties"]["nvme"]["properties"]
+    assert "GB/s (1e9 bytes/s)" in measured["measuredBandwidthGBps"]["description"]
+    rollout = crds["ModelRollout"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    props = rollout["properties"]["spec"]["properties"]
+    assert props["abort"]["description"].endswith("cannot be undone. Default: false.")
+    assert props["paused"]["description"].endswith("Default: false.")
+    assert "Seconds between two evaluations" in (
+        props["gate"]["properties"]["checkIntervalSeconds"]["description"]
+    )
+    assert props["digestEnv"]["description"].endswith("Default: KVFLEET_WEIGHTS_DIGEST.")
+    assert props["steps"]["description"].endswith(
+        'Default: [{"replicas": 1}, {"percent": 10}, {"percent": 50}, {"percent": 100}].'
+    )
+    assert rollout["properties"]["status"]["description"].startswith("Where the rollout is")
+
+
+def test_the_tp_degree_rule_covers_every_head_split_profile() -> None:
+    """The CEL twin of check_tp_degree: one rule per KV head count naming its profiles, with the
+    field path; MLA profiles (any TP degree) are in none."""
+    policy = _crds()["KVCachePolicy"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    model = policy["properties"]["spec"]["properties"]["model"]
+    (rule,) = model["x-kubernetes-validations"]
+    assert rule == {
+        "rule": "!(self.profile in ['reference-70b', 'llama-3-8b', 'llama-3-405b'])"
+        " || 8 % self.tpDegree == 0",
+        "message": "tpDegree must divide the 8 KV heads of reference-70b, llama-3-8b, "
+        "llama-3-405b (1, 2, 4, 8): rank r of a replica holds heads h % tpDegree == r, so "
+        "every rank needs the same number of whole heads",
+        "fieldPath": ".tpDegree",
+    }
+
+
+@pytest.mark.parametrize(
+    ("profile", "tp", "ok"),
+    [
+        ("reference-70b", 4, True),
+        ("reference-70b", 8, True),
+        ("reference-70b", 3, False),
+        ("reference-70b", 16, False),
+        ("llama-3-8b", 6, False),
+        ("deepseek-v3", 3, True),  # MLA: one latent per token, not split by heads
+    ],
+)
+def test_the_model_validator_mirrors_the_tp_degree_rule(profile: str, tp: int, ok: bool) -> None:
+    data = {"selector": {"matchLabels": {"app": "llm"}}, "model": {"profile": profile}}
+    data["model"]["tpDegree"] = tp  # type: ignore[index]
+    if ok:
+        assert KVCachePolicySpec.model_validate(data).model.tp_degree == tp
+    else:
+        with pytest.raises(ValidationError, match=f"TP degree {tp} does not divide"):
+            KVCachePolicySpec.model_validate(data)

@@ -191,8 +191,37 @@ def test_conflicts_give_up_after_the_retries() -> None:
         raise Conflict(409, "again")
 
     with pytest.raises(Conflict):
-        retry_on_conflict(always, retries=3, backoff_s=0)
+        retry_on_conflict(always, retries=3)
     assert len(calls) == 3
+
+
+def test_persistent_conflicts_become_a_kopf_retry_with_a_delay_not_a_sleep(
+    kube: FakeKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Conflicts are re-read at once a few times; then the handler hands the wait to kopf
+    (TemporaryError(delay=...)) instead of blocking its worker thread in time.sleep."""
+    import time
+
+    import kopf
+
+    from kvfleet_operator.kube import CONFLICT_RETRIES
+
+    def no_sleep(seconds: float) -> None:
+        raise AssertionError(f"a handler slept {seconds} s")
+
+    monkeypatch.setattr(time, "sleep", no_sleep)
+    kube.put(
+        "kvcachepolicies",
+        {"metadata": {"name": "kv"}, "spec": {"selector": {"matchLabels": {"app": "llm"}}}},
+    )
+    kube.status_conflicts = CONFLICT_RETRIES
+    with pytest.raises(kopf.TemporaryError) as info:
+        handlers.reconcile_policy(kube, "ns", "kv")  # type: ignore[arg-type]
+    assert info.value.delay == handlers.CONFLICT_DELAY_S
+    assert "status" not in kube.objects[("kvcachepolicies", "kv")]
+    # kopf's retry: a fresh read, no conflict any more.
+    assert handlers.reconcile_policy(kube, "ns", "kv") is True  # type: ignore[arg-type]
+    assert kube.objects[("kvcachepolicies", "kv")]["status"]["observedGeneration"] == 1
 
 
 def test_transient_api_errors_become_temporary_errors(kube: FakeKube) -> None:
@@ -361,3 +390,44 @@ def test_a_rollout_waits_while_another_rollouts_canary_holds_the_target(kube: Fa
         kube.objects[("Deployment", "llm-canary")]["metadata"]["ownerReferences"][0]["name"]
         == "other"
     )
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason", "says"),
+    [
+        (
+            {"targetRef": {"name": "llm"}, "weightsDigest": NEW, "steps": [{"percent": 10}]},
+            "InvalidSpec",
+            "the last step must be percent: 100",
+        ),
+        (
+            {"targetRef": {"name": "llm", "container": "nope"}, "weightsDigest": NEW},
+            "InvalidTarget",
+            "target llm: ",
+        ),
+    ],
+)
+def test_invalid_rollout_writes_its_condition_once(
+    kube: FakeKube, spec: Manifest, reason: str, says: str
+) -> None:
+    """The condition says why, the phase and the workload stay untouched, and a second
+    evaluation (a tick before the schedule stops) writes nothing."""
+    import kopf
+
+    kube.put("Deployment", deployment(2))
+    kube.put("modelrollouts", {"metadata": {"name": "roll", "namespace": "ns"}, "spec": spec})
+    for _ in range(2):
+        with pytest.raises(kopf.PermanentError, match=says):
+            handlers.reconcile_rollout(
+                kube,  # type: ignore[arg-type]
+                "ns",
+                "roll",
+                post_event=lambda _body, _event: None,
+            )
+    assert kube.writes == ["status modelrollouts/roll"]
+    status = kube.objects[("modelrollouts", "roll")]["status"]
+    (cond,) = status["conditions"]
+    assert (cond["type"], cond["status"], cond["reason"]) == ("Ready", "False", reason)
+    assert says in cond["message"]
+    assert status["phase"] == "Pending" and status["observedGeneration"] == 1
+    assert ("Deployment", "llm-canary") not in kube.objects

@@ -72,6 +72,20 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
             'spec.fleet: Unsupported value: "Streaming"',
         ),
         ("KVCachePolicy", {"affinity": {"k": 3}}, "spec.selector: Required value"),
+        # The arithmetic's refusal, at admission: 3 GPUs cannot split 8 KV heads evenly.
+        (
+            "KVCachePolicy",
+            {"selector": {"matchLabels": {"a": "b"}}, "model": {"tpDegree": 3}},
+            "spec.model.tpDegree: Invalid value",
+        ),
+        (
+            "KVCachePolicy",
+            {
+                "selector": {"matchLabels": {"a": "b"}},
+                "model": {"profile": "llama-3-8b", "tpDegree": 16},
+            },
+            "tpDegree must divide the 8 KV heads of reference-70b, llama-3-8b, llama-3-405b",
+        ),
         (
             "ModelRollout",
             {"targetRef": {"name": "llm"}, "weightsDigest": "latest"},
@@ -253,18 +267,81 @@ def test_policy_publishes_tiers_and_home_sets(
     (operator.log_path.parent / "reconcile_to_status_s.txt").write_text(f"{first_status_s:.3f}\n")
 
 
-def test_invalid_policy_reports_a_condition(
+def test_a_tp_degree_every_profile_allows_is_admitted(
+    installed: Cluster, k8s_namespace: str
+) -> None:
+    """The admission rule refuses only what the arithmetic refuses: an MLA model (one latent per
+    token, not split by heads) takes any TP degree, a GQA-8 model any divisor of 8."""
+    apply(installed, k8s_namespace, policy("mla", model={"profile": "deepseek-v3", "tpDegree": 3}))
+    apply(installed, k8s_namespace, policy("tp8", model={"tpDegree": 8}))
+    got = get(installed, k8s_namespace, "kvcp", "mla")
+    assert got["spec"]["model"]["tpDegree"] == 3
+
+
+def test_kubectl_explain_describes_the_fields(installed: Cluster) -> None:
+    """What users read: the descriptions, with units and defaults, from the API server's OpenAPI."""
+
+    def explain(field: str) -> str:
+        return " ".join(installed.kubectl("explain", field).stdout.split())
+
+    k = wait_for(lambda: explain("kvcachepolicy.spec.affinity.k"), "the CRD's OpenAPI published")
+    assert "Replicas in each tenant's home set" in k and "Default: 3." in k
+    occupancy = explain("kvcachepolicy.spec.affinity.occupancyThreshold")
+    assert "KV occupancy (0-1 of a replica's KV memory)" in occupancy
+    assert "Default: 0.85." in occupancy
+    spec = explain("kvcachepolicy.spec")
+    assert "A cache-aware fleet" in spec and "<no description>" not in spec
+    abort = explain("modelrollout.spec.abort")
+    assert "Roll back now from any phase" in abort and "Default: false." in abort
+    window = explain("modelrollout.spec.gate.windowSeconds")
+    assert "Seconds from the canary being ready" in window and "Default: 1800." in window
+    rollout_spec = explain("modelrollout.spec")
+    assert "<empty>" not in rollout_spec and "<no description>" not in rollout_spec
+
+
+def test_invalid_rollout_writes_its_condition_once_and_stops(
     installed: Cluster, operator: OperatorProcess, k8s_namespace: str
 ) -> None:
-    apply(installed, k8s_namespace, policy("tp3", model={"tpDegree": 3}))
+    """A ModelRollout the operator cannot act on (its target has no container of that name): a
+    Ready=False condition that says why, written once; then no more evaluations at all (the
+    timer ticks every second; the error is logged once, not once per tick)."""
+    ns = k8s_namespace
+    apply(installed, ns, replica_deployment("lone", 1))
+    apply(
+        installed,
+        ns,
+        {
+            "apiVersion": "kvfleet.dev/v1alpha1",
+            "kind": "ModelRollout",
+            "metadata": {"name": "no-container"},
+            "spec": {"targetRef": {"name": "lone", "container": "nope"}, "weightsDigest": NEW},
+        },
+    )
 
     def condition() -> dict[str, Any] | None:
-        st = get(installed, k8s_namespace, "kvcp", "tp3").get("status") or {}
+        st = get(installed, ns, "mro", "no-container").get("status") or {}
         return next((c for c in st.get("conditions", []) if c["type"] == "Ready"), None)
 
     cond = wait_for(condition, "Ready condition")
-    assert (cond["status"], cond["reason"]) == ("False", "InvalidSpec")
-    assert "TP degree 3 does not divide the 8 KV heads" in cond["message"]
+    assert (cond["status"], cond["reason"]) == ("False", "InvalidTarget")
+    assert "container 'nope' not in the pod template (has: replica)" in cond["message"]
+    def failures() -> list[str]:
+        # kopf's line: "Handler 'rollout_changed' failed permanently: <ns>/no-container: ..."
+        return [
+            line
+            for line in operator.log().splitlines()
+            if "failed permanently" in line and f"{ns}/no-container:" in line
+        ]
+
+    wait_for(failures, "the permanent failure logged")
+    version = get(installed, ns, "mro", "no-container")["metadata"]["resourceVersion"]
+    time.sleep(5)  # five timer ticks of a 1 s rollout timer
+    assert get(installed, ns, "mro", "no-container")["metadata"]["resourceVersion"] == version
+    assert len(failures()) == 1, failures()
+    status = get(installed, ns, "mro", "no-container")["status"]
+    assert status["phase"] == "Pending"
+    with pytest.raises(CommandError):
+        get(installed, ns, "deployment", "lone-canary")
 
 
 def test_a_second_operator_never_acts_while_the_first_lives(

@@ -13,8 +13,14 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from kvfleet_operator.api import MetricsSpec
-from kvfleet_operator.metrics import DeploymentPods, pod_regex, read_hit_rates, render_query
+from kvfleet_operator.api import CacheStatsSource, MetricsSpec
+from kvfleet_operator.metrics import (
+    DeploymentPods,
+    pod_regex,
+    read_cache_stats,
+    read_hit_rates,
+    render_query,
+)
 
 Responder = Callable[[str, dict[str, list[str]]], Any]
 
@@ -155,3 +161,76 @@ def test_unreachable_prometheus_falls_back_to_cache_stats(
     assert reading.source == "cache-stats"
     assert reading.target_hit_rate == pytest.approx(0.6)
     assert reading.canary_hit_rate is None  # no pods answered: no data, not zero
+
+
+class _StatsPods:
+    """One loopback server standing in for `num_pods` replica pods at the same address: every
+    request must be in flight at once (a barrier), then the first `num_good` arrivals answer real
+    counters, the next one answers garbage, and the rest hang until `release` is set."""
+
+    def __init__(self, num_pods: int, num_good: int) -> None:
+        self.barrier = threading.Barrier(num_pods, timeout=30)
+        self.release = threading.Event()
+        self.guard = threading.Lock()
+        self.num_arrived = self.num_in_flight = self.max_in_flight = 0
+        pods = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                with pods.guard:
+                    arrival = pods.num_arrived
+                    pods.num_arrived += 1
+                    pods.num_in_flight += 1
+                    pods.max_in_flight = max(pods.max_in_flight, pods.num_in_flight)
+                try:
+                    pods.barrier.wait()
+                    if arrival < num_good:
+                        body = {"totals": {"num_matched_tokens": 30, "num_lookup_tokens": 100}}
+                        payload = json.dumps(body).encode()
+                    elif arrival == num_good:
+                        payload = b"not json"
+                    else:
+                        pods.release.wait(30)
+                        payload = b"{}"
+                    self.send_response(200)
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (threading.BrokenBarrierError, OSError):
+                    pass
+                finally:
+                    with pods.guard:
+                        pods.num_in_flight -= 1
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = int(self.server.server_address[1])
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.barrier.abort()
+        self.server.shutdown()
+
+
+def test_cache_stats_asks_every_pod_at_once_within_one_budget() -> None:
+    """Six pods: three answer, one answers garbage, two never answer. The read asks all six at
+    once (each request waits at the server until all six are in flight, which a pod-by-pod read
+    would never reach) and returns while the two silent pods' requests are still open: one budget
+    for the whole read, not one timeout per pod."""
+    pods = _StatsPods(num_pods=6, num_good=3)
+    try:
+        source = CacheStatsSource(port=pods.port, timeout_seconds=1.0)
+        rate = read_cache_stats(source, ["127.0.0.1"] * 6)
+        with pods.guard:
+            still_open = pods.num_in_flight
+        assert rate == 90 / 300
+        assert pods.max_in_flight == 6 and pods.num_arrived == 6
+        assert still_open == 2  # the silent pods, skipped and not waited for
+    finally:
+        pods.close()
+
+
+def test_cache_stats_of_no_pods_is_no_data() -> None:
+    assert read_cache_stats(CacheStatsSource(port=1), []) is None

@@ -15,8 +15,9 @@ import pytest
 from aiohttp import web
 
 from kvfleet_runtime.fleet import EmbeddedHintIndex
-from kvfleet_runtime.router import LOAD_PATH, FleetView, RouterState, create_router_app
+from kvfleet_runtime.router import FleetView, RouterState, create_router_app
 from kvfleet_runtime.routing import parse_api_keys
+from kvfleet_runtime.wire import LOAD_PATH
 
 KEYS = parse_api_keys({"tenants": {"acme": ["sk-acme"], "globex": ["sk-globex"]}})
 KEY_FIELDS = {

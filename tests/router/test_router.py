@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, block_hashes
+from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.fleet import EmbeddedHintIndex
 from kvfleet_runtime.router import prompt_token_ids
 from kvfleet_runtime.routing import rendezvous_top_k
@@ -235,7 +235,6 @@ def test_prompt_tokens_match_the_replica_tokenizer() -> None:
         assert prompt_token_ids(text, "byte-v1") == ByteTokenizer().encode(text)
     assert prompt_token_ids([1, 2, 3], "anything") == [1, 2, 3]
     assert prompt_token_ids("hello", "sentencepiece") is None
-    assert BLOCK_SIZE == 16
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The prefix-KV cache inside every replica (../shared/DESIGN.md §2; seed §4, §7, §8, R3-R5).
+"""The prefix-KV cache inside every replica (the design brief §2; seed §4, §7, §8, R3-R5).
 
 Public facade (what the replica engine and, later, the fleet tier code against)::
 
@@ -30,9 +30,10 @@ Chained hashes: `block_hashes(key, token_ids)` (blake2b-128, see `_keys.py`). Th
 
 Modules, top to bottom: `_cache` (facade, torch) -> `_manager` (admission, placement, stats) ->
 `_index` (radix index, tiers, refs, eviction) -> `_allocator` (free slots); `_pool` holds the
-tensors; `_keys`, `_sketch`, `_policy`, `_store_queue`, `_stats`, `_metrics`, `_config` and the
-`sim` module are pure. Importing this package does not import torch: `PrefixCache`, `Hit`, `Miss`
-and `TensorPool` load `_cache` on first use.
+tensors; `_keys`, `_sketch`, `_policy`, `_store_queue`, `_stats`, `_metrics` and `_config` are
+pure. Importing this package does not import torch: `PrefixCache`, `Hit`, `Miss` and `TensorPool`
+load `_cache` on first use. Replays (the lab's policy comparison, the fleet simulator) drive the
+shipped policy through `CacheManager.replay`, with no tensors.
 """
 
 from __future__ import annotations

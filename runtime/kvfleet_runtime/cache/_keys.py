@@ -26,6 +26,8 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple, NewType, cast
 
+from kvfleet_runtime.wire import BLOCK_SIZE, PLATFORM_TENANT
+
 __all__ = [
     "BLOCK_SIZE",
     "PLATFORM_TENANT",
@@ -40,14 +42,10 @@ __all__ = [
     "token_bytes",
 ]
 
-BLOCK_SIZE = 16
-"""Tokens per block: a match ends on a block boundary (1,507 matched tokens -> 1,504)."""
 
 HASH_BYTES = 16
 """128-bit digests: collision resistance of 2^64 work, far beyond any cache's lifetime."""
 
-PLATFORM_TENANT = "__platform__"
-"""Tenant component of keys for allow-listed platform prefixes, the only cross-tenant sharing."""
 
 BlockHash = NewType("BlockHash", bytes)
 

@@ -1,7 +1,7 @@
 """The pure cache manager: keys -> hashes -> index, admission, placement, stats and events.
 
 Everything the cache decides, without tensors: the `PrefixCache` facade adds the pools and the
-copies, and the hit-rate simulator (`kvfleet_runtime.cache.sim`) drives this same class with
+copies, and the hit-rate simulator (`kvfleet_lab.cache.sim`) drives this same class with
 precomputed hashes, so the simulated policy is the shipped policy. Not thread-safe by itself: the
 facade serializes calls under its lock.
 """
@@ -245,6 +245,24 @@ class CacheManager:
 
     def finish_commit(self, commit: Commit) -> None:
         self.index.release(commit.nodes)
+
+    # -- replay (the lab's policy replays and fleet simulator drive the shipped policy here) --
+
+    def replay(self, key: CacheKey, hashes: Sequence[BlockHash], num_tokens: int) -> int:
+        """One request without tensors: look up (counted in the stats) and release, then store
+        what admission lets in, committed at once (an always-drained store queue); block events
+        are dropped. Returns the matched blocks."""
+        path = self.lookup(key, hashes, num_tokens)
+        self.release(path)
+        plan = self.plan_store(key, list(hashes))
+        if isinstance(plan, StorePlan):
+            self.finish_commit(self.commit(plan))
+        self.events.clear()
+        return len(path)
+
+    def num_cached_blocks(self, hashes: Iterable[BlockHash]) -> int:
+        """Blocks of the chain `hashes` cached now, from the first on; no reference, no stats."""
+        return len(self.index.match(hashes))
 
     def promote(self, path: list[BlockNode]) -> list[Move]:
         self.index.duel = self.thrash.thrashing

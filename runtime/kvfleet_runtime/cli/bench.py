@@ -15,20 +15,17 @@ from rich.table import Table
 
 from kvfleet_runtime.cli._app import app, fail
 
-__all__ = ["TRACE_NAME", "bench", "default_trace"]
+__all__ = ["TRACE_HELP", "bench", "default_trace"]
 
-TRACE_NAME = "mooncake_synthetic_trace.jsonl"
-_REPO = Path(__file__).resolve().parents[3]
+TRACE_HELP = "Mooncake-format JSONL trace; default: the vendored Mooncake synthetic trace."
 
 
 def default_trace() -> Path:
-    """The shared Mooncake trace in ../shared/traces next to the repository (from the working
-    directory, else from the source checkout this module lives in)."""
-    for base in (Path.cwd(), _REPO):
-        candidate = base / ".." / "shared" / "traces" / TRACE_NAME
-        if candidate.is_file():
-            return candidate.resolve()
-    return Path("..") / "shared" / "traces" / TRACE_NAME
+    """The Mooncake synthetic trace vendored in the lab package (kvfleet_lab/traces)."""
+    from kvfleet_lab.traces import DEFAULT_TRACE
+
+    return DEFAULT_TRACE
+
 
 bench = typer.Typer(
     name="bench",
@@ -65,7 +62,7 @@ def replica(
     """TTFT full prefill vs T0 hit vs T1 hit; throughput with and without the cache; miss cost."""
     import torch
 
-    from kvfleet_runtime.engine.bench import run_replica_bench
+    from kvfleet_lab.engine.bench import run_replica_bench
     from kvfleet_runtime.model import default_device
 
     if prompt_tokens < 32 or reps < 1 or requests < 1 or concurrency < 1:

@@ -1,4 +1,4 @@
-"""`kvfleet bench cache`: the cache core's figures side by side (`kvfleet_runtime.cache.bench`)."""
+"""`kvfleet bench cache`: the cache core's figures side by side (`kvfleet_lab.cache.bench`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import TRACE_NAME, bench, default_trace
+from kvfleet_runtime.cli.bench import TRACE_HELP, bench, default_trace
 
 __all__ = ["cache"]
 
@@ -24,7 +24,7 @@ QUICK_REQUESTS = 2000
 def cache(
     trace: Annotated[
         Path | None,
-        typer.Option(help=f"Mooncake-format JSONL trace; default ../shared/traces/{TRACE_NAME}."),
+        typer.Option(help=TRACE_HELP),
     ] = None,
     requests: Annotated[
         int, typer.Option(help="Replay the first N requests of the trace (the quick run).")
@@ -41,14 +41,11 @@ def cache(
     Belady and the infinite cache."""
     import torch
 
-    from kvfleet_runtime.cache.bench import run_cache_bench
+    from kvfleet_lab.cache.bench import run_cache_bench
 
     path = trace if trace is not None else default_trace()
     if not path.is_file():
-        fail(
-            f"trace not found: {path} (pass --trace; the Mooncake trace lives in "
-            f"../shared/traces, see its README.md)"
-        )
+        fail(f"trace not found: {path} (pass --trace with a Mooncake-format JSONL file)")
     if requests < 1 or lookup_reps < 1 or materialize_reps < 1:
         fail("--requests, --lookup-reps and --materialize-reps must be >= 1")
     if device not in ("auto", "cpu", "cuda"):

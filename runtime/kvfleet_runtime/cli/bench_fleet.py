@@ -1,4 +1,4 @@
-"""`kvfleet bench fleet`: the fleet tier's figures side by side (`kvfleet_runtime.fleet.bench`)."""
+"""`kvfleet bench fleet`: the fleet tier's figures side by side (`kvfleet_lab.fleet.bench`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import bench, default_trace
+from kvfleet_runtime.cli.bench import TRACE_HELP, bench, default_trace
 
 __all__ = ["fleet"]
 
@@ -21,7 +21,7 @@ __all__ = ["fleet"]
 def fleet(
     trace: Annotated[
         Path | None,
-        typer.Option(help="Mooncake-format JSONL trace; default ../shared/traces/."),
+        typer.Option(help=TRACE_HELP),
     ] = None,
     replicas: Annotated[int, typer.Option(help="Replicas in the hit-rate simulation.")] = 4,
     capacity_fraction: Annotated[
@@ -48,7 +48,7 @@ def fleet(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """T2 loopback bandwidth vs raw socket; router overhead p50/p99; fleet hit rate by routing."""
-    from kvfleet_runtime.fleet.bench import (
+    from kvfleet_lab.fleet.bench import (
         FleetBenchReport,
         bench_hit_rates,
         bench_router_overhead,

@@ -2,7 +2,7 @@
 
 `policies`: no cache, vLLM-style hash + LRU, SGLang-style radix + LRU, kvfleet's shipped policy,
 Belady's offline optimum and the infinite cache, side by side on the Mooncake trace and on the
-generated populations (`kvfleet_runtime.cache.compare`, `.workloads`), at several capacities.
+generated populations (`kvfleet_lab.cache.compare`, `.workloads`), at several capacities.
 `all`: that comparison, then every other `kvfleet bench` subcommand with quick settings, each in
 its own process so that one failing benchmark does not stop the others.
 """
@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import TRACE_NAME, bench, default_trace
+from kvfleet_runtime.cli.bench import TRACE_HELP, bench, default_trace
 
 __all__ = ["QUICK_ARGS", "all_benchmarks", "policies"]
 
@@ -54,7 +54,7 @@ def _parse_fractions(text: str) -> list[float]:
 def policies(
     trace: Annotated[
         Path | None,
-        typer.Option(help=f"Mooncake-format JSONL trace; default ../shared/traces/{TRACE_NAME}."),
+        typer.Option(help=TRACE_HELP),
     ] = None,
     trace_requests: Annotated[
         int, typer.Option(help="Replay the first N requests of the trace (the quick run).")
@@ -83,9 +83,9 @@ def policies(
 ) -> None:
     """Hit rates side by side: no cache, vLLM-style hash + LRU, radix + LRU (SGLang), kvfleet,
     Belady and the infinite cache, on the trace and the generated populations."""
-    from kvfleet_runtime.cache.compare import compare_policies
-    from kvfleet_runtime.cache.sim import TraceRequest, load_mooncake_trace
-    from kvfleet_runtime.cache.workloads import WORKLOADS, generate_workload
+    from kvfleet_lab.cache.compare import compare_policies
+    from kvfleet_lab.cache.sim import TraceRequest, load_mooncake_trace
+    from kvfleet_lab.cache.workloads import WORKLOADS, generate_workload
 
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     known = (TRACE_WORKLOAD, *WORKLOADS)
@@ -104,7 +104,7 @@ def policies(
             try:
                 reqs = load_mooncake_trace(path, max_requests=None if full else trace_requests)
             except (ValueError, OSError) as exc:
-                fail(f"{exc} (pass --trace; the Mooncake trace lives in ../shared/traces)")
+                fail(f"{exc} (pass --trace with a Mooncake-format JSONL file)")
             scope = "whole trace" if full else f"first {len(reqs):,} requests"
             inputs.append((name, f"Mooncake synthetic trace ({path.name}), {scope}", reqs))
         else:
@@ -118,7 +118,7 @@ def policies(
     report.seconds = time.perf_counter() - start
     try:
         out.mkdir(parents=True, exist_ok=True)
-        from kvfleet_runtime.cli._bench_plots import write_policy_plots
+        from kvfleet_lab.cache.plots import write_policy_plots
 
         header = (
             "# kvfleet bench policies\n\n"

@@ -56,7 +56,7 @@ class _LiveProgress:
         self._task = self.progress.add_task(name, total=total, stats="")
 
     def result(self, result: object) -> None:
-        from kvfleet_runtime.demo import RequestResult, percentile
+        from kvfleet_lab.demo import RequestResult, percentile
 
         assert isinstance(result, RequestResult) and self._task is not None
         if result.ok:
@@ -107,7 +107,7 @@ def demo(
     quick: Annotated[bool, typer.Option(help="A short run (tests, smoke checks).")] = False,
 ) -> None:
     """Run a cache-aware fleet on this machine; measure it against a cache-off run."""
-    from kvfleet_runtime.demo import (
+    from kvfleet_lab.demo import (
         DemoOptions,
         FleetError,
         WorkloadSpec,

@@ -35,7 +35,8 @@ from torch import Tensor
 
 from kvfleet_runtime.cache import CacheKey, Hit, PrefixCache, Tier
 from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams
-from kvfleet_runtime.model import BLOCK_SIZE, EOS_ID, LoadedModel, PagedKV, Transformer
+from kvfleet_runtime.model import EOS_ID, LoadedModel, PagedKV, Transformer
+from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
     "CacheKeyFields",

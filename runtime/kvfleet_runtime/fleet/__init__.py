@@ -29,10 +29,7 @@ from kvfleet_runtime.fleet.index import (
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher, PublisherStats
 from kvfleet_runtime.fleet.transfer import (
-    HELD_PATH,
     MAX_PROBE_BLOCKS,
-    T2_PATH,
-    TENANT_HEADER,
     BlockSource,
     ExportedRun,
     FetchedRun,
@@ -48,10 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_PROBE_BUDGET_S",
     "DEFAULT_TTL_S",
-    "HELD_PATH",
     "MAX_PROBE_BLOCKS",
-    "T2_PATH",
-    "TENANT_HEADER",
     "BlockSource",
     "CacheBlockSource",
     "EmbeddedHintIndex",

@@ -41,7 +41,8 @@ from typing import Any
 import aiohttp
 
 from kvfleet_runtime.fleet.index import HintIndexStats
-from kvfleet_runtime.fleet.transfer import HELD_PATH, MAX_PROBE_BLOCKS, TENANT_HEADER, peer_token
+from kvfleet_runtime.fleet.transfer import MAX_PROBE_BLOCKS, peer_token
+from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER
 
 __all__ = ["DEFAULT_PROBE_BUDGET_S", "PeerProbeHintIndex"]
 

@@ -84,13 +84,11 @@ from kvfleet_runtime.api import ApiError, error_response, parse_json
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
 from kvfleet_runtime.fleet._receive import BodyReader, post
 from kvfleet_runtime.fleet.index import HintIndex, best_peer
+from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
-    "HELD_PATH",
     "MAX_PROBE_BLOCKS",
-    "T2_PATH",
-    "TENANT_HEADER",
     "BlockSource",
     "BufferPool",
     "ExportedRun",
@@ -104,12 +102,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-T2_PATH = "/kv/v1/blocks"
-HELD_PATH = "/kv/v1/held"
 MAX_PROBE_BLOCKS = 4096
 """Most chain hashes one held probe may ask about (a 64k-token prompt)."""
 MAX_HASH_BYTES = 64
-TENANT_HEADER = "X-Kvfleet-Tenant"
 MAGIC = b"KVT2"
 VERSION = 3
 _PREAMBLE = struct.Struct("<4sB3xI")

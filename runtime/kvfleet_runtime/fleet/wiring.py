@@ -17,8 +17,9 @@ What it adds to the replica's aiohttp app:
 - `replica.before_submit`: before a request enters the engine, if the prompt's leading blocks are
   not all held here, ask the hint index for the peer with the longest run and import it over T2.
   The engine's own lookup then hits. Any failure: nothing imported, the engine prefills.
-- The fleet config file (if any) is watched: `tiers.t2_peer` turns fetching on and off, and its
-  replica list resolves peer names to URLs before the index's own registry.
+- The fleet config file (if any) is watched (`configwatch`: applied once settled): `tiers.t2_peer`
+  turns fetching on and off, and its replica list resolves peer names to URLs before the index's
+  own registry.
 
 The hint index (`hint_index_for`): Redis when `KVFLEET_REDIS_URL` is set; else, when a fleet config
 is configured, the peer probe (`fleet.probe`: each lookup asks the config's other replicas
@@ -54,23 +55,29 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent
+from kvfleet_runtime.cache import BlockEvent
+from kvfleet_runtime.configwatch import ConfigFileWatcher
 from kvfleet_runtime.fleet.index import EmbeddedHintIndex, HintIndex, RedisHintIndex
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
 from kvfleet_runtime.fleet.transfer import PeerFetcher, peer_routes
-from kvfleet_runtime.fleetconfig import PLATFORM_TENANT, FleetConfig, load_fleet_config
+from kvfleet_runtime.fleetconfig import FleetConfig, load_fleet_config
+from kvfleet_runtime.wire import (
+    BLOCK_SIZE,
+    BYTE_TOKENIZER_ID,
+    LOAD_PATH,
+    PLATFORM_TENANT,
+    LoadReport,
+)
 
 if TYPE_CHECKING:
     from kvfleet_runtime.server import Replica
 
-__all__ = ["LOAD_PATH", "FleetSettings", "FleetTier", "attach_fleet"]
+__all__ = ["FleetSettings", "FleetTier", "attach_fleet"]
 
 log = logging.getLogger(__name__)
 
-LOAD_PATH = "/fleet/v1/load"
-TOKENIZER_ID = "byte-v1"
 DEFAULT_SECRET_FILE = Path("/etc/kvfleet/peer/token")
 DEFAULT_FLEET_CONFIG = Path("/etc/kvfleet/fleet/fleet.yaml")
 DEFAULT_REDIS_BUDGET_S = 0.002
@@ -219,6 +226,7 @@ class FleetTier:
         self.held = _HeldBlocks()
         self.session: aiohttp.ClientSession | None = None
         self.tier: PeerTier | None = None
+        self._watcher: ConfigFileWatcher | None = None
         self.cache.add_listener(self.held.on_event)
         self.cache.add_listener(self._publish)
 
@@ -263,25 +271,24 @@ class FleetTier:
         total = kv.num_blocks
         fields = engine.key_fields
         waiting, running = engine.num_waiting, engine.num_running
-        return {
-            "ready": self.replica.ready,
-            "kv_occupancy": (total - kv.num_free_blocks) / total if total else 0.0,
-            "kv_capacity_tokens": total * BLOCK_SIZE,
-            "num_waiting": waiting,
-            "num_running": running,
+        report = LoadReport(
+            ready=self.replica.ready,
+            kv_occupancy=(total - kv.num_free_blocks) / total if total else 0.0,
+            kv_capacity_tokens=total * BLOCK_SIZE,
+            num_waiting=waiting,
+            num_running=running,
             # A crude estimate: the router adds its own in-flight requests on top.
-            "queue_delay_s": 0.0 if waiting == 0 else waiting * 0.05,
-            "cache_key": {
-                "model_id": fields.model_id,
-                "weights_digest": fields.weights_digest,
-                "kv_dtype": fields.kv_dtype,
-                "rope_config_hash": fields.rope_config_hash,
-                "attn_impl_id": fields.attn_impl_id,
-            },
-            "tokenizer": TOKENIZER_ID,
-            "name": self.settings.name,
-            "t2": self.t2_report(),
-        }
+            queue_delay_s=0.0 if waiting == 0 else waiting * 0.05,
+            cache_key=(
+                fields.model_id,
+                fields.weights_digest,
+                fields.kv_dtype,
+                fields.rope_config_hash,
+                fields.attn_impl_id,
+            ),
+            tokenizer=BYTE_TOKENIZER_ID,
+        )
+        return report.to_dict() | {"name": self.settings.name, "t2": self.t2_report()}
 
     def t2_report(self) -> dict[str, Any]:
         """What this replica fetched from peers so far (for reports; the router ignores it)."""
@@ -312,19 +319,13 @@ class FleetTier:
     async def _background(self) -> None:
         loop = asyncio.get_running_loop()
         next_register = 0.0
-        last_fp: bytes | None = None
         while True:
             now = loop.time()
             if now >= next_register:
                 next_register = now + self.settings.register_every_s
                 await self.index.register_host(self.settings.name, self.settings.peer_url)
-            path = self.settings.fleet_config
-            if path is not None:
-                with contextlib.suppress(OSError):
-                    fp = path.read_bytes()
-                    if fp != last_fp:
-                        last_fp = fp
-                        self._reload_config()
+            if self._watcher is not None and self._watcher.poll():
+                self._reload_config()
             await asyncio.sleep(self.settings.config_poll_s)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
@@ -340,6 +341,9 @@ class FleetTier:
             resolve_url=self._resolve,
         )
         self.tier = PeerTier(self.cache, fetcher)
+        path = self.settings.fleet_config
+        # Before the first load (see ConfigFileWatcher): a write in between is seen, not missed.
+        self._watcher = None if path is None else ConfigFileWatcher(path)
         self._reload_config()
         log.info("fleet tier %s: hint index %s", self.settings.name, hint_index_kind(self.index))
         self.publisher.start()

@@ -10,7 +10,6 @@ from kvfleet_runtime.model.checkpoint import (
     weights_digest,
 )
 from kvfleet_runtime.model.model import (
-    BLOCK_SIZE,
     PRESETS,
     ModelArgs,
     PagedKV,
@@ -27,7 +26,6 @@ from kvfleet_runtime.model.tokenizer import (
 )
 
 __all__ = [
-    "BLOCK_SIZE",
     "BOS_ID",
     "EOS_ID",
     "PRESETS",

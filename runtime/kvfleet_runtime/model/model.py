@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-BLOCK_SIZE = 16
-"""Tokens per KV block: the paged-attention block and the prefix cache's block are the same."""
+from kvfleet_runtime.wire import BLOCK_SIZE
 
 ATTN_IMPLS = ("eager", "sdpa")
 

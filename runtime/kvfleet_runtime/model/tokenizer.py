@@ -16,6 +16,8 @@ import codecs
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from kvfleet_runtime.wire import BYTE_BOS_ID, BYTE_TOKENIZER_ID
+
 __all__ = [
     "BOS_ID",
     "BYTE_TOKENIZER_NAME",
@@ -28,12 +30,12 @@ __all__ = [
     "Tokenizer",
 ]
 
-BOS_ID = 256
+BOS_ID = BYTE_BOS_ID
 EOS_ID = 257
 PAD_ID = 258
 NUM_BYTE_TOKENS = 256
 VOCAB_SIZE = 259
-BYTE_TOKENIZER_NAME = "byte-v1"
+BYTE_TOKENIZER_NAME = BYTE_TOKENIZER_ID
 
 
 class IncrementalDecoder(Protocol):

@@ -7,14 +7,6 @@ Pure decisions live in `kvfleet_runtime.routing`; this package is the aiohttp sh
 from __future__ import annotations
 
 from kvfleet_runtime.router._app import RouterState, create_router_app, prompt_token_ids
-from kvfleet_runtime.router._view import LOAD_PATH, FleetView, LoadReport, parse_load_report
+from kvfleet_runtime.router._view import FleetView
 
-__all__ = [
-    "LOAD_PATH",
-    "FleetView",
-    "LoadReport",
-    "RouterState",
-    "create_router_app",
-    "parse_load_report",
-    "prompt_token_ids",
-]
+__all__ = ["FleetView", "RouterState", "create_router_app", "prompt_token_ids"]

@@ -59,20 +59,16 @@ from kvfleet_runtime.api import (
     parse_json,
     read_body,
 )
-from kvfleet_runtime.cache import BLOCK_SIZE, block_hashes
+from kvfleet_runtime.cache import block_hashes
 from kvfleet_runtime.fleet.index import HintIndex
 from kvfleet_runtime.router._view import FleetView
 from kvfleet_runtime.routing import ApiKeyMap, RouteDecision, choose_replica
+from kvfleet_runtime.wire import BLOCK_SIZE, BYTE_BOS_ID, BYTE_TOKENIZER_ID, TENANT_HEADER
 
 __all__ = ["RouterState", "create_router_app", "prompt_token_ids"]
 
 log = logging.getLogger(__name__)
 
-TENANT_HEADER = "X-Kvfleet-Tenant"
-_BOS_ID = 256
-"""The replicas' byte tokenizer (`kvfleet_runtime.model.tokenizer`, tokenizer "byte-v1"):
-ids 0-255 are UTF-8 bytes, 256 is BOS. Mirrored here because the model package imports torch;
-a test pins the two together. An unknown tokenizer only turns the override off."""
 _FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
 _HARD_MAX_BODY_BYTES = 64 << 20
 """aiohttp's own cap; `RouterState.max_body_bytes` is checked below it."""
@@ -83,9 +79,9 @@ def prompt_token_ids(prompt: Any, tokenizer: str) -> list[int] | None:
     """The token ids the replica will see for `prompt`, when the router can know them."""
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         return list(prompt)
-    if isinstance(prompt, str) and tokenizer == "byte-v1":
+    if isinstance(prompt, str) and tokenizer == BYTE_TOKENIZER_ID:
         try:
-            return [_BOS_ID, *prompt.encode("utf-8")]
+            return [BYTE_BOS_ID, *prompt.encode("utf-8")]
         except UnicodeEncodeError:  # a lone surrogate: the replica refuses it with a 400
             return None
     return None

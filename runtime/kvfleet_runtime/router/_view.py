@@ -1,15 +1,10 @@
 """What the router knows about the fleet: the published config (watched), the replicas, their
 last load reports, and its own requests in flight.
 
-Replica load protocol: `GET {replica}/fleet/v1/load` answers JSON
-
-    {"ready": true, "kv_occupancy": 0.42, "kv_capacity_tokens": 65536,
-     "num_waiting": 3, "num_running": 8, "queue_delay_s": 0.12,
-     "cache_key": {"model_id", "weights_digest", "kv_dtype", "rope_config_hash", "attn_impl_id"},
-     "tokenizer": "byte-v1"}
-
-A replica without that route (404) is judged by `GET /readyz` alone (load unknown = 0). A replica
-that does not answer within the poll timeout is not ready until it answers again.
+Replica load protocol: `GET {replica}{LOAD_PATH}` answers a load report (its schema:
+`kvfleet_runtime.wire`). A replica without that route (404) is judged by `GET /readyz` alone
+(load unknown = 0). A replica that does not answer within the poll timeout is not ready until it
+answers again.
 """
 
 from __future__ import annotations
@@ -20,66 +15,17 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
-from kvfleet_runtime.cache import CacheKey
+from kvfleet_runtime.configwatch import ConfigFileWatcher
 from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, load_fleet_config
 from kvfleet_runtime.routing import ReplicaLoad, home_sets
+from kvfleet_runtime.wire import LOAD_PATH, LoadReport, parse_load_report
 
-__all__ = ["LOAD_PATH", "FleetView", "LoadReport", "parse_load_report"]
+__all__ = ["FleetView"]
 
 log = logging.getLogger(__name__)
-
-LOAD_PATH = "/fleet/v1/load"
-_KEY_FIELDS = ("model_id", "weights_digest", "kv_dtype", "rope_config_hash", "attn_impl_id")
-
-
-@dataclass(slots=True, frozen=True)
-class LoadReport:
-    ready: bool
-    kv_occupancy: float = 0.0
-    kv_capacity_tokens: int = 0
-    num_waiting: int = 0
-    num_running: int = 0
-    queue_delay_s: float = 0.0
-    cache_key: tuple[str, str, str, str, str] | None = None
-    """(model_id, weights_digest, kv_dtype, rope_config_hash, attn_impl_id), all but the tenant."""
-    tokenizer: str = ""
-
-    def key(self, tenant_id: str) -> CacheKey | None:
-        return None if self.cache_key is None else CacheKey(tenant_id, *self.cache_key)
-
-
-def parse_load_report(data: Any) -> LoadReport:
-    """Validate a load report; raises ValueError on a malformed one."""
-    if not isinstance(data, dict):
-        raise ValueError(f"load report must be an object, got {type(data).__name__}")
-    occupancy = float(data.get("kv_occupancy", 0.0))
-    if not 0.0 <= occupancy <= 1.5:
-        raise ValueError(f"kv_occupancy out of range: {occupancy}")
-    raw_key = data.get("cache_key")
-    key = None
-    if isinstance(raw_key, dict) and all(isinstance(raw_key.get(f), str) for f in _KEY_FIELDS):
-        key = (
-            raw_key["model_id"],
-            raw_key["weights_digest"],
-            raw_key["kv_dtype"],
-            raw_key["rope_config_hash"],
-            raw_key["attn_impl_id"],
-        )
-    return LoadReport(
-        ready=bool(data.get("ready", True)),
-        kv_occupancy=occupancy,
-        kv_capacity_tokens=max(0, int(data.get("kv_capacity_tokens", 0))),
-        num_waiting=max(0, int(data.get("num_waiting", 0))),
-        num_running=max(0, int(data.get("num_running", 0))),
-        queue_delay_s=max(0.0, float(data.get("queue_delay_s", 0.0))),
-        cache_key=key,
-        tokenizer=str(data.get("tokenizer", "")),
-    )
-
 
 @dataclass(slots=True)
 class _Replica:
@@ -108,7 +54,12 @@ class FleetView:
     replicas: dict[str, _Replica] = field(default_factory=dict)
     on_change: Callable[[], None] | None = None
 
+    _watcher: ConfigFileWatcher | None = field(default=None, init=False, repr=False)
+
     def __post_init__(self) -> None:
+        # Before the first load (see ConfigFileWatcher): a write in between is seen, not missed.
+        if self.config_path is not None:
+            self._watcher = ConfigFileWatcher(self.config_path)
         self._apply()
 
     # -- config ------------------------------------------------------------------------------
@@ -243,17 +194,15 @@ class FleetView:
     async def run(
         self, session: aiohttp.ClientSession, *, poll_interval_s: float, config_poll_s: float
     ) -> None:
-        """Poll loads every `poll_interval_s` and the config file every `config_poll_s`."""
-        last_fp: bytes | None = None
+        """Poll loads every `poll_interval_s` and the config file every `config_poll_s` (a change
+        applies once the file has settled for one more poll)."""
         loop = asyncio.get_running_loop()
         next_config = next_load = loop.time()
         while True:
             now = loop.time()
-            if self.config_path is not None and now >= next_config:
+            if self._watcher is not None and now >= next_config:
                 next_config = now + config_poll_s
-                fp = _fingerprint(self.config_path)
-                if fp != last_fp:
-                    last_fp = fp
+                if self._watcher.poll():
                     self.reload_config()
             if now >= next_load:
                 next_load = now + poll_interval_s
@@ -266,9 +215,3 @@ class FleetView:
 def _usable(r: ReplicaEndpoint) -> bool:
     return r.ready
 
-
-def _fingerprint(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from kvfleet_runtime.fleetconfig import PLATFORM_TENANT
+from kvfleet_runtime.wire import PLATFORM_TENANT
 
 __all__ = ["ApiKeyMap", "bearer_token", "load_api_keys", "parse_api_keys"]
 

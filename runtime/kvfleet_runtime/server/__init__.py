@@ -18,12 +18,11 @@ from kvfleet_runtime.server._config import (
     load_config,
 )
 from kvfleet_runtime.server._openai import system_fingerprint
-from kvfleet_runtime.server._schemas import TENANT_HEADER, InvalidateRequest
+from kvfleet_runtime.server._schemas import InvalidateRequest
 
 __all__ = [
     "CONFIG_ENV",
     "ENV_PREFIX",
-    "TENANT_HEADER",
     "ApiError",
     "CacheSettings",
     "ChatCompletionRequest",

@@ -53,6 +53,7 @@ from kvfleet_runtime.api import (
     refused_fields,
 )
 from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
+from kvfleet_runtime.configwatch import ConfigFileWatcher
 from kvfleet_runtime.engine import (
     CacheKeyFields,
     Engine,
@@ -62,11 +63,11 @@ from kvfleet_runtime.model import ByteTokenizer, LoadedModel, default_device, lo
 from kvfleet_runtime.server._config import Limits, ReplicaConfig, load_config, restart_fields
 from kvfleet_runtime.server._openai import chat_completions, completions
 from kvfleet_runtime.server._schemas import (
-    TENANT_HEADER,
     TENANT_PATTERN,
     InvalidateAccepted,
     InvalidateRequest,
 )
+from kvfleet_runtime.wire import TENANT_HEADER
 
 __all__ = [
     "Replica", "apply_config", "build_replica", "create_app", "openapi_document",
@@ -168,18 +169,11 @@ async def watch_config(replica: Replica) -> None:
     """Poll the config file; apply a changed, valid file; keep the last good config otherwise."""
     path = replica.config_path
     assert path is not None
-    last = _fingerprint(path)
+    watcher = ConfigFileWatcher(path)  # settle-then-apply: a half-written file is never parsed
     while True:
         await asyncio.sleep(replica.config.config_poll_interval_s)
-        now = _fingerprint(path)
-        if now == last:
+        if not watcher.poll():
             continue
-        # An editor or `kubectl cp` truncates and then writes: apply a file only once it has
-        # held still for one poll interval, so a half-written file is never parsed.
-        await asyncio.sleep(replica.config.config_poll_interval_s)
-        if _fingerprint(path) != now:
-            continue
-        last = now
         assert replica.reloads is not None
         try:
             new = load_config(path, overrides=replica.overrides)
@@ -192,12 +186,6 @@ async def watch_config(replica: Replica) -> None:
         log.info("config reloaded from %s%s", path,
                  f"; needs a restart to apply: {', '.join(pending)}" if pending else "")
 
-
-def _fingerprint(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
 
 
 # ---- request helpers -------------------------------------------------------------------------

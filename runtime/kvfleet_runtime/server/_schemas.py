@@ -10,14 +10,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
-    "TENANT_HEADER",
     "TENANT_PATTERN",
     "WEIGHTS_DIGEST_PATTERN",
     "InvalidateAccepted",
     "InvalidateRequest",
 ]
 
-TENANT_HEADER = "X-Kvfleet-Tenant"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 WEIGHTS_DIGEST_PATTERN = r"^(sha256:[0-9a-f]{64}|sha512:[0-9a-f]{128}|blake2b:[0-9a-f]{32,128})$"
 

@@ -21,7 +21,8 @@ from kvfleet_runtime.engine import (
     SamplingParams,
     TokenEvent,
 )
-from kvfleet_runtime.model import BLOCK_SIZE, LoadedModel, PagedKV, load_checkpoint
+from kvfleet_runtime.model import LoadedModel, PagedKV, load_checkpoint
+from kvfleet_runtime.wire import BLOCK_SIZE
 
 from .conftest import EngineFactory, make_cache
 

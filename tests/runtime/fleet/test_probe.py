@@ -16,9 +16,7 @@ from aiohttp import web
 
 from kvfleet_runtime.cache import CacheConfig, Hit, PrefixCache
 from kvfleet_runtime.fleet import (
-    HELD_PATH,
     MAX_PROBE_BLOCKS,
-    TENANT_HEADER,
     CacheBlockSource,
     EmbeddedHintIndex,
     PeerFetcher,
@@ -30,6 +28,7 @@ from kvfleet_runtime.fleet import (
     wiring,
 )
 from kvfleet_runtime.fleet.wiring import FleetSettings, _HeldBlocks, hint_index_for
+from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER
 from tests.runtime.fleet.conftest import free_port
 from tests.runtime.fleet.test_transfer import (
     KEY_A,

@@ -20,9 +20,10 @@ import pytest
 import redis
 import requests
 
-from kvfleet_runtime.fleet import T2_PATH, TENANT_HEADER, peer_token
+from kvfleet_runtime.fleet import peer_token
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.routing import rendezvous_top_k
+from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
 from tests.runtime.fleet.conftest import RedisProcess, free_port
 
 pytestmark = pytest.mark.slow

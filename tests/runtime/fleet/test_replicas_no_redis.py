@@ -19,10 +19,10 @@ import pytest
 import requests
 
 from kvfleet_runtime.cache import BLOCK_SIZE, block_hashes
-from kvfleet_runtime.fleet import HELD_PATH, TENANT_HEADER, peer_token
+from kvfleet_runtime.fleet import peer_token
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
-from kvfleet_runtime.router import parse_load_report
 from kvfleet_runtime.router._app import prompt_token_ids
+from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER, parse_load_report
 from tests.runtime.fleet.conftest import free_port
 from tests.runtime.fleet.test_replicas import PROMPT, _spawn, _wait_ready, complete, held_blocks
 

@@ -17,8 +17,6 @@ from aiohttp import web
 
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, Hit, KVLayout, PrefixCache
 from kvfleet_runtime.fleet import (
-    T2_PATH,
-    TENANT_HEADER,
     CacheBlockSource,
     EmbeddedHintIndex,
     HintPublisher,
@@ -27,6 +25,7 @@ from kvfleet_runtime.fleet import (
     peer_routes,
     peer_token,
 )
+from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
 from tests.runtime.fleet.conftest import free_port
 
 SECRET = b"fleet-secret-for-tests"

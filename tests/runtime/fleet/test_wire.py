@@ -16,8 +16,6 @@ from aiohttp import web
 
 from kvfleet_runtime.cache import BLOCK_SIZE
 from kvfleet_runtime.fleet import (
-    T2_PATH,
-    TENANT_HEADER,
     CacheBlockSource,
     EmbeddedHintIndex,
     PeerFetcher,
@@ -27,6 +25,7 @@ from kvfleet_runtime.fleet import (
 )
 from kvfleet_runtime.fleet._receive import BodyReader
 from kvfleet_runtime.fleet.transfer import VERSION, _check_rows, chunk_checksum
+from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
 from tests.runtime.fleet.test_transfer import (
     KEY_A,
     LAYOUT,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet_runtime.model import (
-    BLOCK_SIZE,
     ByteTokenizer,
     ModelArgs,
     PagedKV,
@@ -191,7 +189,3 @@ def test_byte_tokenizer_round_trip_and_streaming() -> None:
     assert tok.decode(ids) == "héllo ✓"
     dec = tok.stream_decoder()
     assert "".join(dec.push(i) for i in ids) + dec.flush() == "héllo ✓"
-
-
-def test_block_size_is_sixteen() -> None:
-    assert BLOCK_SIZE == 16 and math.gcd(BLOCK_SIZE, 2048) == 16

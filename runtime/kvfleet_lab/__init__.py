@@ -1,0 +1,20 @@
+"""kvfleet's lab: everything that measures the product and nothing that ships inside a pod.
+
+Rooms (each mirrors the product package it measures):
+  traces/     the vendored Mooncake synthetic trace (Apache-2.0) and its provenance
+  cache/      policy replays driven by the shipped `CacheManager` (`sim`), the baselines, the
+              generated populations (`workloads`), the side-by-side comparison (`compare`), the
+              cache core's micro-benchmarks (`bench`) and the policy plots (`plots`)
+  engine/     the replica benchmark (TTFT full prefill vs T0/T1 hits, throughput, miss cost)
+  fleet/      the fleet tier's benchmarks (T2 bandwidth, router overhead, routing replays)
+  operator/   the operator's planner and cluster benchmarks
+  simulate/   the fleet-scale simulator (44 replicas, 2,000 tenants) and its plots
+  demo/       the `kvfleet demo` driver: local fleet, workloads, report, plots
+
+Dependencies point one way: the lab imports the product (kvfleet_runtime, kvfleet_operator);
+nothing in the product imports the lab (tests/test_imports.py checks it). The `kvfleet bench`,
+`kvfleet simulate` and `kvfleet demo` commands are thin shells in `kvfleet_runtime.cli` that import
+the lab only when they run.
+"""
+
+__all__: list[str] = []

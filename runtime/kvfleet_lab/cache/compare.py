@@ -1,0 +1,213 @@
+"""Side-by-side hit rates of prefix-cache policies on the same requests at the same capacities:
+what `kvfleet bench` (issue 9) reports. Pure and torch-free; returns records, prints nothing.
+
+Policies (all from `kvfleet_lab.cache.sim`, replayed one request at a time, capacity in
+16-token blocks):
+
+    no-cache   every prompt token is prefilled (hit rate 0: the prefill reference)
+    vllm       per-block hash cache, LRU over freed blocks (vLLM v1 prefix caching)
+    radix      radix tree, leaf-first LRU of whole segments (SGLang RadixAttention)
+    kvfleet    the shipped policy: kvfleet_runtime.cache.CacheManager
+    belady     Belady's offline optimum at the same capacity (an upper bound of any policy)
+    infinite   nothing is ever evicted (the workload's bound)
+
+Hits count the longest cached prefix of full blocks, for every policy alike: the "recompute the
+last prompt token" rule of the engines (vLLM, SGLang and kvfleet's own all have it) is left out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvfleet_lab.cache.sim import (
+    SimResult,
+    TraceRequest,
+    simulate_belady,
+    simulate_infinite,
+    simulate_kvfleet,
+    simulate_radix,
+    simulate_vllm,
+    unique_blocks,
+)
+
+__all__ = [
+    "BASELINES",
+    "POLICIES",
+    "CapacityRow",
+    "PolicyComparison",
+    "PolicyFigure",
+    "WorkloadResult",
+    "compare_policies",
+    "compare_workload",
+]
+
+POLICIES = ("no-cache", "vllm", "radix", "kvfleet", "belady", "infinite")
+BASELINES = ("vllm", "radix")
+"""The online policies kvfleet is compared against."""
+
+_AT_CAPACITY: dict[str, Callable[[Sequence[TraceRequest], int], SimResult]] = {
+    "vllm": simulate_vllm,
+    "radix": simulate_radix,
+    "kvfleet": simulate_kvfleet,
+    "belady": simulate_belady,
+}
+
+
+@dataclass(slots=True)
+class PolicyFigure:
+    policy: str
+    token_hit_rate: float
+    request_hit_rate: float
+    num_hit_tokens: int
+    seconds: float
+    """Simulation wall time (noisy on a shared machine; never asserted)."""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+@dataclass(slots=True)
+class CapacityRow:
+    capacity_fraction: float
+    """Of the workload's unique blocks."""
+    capacity_blocks: int
+    figures: dict[str, PolicyFigure]
+
+    def rate(self, policy: str) -> float:
+        return self.figures[policy].token_hit_rate
+
+    def kvfleet_vs(self, policy: str) -> float | None:
+        """kvfleet's token hit rate over `policy`'s (None when `policy` hits nothing)."""
+        return _ratio(self.rate("kvfleet"), self.rate(policy))
+
+    def of_infinite(self, policy: str) -> float | None:
+        return _ratio(self.rate(policy), self.rate("infinite"))
+
+    def prefill_vs_no_cache(self, policy: str) -> float:
+        """Prompt tokens `policy` still prefills, as a share of what no cache prefills."""
+        return 1.0 - self.rate(policy)
+
+
+@dataclass(slots=True)
+class WorkloadResult:
+    name: str
+    description: str
+    num_requests: int
+    num_tokens: int
+    num_unique_blocks: int
+    rows: list[CapacityRow]
+
+
+@dataclass(slots=True)
+class PolicyComparison:
+    workloads: list[WorkloadResult]
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for workload, raw in zip(self.workloads, data["workloads"], strict=True):
+            for row, raw_row in zip(workload.rows, raw["rows"], strict=True):
+                raw_row["kvfleet_vs"] = {p: row.kvfleet_vs(p) for p in (*BASELINES, "belady")}
+                raw_row["of_infinite"] = {p: row.of_infinite(p) for p in POLICIES}
+                raw_row["prefill_vs_no_cache"] = {p: row.prefill_vs_no_cache(p) for p in POLICIES}
+        return data
+
+    def to_markdown(self) -> str:
+        lines = []
+        for w in self.workloads:
+            lines += [
+                f"### {w.name}",
+                "",
+                f"{w.description}. {w.num_requests:,} requests, {w.num_tokens:,} prompt tokens, "
+                f"{w.num_unique_blocks:,} unique blocks.",
+                "",
+                "| capacity | vLLM | radix | kvfleet | Belady | infinite | kvfleet / vLLM "
+                "| kvfleet / radix | kvfleet / Belady | vLLM / inf | radix / inf | kvfleet / inf "
+                "| Belady / inf | prefill vs no cache (kvfleet) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in w.rows:
+                cells = [f"{r.capacity_fraction:.0%} ({r.capacity_blocks:,} blocks)"]
+                cells += [f"{r.rate(p):.1%}" for p in ("vllm", "radix", "kvfleet", "belady")]
+                cells.append(f"{r.rate('infinite'):.1%}")
+                cells += [_fmt_ratio(r.kvfleet_vs(p)) for p in (*BASELINES, "belady")]
+                cells += [
+                    _fmt_ratio(r.of_infinite(p)) for p in ("vllm", "radix", "kvfleet", "belady")
+                ]
+                cells.append(f"{r.prefill_vs_no_cache('kvfleet'):.0%}")
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _figure(result: SimResult, seconds: float) -> PolicyFigure:
+    return PolicyFigure(
+        result.policy,
+        result.token_hit_rate,
+        result.request_hit_rate,
+        result.num_hit_tokens,
+        seconds,
+        dict(result.extra),
+    )
+
+
+def compare_workload(
+    name: str,
+    description: str,
+    requests: Sequence[TraceRequest],
+    fractions: Sequence[float],
+    *,
+    on_progress: Callable[[str], None] | None = None,
+) -> WorkloadResult:
+    """Every policy on `requests` at each capacity (a fraction of the unique blocks)."""
+    if not requests:
+        raise ValueError(f"workload {name!r} has no requests")
+    if not fractions or any(not 0 < f <= 1 for f in fractions):
+        raise ValueError(f"capacity fractions must be in (0, 1], got {list(fractions)}")
+    unique = unique_blocks(requests)
+    t0 = time.perf_counter()
+    infinite = _figure(simulate_infinite(requests), time.perf_counter() - t0)
+    no_cache = PolicyFigure("no-cache", 0.0, 0.0, 0, 0.0)
+    rows = []
+    for fraction in fractions:
+        capacity = max(1, round(unique * fraction))
+        figures = {"no-cache": no_cache}
+        for policy, simulate in _AT_CAPACITY.items():
+            if on_progress is not None:
+                on_progress(f"{name}: {policy} at {fraction:.0%} ({capacity:,} blocks)")
+            t0 = time.perf_counter()
+            result = simulate(requests, capacity)
+            figures[policy] = _figure(result, time.perf_counter() - t0)
+        figures["infinite"] = infinite
+        rows.append(CapacityRow(fraction, capacity, {p: figures[p] for p in POLICIES}))
+    return WorkloadResult(
+        name,
+        description,
+        len(requests),
+        sum(r.num_tokens for r in requests),
+        unique,
+        rows,
+    )
+
+
+def compare_policies(
+    workloads: Sequence[tuple[str, str, Sequence[TraceRequest]]],
+    fractions: Sequence[float],
+    *,
+    on_progress: Callable[[str], None] | None = None,
+) -> PolicyComparison:
+    start = time.perf_counter()
+    results = [
+        compare_workload(name, description, requests, fractions, on_progress=on_progress)
+        for name, description, requests in workloads
+    ]
+    return PolicyComparison(results, time.perf_counter() - start)

@@ -1,0 +1,643 @@
+"""Hit-rate simulation of prefix caches over a request trace: pure, reusable, torch-free.
+
+Each request is the list of chain hashes of its full 16-token blocks. The policies, all at a
+capacity counted in blocks:
+
+- `simulate_infinite`: every block ever seen stays (the upper bound of any policy);
+- `simulate_lru`: hash map + LRU, vLLM-v1 style: a hit is the longest run of leading resident
+  blocks, then every block of the request is touched, tail first so the head is the most recent;
+- `simulate_vllm`: vLLM v1's prefix caching modelled block for block (`block_pool.py`): a free
+  queue of block ids in eviction order, lazy eviction when a new block is allocated, duplicates of a
+  hash allowed; replayed one request at a time it hits exactly what `simulate_lru` hits;
+- `simulate_radix`: SGLang's RadixAttention (`radix_cache.py`, LRU): a radix tree of multi-block
+  segments, whole leaves evicted least recently used first, `evict(n)` asked for the whole
+  allocation whenever the free pool is short of it;
+- `simulate_belady`: Belady's offline optimum (MIN with bypass): evict the block whose next use is
+  furthest away, deepest first among ties, never admit a block that would be that victim;
+- `simulate_kvfleet`: the shipped policy, i.e. `kvfleet_runtime.cache.CacheManager` (sketch,
+  admission on the second sighting, TinyLFU duel, pinning, thrash detector) driven through its
+  `replay` with the same hashes;
+- `simulate_wtinylfu`: a W-TinyLFU at leaf granularity (window LRU, segmented main, frequency
+  duel), a candidate policy measured here before it would be built into the index (issue 4; the
+  figures are in docs/cache.md). Not the shipped policy.
+
+`load_mooncake_trace` replays the Mooncake trace format: each 512-token `hash_id` expands into 32
+blocks of deterministic tokens derived from (hash id, sub-block index), the last block cut to
+`input_length` (only full blocks count). The `kvfleet bench` comparisons (issue 9) reuse this.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheConfig, CacheKey, CacheManager
+from kvfleet_runtime.cache._keys import continue_chain, key_digest
+
+__all__ = [
+    "MOONCAKE_BLOCKS_PER_HASH_ID",
+    "SimResult",
+    "TraceRequest",
+    "cached_prefix",
+    "load_mooncake_trace",
+    "mooncake_block_tokens",
+    "simulate_belady",
+    "simulate_infinite",
+    "simulate_kvfleet",
+    "simulate_lru",
+    "simulate_popularity_oracle",
+    "simulate_radix",
+    "simulate_vllm",
+    "simulate_wtinylfu",
+    "unique_blocks",
+]
+
+MOONCAKE_TOKENS_PER_HASH_ID = 512
+MOONCAKE_BLOCKS_PER_HASH_ID = MOONCAKE_TOKENS_PER_HASH_ID // BLOCK_SIZE
+
+SIM_KEY = CacheKey("trace", "trace-model", "sha256:" + "0" * 64, "float16", "rope", "attn")
+
+
+@dataclass(slots=True, frozen=True)
+class TraceRequest:
+    timestamp_s: float
+    num_tokens: int
+    blocks: tuple[BlockHash, ...]
+    """Chain hashes of the request's full blocks, root first."""
+
+
+@dataclass(slots=True)
+class SimResult:
+    policy: str
+    capacity_blocks: int | None
+    num_requests: int = 0
+    num_tokens: int = 0
+    num_hit_tokens: int = 0
+    num_hit_requests: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_tokens if self.num_tokens else 0.0
+
+    @property
+    def request_hit_rate(self) -> float:
+        return self.num_hit_requests / self.num_requests if self.num_requests else 0.0
+
+    def record(self, request: TraceRequest, hit_blocks: int) -> None:
+        self.num_requests += 1
+        self.num_tokens += request.num_tokens
+        self.num_hit_tokens += hit_blocks * BLOCK_SIZE
+        self.num_hit_requests += 1 if hit_blocks else 0
+
+
+def mooncake_block_tokens(hash_id: int, sub_block: int) -> list[int]:
+    """The 16 deterministic token ids of sub-block `sub_block` of Mooncake hash id `hash_id`."""
+    base = (hash_id * MOONCAKE_BLOCKS_PER_HASH_ID + sub_block) * BLOCK_SIZE
+    return [(base + t) % 2**32 for t in range(BLOCK_SIZE)]
+
+
+def load_mooncake_trace(
+    path: Path, *, max_requests: int | None = None, key: CacheKey = SIM_KEY
+) -> list[TraceRequest]:
+    """Read a Mooncake-format JSONL trace into requests of chained block hashes.
+
+    Equal hash ids at equal positions mean an equal prefix, so the 32 chain hashes of a hash id
+    are computed once, chained onto the last hash of the id before it."""
+    if not path.is_file():
+        raise ValueError(f"trace file not found: {path}")
+    expanded: dict[int, list[BlockHash]] = {}
+    requests: list[TraceRequest] = []
+    root = key_digest(key)
+    with path.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if max_requests is not None and len(requests) >= max_requests:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                timestamp_s = float(row["timestamp"]) / 1000.0
+                num_tokens = int(row["input_length"])
+                hash_ids = [int(x) for x in row["hash_ids"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(
+                    f"{path}:{line_no}: not a Mooncake trace row: {line[:80]!r}"
+                ) from exc
+            num_blocks = min(num_tokens // BLOCK_SIZE, len(hash_ids) * MOONCAKE_BLOCKS_PER_HASH_ID)
+            blocks: list[BlockHash] = []
+            prev = root
+            for hash_id in hash_ids:
+                if len(blocks) >= num_blocks:
+                    break
+                chunk = expanded.get(hash_id)
+                if chunk is None:
+                    tokens = [
+                        t
+                        for j in range(MOONCAKE_BLOCKS_PER_HASH_ID)
+                        for t in mooncake_block_tokens(hash_id, j)
+                    ]
+                    chunk = expanded[hash_id] = continue_chain(prev, tokens)
+                blocks.extend(chunk)
+                prev = chunk[-1]
+            requests.append(TraceRequest(timestamp_s, num_tokens, tuple(blocks[:num_blocks])))
+    return requests
+
+
+def cached_prefix(blocks: Sequence[BlockHash], held: Container[BlockHash]) -> int:
+    """How many leading blocks of a chain `held` has: a hit is a prefix."""
+    hit = 0
+    for b in blocks:
+        if b not in held:
+            break
+        hit += 1
+    return hit
+
+
+def unique_blocks(requests: Sequence[TraceRequest]) -> int:
+    return len({b for r in requests for b in r.blocks})
+
+
+def simulate_infinite(requests: Sequence[TraceRequest]) -> SimResult:
+    result = SimResult("infinite", None)
+    seen: set[BlockHash] = set()
+    for request in requests:
+        result.record(request, cached_prefix(request.blocks, seen))
+        seen.update(request.blocks)
+    return result
+
+
+def simulate_lru(requests: Sequence[TraceRequest], capacity_blocks: int) -> SimResult:
+    result = SimResult("lru", capacity_blocks)
+    cache: OrderedDict[BlockHash, None] = OrderedDict()
+    for request in requests:
+        result.record(request, cached_prefix(request.blocks, cache))
+        for b in reversed(request.blocks):
+            if b in cache:
+                cache.move_to_end(b)
+            else:
+                cache[b] = None
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
+    return result
+
+
+def simulate_belady(requests: Sequence[TraceRequest], capacity_blocks: int) -> SimResult:
+    result = SimResult("belady", capacity_blocks)
+    never = len(requests)
+    # next_use[r][i]: index of the next request that uses block i of request r.
+    next_seen: dict[BlockHash, int] = {}
+    next_use: list[list[int]] = [[] for _ in requests]
+    for r in range(len(requests) - 1, -1, -1):
+        blocks = requests[r].blocks
+        next_use[r] = [next_seen.get(b, never) for b in blocks]
+        for b in blocks:
+            next_seen[b] = r
+    resident: dict[BlockHash, int] = {}  # block -> its current next use
+    heap: list[tuple[int, int, BlockHash]] = []  # (-next use, -depth, block), lazily invalidated
+    for r, request in enumerate(requests):
+        result.record(request, cached_prefix(request.blocks, resident))
+        for depth, (b, nu) in enumerate(zip(request.blocks, next_use[r], strict=True)):
+            resident[b] = nu
+            heapq.heappush(heap, (-nu, -depth, b))
+        while len(resident) > capacity_blocks:
+            neg_nu, _, b = heapq.heappop(heap)
+            if resident.get(b) == -neg_nu:
+                del resident[b]
+        if len(heap) > 4 * capacity_blocks + 4096:
+            # Entries are unique per (block, next use): keep only the live ones.
+            heap = [e for e in heap if resident.get(e[2]) == -e[0]]
+            heapq.heapify(heap)
+    return result
+
+
+def simulate_popularity_oracle(
+    requests: Sequence[TraceRequest], capacity_blocks: int, *, admit_min_sightings: int = 2
+) -> SimResult:
+    """Not an online policy: a frequency ranking that knows how often every block is requested
+    over the WHOLE trace, with the shipped admission (from the second sighting) and no other
+    foresight. It bounds what ranking by frequency can reach: an online policy only ever sees
+    the counts so far. The lowest total goes first (deepest, then least recent, among equals,
+    and newcomers included: it may bypass); a block is requested at least as often as any block
+    after it, so this order only ever drops leaves."""
+    total = Counter(b for request in requests for b in request.blocks)
+    result = SimResult("popularity_oracle", capacity_blocks)
+    sightings: Counter[BlockHash] = Counter()
+    last_use: dict[BlockHash, int] = {}  # resident block -> the request that last pushed it
+    heap: list[tuple[int, int, int, BlockHash]] = []  # (total, -depth, last use); lazily stale
+    for r, request in enumerate(requests):
+        result.record(request, cached_prefix(request.blocks, last_use))
+        sightings.update(request.blocks)
+        for depth, b in enumerate(request.blocks):
+            if sightings[b] < admit_min_sightings:
+                break  # only a prefix can be stored
+            last_use[b] = r
+            heapq.heappush(heap, (total[b], -depth, r, b))
+        while len(last_use) > capacity_blocks:
+            _, _, used, b = heapq.heappop(heap)
+            if last_use.get(b) == used:
+                del last_use[b]
+        if len(heap) > 4 * capacity_blocks + 4096:
+            heap = [e for e in heap if last_use.get(e[3]) == e[2]]
+            heapq.heapify(heap)
+    return result
+
+
+def simulate_kvfleet(
+    requests: Sequence[TraceRequest],
+    capacity_blocks: int,
+    *,
+    config: Callable[[int], CacheConfig] | None = None,
+    bytes_per_block: int = BLOCK_SIZE * 327_680,
+) -> SimResult:
+    """The shipped admission and eviction policy, one tier of `capacity_blocks`, with each
+    request's store committed before the next request (an always-drained store queue)."""
+    cfg = config(capacity_blocks) if config else CacheConfig(num_t0_blocks=capacity_blocks)
+    now = [0.0]
+    manager = CacheManager(cfg, bytes_per_block=bytes_per_block, clock=lambda: now[0])
+    result = SimResult("kvfleet", capacity_blocks)
+    for request in requests:
+        now[0] = request.timestamp_s
+        result.record(request, manager.replay(SIM_KEY, request.blocks, request.num_tokens))
+    stats = manager.stats()
+    result.extra["thrash_episodes"] = stats.num_thrash_episodes
+    result.extra["evictions"] = stats.tiers[0].num_evictions
+    return result
+
+
+def _max_hit_blocks(request: TraceRequest, recompute_last_token: bool) -> int:
+    """vLLM and SGLang both compute at least the prompt's last token (its logits give the first
+    output token): `max_cache_hit_length = num_tokens - 1`, floored to whole blocks."""
+    if not recompute_last_token:
+        return len(request.blocks)
+    return min(len(request.blocks), max(request.num_tokens - 1, 0) // BLOCK_SIZE)
+
+
+def simulate_vllm(
+    requests: Sequence[TraceRequest], capacity_blocks: int, *, recompute_last_token: bool = False
+) -> SimResult:
+    """vLLM v1's automatic prefix caching, one request at a time, `capacity_blocks` usable blocks.
+
+    As `BlockPool` does: `cached_block_hash_to_block` maps a hash to the block ids holding it
+    (no de-duplication: a block filled again under a cached hash is a second copy; a lookup takes
+    the first); the free queue holds every unreferenced block, least recently freed first. A hit
+    (`find_longest_cache_hit`) is the leading run of cached hashes and takes those blocks out of
+    the free queue (`touch`); each missing block is popped from the queue's head and, if it still
+    holds a hash, that hash is evicted (`_maybe_evict_cached_block`) — whatever hangs below it stays
+    cached but unreachable until its own turn comes. At the end the request's blocks are freed
+    tail first (`free`: `reversed(req_blocks)`), so its head is the last to go. A request larger
+    than the free pool (which vLLM would not schedule) caches the blocks that fit.
+
+    `recompute_last_token`: cap hits at `num_tokens - 1` as vLLM does; the block given up is
+    filled again into a duplicate. Off by default so that every policy counts hits alike."""
+    if capacity_blocks < 1:
+        raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+    result = SimResult("vllm", capacity_blocks)
+    free: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity_blocks))
+    block_hash: list[BlockHash | None] = [None] * capacity_blocks
+    cached: dict[BlockHash, dict[int, None]] = {}
+    num_evictions = num_duplicates = 0
+    for request in requests:
+        blocks = request.blocks
+        hit_ids: list[int] = []
+        for h in blocks[: _max_hit_blocks(request, recompute_last_token)]:
+            copies = cached.get(h)
+            if not copies:
+                break
+            hit_ids.append(next(iter(copies)))
+        result.record(request, len(hit_ids))
+        for block_id in hit_ids:
+            del free[block_id]  # ref_cnt 0 -> 1 (sequential replay: every cached block is free)
+        new_ids: list[int] = []
+        for h in blocks[len(hit_ids) : len(hit_ids) + len(free)]:
+            block_id, _ = free.popitem(last=False)
+            old = block_hash[block_id]
+            if old is not None:
+                copies = cached[old]
+                del copies[block_id]
+                if not copies:
+                    del cached[old]
+                num_evictions += 1
+            copies = cached.setdefault(h, {})
+            num_duplicates += 1 if copies else 0
+            copies[block_id] = None
+            block_hash[block_id] = h
+            new_ids.append(block_id)
+        for block_id in reversed(hit_ids + new_ids):
+            free[block_id] = None
+    result.extra["evictions"] = num_evictions
+    result.extra["duplicate_blocks"] = num_duplicates
+    return result
+
+
+@dataclass(slots=True, eq=False)
+class _RadixNode:
+    segment: tuple[BlockHash, ...]
+    parent: _RadixNode | None
+    last_access: int
+    seq: int
+    children: dict[BlockHash, _RadixNode] = field(default_factory=dict)
+
+
+class _RadixTree:
+    """SGLang's `RadixCache` with the LRU strategy, counted in blocks (page size 16).
+
+    Nodes hold segments of blocks; `match` refreshes the access time of every node on the path and
+    splits the node its match ends inside (`_match_prefix_helper`, `_split_node`); `insert` adds
+    the rest as one new leaf. `evict(n)` drops whole unlocked leaves, least recently accessed first
+    (ties: oldest node first), a parent joining the candidates when its last child goes, until at
+    least `n` blocks are gone: a leaf is never cut, so a short need can cost a long segment."""
+
+    def __init__(self) -> None:
+        self._seq = itertools.count()
+        self.root = _RadixNode((), None, 0, next(self._seq))
+        self.num_blocks = 0
+        self.tick = 0
+        self._heap: list[tuple[int, int, _RadixNode]] = []
+        self.locked: set[int] = set()
+
+    def _push(self, node: _RadixNode) -> None:
+        if node is not self.root and not node.children:
+            heapq.heappush(self._heap, (node.last_access, node.seq, node))
+
+    def _split(self, child: _RadixNode, at: int) -> _RadixNode:
+        parent = child.parent
+        assert parent is not None
+        head = _RadixNode(child.segment[:at], parent, child.last_access, next(self._seq))
+        child.segment = child.segment[at:]
+        child.parent = head
+        head.children[child.segment[0]] = child
+        parent.children[head.segment[0]] = head
+        self._push(child)  # refreshed by the match that split it
+        return head
+
+    def match(self, blocks: Sequence[BlockHash]) -> tuple[int, list[_RadixNode]]:
+        self.tick += 1
+        node, depth, path = self.root, 0, []
+        while depth < len(blocks):
+            child = node.children.get(blocks[depth])
+            if child is None:
+                break
+            child.last_access = self.tick
+            seg = child.segment
+            n = 0
+            while n < len(seg) and depth + n < len(blocks) and seg[n] == blocks[depth + n]:
+                n += 1
+            if n < len(seg):
+                child = self._split(child, n)
+            path.append(child)
+            node, depth = child, depth + n
+            if n < len(child.segment):
+                break
+        if path:
+            self._push(path[-1])  # the only node of the path that can be a leaf
+        return depth, path
+
+    def insert(self, blocks: Sequence[BlockHash]) -> int:
+        """Index `blocks`; returns how many were new (one new leaf)."""
+        depth, path = self.match(blocks)
+        if depth == len(blocks):
+            return 0
+        parent = path[-1] if path else self.root
+        leaf = _RadixNode(tuple(blocks[depth:]), parent, self.tick, next(self._seq))
+        parent.children[leaf.segment[0]] = leaf
+        self.num_blocks += len(leaf.segment)
+        self._push(leaf)
+        return len(leaf.segment)
+
+    def evict(self, num_blocks: int) -> int:
+        evicted = 0
+        skipped: list[tuple[int, int, _RadixNode]] = []
+        while evicted < num_blocks and self._heap:
+            entry = heapq.heappop(self._heap)
+            last_access, _, node = entry
+            parent = node.parent
+            if parent is None or node.children or node.last_access != last_access:
+                continue  # stale: no longer a leaf, already dropped, or touched since
+            if parent.children.get(node.segment[0]) is not node:
+                continue
+            if id(node) in self.locked:
+                skipped.append(entry)
+                continue
+            del parent.children[node.segment[0]]
+            node.parent = None
+            evicted += len(node.segment)
+            self.num_blocks -= len(node.segment)
+            self._push(parent)
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return evicted
+
+
+def simulate_radix(
+    requests: Sequence[TraceRequest], capacity_blocks: int, *, recompute_last_token: bool = False
+) -> SimResult:
+    """SGLang's RadixAttention cache with LRU eviction, one request at a time.
+
+    Per request, as SGLang's scheduler does: `match_prefix` (capped like vLLM's when
+    `recompute_last_token`), lock the matched path, allocate the missing blocks — when fewer are
+    free, `evict(the whole allocation)`, not just the shortfall (`alloc_token_slots`) — then
+    `cache_finished_req` inserts the prompt and unlocks. A request larger than the free pool
+    caches the blocks that fit."""
+    if capacity_blocks < 1:
+        raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+    result = SimResult("radix", capacity_blocks)
+    tree = _RadixTree()
+    num_evicted = 0
+    for request in requests:
+        blocks = request.blocks
+        hit, path = tree.match(blocks[: _max_hit_blocks(request, recompute_last_token)])
+        result.record(request, hit)
+        need = len(blocks) - hit
+        if need > capacity_blocks - tree.num_blocks:
+            tree.locked = {id(n) for n in path}
+            num_evicted += tree.evict(need)
+            tree.locked = set()
+        fits = max(0, capacity_blocks - tree.num_blocks)
+        tree.insert(blocks[: hit + min(need, fits)])
+    result.extra["evictions"] = num_evicted
+    return result
+
+
+class _AgedCounts:
+    """Exact sighting counts, all halved every `sample_size` sightings (lazily, per entry)."""
+
+    __slots__ = ("_counts", "_epoch", "_num", "_sample_size")
+
+    def __init__(self, sample_size: int | None) -> None:
+        self._counts: dict[BlockHash, tuple[int, int]] = {}
+        self._epoch = 0
+        self._num = 0
+        self._sample_size = sample_size
+
+    def get(self, block: BlockHash) -> int:
+        entry = self._counts.get(block)
+        if entry is None:
+            return 0
+        count, epoch = entry
+        age = self._epoch - epoch
+        return count >> age if age < 32 else 0
+
+    def add(self, block: BlockHash) -> None:
+        self._counts[block] = (self.get(block) + 1, self._epoch)
+        self._num += 1
+        if self._sample_size is not None and self._num >= self._sample_size:
+            self._epoch += 1
+            self._num //= 2
+
+
+_WINDOW, _PROBATION, _PROTECTED = 0, 1, 2
+
+
+def simulate_wtinylfu(
+    requests: Sequence[TraceRequest],
+    capacity_blocks: int,
+    *,
+    window_fraction: float = 0.01,
+    protected_fraction: float = 0.8,
+    admit_min_sightings: int = 1,
+    sample_size: int | None = None,
+    ties_admit: bool = True,
+) -> SimResult:
+    """W-TinyLFU over blocks, under the radix constraints (only leaves are dropped).
+
+    Every block of a request beyond its hit that has been seen `admit_min_sightings` times (this
+    request included) enters the window, an LRU of `window_fraction` of the capacity; the rest is
+    the main space, a segmented LRU: protected (up to `protected_fraction` of it) and probation.
+    When the window is full its least recent leaf is the candidate to leave it: it moves to
+    probation while the cache has room, else it duels the least recent leaf of probation
+    (protected's when probation has none) on exact sighting counts (all halved every
+    `sample_size` sightings; None: never): the more frequent stays, the other is dropped (ties go
+    to the candidate when `ties_admit`). A hit moves probation blocks to protected; protected
+    beyond its share returns its least recent leaf to probation. Blocks of the request being
+    stored are never victims; when the window holds nothing else, the newcomer duels the main
+    victim itself and the request's insertion stops at its first loss. Recency as in
+    `simulate_lru`: a request's blocks are touched together, deepest least recent."""
+    if capacity_blocks < 1:
+        raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+    result = SimResult("wtinylfu", capacity_blocks)
+    window_cap = max(1, int(window_fraction * capacity_blocks))
+    protected_cap = int((capacity_blocks - window_cap) * protected_fraction)
+    counts = _AgedCounts(sample_size)
+    parent: dict[BlockHash, BlockHash | None] = {}
+    segment: dict[BlockHash, int] = {}
+    children: dict[BlockHash, int] = {}
+    tick: dict[BlockHash, int] = {}
+    sizes = [0, 0, 0]
+    heaps: tuple[list[tuple[int, int, BlockHash]], ...] = ([], [], [])
+    seq = itertools.count()
+    now = 0
+
+    def push(b: BlockHash) -> None:
+        if not children.get(b):
+            heapq.heappush(heaps[segment[b]], (tick[b], next(seq), b))
+
+    def pop_leaf(seg: int, busy: set[BlockHash]) -> BlockHash | None:
+        """The least recent leaf of `seg` that `busy` does not hold (taken off its heap)."""
+        heap, held, found = heaps[seg], [], None
+        while heap:
+            entry = heapq.heappop(heap)
+            t, _, b = entry
+            if segment.get(b) != seg or tick[b] != t or children.get(b):
+                continue  # stale: moved, dropped, touched since, or no longer a leaf
+            if b in busy:
+                held.append(entry)
+                continue
+            found = b
+            break
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return found
+
+    def move(b: BlockHash, seg: int) -> None:
+        sizes[segment[b]] -= 1
+        segment[b] = seg
+        sizes[seg] += 1
+        push(b)
+
+    def drop(b: BlockHash) -> None:
+        sizes[segment.pop(b)] -= 1
+        del tick[b]
+        children.pop(b, None)
+        p = parent[b]
+        if p is not None:
+            children[p] -= 1
+            if not children[p]:
+                push(p)
+
+    def main_victim(busy: set[BlockHash]) -> BlockHash | None:
+        victim = pop_leaf(_PROBATION, busy)
+        return victim if victim is not None else pop_leaf(_PROTECTED, busy)
+
+    def wins(candidate: BlockHash, victim: BlockHash) -> bool:
+        c, v = counts.get(candidate), counts.get(victim)
+        return c > v or (ties_admit and c == v)
+
+    for request in requests:
+        blocks = request.blocks
+        hit = cached_prefix(blocks, segment)
+        result.record(request, hit)
+        prev: BlockHash | None = None
+        for b in blocks:
+            counts.add(b)
+            parent.setdefault(b, prev)
+            prev = b
+        now += 1
+        for b in blocks[:hit]:
+            tick[b] = now
+            if segment[b] == _PROBATION:
+                sizes[_PROBATION] -= 1
+                segment[b] = _PROTECTED
+                sizes[_PROTECTED] += 1
+            push(b)
+        while sizes[_PROTECTED] > protected_cap:
+            demoted = pop_leaf(_PROTECTED, set())
+            if demoted is None:
+                break
+            move(demoted, _PROBATION)
+        busy = set(blocks[:hit])
+        now += 1
+        new: list[BlockHash] = []
+        for b in blocks[hit:]:
+            if counts.get(b) < admit_min_sightings:
+                break
+            full = len(segment) >= capacity_blocks
+            candidate = pop_leaf(_WINDOW, busy) if sizes[_WINDOW] >= window_cap else None
+            if candidate is not None and not full:
+                move(candidate, _PROBATION)
+            elif candidate is not None:
+                victim = main_victim(busy)
+                if victim is not None and wins(candidate, victim):
+                    drop(victim)
+                    move(candidate, _PROBATION)
+                else:
+                    if victim is not None:
+                        push(victim)
+                    drop(candidate)
+            elif full:
+                victim = main_victim(busy)
+                if victim is None:
+                    victim = pop_leaf(_WINDOW, busy)
+                if victim is None or not wins(b, victim):
+                    if victim is not None:
+                        push(victim)
+                    break
+                drop(victim)
+            segment[b] = _WINDOW
+            sizes[_WINDOW] += 1
+            tick[b] = now
+            busy.add(b)
+            p = parent[b]
+            if p is not None:
+                children[p] = children.get(p, 0) + 1
+            new.append(b)
+        for b in new:
+            push(b)
+    result.extra["window_blocks"] = window_cap
+    result.extra["protected_blocks"] = protected_cap
+    return result

@@ -1,0 +1,3 @@
+"""The replica benchmark (`kvfleet bench replica`)."""
+
+__all__: list[str] = []

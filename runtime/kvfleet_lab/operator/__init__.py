@@ -1,0 +1,3 @@
+"""The operator's benchmarks (`kvfleet bench operator`)."""
+
+__all__: list[str] = []

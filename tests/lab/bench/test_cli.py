@@ -1,0 +1,117 @@
+"""`kvfleet bench` as a user runs it: the policy comparison's table, JSON, plots; the bench
+group's default and `all`; the other benchmarks still reachable."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvfleet_runtime.cli import app
+from tests.lab.cache.test_sim import write_trace
+
+TINY = ["--requests", "60", "--fractions", "0.1,0.5"]
+
+
+def kvfleet(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvfleet_runtime.cli", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"COLUMNS": "220", "PATH": "/usr/bin:/bin", "MPLBACKEND": "Agg"},
+    )
+
+
+ROWS = [(0, 1100, [1, 2, 3]), (1000, 600, [1, 4]), (2000, 1100, [1, 2, 3]), (3000, 70, [9])]
+
+
+def test_policies_writes_its_table_json_and_plots(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "trace.jsonl", ROWS)
+    out = tmp_path / "out"
+    result = kvfleet(
+        "policies",
+        "--trace",
+        str(trace),
+        "--workloads",
+        "trace,agent-loops",
+        *TINY,
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    for text in ("vLLM", "radix", "kvfleet", "Belady", "inf.", "kv/vLLM", "agent-loops"):
+        assert text in result.stdout, text
+    table = (out / "policies.md").read_text()
+    assert "| capacity | vLLM | radix | kvfleet | Belady | infinite |" in table
+    assert "### trace" in table and "### agent-loops" in table
+    report = json.loads((out / "policies.json").read_text())
+    trace_result, agent = report["workloads"]
+    assert trace_result["num_requests"] == 4 and agent["num_requests"] == 60
+    row = trace_result["rows"][1]
+    # The trace by hand: 2,192 prompt tokens over 4 requests; at 50% capacity everything the
+    # infinite cache hits is hit by the baselines too (request 2 reuses hash id 1's 32 blocks,
+    # request 3 all 68 blocks of request 1).
+    assert row["figures"]["infinite"]["num_hit_tokens"] == (32 + 68) * 16
+    assert row["figures"]["no-cache"]["token_hit_rate"] == 0.0
+    assert set(row["kvfleet_vs"]) == {"vllm", "radix", "belady"}
+    for name in ("policies.png", "ratios.png"):
+        png = (out / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = kvfleet("policies", "--workloads", "chat", "--out", str(tmp_path))
+    assert result.returncode == 2 and result.stderr.startswith("error: --workloads")
+    result = kvfleet("policies", "--fractions", "0,2", "--out", str(tmp_path))
+    assert result.returncode == 2 and "--fractions" in result.stderr
+    result = kvfleet("policies", "--trace", str(tmp_path / "none.jsonl"), "--out", str(tmp_path))
+    assert result.returncode == 2 and "not found" in result.stderr
+
+
+def test_bench_alone_runs_the_policy_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvfleet_runtime.cli.bench_policies as mod
+
+    calls: list[str] = []
+    monkeypatch.setattr(mod, "policies", lambda **_: calls.append("policies"))
+    result = CliRunner().invoke(app, ["bench"])
+    assert result.exit_code == 0, result.output
+    assert calls == ["policies"]
+
+
+def test_other_benchmarks_are_still_there() -> None:
+    runner = CliRunner()
+    for name in ("replica", "fleet", "policies", "all"):
+        result = runner.invoke(app, ["bench", name, "--help"])
+        assert result.exit_code == 0, (name, result.output)
+
+
+def test_all_runs_each_benchmark_and_reports_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvfleet_runtime.cli.bench_policies as mod
+
+    ran: list[list[str]] = []
+
+    class Done:
+        def __init__(self, rc: int) -> None:
+            self.returncode = rc
+
+    def fake_run(args: list[str], timeout: int) -> Done:
+        ran.append(args[3:])
+        return Done(1 if args[4] == "fleet" else 0)
+
+    monkeypatch.setattr(mod, "policies", lambda **kw: ran.append(["policies", str(kw["out"])]))
+    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    result = CliRunner().invoke(app, ["bench", "all", "--out", str(tmp_path), "--skip", "cache"])
+    assert result.exit_code == 1, result.output  # fleet "failed"
+    names = [r[1] if r[0] == "bench" else r[0] for r in ran]
+    assert names[0] == "policies" and "fleet" in names and "replica" in names
+    assert "cache" not in names
+    replica = next(r for r in ran if r[:2] == ["bench", "replica"])
+    assert replica[2:] == ["--reps", "3", "--requests", "16", "--prompt-tokens", "1000"]
+    assert "exit 1" in result.output

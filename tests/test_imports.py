@@ -1,0 +1,259 @@
+"""The import contract, read from the source (every `import`, at module level or inside a function).
+
+Dependencies point one way: the CLI and the lab import the product, the operator imports only the
+runtime's pure core, nothing in the product imports the lab, and the router, the operator and the
+pure cache core never load torch.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "kvfleet_runtime": ROOT / "runtime" / "kvfleet_runtime",
+    "kvfleet_lab": ROOT / "runtime" / "kvfleet_lab",
+    "kvfleet_operator": ROOT / "operator" / "kvfleet_operator",
+}
+PURE_CACHE_CORE = [
+    "kvfleet_runtime.cache._keys",
+    "kvfleet_runtime.cache._index",
+    "kvfleet_runtime.cache._sketch",
+    "kvfleet_runtime.cache._policy",
+    "kvfleet_runtime.cache._store_queue",
+    "kvfleet_runtime.cache._stats",
+    "kvfleet_runtime.cache._manager",
+    "kvfleet_runtime.cache._metrics",
+    "kvfleet_runtime.cache._allocator",
+    "kvfleet_runtime.cache._config",
+]
+
+
+def _module_name(package: str, path: Path) -> str:
+    parts = path.relative_to(PACKAGES[package]).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join((package, *parts))
+
+
+@cache
+def _sources() -> dict[str, Path]:
+    return {
+        _module_name(package, path): path
+        for package, folder in PACKAGES.items()
+        for path in sorted(folder.rglob("*.py"))
+    }
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+@cache
+def _imports(module: str, top_level_only: bool) -> frozenset[str]:
+    """Modules `module` imports (absolute names; `from a import b` counts a and a.b when a.b is a
+    module). Imports under `if TYPE_CHECKING:` never run and are left out."""
+    path = _sources()[module]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for other in child.orelse:
+                    visit_one(other, nested)
+                continue
+            visit_one(child, nested)
+
+    def visit_one(child: ast.AST, nested: bool) -> None:
+        if isinstance(child, ast.Import):
+            if not (nested and top_level_only):
+                found.update(alias.name for alias in child.names)
+        elif isinstance(child, ast.ImportFrom):
+            if not (nested and top_level_only):
+                base = child.module or ""
+                if child.level:
+                    anchor = module if is_package else module.rpartition(".")[0]
+                    for _ in range(child.level - 1):
+                        anchor = anchor.rpartition(".")[0]
+                    base = f"{anchor}.{base}" if base else anchor
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in child.names)
+        else:
+            inner = nested or isinstance(
+                child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+            )
+            visit(child, inner)
+
+    visit(tree, nested=False)
+    return frozenset(found)
+
+
+def _ours(name: str) -> str | None:
+    """The module of ours that importing `name` loads (a name imported from a module is that
+    module), None for third-party and stdlib names."""
+    sources = _sources()
+    while name:
+        if name in sources:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _closure(start: str, top_level_only: bool) -> set[str]:
+    """Every name `start` imports, directly or through our modules (their packages' __init__
+    included, as Python runs them)."""
+    seen: set[str] = set()
+    names: set[str] = set()
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i])]
+        for name in _imports(module, top_level_only):
+            names.add(name)
+            ours = _ours(name)
+            if ours is not None:
+                todo.append(ours)
+    return names | seen
+
+
+def _product_modules() -> list[str]:
+    return [m for m in _sources() if m.split(".")[0] in {"kvfleet_runtime", "kvfleet_operator"}]
+
+
+def test_the_sources_parse_into_modules() -> None:
+    # Guards the contract itself: an empty source map would make every rule below pass.
+    sources = _sources()
+    assert "kvfleet_runtime.router._app" in sources
+    assert "kvfleet_lab.cache.sim" in sources
+    assert "kvfleet_operator.handlers" in sources
+    assert "kvfleet_runtime.cache.sim" not in sources  # the replays live in the lab
+
+
+def test_the_contract_sees_nested_imports() -> None:
+    cli = _imports("kvfleet_runtime.cli.bench_policies", top_level_only=False)
+    assert "kvfleet_lab.cache.compare" in cli  # imported inside the command function
+    assert "kvfleet_lab.cache.compare" not in _imports(
+        "kvfleet_runtime.cli.bench_policies", top_level_only=True
+    )
+
+
+@pytest.mark.parametrize(
+    "module", [m for m in _product_modules() if not m.startswith("kvfleet_runtime.cli")]
+)
+def test_product_never_imports_the_lab(module: str) -> None:
+    lab = sorted(n for n in _imports(module, top_level_only=False) if n.startswith("kvfleet_lab"))
+    assert lab == [], f"{module} imports the lab: {lab}"
+
+
+@pytest.mark.parametrize("module", [m for m in _sources() if m.startswith("kvfleet_runtime.cli")])
+def test_cli_imports_the_lab_only_when_a_command_runs(module: str) -> None:
+    # `kvfleet replica` and `kvfleet router` load the whole CLI: the lab stays out of their way.
+    lab = sorted(
+        n for n in _closure(module, top_level_only=True) if n.startswith("kvfleet_lab")
+    )
+    assert lab == [], f"importing {module} loads the lab: {lab}"
+
+
+@pytest.mark.parametrize(
+    "module", [m for m in _sources() if m.startswith("kvfleet_runtime") and ".cli" not in m]
+)
+def test_runtime_never_imports_the_operator(module: str) -> None:
+    names = sorted(
+        n for n in _imports(module, top_level_only=False) if n.startswith("kvfleet_operator")
+    )
+    assert names == [], f"{module} imports the operator: {names}"
+
+
+def test_operator_imports_only_the_runtimes_pure_core() -> None:
+    allowed = ("kvfleet_runtime.breakeven", "kvfleet_runtime.fleetconfig", "kvfleet_runtime.units",
+               "kvfleet_runtime.routing", "kvfleet_runtime.wire")
+    used = {
+        n
+        for m in _sources()
+        if m.startswith("kvfleet_operator")
+        for n in _imports(m, top_level_only=False)
+        if n.startswith("kvfleet_runtime")
+    }
+    assert used, "the operator imports nothing of the runtime: the contract reads nothing"
+    assert sorted(n for n in used if not n.startswith(allowed)) == []
+
+
+def test_no_router_fleet_cycle() -> None:
+    # The router may use the fleet tier's hint index; the fleet tier never reaches the router.
+    fleet = [m for m in _sources() if m.startswith("kvfleet_runtime.fleet")]
+    for module in fleet:
+        reached = sorted(
+            n for n in _closure(module, top_level_only=False)
+            if n.startswith("kvfleet_runtime.router")
+        )
+        assert reached == [], f"{module} reaches the router: {reached}"
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        *PURE_CACHE_CORE,
+        "kvfleet_runtime.cache",
+        "kvfleet_runtime.router",
+        "kvfleet_runtime.routing",
+        "kvfleet_runtime.breakeven",
+        "kvfleet_runtime.fleetconfig",
+        "kvfleet_operator",
+        "kvfleet_operator.main",
+        "kvfleet_operator.cli",
+    ],
+)
+def test_no_torch_on_import(module: str) -> None:
+    heavy = sorted(
+        n for n in _closure(module, top_level_only=True) if n.split(".")[0] in {"torch"}
+    )
+    assert heavy == [], f"importing {module} loads {heavy}"
+
+
+@pytest.mark.parametrize("module", [*PURE_CACHE_CORE, "kvfleet_runtime.routing"])
+def test_pure_core_never_imports_torch_even_lazily(module: str) -> None:
+    heavy = sorted(
+        n for n in _closure(module, top_level_only=False) if n.split(".")[0] in {"torch"}
+    )
+    assert heavy == [], f"{module} imports {heavy}"
+
+
+def test_the_torch_rule_would_catch_torch() -> None:
+    assert any(
+        n.split(".")[0] == "torch" for n in _closure("kvfleet_runtime.engine", top_level_only=True)
+    )
+
+
+# The cache core's micro-benchmark times the layers themselves (pool moves, commits, runs): the
+# one module allowed below the cache's public surface.
+_CACHE_INTERNALS_ALLOWED = {"kvfleet_lab.cache.bench"}
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        m for m in _sources()
+        if (m.startswith(("kvfleet_lab", "kvfleet_runtime.fleet", "kvfleet_runtime.router")))
+        and m not in _CACHE_INTERNALS_ALLOWED
+    ],
+)
+def test_replays_and_the_fleet_tier_stay_above_the_cache_manager(module: str) -> None:
+    below = sorted(
+        n for n in _imports(module, top_level_only=False)
+        if n.startswith(("kvfleet_runtime.cache._manager", "kvfleet_runtime.cache._index"))
+        or n.endswith(".StorePlan")
+    )
+    assert below == [], f"{module} reaches into the cache manager: {below}"
