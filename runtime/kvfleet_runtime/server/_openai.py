@@ -292,6 +292,9 @@ async def _stream(request: web.Request, choices: list[_Choice],
             await resp.write(_sse(last))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
+    except asyncio.CancelledError:  # the client went away (handler cancellation)
+        log.debug("client went away mid-stream; cancelling %d sequence(s)", len(choices))
+        raise
     except Exception as exc:
         if not is_client_gone(exc):
             raise
