@@ -135,9 +135,11 @@ class RequestStream:
     def _put(self, event: Event) -> None:
         self._queue.put_nowait(event)
 
-    def cancel(self) -> None:
-        """Stop generating (the client went away); blocks and refs are freed at the next step."""
+    def cancel(self, reason: FinishReason = "abort") -> None:
+        """Stop generating; blocks and refs are freed at the next step. `reason` is what the
+        request finished as: "abort" (the client went away) or "stop" (a stop string matched)."""
         self._seq.cancelled = True
+        self._seq.cancel_reason = reason
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         while True:
@@ -163,6 +165,7 @@ class _Sequence:
     output: list[int] = field(default_factory=list)
     last_logits: Tensor | None = None
     cancelled: bool = False
+    cancel_reason: FinishReason = "abort"
     submitted_s: float = 0.0
 
     @property
@@ -355,7 +358,7 @@ class Engine:
     def _step(self) -> None:
         self._admit()
         for seq in [s for s in self._running if s.cancelled]:
-            self._finish(seq, "abort")
+            self._finish(seq, seq.cancel_reason)
         budget = self.config.prefill_chunks_per_step
         for seq in self._running:
             while budget > 0 and not seq.prefilled:

@@ -167,7 +167,7 @@ async def _run_choice(choice: _Choice, on_delta: Delta) -> None:
             out = choice.matcher.push(choice.decoder.push(event.token_id))
             choice.text.append(out)
             if choice.matcher.stopped:
-                choice.stream.cancel()
+                choice.stream.cancel("stop")  # counted as a stop, not as an abort
                 choice.finish_reason, choice.done = "stop", True
                 await on_delta(choice, out, event)
                 return

@@ -82,6 +82,8 @@ def test_stop_ends_before_the_stop_string_streaming_or_not(running: RunningRepli
     stop = next(text[i:i + 2] for i in range(3, len(text) - 2)
                 if "\ufffd" not in text[i:i + 2])
     cut = text[:text.find(stop)]
+    requests = running.replica.engine.metrics.requests
+    aborts = requests.labels("abort")._value.get()
     got = _greedy(running, max_tokens=12, stop=[stop, "never-seen"]).choices[0]
     assert got.text == cut and got.finish_reason == "stop"
     chunks = list(_greedy(running, max_tokens=12, stop=stop, stream=True))
@@ -90,6 +92,7 @@ def test_stop_ends_before_the_stop_string_streaming_or_not(running: RunningRepli
     _wait_for(lambda: running.replica.engine.num_running == 0)
     kv = running.replica.engine.kv
     _wait_for(lambda: kv.num_free_blocks == kv.num_blocks)
+    assert requests.labels("abort")._value.get() == aborts  # a stop is a stop, not an abort
 
 
 def test_n_choices_and_seeds(running: RunningReplica) -> None:
