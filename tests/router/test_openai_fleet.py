@@ -12,6 +12,7 @@ import logging
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -338,3 +339,22 @@ def test_a_non_streaming_client_that_goes_away_cancels_the_replica_request(
     assert [r.engine.metrics.prompt_tokens._value.get() for r in replicas] == submitted
     assert "broken" not in {o for _, o in fleet.outcomes()}
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_router_refuses_a_chunked_body_over_the_limit_without_forwarding(fleet: Fleet) -> None:
+    def body() -> Iterator[bytes]:  # no Content-Length: the router counts as it reads
+        yield b'{"prompt": "'
+        for _ in range(64):
+            yield b"z" * 65536  # 4 MiB in all; the router's limit here is 64 KiB
+        yield b'"}'
+
+    before = _requests_seen(fleet)
+    req = urllib.request.Request(fleet.url + "/v1/completions", data=body(), method="POST",
+                                 headers={"Authorization": "Bearer sk-acme",
+                                          "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 413
+    error = json.loads(err.value.read())["error"]
+    assert error["message"] == "request body exceeds the limit of 65536 bytes"
+    assert _requests_seen(fleet) == before
