@@ -11,6 +11,7 @@ leaves every other case to schemathesis's own check.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -44,8 +45,11 @@ def documented_limits(ctx: Any, response: Any, case: schemathesis.Case) -> bool 
 
 def fuzz_operations(base_url: str, mode: GenerationMode, headers: dict[str, str] | None = None,
                     skip: set[tuple[str, GenerationMode]] | None = None,
-                    max_examples: int = 15) -> tuple[set[str], set[str]]:
-    """Fuzz every operation; returns (all paths, paths with no invalid data to generate)."""
+                    max_examples: int = 15,
+                    prepare: Callable[[schemathesis.Case], None] | None = None
+                    ) -> tuple[set[str], set[str]]:
+    """Fuzz every operation; returns (all paths, paths with no invalid data to generate).
+    `prepare(case)` may add what a real caller adds (credentials) before each call."""
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     nothing_invalid: set[str] = set()
@@ -61,6 +65,8 @@ def fuzz_operations(base_url: str, mode: GenerationMode, headers: dict[str, str]
         @settings(max_examples=max_examples, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
         def fuzz(case: schemathesis.Case) -> None:
+            if prepare is not None:
+                prepare(case)
             case.call_and_validate(base_url=base_url, headers=headers, timeout=30,
                                    excluded_checks=[checks.positive_data_acceptance,
                                                     checks.max_response_time],
