@@ -40,11 +40,11 @@ from kvfleet_runtime.engine import (
     SamplingParams,
     TokenEvent,
 )
-from kvfleet_runtime.model.tokenizer import NUM_BYTE_TOKENS, ByteTokenizer
+from kvfleet_runtime.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.model.tokenizer import IncrementalDecoder
     from kvfleet_runtime.server._app import Replica
+    from kvfleet_runtime.tokenizer import IncrementalDecoder
 
 __all__ = ["chat_completions", "completions", "system_fingerprint"]
 
@@ -212,10 +212,8 @@ def _usage(prompts: list[_Prompt], choices: list[_Choice]) -> dict[str, Any]:
 # ---- log-probabilities -----------------------------------------------------------------------
 
 def _token_bytes(replica: Replica, token_id: int) -> bytes:
-    tok = replica.tokenizer
-    if isinstance(tok, ByteTokenizer):  # a byte token is one byte, often not a whole character
-        return bytes([token_id]) if 0 <= token_id < NUM_BYTE_TOKENS else b""
-    return tok.decode([token_id]).encode()
+    # A token's own bytes: often not a whole character (a byte token, a byte-fallback piece).
+    return replica.tokenizer.token_bytes(token_id)
 
 
 def _token_text(replica: Replica, token_id: int) -> str:
@@ -318,10 +316,17 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
         texts = [raw] if isinstance(raw, str) else [str(t) for t in raw]
         limit = replica.config.limits.max_prompt_tokens
         for i, text in enumerate(texts):
-            if len(text) > limit - 1:  # before tokenizing: every character is >= 1 token
+            # A cheap bound before encoding, exact for bytes only (one id per UTF-8 byte, plus
+            # BOS); other tokenizers are checked on the ids.
+            if isinstance(tok, ByteTokenizer) and len(text) > limit - 1:
                 raise ApiError(400, f"prompt has {len(text)} characters; the limit is "
                                f"{limit - 1}", param="prompt", code="prompt_too_long")
-            prompts.append(_Prompt(i, tok.encode(text), text))
+            try:
+                ids = tok.encode(text)
+            except ValueError as exc:  # text the tokenizer refuses (a lone surrogate)
+                raise ApiError(400, f"prompt: {exc}", param="prompt",
+                               code="invalid_value") from exc
+            prompts.append(_Prompt(i, ids, text))
     else:
         lists = raw if isinstance(raw[0], list) else [raw]
         prompts = [_Prompt(i, [int(t) for t in ids], "") for i, ids in enumerate(lists)]
