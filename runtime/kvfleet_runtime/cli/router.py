@@ -65,6 +65,7 @@ def router(
     Replicas holding that secret accept a tenant only so signed (docs/security.md)."""
     from aiohttp import web
 
+    from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
     from kvfleet_runtime.auth import read_router_secret
     from kvfleet_runtime.fleet.index import RedisHintIndex
     from kvfleet_runtime.router import FleetView, RouterState, create_router_app
@@ -107,4 +108,5 @@ def router(
         tokenizer=own_tokenizer,
         router_secret=router_secret,
     )
-    web.run_app(create_router_app(state), host=host, port=port, print=None)
+    web.run_app(create_router_app(state), host=host, port=port, print=None,
+                handler_cancellation=CANCEL_ON_DISCONNECT)

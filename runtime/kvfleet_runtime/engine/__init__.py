@@ -10,7 +10,7 @@ from kvfleet_runtime.engine._engine import (
     RequestStream,
     TokenEvent,
 )
-from kvfleet_runtime.engine._sampling import Sampler, SamplingParams
+from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams
 
 __all__ = [
     "CacheKeyFields",
@@ -20,6 +20,7 @@ __all__ = [
     "Finished",
     "GenerationRequest",
     "RequestStream",
+    "Sampled",
     "Sampler",
     "SamplingParams",
     "TokenEvent",

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch import Tensor
 
 from kvfleet_runtime.cache import CacheKey, Hit, PrefixCache, Tier
-from kvfleet_runtime.engine._sampling import Sampler, SamplingParams
+from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams
 from kvfleet_runtime.model import LoadedModel, PagedKV, Transformer
 from kvfleet_runtime.wire import BLOCK_SIZE
 
@@ -103,6 +103,11 @@ class TokenEvent:
     token_id: int
     cached_tokens: int
     """Prompt tokens whose KV came from the cache (block-aligned)."""
+    logprob: float | None = None
+    """The token's log-probability, when the request asked for logprobs."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    cache_tier: str | None = None
+    """The tier the cached prefix came from (None: a miss)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -132,9 +137,11 @@ class RequestStream:
     def _put(self, event: Event) -> None:
         self._queue.put_nowait(event)
 
-    def cancel(self) -> None:
-        """Stop generating (the client went away); blocks and refs are freed at the next step."""
+    def cancel(self, reason: FinishReason = "abort") -> None:
+        """Stop generating; blocks and refs are freed at the next step. `reason` is what the
+        request finished as: "abort" (the client went away) or "stop" (a stop string matched)."""
         self._seq.cancelled = True
+        self._seq.cancel_reason = reason
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         while True:
@@ -160,6 +167,7 @@ class _Sequence:
     output: list[int] = field(default_factory=list)
     last_logits: Tensor | None = None
     cancelled: bool = False
+    cancel_reason: FinishReason = "abort"
     submitted_s: float = 0.0
 
     @property
@@ -352,7 +360,7 @@ class Engine:
     def _step(self) -> None:
         self._admit()
         for seq in [s for s in self._running if s.cancelled]:
-            self._finish(seq, "abort")
+            self._finish(seq, seq.cancel_reason)
         budget = self.config.prefill_chunks_per_step
         for seq in self._running:
             while budget > 0 and not seq.prefilled:
@@ -432,11 +440,12 @@ class Engine:
 
     def _first_token(self, seq: _Sequence) -> None:
         assert seq.last_logits is not None
-        token = self._sample(seq, seq.last_logits)
+        sampled = self._sample(seq, seq.last_logits)
         seq.last_logits = None
-        if token is None:
+        if sampled is None:
             return
-        self._push_token(seq, token)  # the first token is on its way before the store copy
+        token = sampled.token_id
+        self._push_token(seq, sampled)  # the first token is on its way before the store copy
         self.metrics.ttft.observe(time.monotonic() - seq.submitted_s)
         self._store_prompt(seq)  # before a finish can free the blocks
         self._finish_if_done(seq, token)
@@ -464,27 +473,29 @@ class Engine:
         positions = [len(s.prompt) + len(s.output) - 1 for s in seqs]
         logits = self.model.decode(tokens, positions, [s.table for s in seqs], self.kv)
         for seq, row in zip(seqs, logits, strict=True):
-            token = self._sample(seq, row)
-            if token is not None:
-                self._accept(seq, token)
+            sampled = self._sample(seq, row)
+            if sampled is not None:
+                self._accept(seq, sampled)
 
-    def _sample(self, seq: _Sequence, logits: Tensor) -> int | None:
+    def _sample(self, seq: _Sequence, logits: Tensor) -> Sampled | None:
         """Sample one token; a failure ends this request only, never its batch neighbours."""
         try:
-            return seq.sampler.sample(logits)
+            return seq.sampler.step(logits, seq.output)
         except Exception:
             log.exception("sampling failed; failing this request")
             self._finish(seq, "error", "sampling failed")
             return None
 
-    def _accept(self, seq: _Sequence, token: int) -> None:
-        self._push_token(seq, token)
-        self._finish_if_done(seq, token)
+    def _accept(self, seq: _Sequence, sampled: Sampled) -> None:
+        self._push_token(seq, sampled)
+        self._finish_if_done(seq, sampled.token_id)
 
-    def _push_token(self, seq: _Sequence, token: int) -> None:
-        seq.output.append(token)
+    def _push_token(self, seq: _Sequence, sampled: Sampled) -> None:
+        seq.output.append(sampled.token_id)
         self.metrics.generated_tokens.inc()
-        self._emit(seq, TokenEvent(token_id=token, cached_tokens=seq.cached_tokens))
+        self._emit(seq, TokenEvent(token_id=sampled.token_id, cached_tokens=seq.cached_tokens,
+                                   logprob=sampled.logprob, top_logprobs=sampled.top_logprobs,
+                                   cache_tier=seq.cache_tier))
 
     def _finish_if_done(self, seq: _Sequence, token: int) -> None:
         params = seq.request.params

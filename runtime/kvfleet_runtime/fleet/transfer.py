@@ -80,6 +80,7 @@ import numpy as np
 import xxhash
 from aiohttp import web
 
+from kvfleet_runtime.api import ApiError, error_response, parse_json
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
 from kvfleet_runtime.fleet._receive import BodyReader, post
 from kvfleet_runtime.fleet.index import HintIndex, best_peer
@@ -194,8 +195,21 @@ class BufferPool:
 # -- server ---------------------------------------------------------------------------------
 
 
+_ERROR_CODES = {400: "invalid_value", 401: "invalid_peer_credential", 403: "wrong_tenant",
+                404: "not_held", 503: "unavailable"}
+
+
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+    """The replica's error envelope (peer routes share the replica's app and its clients)."""
+    return error_response(status, message, code=_ERROR_CODES.get(status))
+
+
+async def _body(request: web.Request) -> Any:
+    """The JSON body within the shared bounds (numbers, depth, Unicode); ValueError if not."""
+    try:
+        return parse_json(await request.read())
+    except ApiError as exc:
+        raise ValueError(exc.message) from None
 
 
 def _parse_request(body: Any, max_tokens: int) -> tuple[CacheKey, list[int], int, int]:
@@ -251,7 +265,7 @@ def peer_routes(
             return tenant
         try:
             key, token_ids, start_block, max_blocks = _parse_request(
-                await request.json(), max_tokens
+                await _body(request), max_tokens
             )
         except (ValueError, json.JSONDecodeError) as exc:
             return _error(400, str(exc))
@@ -272,7 +286,7 @@ def peer_routes(
         if held is None:
             return _error(503, "this replica does not answer held probes")
         try:
-            hashes = _parse_held(await request.json())
+            hashes = _parse_held(await _body(request))
         except (ValueError, json.JSONDecodeError) as exc:
             return _error(400, str(exc))
         return web.json_response({"leading_blocks": held(hashes, tenant)})

@@ -1,10 +1,17 @@
 """The router: the fleet's OpenAI-compatible front door (aiohttp).
 
-    POST /v1/completions   authenticated by `Authorization: Bearer <API key>`; proxied (SSE too)
-    GET  /v1/models        proxied to a ready replica
-    GET  /metrics          Prometheus: decisions by reason, spill_rate, overhead, upstream errors
-    GET  /healthz          the event loop answers
-    GET  /readyz           keys loaded and at least one replica ready
+    POST /v1/completions        authenticated by `Authorization: Bearer <API key>`; proxied
+    POST /v1/chat/completions   (SSE too)
+    GET  /v1/models[/{id}]      proxied to a ready replica
+    GET  /openapi.json          the replicas' OpenAI schemas (their limits) with the router's auth
+    GET  /metrics               Prometheus: decisions by reason, spill_rate, overhead, outcomes
+    GET  /healthz               the event loop answers
+    GET  /readyz                keys loaded and at least one replica ready
+
+Every error is OpenAI's JSON envelope (`kvfleet_runtime.api`). The body is read here, within
+`max_body_bytes` and `body_read_timeout_s`, and must be acceptable JSON (bounded numbers and
+depth, no lone surrogates) before anything is forwarded: a 50 MB body is refused with 413 after
+the first byte over the limit, never sent on to a replica.
 
 Per request: API key -> tenant (a client-sent `X-Kvfleet-Tenant` is discarded and replaced, and
 the API key is not forwarded), then the pure decision (`kvfleet_runtime.routing.choose_replica`)
@@ -20,7 +27,9 @@ tokenizer files) only when the names are equal; the byte tokenizer needs no file
 missing tokenizer routes the request without tokens (no override), never with other ids.
 
 A replica that cannot be reached, or answers 503 before any byte was sent to the client, is
-skipped and the request is decided again without it (at most `max_attempts` replicas).
+skipped and the request is decided again without it (at most `max_attempts` replicas). A client
+that goes away is a `client_abort` outcome (the upstream request is closed, so the replica
+cancels the sequence), never a broken replica and never an ERROR log.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
@@ -46,6 +56,14 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kvfleet_runtime.api import (
+    ApiError,
+    error_middleware,
+    error_response,
+    is_client_gone,
+    parse_json,
+    read_body,
+)
 from kvfleet_runtime.auth import sign_assertion
 from kvfleet_runtime.cache import block_hashes
 from kvfleet_runtime.fleet.index import HintIndex
@@ -63,7 +81,9 @@ _INLINE_ENCODE_MAX_CHARS = 4096
 """Longer text prompts are tokenized on a worker thread: tens of milliseconds for a long document
 would stall every request on the router's event loop."""
 _FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
-_MAX_BODY_BYTES = 64 << 20
+_HARD_MAX_BODY_BYTES = 64 << 20
+"""aiohttp's own cap; `RouterState.max_body_bytes` is checked below it."""
+_PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}")
 
 
 def prompt_token_ids(prompt: Any, tokenizer: str,
@@ -115,6 +135,10 @@ class RouterState:
     max_attempts: int = 3
     upstream_connect_timeout_s: float = 1.0
     upstream_timeout_s: float = 600.0
+    max_body_bytes: int = 1 << 20
+    """Larger bodies are refused with 413 before anything is forwarded (the replicas' default)."""
+    body_read_timeout_s: float = 10.0
+    """A body must arrive within this time, or the request is refused with 408."""
     spill_window: int = 1000
     poll_interval_s: float = 0.5
     config_poll_s: float = 1.0
@@ -178,18 +202,7 @@ class RouterState:
 def _error(
     status: int, message: str, code: str, headers: dict[str, str] | None = None
 ) -> web.Response:
-    return web.json_response(
-        {
-            "error": {
-                "message": message,
-                "type": "invalid_request_error" if status < 500 else "server_error",
-                "param": None,
-                "code": code,
-            }
-        },
-        status=status,
-        headers=headers,
-    )
+    return error_response(status, message, code=code, headers=headers)
 
 
 async def _matched_tokens(state: RouterState, tenant: str, prompt: Any, *,
@@ -259,31 +272,58 @@ def _decide(
 
 
 def create_router_app(state: RouterState) -> web.Application:
-    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=[error_middleware(log)], client_max_size=_HARD_MAX_BODY_BYTES
+    )
 
-    async def completions(request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
+    def authenticate(request: web.Request) -> str:
         tenant = state.keys.tenant_for_authorization(request.headers.get("Authorization"))
         if tenant is None:
             state.m_unauthorized.inc()
-            return _error(
+            raise ApiError(
                 401,
                 "missing or unknown API key (Authorization: Bearer <key>)",
-                "invalid_api_key",
-                {"WWW-Authenticate": "Bearer"},
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
             )
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return _error(400, f"request body is not valid JSON: {exc}", "invalid_json")
+        return tenant
+
+    async def json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+        raw = await read_body(request, state.max_body_bytes, state.body_read_timeout_s)
+        body = parse_json(raw)
         if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "invalid_body")
+            raise ApiError(
+                400,
+                f"request body must be a JSON object, got {type(body).__name__}",
+                code="invalid_body",
+            )
+        return raw, body
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        tenant = authenticate(request)
+        raw, body = await json_body(request)
         prompt = body.get("prompt")
         matched = await _matched_tokens(state, tenant, prompt)
         prompt_tokens = len(prompt) if isinstance(prompt, (str, list)) else 0
         return await _proxy(
             request, "/v1/completions", raw, tenant, matched, prompt_tokens, started
+        )
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        tenant = authenticate(request)
+        raw, body = await json_body(request)
+        messages = body.get("messages")
+        # The replicas' chat template, when the router has their tokenizer (chat_token_ids).
+        matched = await _matched_tokens(state, tenant, messages, chat=True)
+        prompt_chars = (
+            sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+            if isinstance(messages, list)
+            else 0
+        )
+        return await _proxy(
+            request, "/v1/chat/completions", raw, tenant, matched, prompt_chars, started
         )
 
     async def _proxy(
@@ -326,13 +366,30 @@ def create_router_app(state: RouterState) -> web.Application:
                         state.m_requests.labels(name, "overloaded").inc()
                         last_error = f"replica {name} is overloaded"
                         continue
-                    return await _stream_back(request, upstream, decision, out)
+                    try:
+                        return await _stream_back(request, upstream, decision, out)
+                    except _ClientGone:
+                        # Closing the upstream connection is how the replica learns to cancel.
+                        upstream.close()
+                        state.m_requests.labels(name, "client_abort").inc()
+                        log.debug("client went away; closed the request to replica %s", name)
+                        return out[0]
+            except asyncio.CancelledError:
+                # The client went away (handler cancellation), waiting for the replica or
+                # mid-answer: the upstream request is closed, and the replica cancels.
+                state.m_requests.labels(name, "client_abort").inc()
+                log.debug("client went away; closed the request to replica %s", name)
+                raise
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 if out:
                     # Bytes already went to the client: nothing is safe to retry. Drop the
                     # connection so the client sees a truncated stream, never a spliced one.
                     state.m_requests.labels(name, "broken").inc()
-                    raise ConnectionResetError(f"replica {name} failed mid-response") from exc
+                    log.warning("replica %s failed mid-response (%s); dropping the client "
+                                "connection", name, exc)
+                    if request.transport is not None:
+                        request.transport.close()
+                    return out[0]
                 state.m_requests.labels(name, "unreachable").inc()
                 state.view.mark_down(name)
                 last_error = f"replica {name} is unreachable"
@@ -357,25 +414,52 @@ def create_router_app(state: RouterState) -> web.Application:
         headers["X-Kvfleet-Route"] = decision.reason
         resp = web.StreamResponse(status=upstream.status, headers=headers)
         out.append(resp)
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except Exception as exc:
+            if is_client_gone(exc):
+                raise _ClientGone from exc
+            raise
         async for chunk in upstream.content.iter_any():
-            await resp.write(chunk)
-        await resp.write_eof()
+            try:
+                await resp.write(chunk)
+            except Exception as exc:
+                if is_client_gone(exc):
+                    raise _ClientGone from exc
+                raise
+        try:
+            await resp.write_eof()
+        except Exception as exc:
+            if is_client_gone(exc):
+                raise _ClientGone from exc
+            raise
         state.m_requests.labels(decision.replica, str(upstream.status)).inc()
         return resp
 
-    async def models(request: web.Request) -> web.StreamResponse:
-        if state.keys.tenant_for_authorization(request.headers.get("Authorization")) is None:
-            return _error(401, "missing or unknown API key", "invalid_api_key")
+    async def from_a_replica(path: str) -> web.Response:
+        """GET `path` from the first ready replica that answers with JSON."""
         assert state.session is not None
         for load in sorted(state.view.loads(), key=lambda x: x.name):
             if not load.ready:
                 continue
-            url = state.view.replicas[load.name].url + "/v1/models"
-            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            url = state.view.replicas[load.name].url + path
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
                 async with state.session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
                     return web.json_response(await r.json(), status=r.status)
-        return _error(503, "no replica is ready", "no_replica")
+        raise ApiError(503, "no replica is ready", code="no_replica", headers={"Retry-After": "1"})
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        authenticate(request)
+        return await from_a_replica("/v1/models")
+
+    async def model(request: web.Request) -> web.StreamResponse:
+        authenticate(request)
+        return await from_a_replica("/v1/models/" + quote(request.match_info["model"], safe=""))
+
+    async def openapi(request: web.Request) -> web.StreamResponse:
+        doc = await from_a_replica("/openapi.json")
+        assert doc.text is not None
+        return web.json_response(router_openapi(json.loads(doc.text)))
 
     async def metrics(request: web.Request) -> web.StreamResponse:
         resp = web.Response(body=generate_latest(state.registry))
@@ -399,12 +483,60 @@ def create_router_app(state: RouterState) -> web.Application:
         )
 
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.cleanup_ctx.append(_lifecycle(state))
     return app
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while the answer was being sent."""
+
+
+def router_openapi(replica_doc: dict[str, Any]) -> dict[str, Any]:
+    """The router's OpenAPI: the replicas' OpenAI operations (their schemas and limits), with
+    the router's API-key auth instead of the tenant header, and the router's own probes."""
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    json_ok = {"application/json": {"schema": {"type": "object"}}}
+    paths: dict[str, Any] = {}
+    for path in _PROXIED_PATHS:
+        if path not in replica_doc.get("paths", {}):
+            continue
+        ops = json.loads(json.dumps(replica_doc["paths"][path]))
+        for op in ops.values():
+            params = [p for p in op.get("parameters", []) if p.get("name") != TENANT_HEADER]
+            op["parameters"] = params
+            op["security"] = [{"apiKey": []}]
+            op["responses"]["401"] = {"description": "Missing or unknown API key",
+                                      "content": error}
+            op["responses"]["503"] = {"description": "No replica can answer now; retry",
+                                      "content": error}
+            if "requestBody" in op:
+                op["responses"]["408"] = {"description": "Body not received in time",
+                                          "content": error}
+                op["responses"]["413"] = {"description": "Body too large", "content": error}
+        paths[path] = ops
+    paths["/healthz"] = {"get": {"operationId": "healthz", "summary": "Liveness",
+                                 "responses": {"200": {"description": "Alive",
+                                                       "content": json_ok}}}}
+    paths["/readyz"] = {"get": {"operationId": "readyz", "summary": "Readiness",
+                                "responses": {"200": {"description": "Ready", "content": json_ok},
+                                              "503": {"description": "Not ready",
+                                                      "content": json_ok}}}}
+    paths["/metrics"] = {"get": {"operationId": "metrics", "summary": "Prometheus metrics",
+                                 "responses": {"200": {"description": "Text format", "content": {
+                                     "text/plain": {"schema": {"type": "string"}}}}}}}
+    components = json.loads(json.dumps(replica_doc.get("components", {})))
+    components["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+    info = dict(replica_doc.get("info", {}))
+    info["title"] = "kvfleet router"
+    return {"openapi": replica_doc.get("openapi", "3.1.0"), "info": info, "paths": paths,
+            "components": components}
 
 
 def _lifecycle(state: RouterState) -> Callable[[web.Application], AsyncIterator[None]]:

@@ -1,7 +1,7 @@
 """The replica HTTP server: OpenAI-compatible completions over the engine, cache control, probes."""
 
+from kvfleet_runtime.api import ApiError, ChatCompletionRequest, CompletionRequest
 from kvfleet_runtime.server._app import (
-    ApiError,
     Replica,
     apply_config,
     build_replica,
@@ -18,13 +18,15 @@ from kvfleet_runtime.server._config import (
     ReplicaConfig,
     load_config,
 )
-from kvfleet_runtime.server._schemas import CompletionRequest, InvalidateRequest
+from kvfleet_runtime.server._openai import system_fingerprint
+from kvfleet_runtime.server._schemas import InvalidateRequest
 
 __all__ = [
     "CONFIG_ENV",
     "ENV_PREFIX",
     "ApiError",
     "CacheSettings",
+    "ChatCompletionRequest",
     "CompletionRequest",
     "EngineSettings",
     "InvalidateRequest",
@@ -37,4 +39,5 @@ __all__ = [
     "create_app",
     "load_config",
     "openapi_document",
+    "system_fingerprint",
 ]

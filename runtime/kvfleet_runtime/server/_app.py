@@ -2,15 +2,17 @@
 
 Routes:
     POST /v1/completions      OpenAI-compatible; tenant from the `X-Kvfleet-Tenant` header
-    GET  /v1/models           the one served model
+    POST /v1/chat/completions OpenAI-compatible chat, rendered with the model's chat template
+    GET  /v1/models           the one served model; /v1/models/{id} that model
     GET  /cache/stats         ?tenant=   hit rates, bytes, evictions, tier breakdown
     POST /cache/invalidate    {"model_version": "sha256:..."} -> 202
     GET  /metrics             Prometheus text format
     GET  /healthz, /readyz    liveness (the event loop answers), readiness (model loaded, serving)
     GET  /openapi.json        OpenAPI 3.1, generated from the pydantic request models
 
-Every error is JSON, `{"error": {"message", "type", "param", "code"}}`, and names the problem;
-bad input is a 4xx and never takes the server down. Only an internal bug gives a 500.
+Every error is JSON, `{"error": {"message", "type", "param", "code"}}` (`kvfleet_runtime.api`),
+and names the problem; bad input is a 4xx and never takes the server down. Only an internal bug
+gives a 500. The OpenAI endpoints themselves live in `_openai.py`.
 """
 
 from __future__ import annotations
@@ -18,11 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,26 +38,34 @@ from prometheus_client import (
 )
 from pydantic import BaseModel, ValidationError
 
+from kvfleet_runtime.api import (
+    PROMPT_TAGS,
+    ApiError,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    error_middleware,
+    error_response,
+    read_json,
+    refused_fields,
+)
 from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
 from kvfleet_runtime.configwatch import ConfigFileWatcher
 from kvfleet_runtime.engine import (
     CacheKeyFields,
     Engine,
     EngineConfig,
-    EngineOverloaded,
-    Finished,
-    GenerationRequest,
-    SamplingParams,
-    TokenEvent,
 )
 from kvfleet_runtime.model import LoadedModel, default_device, load_checkpoint
 from kvfleet_runtime.server._auth import ReplicaAuth, auth_middleware
-from kvfleet_runtime.server._config import ReplicaConfig, load_config, restart_fields
+from kvfleet_runtime.server._config import Limits, ReplicaConfig, load_config, restart_fields
+from kvfleet_runtime.server._openai import chat_completions, completions
 from kvfleet_runtime.server._schemas import (
     TENANT_PATTERN,
-    CompletionRequest,
-    CompletionResponse,
-    ErrorResponse,
     InvalidateAccepted,
     InvalidateRequest,
 )
@@ -65,7 +73,7 @@ from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvfleet_runtime.wire import TENANT_HEADER
 
 __all__ = [
-    "ApiError", "Replica", "apply_config", "build_replica", "create_app", "openapi_document",
+    "Replica", "apply_config", "build_replica", "create_app", "openapi_document",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,32 +81,6 @@ log = logging.getLogger(__name__)
 _TENANT_RE = re.compile(TENANT_PATTERN)
 _HARD_MAX_BODY_BYTES = 64 << 20
 """aiohttp's own cap; the configured (live) limit is checked below it."""
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 415: "invalid_request_error",
-                503: "overloaded_error"}
-
-
-def _error_response(status: int, message: str, *, param: str | None = None,
-                    code: str | None = None, headers: Mapping[str, str] | None = None
-                    ) -> web.Response:
-    body = {"error": {"message": message,
-                      "type": _ERROR_TYPES.get(status, "server_error" if status >= 500
-                                               else "invalid_request_error"),
-                      "param": param, "code": code}}
-    return web.json_response(body, status=status, headers=headers)
 
 
 @dataclass(slots=True)
@@ -231,23 +213,8 @@ def _tenant(request: web.Request) -> str:
     return tenant
 
 
-async def _json_body(request: web.Request, limit: int) -> Any:
-    if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, f"request body of {request.content_length} bytes exceeds the limit "
-                       f"of {limit} bytes", code="body_too_large")
-    chunks: list[bytes] = []
-    size = 0
-    while chunk := await request.content.read(1 << 16):
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes",
-                           code="body_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+async def _json_body(request: web.Request, limits: Limits) -> Any:
+    return await read_json(request, limits.max_body_bytes, limits.body_read_timeout_s)
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -257,12 +224,16 @@ def _validate(model: type[M], data: Any) -> M:
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_body")
+    refused = refused_fields(data)
+    if refused:
+        raise ApiError(400, "; ".join(f"{name}: {why}" for name, why in refused),
+                       param=refused[0][0], code="unsupported_parameter")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"] if p not in ("text", "token_ids"))
+            loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
             value = repr(err.get("input"))
             value = value if len(value) <= 60 else value[:57] + "..."
             problems.append(f"{loc or 'body'}: {err['msg']} (got {value})")
@@ -271,8 +242,12 @@ def _validate(model: type[M], data: Any) -> M:
                        code="invalid_value") from exc
 
 
-def _created() -> int:
-    return int(time.time())
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|constrained-str|[a-z]+\[.*\])$")
+
+
+def _is_union_tag(part: int | str) -> bool:
+    """pydantic names the union member in an error's location; the client's field does not."""
+    return isinstance(part, str) and (part in PROMPT_TAGS or bool(_UNION_TAG.match(part)))
 
 
 # ---- handlers --------------------------------------------------------------------------------
@@ -281,84 +256,30 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _handlers(replica: Replica) -> dict[str, Handler]:
-    tok = replica.tokenizer
-
-    async def completions(request: web.Request) -> web.StreamResponse:
+    async def completions_handler(request: web.Request) -> web.StreamResponse:
         tenant = _tenant(request)
-        limits = replica.config.limits
-        body = _validate(CompletionRequest, await _json_body(request, limits.max_body_bytes))
-        if body.model is not None and body.model != replica.model_id:
-            raise ApiError(404, f"model {body.model[:80]!r} is not served here; this replica "
-                           f"serves {replica.model_id!r}", param="model", code="model_not_found")
-        if isinstance(body.prompt, str):
-            # A cheap bound before encoding, exact for bytes only (one id per UTF-8 byte, plus
-            # BOS); other tokenizers are checked on the ids below.
-            if isinstance(tok, ByteTokenizer) and len(body.prompt) > limits.max_prompt_tokens - 1:
-                raise ApiError(400, f"prompt has {len(body.prompt)} characters; the limit is "
-                               f"{limits.max_prompt_tokens - 1}", param="prompt",
-                               code="prompt_too_long")
-            try:
-                token_ids = tok.encode(body.prompt)
-            except ValueError as exc:
-                raise ApiError(400, f"prompt: {exc}", param="prompt",
-                               code="invalid_value") from exc
-        else:
-            token_ids = list(body.prompt)
-        if len(token_ids) > limits.max_prompt_tokens:
-            raise ApiError(400, f"prompt has {len(token_ids)} tokens; the limit is "
-                           f"{limits.max_prompt_tokens}", param="prompt", code="prompt_too_long")
-        if body.max_tokens > limits.max_tokens:
-            raise ApiError(400, f"max_tokens {body.max_tokens} exceeds the limit of "
-                           f"{limits.max_tokens}", param="max_tokens", code="invalid_value")
-        gen = GenerationRequest(tenant, tuple(token_ids), SamplingParams(
-            max_tokens=body.max_tokens, temperature=body.temperature, seed=body.seed))
-        try:
-            replica.engine.check(gen)  # bad token ids never reach the fleet hook
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="prompt", code="invalid_value") from exc
-        if replica.before_submit is not None:
-            try:
-                await replica.before_submit(tenant, token_ids)
-            except Exception:  # a cache-side failure never fails the request: recompute
-                log.exception("before_submit hook failed; the engine prefills instead")
-        try:
-            stream = replica.engine.submit(gen)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="prompt", code="invalid_value") from exc
-        except EngineOverloaded as exc:
-            raise ApiError(503, f"replica overloaded: {exc}", code="overloaded",
-                           headers={"Retry-After": "1"}) from exc
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _sse(request, replica, stream, rid, include_usage)
-        out: list[int] = []
-        fin: Finished | None = None
-        try:
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    out.append(event.token_id)
-                else:
-                    fin = event
-        finally:
-            if fin is None:
-                stream.cancel()
-        assert fin is not None
-        if fin.finish_reason == "error":
-            raise ApiError(500, fin.error or "generation failed", code="generation_failed")
-        resp = {
-            "id": rid, "object": "text_completion", "created": _created(),
-            "model": replica.model_id,
-            "choices": [{"index": 0, "text": tok.decode(out), "logprobs": None,
-                         "finish_reason": fin.finish_reason, "token_ids": out}],
-            "usage": _usage(fin),
-        }
-        return web.json_response(resp, headers=_cache_headers(fin))
+        data = await _json_body(request, replica.config.limits)
+        return await completions(replica, request, tenant, _validate(CompletionRequest, data))
+
+    async def chat_handler(request: web.Request) -> web.StreamResponse:
+        tenant = _tenant(request)
+        data = await _json_body(request, replica.config.limits)
+        return await chat_completions(replica, request, tenant,
+                                      _validate(ChatCompletionRequest, data))
+
+    def card() -> dict[str, Any]:
+        return ModelCard(id=replica.model_id, created=0, owned_by="kvfleet",
+                         weights_digest=replica.loaded.weights_digest).model_dump()
 
     async def models(request: web.Request) -> web.StreamResponse:
-        return web.json_response({"object": "list", "data": [
-            {"id": replica.model_id, "object": "model", "created": 0, "owned_by": "kvfleet",
-             "weights_digest": replica.loaded.weights_digest}]})
+        return web.json_response({"object": "list", "data": [card()]})
+
+    async def model(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["model"]
+        if name != replica.model_id:
+            raise ApiError(404, f"model {name[:80]!r} is not served here; this replica serves "
+                           f"{replica.model_id!r}", param="model", code="model_not_found")
+        return web.json_response(card())
 
     async def cache_stats(request: web.Request) -> web.StreamResponse:
         extra = sorted(set(request.query) - {"tenant"})
@@ -381,8 +302,7 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
         return web.json_response(data)
 
     async def invalidate(request: web.Request) -> web.StreamResponse:
-        body = _validate(InvalidateRequest, await _json_body(
-            request, replica.config.limits.max_body_bytes))
+        body = _validate(InvalidateRequest, await _json_body(request, replica.config.limits))
         cache = replica.cache
         if cache is not None:
             task = asyncio.create_task(asyncio.to_thread(cache.invalidate, body.model_version))
@@ -408,89 +328,25 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
     async def openapi(request: web.Request) -> web.StreamResponse:
         return web.json_response(openapi_document(replica))
 
-    return {"completions": completions, "models": models, "cache_stats": cache_stats,
+    return {"completions": completions_handler, "chat": chat_handler, "models": models,
+            "model": model, "cache_stats": cache_stats,
             "invalidate": invalidate, "metrics": metrics, "healthz": healthz, "readyz": readyz,
             "openapi": openapi}
 
 
-def _usage(fin: Finished) -> dict[str, Any]:
-    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
-
-
-def _cache_headers(fin: Finished) -> dict[str, str]:
-    return {"X-Kvfleet-Cached-Tokens": str(fin.cached_tokens),
-            "X-Kvfleet-Cache-Tier": fin.cache_tier or "none"}
-
-
-async def _sse(request: web.Request, replica: Replica, stream: Any, rid: str,
-               include_usage: bool) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
-    decoder = replica.tokenizer.stream_decoder()
-    created = _created()
-    done = False
-
-    def chunk(text: str, finish: str | None, token_ids: list[int]) -> bytes:
-        data = {"id": rid, "object": "text_completion", "created": created,
-                "model": replica.model_id,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": finish, "token_ids": token_ids}]}
-        return f"data: {json.dumps(data)}\n\n".encode()
-
-    try:
-        await resp.prepare(request)
-        async for event in stream:
-            if isinstance(event, TokenEvent):
-                await resp.write(chunk(decoder.push(event.token_id), None, [event.token_id]))
-                continue
-            done = True
-            await resp.write(chunk(decoder.flush(), event.finish_reason, []))
-            if include_usage:
-                usage = {"id": rid, "object": "text_completion", "created": created,
-                         "model": replica.model_id, "choices": [], "usage": _usage(event)}
-                await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-    finally:
-        if not done:
-            stream.cancel()
-    return resp
-
-
 # ---- app -------------------------------------------------------------------------------------
-
-@web.middleware
-async def _errors(request: web.Request,
-                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                  ) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return _error_response(exc.status, exc.message, param=exc.param, code=exc.code,
-                               headers=exc.headers)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else (
-            f"{exc.reason}: {request.method} {request.path}")
-        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        return _error_response(exc.status, message, headers=headers)
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error_response(500, "internal error", code="internal_error")
-
 
 def create_app(replica: Replica, *, watch: bool = True,
                auth: ReplicaAuth | None = None) -> web.Application:
     """The replica's app. `auth` None: no router secret (tenant `default` on loopback only)."""
-    authenticate = auth_middleware(auth or ReplicaAuth(), _error_response)
-    app = web.Application(middlewares=[_errors, authenticate],
+    authenticate = auth_middleware(auth or ReplicaAuth(), error_response)
+    app = web.Application(middlewares=[error_middleware(log), authenticate],
                           client_max_size=_HARD_MAX_BODY_BYTES)
     h = _handlers(replica)
     app.router.add_post("/v1/completions", h["completions"])
+    app.router.add_post("/v1/chat/completions", h["chat"])
     app.router.add_get("/v1/models", h["models"])
+    app.router.add_get("/v1/models/{model}", h["model"])
     app.router.add_get("/cache/stats", h["cache_stats"])
     app.router.add_post("/cache/invalidate", h["invalidate"])
     app.router.add_get("/metrics", h["metrics"])
@@ -533,6 +389,7 @@ def openapi_document(replica: Replica) -> dict[str, Any]:
     def errors(*codes: int) -> dict[str, Any]:
         names = {400: "Invalid request", 401: "Not authenticated (docs/security.md)",
                  403: "Not allowed (docs/security.md)", 404: "Not found",
+                 405: "Method not allowed", 408: "Body not received in time",
                  413: "Body too large", 503: "Overloaded, retry later"}
         return {str(c): {"description": names[c], **error} for c in codes}
 
@@ -540,83 +397,120 @@ def openapi_document(replica: Replica) -> dict[str, Any]:
                      "description": "Tenant id, set by the router, with its assertion in "
                                     "X-Kvfleet-Tenant-Assertion (docs/security.md).",
                      "schema": {"type": "string", "pattern": TENANT_PATTERN}}
-    completion = ref(CompletionRequest)
-    _apply_limits(components["CompletionRequest"], replica)
+
+    def generate(summary: str, op: str, request: type[BaseModel],
+                 response: type[BaseModel]) -> dict[str, Any]:
+        return {"post": {
+            "summary": summary, "operationId": op, "parameters": [tenant_header],
+            "requestBody": {"required": True,
+                            "content": {"application/json": {"schema": ref(request)}}},
+            "responses": {
+                "200": {"description": "The answer, or server-sent events when streaming",
+                        "content": {"application/json": {"schema": ref(response)},
+                                    "text/event-stream": {"schema": _SSE_EVENT}}},
+                **errors(400, 401, 403, 404, 408, 413, 503)}}}
+
+    paths: dict[str, Any] = {
+        "/v1/completions": generate("Create a completion (OpenAI-compatible)",
+                                    "createCompletion", CompletionRequest, CompletionResponse),
+        "/v1/chat/completions": generate("Create a chat completion (OpenAI-compatible)",
+                                         "createChatCompletion", ChatCompletionRequest,
+                                         ChatCompletionResponse),
+    }
+    _apply_limits(components, replica)
     json_ok = {"application/json": {"schema": {"type": "object"}}}
-    doc = {
+    paths.update({
+        "/v1/models": {"get": {"summary": "The served model", "operationId": "listModels",
+                               "responses": {"200": {"description": "Models", "content": {
+                                   "application/json": {"schema": ref(ModelList)}}}}}},
+        "/v1/models/{model}": {"get": {
+            "summary": "One model", "operationId": "retrieveModel",
+            "parameters": [{"name": "model", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "The model", "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/ModelCard"}}}},
+                **errors(404)}}},
+        "/cache/stats": {"get": {
+            "summary": "Cache statistics, for one tenant or all",
+            "operationId": "cacheStats",
+            "parameters": [{"name": "tenant", "in": "query", "required": False,
+                            "schema": {"type": "string", "pattern": TENANT_PATTERN}}],
+            "responses": {"200": {"description": "Stats", "content": json_ok},
+                          **errors(400, 401, 403)},
+        }},
+        "/cache/invalidate": {"post": {
+            "summary": "Drop every cache entry of a weights version",
+            "operationId": "invalidateCache",
+            "requestBody": {"required": True, "content": {
+                "application/json": {"schema": ref(InvalidateRequest)}}},
+            "responses": {"202": {"description": "Accepted", "content": {
+                "application/json": {"schema": ref(InvalidateAccepted)}}},
+                **errors(400, 401, 403, 408, 413)},
+        }},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
+                             "responses": {"200": {"description": "Text format",
+                                                   "content": {"text/plain": {
+                                                       "schema": {"type": "string"}}}}}}},
+        "/healthz": {"get": {"summary": "Liveness", "operationId": "healthz",
+                             "responses": {"200": {"description": "Alive",
+                                                   "content": json_ok}}}},
+        "/readyz": {"get": {"summary": "Readiness", "operationId": "readyz",
+                            "responses": {"200": {"description": "Ready",
+                                                  "content": json_ok},
+                                          "503": {"description": "Not ready",
+                                                  "content": json_ok}}}},
+    })
+    return {
         "openapi": "3.1.0",
         "info": {"title": "kvfleet replica", "version": "1",
                  "description": f"Serves {replica.model_id} "
                                 f"({replica.loaded.weights_digest})."},
-        "paths": {
-            "/v1/completions": {"post": {
-                "summary": "Create a completion (OpenAI-compatible)",
-                "operationId": "createCompletion",
-                "parameters": [tenant_header],
-                "requestBody": {"required": True,
-                                "content": {"application/json": {"schema": completion}}},
-                "responses": {
-                    "200": {"description": "The completion, or server-sent events when streaming",
-                            "content": {"application/json": {"schema": ref(CompletionResponse)},
-                                        "text/event-stream": {"schema": _SSE_EVENT}}},
-                    **errors(400, 401, 403, 404, 413, 503),
-                },
-            }},
-            "/v1/models": {"get": {"summary": "The served model", "operationId": "listModels",
-                                   "responses": {"200": {"description": "Models",
-                                                         "content": json_ok}}}},
-            "/cache/stats": {"get": {
-                "summary": "Cache statistics, for one tenant or all",
-                "operationId": "cacheStats",
-                "parameters": [{"name": "tenant", "in": "query", "required": False,
-                                "schema": {"type": "string", "pattern": TENANT_PATTERN}}],
-                "responses": {"200": {"description": "Stats", "content": json_ok},
-                              **errors(400, 401, 403)},
-            }},
-            "/cache/invalidate": {"post": {
-                "summary": "Drop every cache entry of a weights version",
-                "operationId": "invalidateCache",
-                "requestBody": {"required": True, "content": {
-                    "application/json": {"schema": ref(InvalidateRequest)}}},
-                "responses": {"202": {"description": "Accepted", "content": {
-                    "application/json": {"schema": ref(InvalidateAccepted)}}},
-                    **errors(400, 401, 403, 413)},
-            }},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
-                                 "responses": {"200": {"description": "Text format",
-                                                       "content": {"text/plain": {
-                                                           "schema": {"type": "string"}}}}}}},
-            "/healthz": {"get": {"summary": "Liveness", "operationId": "healthz",
-                                 "responses": {"200": {"description": "Alive",
-                                                       "content": json_ok}}}},
-            "/readyz": {"get": {"summary": "Readiness", "operationId": "readyz",
-                                "responses": {"200": {"description": "Ready",
-                                                      "content": json_ok},
-                                              "503": {"description": "Not ready",
-                                                      "content": json_ok}}}},
-        },
+        "paths": paths,
         "components": {"schemas": components},
     }
-    return doc
 
 
 _SSE_EVENT = {
     "type": "object",
-    "description": "One server-sent event: `data` is a JSON completion chunk, or `[DONE]` last.",
+    "description": "One server-sent event: `data` is a JSON chunk, or `[DONE]` last.",
     "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
     "required": ["data"],
 }
 
 
-def _apply_limits(schema: dict[str, Any], replica: Replica) -> None:
+def _apply_limits(components: dict[str, Any], replica: Replica) -> None:
+    """This replica's limits in the request schemas, so a schema-valid request fits them
+    (except what JSON Schema cannot say: text is limited in tokens, not characters, and a
+    prompt plus max_tokens must fit the context; both are 400s naming the numbers)."""
     limits, args = replica.config.limits, replica.loaded.args
-    props = schema["properties"]
-    props["model"] = {"anyOf": [{"type": "string", "enum": [replica.model_id]}, {"type": "null"}],
-                      "default": None, "description": "The served model's id."}
-    props["max_tokens"]["maximum"] = limits.max_tokens
-    for branch in props["prompt"].get("oneOf", props["prompt"].get("anyOf", [])):
-        if branch.get("type") == "string" and isinstance(replica.tokenizer, ByteTokenizer):
-            branch["maxLength"] = limits.max_prompt_tokens - 1
-        elif branch.get("type") == "array":
+    model = {"anyOf": [{"type": "string", "enum": [replica.model_id]}, {"type": "null"}],
+             "default": None, "description": "The served model's id."}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = components[name]["properties"]
+        props["model"] = model
+        for branch in props["logit_bias"]["anyOf"]:
+            if branch.get("type") == "object":  # keys are token ids and nothing else
+                branch["additionalProperties"] = False
+        for field_name in ("max_tokens", "max_completion_tokens"):
+            if field_name not in props:
+                continue
+            for branch in props[field_name].get("anyOf", [props[field_name]]):
+                if branch.get("type") == "integer":
+                    branch["maximum"] = limits.max_tokens
+    # Characters bound tokens only for the byte tokenizer (one id per UTF-8 byte, plus BOS).
+    max_chars = limits.max_prompt_tokens - 1
+    byte_level = isinstance(replica.tokenizer, ByteTokenizer)
+    for branch in components["CompletionRequest"]["properties"]["prompt"]["oneOf"]:
+        items = branch.get("items", {})
+        if branch["type"] == "string":
+            if byte_level:
+                branch["maxLength"] = max_chars
+        elif items.get("type") == "string":
+            if byte_level:
+                items["maxLength"] = max_chars
+        elif items.get("type") == "integer":
             branch["maxItems"] = limits.max_prompt_tokens
-            branch["items"]["maximum"] = args.vocab_size - 1
+            items["maximum"] = args.vocab_size - 1
+        else:
+            items["maxItems"] = limits.max_prompt_tokens
+            items["items"]["maximum"] = args.vocab_size - 1

@@ -45,6 +45,8 @@ class Limits(_Strict):
     """Largest `max_tokens` a request may ask for."""
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     """Larger request bodies are refused with 413."""
+    body_read_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    """A request body must arrive within this time, or the request is refused with 408."""
 
 
 class EngineSettings(_Strict):

@@ -126,7 +126,9 @@ BIG = 70000
     [
         ({"prompt": [1, 2]}, {}, 400, "X-Kvfleet-Tenant"),
         ({"prompt": [1, 2]}, {"X-Kvfleet-Tenant": "bad tenant!"}, 400, "does not match"),
-        ({"prompt": [1, 2], "n": 2}, None, 400, "n: Extra inputs are not permitted"),
+        ({"prompt": [1, 2], "n": 9}, None, 400, "n: Input should be less than or equal to 8"),
+        ({"prompt": [1, 2], "frobnicate": 1}, None, 400,
+         "frobnicate: Extra inputs are not permitted"),
         ({"prompt": [1, 2], "max_tokens": "4"}, None, 400,
          "max_tokens: Input should be a valid integer"),
         ({"prompt": [1, 2], "max_tokens": True}, None, 400, "max_tokens"),

@@ -1,0 +1,63 @@
+"""The OpenAI-compatible HTTP surface shared by the replica and the router (no torch).
+
+    _errors   the one error envelope and the middleware that makes every error use it
+    _body     JSON request bodies read within size, time, number, depth and Unicode bounds
+    _openai   request and response models; which OpenAI fields are supported, ignored, refused
+    _stop     stop strings matched on streamed text (nothing after a stop is ever sent)
+"""
+
+from kvfleet_runtime.api._body import MAX_DEPTH, MAX_INT_DIGITS, parse_json, read_body, read_json
+from kvfleet_runtime.api._errors import (
+    CANCEL_ON_DISCONNECT,
+    ApiError,
+    error_body,
+    error_middleware,
+    error_response,
+    is_client_gone,
+)
+from kvfleet_runtime.api._openai import (
+    MAX_N,
+    MAX_STOP_SEQUENCES,
+    PROMPT_TAGS,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    StreamOptions,
+    TextPart,
+    refused_fields,
+)
+from kvfleet_runtime.api._stop import StopMatcher
+
+__all__ = [
+    "CANCEL_ON_DISCONNECT",
+    "MAX_DEPTH",
+    "MAX_INT_DIGITS",
+    "MAX_N",
+    "MAX_STOP_SEQUENCES",
+    "PROMPT_TAGS",
+    "ApiError",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatMessage",
+    "CompletionRequest",
+    "CompletionResponse",
+    "ErrorResponse",
+    "ModelCard",
+    "ModelList",
+    "StopMatcher",
+    "StreamOptions",
+    "TextPart",
+    "error_body",
+    "error_middleware",
+    "error_response",
+    "is_client_gone",
+    "parse_json",
+    "read_body",
+    "read_json",
+    "refused_fields",
+]

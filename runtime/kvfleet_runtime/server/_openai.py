@@ -1,0 +1,460 @@
+"""The replica's OpenAI endpoints: `/v1/completions` and `/v1/chat/completions` over the engine.
+
+A request becomes one engine sequence per (prompt, choice): `n` choices of each prompt of a
+batch, choice index `prompt_index * n + j` (OpenAI's order), choice j seeded with `seed + j`.
+Each sequence's tokens are decoded incrementally and passed through its `StopMatcher`, so text
+is sent only once it cannot be the start of a stop string; a completed stop string cancels the
+sequence (its KV blocks are freed at the engine's next step) and ends the choice with
+`finish_reason: "stop"`, the stop string itself not returned. Usage counts each prompt once
+(not once per choice) and the tokens each choice generated up to its end, stop included.
+
+A client that goes away mid-stream cancels every sequence of the request; it is logged at
+DEBUG, never as an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from kvfleet_runtime.api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StopMatcher,
+    is_client_gone,
+)
+from kvfleet_runtime.engine import (
+    EngineOverloaded,
+    GenerationRequest,
+    RequestStream,
+    SamplingParams,
+    TokenEvent,
+)
+from kvfleet_runtime.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:
+    from kvfleet_runtime.server._app import Replica
+    from kvfleet_runtime.tokenizer import IncrementalDecoder
+
+__all__ = ["chat_completions", "completions", "system_fingerprint"]
+
+log = logging.getLogger(__name__)
+
+
+def system_fingerprint(weights_digest: str) -> str:
+    """`fp_` and the first 16 hex digits of the weights digest: equal weights, equal print."""
+    return "fp_" + weights_digest.partition(":")[2][:16]
+
+
+@dataclass(slots=True)
+class _Prompt:
+    index: int
+    token_ids: list[int]
+    text: str
+    """The prompt as text (for `echo`)."""
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    prompt: _Prompt
+    stream: RequestStream
+    matcher: StopMatcher
+    decoder: IncrementalDecoder
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    events: list[TokenEvent] = field(default_factory=list)
+    """Token events carrying log-probabilities."""
+    cached_tokens: int = 0
+    cache_tier: str | None = None
+    finish_reason: str | None = None
+    done: bool = False
+
+
+Delta = Callable[["_Choice", str, TokenEvent | None], Awaitable[None]]
+
+
+# ---- request -> sequences --------------------------------------------------------------------
+
+def _check_model(replica: Replica, model: str | None) -> None:
+    if model is not None and model != replica.model_id:
+        raise ApiError(404, f"model {model[:80]!r} is not served here; this replica serves "
+                       f"{replica.model_id!r}", param="model", code="model_not_found")
+
+
+def _check_lengths(replica: Replica, token_ids: Sequence[int], max_tokens: int,
+                   param: str) -> None:
+    limits, context = replica.config.limits, replica.loaded.args.max_seq_len
+    n = len(token_ids)
+    if n > limits.max_prompt_tokens:
+        raise ApiError(400, f"{param} has {n} tokens; the limit is {limits.max_prompt_tokens}",
+                       param=param, code="prompt_too_long")
+    if max_tokens > limits.max_tokens:
+        raise ApiError(400, f"max_tokens {max_tokens} exceeds the limit of {limits.max_tokens}",
+                       param="max_tokens", code="invalid_value")
+    if n + max_tokens > context:
+        raise ApiError(400, f"{param} ({n} tokens) + max_tokens ({max_tokens}) = "
+                       f"{n + max_tokens} tokens exceeds the model's context of {context} "
+                       f"tokens", param=param, code="context_length_exceeded")
+
+
+def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+              logprobs: int | None, j: int) -> SamplingParams:
+    seed = None if body.seed is None else (body.seed + j) % (2**63)
+    bias = tuple(sorted((int(k), v) for k, v in (body.logit_bias or {}).items()))
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, seed=seed,
+                          top_p=body.top_p, presence_penalty=body.presence_penalty,
+                          frequency_penalty=body.frequency_penalty, logit_bias=bias,
+                          logprobs=logprobs)
+
+
+async def _submit(replica: Replica, tenant: str, prompts: list[_Prompt],
+                  body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                  logprobs: int | None) -> list[_Choice]:
+    engine = replica.engine
+    gens = [[GenerationRequest(tenant, tuple(p.token_ids), _sampling(body, max_tokens, logprobs,
+                                                                     j))
+             for j in range(body.n)] for p in prompts]
+    for row in gens:
+        try:
+            engine.check(row[0])  # bad token ids never reach the fleet hook
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="prompt", code="invalid_value") from exc
+    if replica.before_submit is not None:
+        for p in prompts:
+            try:
+                await replica.before_submit(tenant, p.token_ids)
+            except Exception:  # a cache-side failure never fails the request: recompute
+                log.exception("before_submit hook failed; the engine prefills instead")
+    stops = body.stop_list()
+    choices: list[_Choice] = []
+    try:
+        for p, row in zip(prompts, gens, strict=True):
+            for j, gen in enumerate(row):
+                stream = engine.submit(gen)
+                choices.append(_Choice(p.index * body.n + j, p, stream, StopMatcher(stops),
+                                       replica.tokenizer.stream_decoder()))
+    except BaseException as exc:  # a refusal, or the client went away between two submits
+        for c in choices:
+            c.stream.cancel()
+        if not isinstance(exc, ValueError | EngineOverloaded):
+            raise
+        if isinstance(exc, EngineOverloaded):
+            raise ApiError(503, f"replica overloaded: {exc}", code="overloaded",
+                           headers={"Retry-After": "1"}) from exc
+        raise ApiError(400, str(exc), param="prompt", code="invalid_value") from exc
+    return choices
+
+
+async def _run_choice(choice: _Choice, on_delta: Delta) -> None:
+    """Drive one sequence to its end, passing each piece of safe text to `on_delta`."""
+    async for event in choice.stream:
+        if isinstance(event, TokenEvent):
+            choice.cached_tokens, choice.cache_tier = event.cached_tokens, event.cache_tier
+            choice.token_ids.append(event.token_id)
+            if event.logprob is not None:
+                choice.events.append(event)
+            out = choice.matcher.push(choice.decoder.push(event.token_id))
+            choice.text.append(out)
+            if choice.matcher.stopped:
+                choice.stream.cancel("stop")  # counted as a stop, not as an abort
+                choice.finish_reason, choice.done = "stop", True
+                await on_delta(choice, out, event)
+                return
+            await on_delta(choice, out, event)
+            continue
+        if event.finish_reason == "error":
+            raise ApiError(500, event.error or "generation failed", code="generation_failed")
+        tail = choice.matcher.push(choice.decoder.flush())
+        tail += choice.matcher.flush()
+        choice.text.append(tail)
+        choice.cached_tokens, choice.cache_tier = event.cached_tokens, event.cache_tier
+        choice.finish_reason = "stop" if choice.matcher.stopped else event.finish_reason
+        choice.done = True
+        await on_delta(choice, tail, None)
+        return
+
+
+async def _run_all(choices: list[_Choice], on_delta: Delta) -> None:
+    tasks = [asyncio.create_task(_run_choice(c, on_delta)) for c in choices]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for c in choices:
+            if not c.done:
+                c.stream.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(prompts: list[_Prompt], choices: list[_Choice]) -> dict[str, Any]:
+    first = {c.prompt.index: c for c in sorted(choices, key=lambda c: -c.index)}
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens
+                                                           for c in first.values())}}
+
+
+# ---- log-probabilities -----------------------------------------------------------------------
+
+def _token_bytes(replica: Replica, token_id: int) -> bytes:
+    # A token's own bytes: often not a whole character (a byte token, a byte-fallback piece).
+    return replica.tokenizer.token_bytes(token_id)
+
+
+def _token_text(replica: Replica, token_id: int) -> str:
+    """The token as text; part of a character is written `bytes:\\xNN` (OpenAI's convention)."""
+    raw = _token_bytes(replica, token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _completion_logprobs(replica: Replica, events: list[TokenEvent], offset: int
+                         ) -> dict[str, Any]:
+    tokens = [_token_text(replica, e.token_id) for e in events]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in events],
+            "top_logprobs": [{_token_text(replica, i): lp for i, lp in e.top_logprobs}
+                             for e in events],
+            "text_offset": offsets}
+
+
+def _chat_logprobs(replica: Replica, events: list[TokenEvent]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": _token_text(replica, token_id), "logprob": logprob,
+                "bytes": list(_token_bytes(replica, token_id))}
+
+    return {"content": [{**entry(e.token_id, e.logprob or 0.0),
+                         "top_logprobs": [entry(i, lp) for i, lp in e.top_logprobs]}
+                        for e in events], "refusal": None}
+
+
+# ---- SSE -------------------------------------------------------------------------------------
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+async def _stream(request: web.Request, choices: list[_Choice],
+                  chunk: Callable[[_Choice, str, TokenEvent | None], dict[str, Any] | None],
+                  opening: list[dict[str, Any]], closing: Callable[[], list[dict[str, Any]]]
+                  ) -> web.StreamResponse:
+    """Send chunks as choices produce text; a client that goes away cancels everything."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    async def on_delta(choice: _Choice, text: str, event: TokenEvent | None) -> None:
+        data = chunk(choice, text, event)
+        if data is not None:
+            queue.put_nowait(data)
+
+    async def produce() -> None:
+        try:
+            await _run_all(choices, on_delta)
+        finally:
+            queue.put_nowait(None)
+
+    producer = asyncio.create_task(produce())
+    try:
+        await resp.prepare(request)
+        for first in opening:
+            await resp.write(_sse(first))
+        while (data := await queue.get()) is not None:
+            await resp.write(_sse(data))
+        try:
+            await producer
+        except ApiError as exc:  # an internal failure after the 200 went out: end the stream
+            log.error("generation failed mid-stream: %s", exc.message)
+            return resp
+        for last in closing():
+            await resp.write(_sse(last))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except asyncio.CancelledError:  # the client went away (handler cancellation)
+        log.debug("client went away mid-stream; cancelling %d sequence(s)", len(choices))
+        raise
+    except Exception as exc:
+        if not is_client_gone(exc):
+            raise
+        log.debug("client went away mid-stream; cancelling %d sequence(s)", len(choices))
+    finally:
+        producer.cancel()
+        with contextlib.suppress(BaseException):
+            await producer
+    return resp
+
+
+# ---- handlers --------------------------------------------------------------------------------
+
+async def completions(replica: Replica, request: web.Request, tenant: str,
+                      body: CompletionRequest) -> web.StreamResponse:
+    _check_model(replica, body.model)
+    tok = replica.tokenizer
+    prompts: list[_Prompt] = []
+    raw = body.prompt
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], str)):
+        texts = [raw] if isinstance(raw, str) else [str(t) for t in raw]
+        limit = replica.config.limits.max_prompt_tokens
+        for i, text in enumerate(texts):
+            # A cheap bound before encoding, exact for bytes only (one id per UTF-8 byte, plus
+            # BOS); other tokenizers are checked on the ids.
+            if isinstance(tok, ByteTokenizer) and len(text) > limit - 1:
+                raise ApiError(400, f"prompt has {len(text)} characters; the limit is "
+                               f"{limit - 1}", param="prompt", code="prompt_too_long")
+            try:
+                ids = tok.encode(text)
+            except ValueError as exc:  # text the tokenizer refuses (a lone surrogate)
+                raise ApiError(400, f"prompt: {exc}", param="prompt",
+                               code="invalid_value") from exc
+            prompts.append(_Prompt(i, ids, text))
+    else:
+        lists = raw if isinstance(raw[0], list) else [raw]
+        prompts = [_Prompt(i, [int(t) for t in ids], "") for i, ids in enumerate(lists)]
+    for p in prompts:
+        _check_lengths(replica, p.token_ids, body.max_tokens, "prompt")
+        if body.echo and not p.text:
+            bad = next((t for t in p.token_ids if t >= replica.loaded.args.vocab_size), None)
+            if bad is None:
+                p.text = tok.decode(p.token_ids)
+    choices = await _submit(replica, tenant, prompts, body, body.max_tokens, body.logprobs)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created,
+            "model": replica.model_id,
+            "system_fingerprint": system_fingerprint(replica.loaded.weights_digest)}
+    want_logprobs = body.logprobs is not None
+
+    if body.stream:
+        include_usage = body.include_usage()
+        extra = {"usage": None} if include_usage else {}
+        offsets = {c.index: len(c.prompt.text) if body.echo else 0 for c in choices}
+
+        def chunk(choice: _Choice, text: str, event: TokenEvent | None) -> dict[str, Any] | None:
+            final = event is None or choice.done
+            if not text and not final and not (want_logprobs and event is not None):
+                return None
+            lp = None
+            if want_logprobs:
+                events = [event] if event is not None and event.logprob is not None else []
+                lp = _completion_logprobs(replica, events, offsets[choice.index])
+            offsets[choice.index] += len(text)
+            ids = [event.token_id] if event is not None else []
+            return {**head, "choices": [{"index": choice.index, "text": text, "logprobs": lp,
+                                         "finish_reason": choice.finish_reason if final
+                                         else None, "token_ids": ids}], **extra}
+
+        opening = ([{**head, "choices": [{"index": c.index, "text": c.prompt.text,
+                                          "logprobs": None, "finish_reason": None,
+                                          "token_ids": []}], **extra} for c in choices]
+                   if body.echo else [])
+
+        def closing() -> list[dict[str, Any]]:
+            if not include_usage:
+                return []
+            return [{**head, "choices": [], "usage": _usage(prompts, choices)}]
+
+        return await _stream(request, choices, chunk, opening, closing)
+
+    async def ignore(choice: _Choice, text: str, event: TokenEvent | None) -> None:
+        return None
+
+    await _run_all(choices, ignore)
+    out = []
+    for c in sorted(choices, key=lambda c: c.index):
+        prefix = c.prompt.text if body.echo else ""
+        out.append({"index": c.index, "text": prefix + "".join(c.text),
+                    "logprobs": _completion_logprobs(replica, c.events, len(prefix))
+                    if want_logprobs else None,
+                    "finish_reason": c.finish_reason, "token_ids": c.token_ids})
+    return web.json_response({**head, "choices": out, "usage": _usage(prompts, choices)},
+                             headers=_headers(choices))
+
+
+async def chat_completions(replica: Replica, request: web.Request, tenant: str,
+                           body: ChatCompletionRequest) -> web.StreamResponse:
+    _check_model(replica, body.model)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        token_ids = replica.tokenizer.encode_chat(messages, add_generation_prompt=True)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ApiError(400, f"messages cannot be rendered with the model's chat template: "
+                       f"{exc}", param="messages", code="invalid_value") from exc
+    max_tokens = body.generation_limit(replica.config.limits.max_tokens)
+    # Without an explicit limit, generation may use what the context leaves (OpenAI's rule).
+    if body.max_completion_tokens is None and body.max_tokens is None:
+        room = replica.loaded.args.max_seq_len - len(token_ids)
+        max_tokens = max(1, min(max_tokens, room))
+    _check_lengths(replica, token_ids, max_tokens, "messages")
+    prompts = [_Prompt(0, token_ids, "")]
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    choices = await _submit(replica, tenant, prompts, body, max_tokens, top)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "created": created, "model": replica.model_id,
+            "system_fingerprint": system_fingerprint(replica.loaded.weights_digest)}
+
+    if body.stream:
+        include_usage = body.include_usage()
+        extra = {"usage": None} if include_usage else {}
+        chunk_head = {**head, "object": "chat.completion.chunk"}
+
+        def chunk(choice: _Choice, text: str, event: TokenEvent | None) -> dict[str, Any] | None:
+            final = event is None or choice.done
+            has_lp = body.logprobs and event is not None and event.logprob is not None
+            if not text and not final and not has_lp:
+                return None
+            lp = (_chat_logprobs(replica, [event]) if has_lp and event is not None
+                  else None)
+            delta = {"content": text} if text or not final else {}
+            return {**chunk_head, "choices": [{"index": choice.index, "delta": delta,
+                                               "logprobs": lp,
+                                               "finish_reason": choice.finish_reason
+                                               if final else None}], **extra}
+
+        opening = [{**chunk_head, "choices": [{"index": c.index,
+                                               "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}],
+                    **extra} for c in choices]
+
+        def closing() -> list[dict[str, Any]]:
+            if not include_usage:
+                return []
+            return [{**chunk_head, "choices": [], "usage": _usage(prompts, choices)}]
+
+        return await _stream(request, choices, chunk, opening, closing)
+
+    async def ignore(choice: _Choice, text: str, event: TokenEvent | None) -> None:
+        return None
+
+    await _run_all(choices, ignore)
+    out = [{"index": c.index,
+            "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
+            "logprobs": _chat_logprobs(replica, c.events) if body.logprobs else None,
+            "finish_reason": c.finish_reason}
+           for c in sorted(choices, key=lambda c: c.index)]
+    return web.json_response({**head, "object": "chat.completion", "choices": out,
+                              "usage": _usage(prompts, choices)}, headers=_headers(choices))
+
+
+def _headers(choices: list[_Choice]) -> dict[str, str]:
+    head = min(choices, key=lambda c: c.index)
+    return {"X-Kvfleet-Cached-Tokens": str(head.cached_tokens),
+            "X-Kvfleet-Cache-Tier": head.cache_tier or "none"}
