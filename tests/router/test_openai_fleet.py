@@ -28,10 +28,15 @@ from schemathesis import GenerationMode
 from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.router import FleetView, RouterState, create_router_app
-from kvfleet_runtime.server import build_replica
+from kvfleet_runtime.server import ReplicaAuth, build_replica
 from kvfleet_runtime.server._config import ReplicaConfig
 from tests.router.conftest import KEYS
-from tests.runtime.server.conftest import TEST_CONFIG, ServerThread
+from tests.runtime.server.conftest import (
+    OPERATOR_TOKEN,
+    ROUTER_SECRET,
+    TEST_CONFIG,
+    ServerThread,
+)
 from tests.runtime.server.test_fuzz import fuzz_operations
 
 PREFIX = [(13 * i + 7) % 256 for i in range(48)]
@@ -92,11 +97,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     generate_checkpoint(model_dir, ModelArgs.from_preset("tiny"), seed=0)
     config = ReplicaConfig.model_validate({**TEST_CONFIG, "model_dir": str(model_dir)})
     with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(ServerThread(build_replica(config))) for _ in range(2)]
+        # As the chart runs them: replicas hold the router secret, the router signs tenants.
+        servers = [stack.enter_context(ServerThread(build_replica(config), ReplicaAuth(
+            router_secret=ROUTER_SECRET, operator_token=OPERATOR_TOKEN, name=f"r{i}")))
+            for i in range(2)]
         view = FleetView(static_replicas={f"r{i}": f"http://127.0.0.1:{s.port}"
                                           for i, s in enumerate(servers)})
         state = RouterState(view=view, keys=KEYS, poll_interval_s=0.2, max_body_bytes=65536,
-                            body_read_timeout_s=1.0)
+                            body_read_timeout_s=1.0, router_secret=ROUTER_SECRET)
         router = stack.enter_context(RouterThread(state))
         yield Fleet(f"http://127.0.0.1:{router.port}", state, servers)
 

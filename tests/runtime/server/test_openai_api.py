@@ -18,7 +18,7 @@ import yaml
 
 from kvfleet_runtime.model import ByteTokenizer
 
-from .conftest import TEST_CONFIG, RunningReplica
+from .conftest import TEST_CONFIG, RunningReplica, as_router
 from .test_api import _wait_for, client, get, post
 
 IDS = [(7 * i + 5) % 256 for i in range(24)]
@@ -238,8 +238,11 @@ def test_slow_body_is_a_408_and_the_connection_is_closed(running: RunningReplica
         running.config_path.write_text(yaml.safe_dump(changed))
         _wait_for(lambda: replica.config.limits.body_read_timeout_s == 0.5)
         port = int(running.base_url.rsplit(":", 1)[1])
-        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Kvfleet-Tenant: acme\r\n"
-                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+        signed = as_router({"X-Kvfleet-Tenant": "acme"}, "POST",
+                           running.base_url + "/v1/completions")
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                + b"".join(f"{k}: {v}\r\n".encode() for k, v in signed.items())
+                + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
         answer = _raw_http(port, head, b'{"prompt":')  # 10 of the 100 bytes announced
         status_line, _, rest = answer.partition(b"\r\n")
         assert status_line == b"HTTP/1.1 408 Request Timeout"
@@ -254,7 +257,8 @@ def test_slow_body_is_a_408_and_the_connection_is_closed(running: RunningReplica
 async def _abandon_stream(base_url: str) -> int:
     body = {"prompt": IDS, "max_tokens": 32, "temperature": 0, "stream": True}
     async with aiohttp.ClientSession() as session, session.post(
-        base_url + "/v1/completions", json=body, headers={"X-Kvfleet-Tenant": "gone"}
+        base_url + "/v1/completions", json=body,
+        headers=as_router({"X-Kvfleet-Tenant": "gone"}, "POST", base_url + "/v1/completions")
     ) as resp:
         await resp.content.readline()  # the first event arrived: generation is under way
         status = resp.status
