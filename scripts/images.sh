@@ -73,7 +73,7 @@ for image in runtime operator; do
     echo "images: building $name (docker/$image.Dockerfile)"
     start=$SECONDS
     log="$STAMPS/kvfleet-$image.build.log"
-    if ! "${buildah[@]}" bud --isolation chroot --layers \
+    if ! "${buildah[@]}" bud --isolation chroot --layers --force-rm \
          "${ca_args[@]}" --build-arg "PYTHON_IMAGE=$base" -f "docker/$image.Dockerfile" -t "$name" . >"$log" 2>&1
     then
       tail -n 40 "$log" >&2

@@ -72,8 +72,10 @@ class Container:
             args += ["--env", f"{key}={value}"]
         return [*args, self.name, "--", *command]
 
-    def run(self, command: Sequence[str], *, volumes: Sequence[str] = (),
-            env: dict[str, str] | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, command: Sequence[str], *, volumes: Sequence[str] = (),
+        env: dict[str, str] | None = None, timeout_s: float = 300,
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.argv(command, volumes=volumes, env=env), capture_output=True,
                               text=True, timeout=timeout_s)
 
