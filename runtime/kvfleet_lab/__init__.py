@@ -6,6 +6,8 @@ Rooms (each mirrors the product package it measures):
               generated populations (`workloads`), the side-by-side comparison (`compare`), the
               cache core's micro-benchmarks (`bench`) and the policy plots (`plots`)
   engine/     the replica benchmark (TTFT full prefill vs T0/T1 hits, throughput, miss cost)
+  model/      the start-up benchmark: a replica's spawn to first served token and peak RSS, next
+              to transformers' `from_pretrained` of the same checkpoint
   fleet/      the fleet tier's benchmarks (T2 bandwidth, router overhead, routing replays)
   operator/   the operator's planner and cluster benchmarks
   simulate/   the fleet-scale simulator (44 replicas, 2,000 tenants) and its plots

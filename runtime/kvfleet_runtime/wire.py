@@ -57,8 +57,9 @@ HELD_PATH = "/kv/v1/held"
 """A peer's held-blocks probe (which of these chain hashes do you hold?)."""
 
 BYTE_TOKENIZER_ID = "byte-v1"
-"""The replicas' byte tokenizer: ids 0-255 are UTF-8 bytes, 256 is BOS (`BYTE_BOS_ID`). The router
-tokenizes prompts itself only for this tokenizer (an unknown one turns its override off)."""
+"""The byte tokenizer's name in load reports (the generated demo model's: ids 0-255 are UTF-8
+bytes, 256 is BOS, `BYTE_BOS_ID`). A model folder's own tokenizer is named "hf-sha256:" + a digest
+of its files; the router tokenizes text only with a tokenizer of the reported name."""
 
 BYTE_BOS_ID = 256
 

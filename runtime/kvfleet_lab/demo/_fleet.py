@@ -63,7 +63,9 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
 def ensure_model(cache_dir: Path, preset: str, seed: int, log: Path) -> Path:
     """A `kvfleet model generate` checkpoint under `cache_dir` (else the temp dir), generated
     once and reused."""
-    out = cache_dir / f"{preset}-seed{seed}"
+    # "-v2": its config.json declares the byte tokenizer; a folder generated before lacks that
+    # and would be refused.
+    out = cache_dir / f"{preset}-seed{seed}-v2"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
     try:

@@ -97,7 +97,7 @@ def _tokens(n: int, seed: int) -> tuple[int, ...]:
 def _cache(loaded: LoadedModel, *, t0: int, t1: int) -> PrefixCache:
     a = loaded.args
     return PrefixCache(CacheConfig(num_t0_blocks=t0, num_t1_blocks=t1),
-                       KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype="float32"),
+                       KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype=a.dtype),
                        clock=time.monotonic, device=loaded.model.device)
 
 
@@ -197,7 +197,7 @@ def _miss_cost(loaded: LoadedModel, fields: CacheKeyFields, prompt: tuple[int, .
         # A cache with room and admission on first sight: the worst case for the store path.
         a = loaded.args
         cache = PrefixCache(CacheConfig(num_t0_blocks=n_blocks + 1, admit_min_sightings=1),
-                            KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype="float32"),
+                            KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype=a.dtype),
                             clock=time.monotonic, device=device)
         key = fields.key(f"miss-{rep}")
         t_lookup = timed(lambda: cache.lookup(key, prompt))  # noqa: B023

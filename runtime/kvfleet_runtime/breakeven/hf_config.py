@@ -1,8 +1,11 @@
 """Read a model profile from a Hugging Face `config.json`.
 
-Layers, KV heads, head dim and MLA latent dims are read directly. The parameter count is
-estimated from the shapes (embeddings, attention, MLP or the activated experts of a MoE layer),
-because `config.json` does not carry it; `num_params` overrides the estimate.
+Layers, KV heads, head dim and MLA latent dims are read directly. For an architecture the
+replica serves (`kvfleet_runtime.architectures`), the config is read by the replica's own parser
+and the parameter count is exact (biases, norms, tied embeddings), so the planner agrees with
+`kvfleet model inspect`. Otherwise (MoE, MLA, ...) the count is estimated from the shapes
+(embeddings, attention, MLP or the activated experts of a MoE layer), because `config.json` does
+not carry it; `num_params` overrides either.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvfleet_runtime.architectures import parse_hf_config
 from kvfleet_runtime.breakeven.profiles import MLAShape, ModelProfile
 
 
@@ -41,6 +45,23 @@ def load_hf_config(path: Path, num_params: float | None = None) -> ModelProfile:
         if not isinstance(config, dict):
             raise ValueError(f"{path}: field 'text_config' must be an object")
 
+    if num_params is not None and (not math.isfinite(num_params) or num_params <= 0):
+        raise ValueError(f"parameter count must be positive, got {num_params!r}")
+    try:
+        served = parse_hf_config(config)
+    except ValueError:
+        served = None  # not an architecture the replica serves: plan from the shapes
+    if served is not None:
+        return ModelProfile(
+            name=str(config.get("_name_or_path") or config.get("model_type")
+                     or path.parent.name),
+            num_layers=served.n_layers,
+            num_kv_heads=served.n_kv_heads,
+            head_dim=served.head_dim,
+            num_params=float(num_params if num_params is not None else served.num_params),
+            mla=None,
+            description=f"read from {path} ({served.architecture})",
+        )
     num_layers = _int_field(config, "num_hidden_layers", path)
     hidden = _int_field(config, "hidden_size", path)
     num_heads = _int_field(config, "num_attention_heads", path)

@@ -20,8 +20,10 @@ from kvfleet_runtime.cli import bench_cache as _bench_cache  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_fleet as _bench_fleet  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_operator as _bench_operator  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_policies as _bench_policies  # noqa: E402, F401
+from kvfleet_runtime.cli import bench_startup as _bench_startup  # noqa: E402, F401
 from kvfleet_runtime.cli import breakeven as _breakeven  # noqa: E402, F401
 from kvfleet_runtime.cli import demo as _demo  # noqa: E402, F401
+from kvfleet_runtime.cli import model as _model  # noqa: E402, F401
 from kvfleet_runtime.cli import replica as _replica  # noqa: E402, F401
 from kvfleet_runtime.cli import router as _router  # noqa: E402, F401
 from kvfleet_runtime.cli import simulate as _simulate  # noqa: E402, F401

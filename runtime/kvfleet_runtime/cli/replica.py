@@ -51,6 +51,8 @@ def replica(
         help="YAML/JSON config file, watched for changes (env KVFLEET_REPLICA_CONFIG).")] = None,
     model_id: Annotated[str | None, typer.Option(help="Served model name.")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="Serving dtype: bf16, fp16 or fp32 (default: the checkpoint's).")] = None,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
     """Serve one replica: OpenAI-compatible completions over the prefix cache."""
@@ -64,7 +66,7 @@ def replica(
     config_path = config or (Path(os.environ[CONFIG_ENV]) if os.environ.get(CONFIG_ENV) else None)
     overrides: dict[str, Any] = {k: v for k, v in {
         "model_dir": str(model_dir) if model_dir else None, "port": port, "host": host,
-        "model_id": model_id, "device": device,
+        "model_id": model_id, "device": device, "dtype": dtype,
         "expected_weights_digest": os.environ.get(WEIGHTS_DIGEST_ENV) or None,
     }.items() if v is not None}
     try:

@@ -51,6 +51,12 @@ def router(
         typer.Option(help="Prefill seconds per token; enables the cache-aware override."),
     ] = None,
     poll_interval_s: Annotated[float, typer.Option(help="Replica load poll period.")] = 0.5,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(help="The model folder (or its tokenizer files): text prompts are tokenized "
+                     "for the cache-aware override only while the replicas report this "
+                     "tokenizer."),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
     """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware)."""
@@ -59,6 +65,7 @@ def router(
     from kvfleet_runtime.fleet.index import RedisHintIndex
     from kvfleet_runtime.router import FleetView, RouterState, create_router_app
     from kvfleet_runtime.routing import load_api_keys
+    from kvfleet_runtime.tokenizer import load_tokenizer
 
     if not 1 <= k <= 16:
         fail(f"--k must be in [1, 16], got {k}")
@@ -75,6 +82,10 @@ def router(
         api_keys = load_api_keys(keys)
     except ValueError as exc:
         fail(str(exc))
+    try:
+        own_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
+    except ValueError as exc:
+        fail(f"--tokenizer: {exc}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     view = FleetView(
         static_replicas=replicas,
@@ -88,5 +99,6 @@ def router(
         keys=api_keys,
         index=RedisHintIndex.from_url(redis_url) if redis_url else None,
         poll_interval_s=poll_interval_s,
+        tokenizer=own_tokenizer,
     )
     web.run_app(create_router_app(state), host=host, port=port, print=None)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from kvfleet_runtime.cache import CacheKey, Hit, PrefixCache, Tier
 from kvfleet_runtime.engine._sampling import Sampler, SamplingParams
-from kvfleet_runtime.model import EOS_ID, LoadedModel, PagedKV, Transformer
+from kvfleet_runtime.model import LoadedModel, PagedKV, Transformer
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
@@ -67,9 +67,8 @@ class CacheKeyFields:
     @classmethod
     def for_model(cls, loaded: LoadedModel, model_id: str) -> CacheKeyFields:
         """Everything prefill depends on besides the tokens, derived from the loaded model."""
-        args = loaded.args
-        kv_dtype = str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch.")
-        return cls(model_id, loaded.weights_digest, kv_dtype, args.rope_config_hash(),
+        args = loaded.args  # the KV is written in the serving dtype
+        return cls(model_id, loaded.weights_digest, args.dtype, args.rope_config_hash(),
                    args.attn_impl_id())
 
     def key(self, tenant_id: str) -> CacheKey:
@@ -87,6 +86,9 @@ class EngineConfig:
     """Queued requests beyond which `submit` refuses (the server answers 503)."""
     prefill_chunks_per_step: int = 8
     """16-token prefill chunks between two decode steps."""
+    stop_ids: frozenset[int] = frozenset()
+    """A sequence ends ("stop") on any of these, unless its request ignores EOS: the model's
+    stop ids, from its tokenizer (`Tokenizer.stop_ids`); empty: only max_tokens ends one."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -486,7 +488,7 @@ class Engine:
 
     def _finish_if_done(self, seq: _Sequence, token: int) -> None:
         params = seq.request.params
-        if token == EOS_ID and not params.ignore_eos:
+        if token in self.config.stop_ids and not params.ignore_eos:
             self._finish(seq, "stop")
         elif len(seq.output) >= params.max_tokens:
             self._finish(seq, "length")

@@ -65,7 +65,6 @@ from kvfleet_runtime.fleet.transfer import PeerFetcher, peer_routes
 from kvfleet_runtime.fleetconfig import FleetConfig, load_fleet_config
 from kvfleet_runtime.wire import (
     BLOCK_SIZE,
-    BYTE_TOKENIZER_ID,
     LOAD_PATH,
     PLATFORM_TENANT,
     LoadReport,
@@ -286,7 +285,7 @@ class FleetTier:
                 fields.rope_config_hash,
                 fields.attn_impl_id,
             ),
-            tokenizer=BYTE_TOKENIZER_ID,
+            tokenizer=self.replica.tokenizer.name,
         )
         return report.to_dict() | {"name": self.settings.name, "t2": self.t2_report()}
 

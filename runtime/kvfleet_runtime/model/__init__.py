@@ -1,12 +1,19 @@
-"""The reference model (Llama-style GQA decoder over a paged KV), its checkpoints and tokenizer."""
+"""The model (Llama-family GQA decoders over a paged KV), its checkpoints and tokenizer.
+
+Which architectures are served and how a config is read: `kvfleet_runtime.architectures`."""
 
 from kvfleet_runtime.model.checkpoint import (
+    CheckpointReport,
     LoadedModel,
     args_from_hf_config,
     args_to_hf_config,
+    checkpoint_args,
     default_device,
     generate_checkpoint,
+    inspect_checkpoint,
     load_checkpoint,
+    read_config,
+    weight_files,
     weights_digest,
 )
 from kvfleet_runtime.model.model import (
@@ -31,6 +38,7 @@ __all__ = [
     "PRESETS",
     "VOCAB_SIZE",
     "ByteTokenizer",
+    "CheckpointReport",
     "IncrementalDecoder",
     "LoadedModel",
     "ModelArgs",
@@ -40,8 +48,12 @@ __all__ = [
     "Transformer",
     "args_from_hf_config",
     "args_to_hf_config",
+    "checkpoint_args",
     "default_device",
     "generate_checkpoint",
+    "inspect_checkpoint",
     "load_checkpoint",
+    "read_config",
+    "weight_files",
     "weights_digest",
 ]

@@ -15,87 +15,37 @@ same device, same thread count). Decode computes one row per sequence, so KV wri
 never stored in the cache (see the engine).
 
 Weight names follow Hugging Face's Llama (`q_proj`, `gate_proj`, ...), and RoPE rotates halves
-(`rotate_half`), so Llama-format checkpoints load without permuting q/k.
+(`rotate_half`), so Llama-format checkpoints load without permuting q/k. The architectures it
+computes exactly like transformers (Llama, Mistral's sliding window, Qwen2's q/k/v bias, Qwen3's
+q/k norm, tied embeddings, the rope variants) and how a config maps onto `ModelArgs` live in
+`kvfleet_runtime.architectures`; operations follow transformers' order and precision (norms in
+float32, softmax in float32, RoPE tables in float32), so float32 logits agree to ~1e-6.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvfleet_runtime.architectures import ATTN_IMPLS, PRESETS, ModelArgs
 from kvfleet_runtime.wire import BLOCK_SIZE
 
-ATTN_IMPLS = ("eager", "sdpa")
+__all__ = [
+    "ATTN_IMPLS", "PRESETS", "ModelArgs", "PagedKV", "Transformer", "apply_rope", "rope_inv_freq",
+]
 
 
-@dataclass(slots=True)
-class ModelArgs:
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 16
-    intermediate_size: int = 128
-    vocab_size: int = 259
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_seq_len: int = 2048
-    attn_impl: str = "eager"
-
-    def __post_init__(self) -> None:
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
-            )
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl {self.attn_impl!r} is not one of {ATTN_IMPLS}")
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
-
-    @classmethod
-    def from_preset(cls, name: str) -> ModelArgs:
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**PRESETS[name])
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * 4
-
-    def rope_config_hash(self) -> str:
-        """SHA-256 of the canonical JSON of everything that decides the rotary embedding."""
-        canonical = json.dumps(
-            {"rope_theta": float(self.rope_theta), "rope_scaling": self.rope_scaling,
-             "head_dim": self.head_dim},
-            sort_keys=True, separators=(",", ":"),
-        )
-        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
-
-    def attn_impl_id(self) -> str:
-        """Names the attention arithmetic; bump the version when the computation changes."""
-        return f"{self.attn_impl}-chunk{BLOCK_SIZE}-v1"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # Tests: as small as still exercises GQA (2 query heads per kv head) and 2 layers.
-    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=128,
-                 max_seq_len=2048),
-    # Benchmarks and the demo: a few layers, 2,000-token prompts fit.
-    "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32,
-                  intermediate_size=688, max_seq_len=4096),
-}
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dtype
 
 
 @dataclass(slots=True)
@@ -112,7 +62,9 @@ class PagedKV:
 
     @classmethod
     def allocate(cls, args: ModelArgs, num_blocks: int, *, device: torch.device,
-                 dtype: torch.dtype = torch.float32) -> PagedKV:
+                 dtype: torch.dtype | None = None) -> PagedKV:
+        """`dtype` defaults to the serving dtype (`args.dtype`): the KV is what the model wrote."""
+        dtype = dtype or torch_dtype(args.dtype)
         shape = (args.n_layers, num_blocks, args.n_kv_heads, BLOCK_SIZE, args.head_dim)
         k = torch.zeros(shape, dtype=dtype, device=device)
         v = torch.zeros(shape, dtype=dtype, device=device)
@@ -170,32 +122,78 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # As transformers does: normalize in float32, cast back, then scale (matters in bf16).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out: Tensor = self.weight * h.to(x.dtype)
+        return out
 
 
-def rope_inv_freq(args: ModelArgs) -> Tensor:
-    """Inverse frequencies [head_dim // 2], with optional linear or llama3 scaling."""
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64)
-                                          / args.head_dim))
+def rope_inv_freq(args: ModelArgs) -> tuple[Tensor, float]:
+    """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale, per rope type.
+
+    Computed with transformers' operations in its order and precision (float32), so the tables
+    agree to the last bits rather than to a tolerance. `dynamic` (NTK) rescales only beyond
+    `max_position_embeddings`, which is also the context this model serves: inside it the
+    frequencies are the default ones, exactly."""
+    dim = args.head_dim
+    base = args.rope_theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (base ** exponents)
     scaling = args.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        pass
-    elif kind == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif kind == "llama3":
-        factor = float(scaling["factor"])
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", "dynamic"):
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
         smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv_freq = torch.where(is_mid, mid, scaled)
-    else:
-        raise ValueError(f"unsupported rope_scaling type {kind!r}")
-    return inv_freq.to(torch.float32)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_mid, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(scaling, dim, base, factor)
+    raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def _yarn(scaling: dict[str, Any], dim: int, base: float, factor: float
+          ) -> tuple[Tensor, float]:
+    old_len = float(scaling["original_max_position_embeddings"])
+
+    def mscale_of(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention is None:
+        if mscale and mscale_all:
+            attention = mscale_of(factor, float(mscale)) / mscale_of(factor, float(mscale_all))
+        else:
+            attention = mscale_of(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no singular ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    inv_freq = interpolation * (1 - keep) + extrapolation * keep
+    return inv_freq, float(attention)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -206,47 +204,61 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         self.args = args
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.window = args.window_of(layer)
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(args.dim, q, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, kv, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, kv, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q, args.dim, bias=args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # x: [S, dim] -> q [Hq, S, D], k, v [Hkv, S, D] (q and k rotated)
+        # x: [S, dim] -> q [Hq, S, D], k, v [Hkv, S, D] (q and k normed when the model says so,
+        # then rotated). In decode, S is the batch and cos/sin hold each row's position.
         s, a = x.shape[0], self.args
-        q = self.q_proj(x).view(s, a.n_heads, a.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(s, a.n_kv_heads, a.head_dim).transpose(0, 1)
+        q = self.q_proj(x).view(s, a.n_heads, a.head_dim)
+        k = self.k_proj(x).view(s, a.n_kv_heads, a.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(s, a.n_kv_heads, a.head_dim).transpose(0, 1)
+        q, k = q.transpose(0, 1), k.transpose(0, 1)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, q_start: int) -> Tensor:
-        """Causal GQA of queries at [q_start, q_start + S) over keys [0, T): -> [S, Hq*D]."""
+        """Causal GQA of queries at [q_start, q_start + S) over keys [0, T): -> [S, Hq*D].
+
+        With a sliding window W, a query at p sees keys (p - W, p] (transformers' rule)."""
         a = self.args
         n_q, n_k = q.shape[1], k.shape[1]
         group = a.n_heads // a.n_kv_heads
         q_pos = torch.arange(q_start, q_start + n_q, device=q.device)
-        allowed = torch.arange(n_k, device=q.device)[None, :] <= q_pos[:, None]  # [S, T]
+        k_pos = torch.arange(n_k, device=q.device)[None, :]
+        allowed = k_pos <= q_pos[:, None]  # [S, T]
+        if self.window is not None:
+            allowed = allowed & (k_pos > q_pos[:, None] - self.window)
         if a.attn_impl == "sdpa":
             k_rep = k.repeat_interleave(group, dim=0)  # [Hq, T, D]
             v_rep = v.repeat_interleave(group, dim=0)
             out = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=allowed)
         else:
             qg = q.view(a.n_kv_heads, group, n_q, a.head_dim)  # [Hkv, G, S, D]
-            scores = qg @ k.transpose(-1, -2)[:, None] / math.sqrt(a.head_dim)  # [Hkv, G, S, T]
+            scores = (qg @ k.transpose(-1, -2)[:, None]) * a.head_dim**-0.5  # [Hkv, G, S, T]
             scores = scores.masked_fill(~allowed, float("-inf"))
-            out = (torch.softmax(scores, dim=-1) @ v[:, None]).view(a.n_heads, n_q, a.head_dim)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = (probs @ v[:, None]).view(a.n_heads, n_q, a.head_dim)
         return out.transpose(0, 1).reshape(n_q, a.n_heads * a.head_dim)
 
 
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -254,30 +266,46 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args)
 
 
 class Transformer(nn.Module):
-    rope_cos: Tensor  # [max_seq_len, head_dim]
+    """Built on any device, including `meta` (the loader's: no random init, no memory)."""
+
+    rope_cos: Tensor  # [max_seq_len, head_dim], serving dtype, attention scaling applied
     rope_sin: Tensor
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        # An explicit (uninitialized) weight skips Embedding's normal_ init: on the meta device
+        # that op alone pulls in torch's Python meta kernels (sympy, ~160 MB resident).
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim,
+                                         _weight=torch.empty(args.vocab_size, args.dim))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        positions = torch.arange(args.max_seq_len, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(args))
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        if self.embed_tokens.weight.device.type != "meta":
+            self.reset_rope()
+
+    def reset_rope(self) -> None:
+        """(Re)compute the RoPE tables on the model's device in its dtype (after loading)."""
+        inv_freq, scale = rope_inv_freq(self.args)
+        positions = torch.arange(self.args.max_seq_len, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # as transformers: float32 products
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq_len, D]
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        self.rope_cos = (emb.cos() * scale).to(device=device, dtype=dtype)
+        self.rope_sin = (emb.sin() * scale).to(device=device, dtype=dtype)
 
     @property
     def device(self) -> torch.device:
@@ -335,22 +363,15 @@ class Transformer(nn.Module):
         pos = torch.tensor(list(positions), dtype=torch.long, device=self.device)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [B, D]
         x = self.embed_tokens(ids)  # [B, dim]
-        a = self.args
         for i, layer in enumerate(self.blocks()):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            bsz = h.shape[0]
-            q = attn.q_proj(h).view(bsz, a.n_heads, 1, a.head_dim)
-            k = attn.k_proj(h).view(bsz, a.n_kv_heads, 1, a.head_dim)
-            v = attn.v_proj(h).view(bsz, a.n_kv_heads, 1, a.head_dim)
-            q = apply_rope(q, cos[:, None, None], sin[:, None, None])
-            k = apply_rope(k, cos[:, None, None], sin[:, None, None])
+            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)  # [H, B, D]
             outs = []
             for b, p in enumerate(positions):
-                kv.k[i, tables[b][p // BLOCK_SIZE], :, p % BLOCK_SIZE] = k[b, :, 0]
-                kv.v[i, tables[b][p // BLOCK_SIZE], :, p % BLOCK_SIZE] = v[b, :, 0]
+                kv.k[i, tables[b][p // BLOCK_SIZE], :, p % BLOCK_SIZE] = k[:, b]
+                kv.v[i, tables[b][p // BLOCK_SIZE], :, p % BLOCK_SIZE] = v[:, b]
                 k_all, v_all = _layer_kv(kv, i, tables[b], p + 1)
-                outs.append(attn.attend(q[b], k_all, v_all, p))
+                outs.append(attn.attend(q[:, b : b + 1], k_all, v_all, p))
             x = x + attn.o_proj(torch.cat(outs, dim=0))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits: Tensor = self.lm_head(self.norm(x))

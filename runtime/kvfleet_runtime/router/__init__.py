@@ -6,7 +6,12 @@ Pure decisions live in `kvfleet_runtime.routing`; this package is the aiohttp sh
 
 from __future__ import annotations
 
-from kvfleet_runtime.router._app import RouterState, create_router_app, prompt_token_ids
+from kvfleet_runtime.router._app import (
+    RouterState,
+    chat_token_ids,
+    create_router_app,
+    prompt_token_ids,
+)
 from kvfleet_runtime.router._view import FleetView
 
-__all__ = ["FleetView", "RouterState", "create_router_app", "prompt_token_ids"]
+__all__ = ["FleetView", "RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids"]

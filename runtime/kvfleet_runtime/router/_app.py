@@ -9,10 +9,15 @@
 Per request: API key -> tenant (a client-sent `X-Kvfleet-Tenant` is discarded and replaced, and
 the API key is not forwarded), then the pure decision (`kvfleet_runtime.routing.choose_replica`)
 over the fleet view, then the proxy. The cache-aware override needs each replica's matched tokens
-for this prompt; the router computes the prompt's chained block hashes itself (the key fields and
-tokenizer come from the replicas' load reports, so they cannot drift from what replicas hash) and
-asks the hint index for the leading run per host, in one round trip under a ~1 ms budget. No
-index, no key yet, or a failed lookup: the override is simply off for that request.
+for this prompt; the router computes the prompt's chained block hashes itself (the key fields
+come from the replicas' load reports, so they cannot drift from what replicas hash) and asks the
+hint index for the leading run per host, in one round trip under a ~1 ms budget. No index, no key
+yet, or a failed lookup: the override is simply off for that request.
+
+Text prompts are tokenized only with the replicas' own tokenizer: the load report names it (a
+digest of the tokenizer files), and the router encodes with its `--tokenizer` (the model folder's
+tokenizer files) only when the names are equal; the byte tokenizer needs no files. A different or
+missing tokenizer routes the request without tokens (no override), never with other ids.
 
 A replica that cannot be reached, or answers 503 before any byte was sent to the client, is
 skipped and the request is decided again without it (at most `max_attempts` replicas).
@@ -45,23 +50,58 @@ from kvfleet_runtime.cache import block_hashes
 from kvfleet_runtime.fleet.index import HintIndex
 from kvfleet_runtime.router._view import FleetView
 from kvfleet_runtime.routing import ApiKeyMap, RouteDecision, choose_replica
-from kvfleet_runtime.wire import BLOCK_SIZE, BYTE_BOS_ID, BYTE_TOKENIZER_ID, TENANT_HEADER
+from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
+from kvfleet_runtime.wire import BLOCK_SIZE, TENANT_HEADER
 
-__all__ = ["RouterState", "create_router_app", "prompt_token_ids"]
+__all__ = ["RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids"]
 
 log = logging.getLogger(__name__)
 
+_BYTE_TOKENIZER = ByteTokenizer()
+_INLINE_ENCODE_MAX_CHARS = 4096
+"""Longer text prompts are tokenized on a worker thread: tens of milliseconds for a long document
+would stall every request on the router's event loop."""
 _FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
 _MAX_BODY_BYTES = 64 << 20
 
 
-def prompt_token_ids(prompt: Any, tokenizer: str) -> list[int] | None:
-    """The token ids the replica will see for `prompt`, when the router can know them."""
+def prompt_token_ids(prompt: Any, tokenizer: str,
+                     local: Tokenizer | None = None) -> list[int] | None:
+    """The token ids the replica will see for `prompt`, when the router can know them.
+
+    `tokenizer` is the name the replicas report; `local` the router's own (`--tokenizer`), used
+    only when its name is that one."""
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         return list(prompt)
-    if isinstance(prompt, str) and tokenizer == BYTE_TOKENIZER_ID:
-        return [BYTE_BOS_ID, *prompt.encode("utf-8")]
-    return None
+    if not isinstance(prompt, str):
+        return None
+    own = _tokenizer_named(tokenizer, local)
+    if own is None:
+        return None
+    try:
+        return own.encode(prompt)
+    except ValueError:  # a lone surrogate: the replica refuses it with a 400
+        return None
+
+
+def chat_token_ids(messages: Any, tokenizer: str,
+                   local: Tokenizer | None = None) -> list[int] | None:
+    """The ids a replica computes for a chat request's `messages` (its template, with the
+    generation prompt), under the same rule as `prompt_token_ids`; None also when the template
+    refuses the messages (the replica answers that request with the reason)."""
+    own = _tokenizer_named(tokenizer, local)
+    if own is None or not isinstance(messages, list):
+        return None
+    try:
+        return own.encode_chat(messages, add_generation_prompt=True)
+    except ValueError:
+        return None
+
+
+def _tokenizer_named(name: str, local: Tokenizer | None) -> Tokenizer | None:
+    if local is not None and name and local.name == name:
+        return local
+    return _BYTE_TOKENIZER if name == _BYTE_TOKENIZER.name else None
 
 
 @dataclass
@@ -78,7 +118,11 @@ class RouterState:
     poll_interval_s: float = 0.5
     config_poll_s: float = 1.0
     session: aiohttp.ClientSession | None = None
+    tokenizer: Tokenizer | None = None
+    """The model's tokenizer (`kvfleet router --tokenizer DIR`), for text prompts; used only while
+    the replicas report the same tokenizer name."""
     _recent: deque[bool] = field(default_factory=deque)
+    _warned_tokenizers: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -143,8 +187,10 @@ def _error(
     )
 
 
-async def _matched_tokens(state: RouterState, tenant: str, prompt: Any) -> dict[str, int]:
-    """Hinted prefix tokens per replica for this prompt; {} when unknown."""
+async def _matched_tokens(state: RouterState, tenant: str, prompt: Any, *,
+                          chat: bool = False) -> dict[str, int]:
+    """Hinted prefix tokens per replica for this prompt (a chat request's `messages` when
+    `chat`); {} when unknown."""
     view = state.view
     if state.index is None or view.recompute_cost is None or not view.t2_enabled:
         return {}
@@ -160,7 +206,14 @@ async def _matched_tokens(state: RouterState, tenant: str, prompt: Any) -> dict[
     if report is None:
         return {}
     key = report.key(tenant)
-    token_ids = prompt_token_ids(prompt, report.tokenizer)
+    encode = chat_token_ids if chat else prompt_token_ids
+    text_chars = len(json.dumps(prompt)) if chat else len(prompt) if isinstance(prompt, str) else 0
+    if text_chars > _INLINE_ENCODE_MAX_CHARS:
+        token_ids = await asyncio.to_thread(encode, prompt, report.tokenizer, state.tokenizer)
+    else:
+        token_ids = encode(prompt, report.tokenizer, state.tokenizer)
+    if token_ids is None and (chat or isinstance(prompt, str)):
+        _warn_untokenized(state, report.tokenizer)
     if key is None or token_ids is None or len(token_ids) < BLOCK_SIZE:
         return {}
     token_ids = token_ids[: state.max_hint_blocks * BLOCK_SIZE]
@@ -172,6 +225,15 @@ async def _matched_tokens(state: RouterState, tenant: str, prompt: Any) -> dict[
     if not runs and getattr(state.index, "available", True) is False:
         state.m_hint_errors.inc()
     return {host: n * BLOCK_SIZE for host, n in runs.items() if host in view.replicas}
+
+
+def _warn_untokenized(state: RouterState, replica_tokenizer: str) -> None:
+    if replica_tokenizer in state._warned_tokenizers:
+        return
+    state._warned_tokenizers.add(replica_tokenizer)
+    mine = state.tokenizer.name if state.tokenizer is not None else "none (no --tokenizer)"
+    log.warning("replicas report tokenizer %r, the router has %s: text prompts are routed "
+                "without the cache-aware override", replica_tokenizer or "(none)", mine)
 
 
 def _decide(

@@ -50,7 +50,7 @@ from kvfleet_runtime.engine import (
     SamplingParams,
     TokenEvent,
 )
-from kvfleet_runtime.model import ByteTokenizer, LoadedModel, default_device, load_checkpoint
+from kvfleet_runtime.model import LoadedModel, default_device, load_checkpoint
 from kvfleet_runtime.server._config import ReplicaConfig, load_config, restart_fields
 from kvfleet_runtime.server._schemas import (
     TENANT_PATTERN,
@@ -60,6 +60,7 @@ from kvfleet_runtime.server._schemas import (
     InvalidateAccepted,
     InvalidateRequest,
 )
+from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvfleet_runtime.wire import TENANT_HEADER
 
 __all__ = [
@@ -111,7 +112,8 @@ class Replica:
     registry: CollectorRegistry
     config_path: Path | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
-    tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+    """The model folder's own tokenizer (`load_tokenizer`): prompts, streamed text, stop ids."""
     ready: bool = False
     restart_pending: list[str] = field(default_factory=list)
     boot_config: ReplicaConfig | None = None
@@ -134,11 +136,17 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
     device = default_device() if config.device == "auto" else torch.device(config.device)
     if config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)
-    loaded = load_checkpoint(Path(config.model_dir), device=device, attn_impl=config.attn_impl)
-    expected = config.expected_weights_digest
-    if expected and expected != loaded.weights_digest:
-        raise ValueError(f"{config.model_dir} holds weights {loaded.weights_digest}, but "
-                         f"{expected} was expected (KVFLEET_WEIGHTS_DIGEST)")
+    # The tokenizer first: a folder we cannot tokenize for is refused before the weights load.
+    tokenizer = load_tokenizer(Path(config.model_dir))
+    # A refused config, a checkpoint that does not match it, or weights with another digest
+    # than expected: ValueError naming the problem (the CLI prints it, no traceback).
+    loaded = load_checkpoint(Path(config.model_dir), device=device, attn_impl=config.attn_impl,
+                             dtype=config.dtype,
+                             expected_digest=config.expected_weights_digest or None)
+    if tokenizer.vocab_size > loaded.args.vocab_size:
+        raise ValueError(f"{config.model_dir}: the tokenizer has {tokenizer.vocab_size} ids but "
+                         f"the model's vocabulary has {loaded.args.vocab_size} (vocab_size in "
+                         "config.json): the tokenizer is not this model's")
     model_id = config.model_id or Path(config.model_dir).resolve().name
     registry = registry or CollectorRegistry()
     args = loaded.args
@@ -147,7 +155,7 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
         CacheConfig(num_t0_blocks=cache_cfg.num_t0_blocks, num_t1_blocks=cache_cfg.num_t1_blocks,
                     admit_min_sightings=cache_cfg.admit_min_sightings,
                     store_queue_max_entries=cache_cfg.store_queue_max_entries),
-        KVLayout(args.n_layers, args.n_kv_heads, args.head_dim, dtype="float32"),
+        KVLayout(args.n_layers, args.n_kv_heads, args.head_dim, dtype=args.dtype),
         clock=time.monotonic,
         device=device,
         registry=registry,
@@ -159,10 +167,12 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
         cache=cache if cache_cfg.enabled else None,
         config=EngineConfig(num_kv_blocks=e.num_kv_blocks, max_batch_size=e.max_batch_size,
                             max_waiting=e.max_waiting,
-                            prefill_chunks_per_step=e.prefill_chunks_per_step),
+                            prefill_chunks_per_step=e.prefill_chunks_per_step,
+                            stop_ids=tokenizer.stop_ids),
         registry=registry,
     )
     return Replica(config=config, boot_config=config, loaded=loaded, model_id=model_id,
+                   tokenizer=tokenizer,
                    engine=engine, cache=cache, registry=registry, config_path=config_path,
                    overrides=dict(overrides or {}),
                    reloads=Counter("kvfleet_replica_config_reloads", "Config file reloads.",
@@ -280,11 +290,17 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
             raise ApiError(404, f"model {body.model[:80]!r} is not served here; this replica "
                            f"serves {replica.model_id!r}", param="model", code="model_not_found")
         if isinstance(body.prompt, str):
-            if len(body.prompt) > limits.max_prompt_tokens - 1:
+            # A cheap bound before encoding, exact for bytes only (one id per UTF-8 byte, plus
+            # BOS); other tokenizers are checked on the ids below.
+            if isinstance(tok, ByteTokenizer) and len(body.prompt) > limits.max_prompt_tokens - 1:
                 raise ApiError(400, f"prompt has {len(body.prompt)} characters; the limit is "
                                f"{limits.max_prompt_tokens - 1}", param="prompt",
                                code="prompt_too_long")
-            token_ids = tok.encode(body.prompt)
+            try:
+                token_ids = tok.encode(body.prompt)
+            except ValueError as exc:
+                raise ApiError(400, f"prompt: {exc}", param="prompt",
+                               code="invalid_value") from exc
         else:
             token_ids = list(body.prompt)
         if len(token_ids) > limits.max_prompt_tokens:
@@ -592,7 +608,7 @@ def _apply_limits(schema: dict[str, Any], replica: Replica) -> None:
                       "default": None, "description": "The served model's id."}
     props["max_tokens"]["maximum"] = limits.max_tokens
     for branch in props["prompt"].get("oneOf", props["prompt"].get("anyOf", [])):
-        if branch.get("type") == "string":
+        if branch.get("type") == "string" and isinstance(replica.tokenizer, ByteTokenizer):
             branch["maxLength"] = limits.max_prompt_tokens - 1
         elif branch.get("type") == "array":
             branch["maxItems"] = limits.max_prompt_tokens

@@ -78,6 +78,9 @@ class ReplicaConfig(_Strict):
     much faster for a small model (no spinning thread team competing for cores)."""
     attn_impl: Literal["eager", "sdpa"] | None = None
     """Overrides the checkpoint's attention implementation (changes the cache key)."""
+    dtype: Literal["bf16", "fp16", "fp32"] | None = None
+    """Serving dtype of weights, activations and KV; default: the checkpoint's own (changes the
+    cache key's kv_dtype)."""
     config_poll_interval_s: float = Field(default=2.0, gt=0)
     limits: Limits = Field(default_factory=Limits)
     engine: EngineSettings = Field(default_factory=EngineSettings)

@@ -13,12 +13,28 @@
 - --redis-url
 - $(KVFLEET_REDIS_URL)
 {{- end }}
+{{- if include "kvfleet.router.tokenizer" . }}
+- --tokenizer
+- {{ .Values.replica.model.dir | quote }}
+{{- end }}
 - --log-level
 - {{ .Values.router.logLevel | quote }}
 {{- end -}}
 
+{{/* Non-empty when the router reads the model's tokenizer from the replicas' model volume. */}}
+{{- define "kvfleet.router.tokenizer" -}}
+{{- if and .Values.router.tokenizer.fromModelVolume .Values.replica.model.volume -}}true{{- end -}}
+{{- end -}}
+
 {{/* The router container's environment. */}}
 {{- define "kvfleet.router.env" -}}
+{{- if and (include "kvfleet.router.tokenizer" .) .Values.replica.model.weightsDigest }}
+{{- /* For $(KVFLEET_WEIGHTS_DIGEST) in the model folder's path: the chart's digest. After a
+rollout the replicas serve another folder; their tokenizer name is a digest of the tokenizer
+files, so an unchanged tokenizer still matches, and a changed one turns the override off. */}}
+- name: KVFLEET_WEIGHTS_DIGEST
+  value: {{ .Values.replica.model.weightsDigest | quote }}
+{{- end }}
 {{ include "kvfleet.redisUrlEnv" . }}
 {{- end -}}
 

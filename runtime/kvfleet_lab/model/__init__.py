@@ -1,0 +1,3 @@
+"""The start-up benchmark (`kvfleet bench startup`)."""
+
+__all__: list[str] = []
