@@ -179,7 +179,7 @@ def test_runtime_never_imports_the_operator(module: str) -> None:
 
 def test_operator_imports_only_the_runtimes_pure_core() -> None:
     allowed = ("kvfleet_runtime.breakeven", "kvfleet_runtime.fleetconfig", "kvfleet_runtime.units",
-               "kvfleet_runtime.routing", "kvfleet_runtime.wire")
+               "kvfleet_runtime.routing", "kvfleet_runtime.wire", "kvfleet_runtime.auth")
     used = {
         n
         for m in _sources()

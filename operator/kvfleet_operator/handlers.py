@@ -66,6 +66,7 @@ from kvfleet_operator.planning import (
 )
 from kvfleet_operator.planning.conditions import set_condition
 from kvfleet_operator.planning.rollout import format_time
+from kvfleet_runtime.auth import read_operator_token
 from kvfleet_runtime.breakeven import GB
 from kvfleet_runtime.fleetconfig import dump_fleet_config
 
@@ -299,6 +300,16 @@ def reconcile_rollout(
         raise _transient(exc) from exc
 
 
+def _operator_token() -> bytes | None:
+    """The operator token for the replicas' `/cache/stats` (None: the fallback goes without and
+    secured replicas refuse it, so the readings come from Prometheus alone)."""
+    try:
+        return read_operator_token()
+    except ValueError as exc:
+        log.warning("no operator token for /cache/stats: %s", exc)
+        return None
+
+
 def _pods(kube: Kube, namespace: str, name: str, deployment: Manifest | None,
           canary: bool) -> DeploymentPods:
     """The Deployment's pods of one track: the ready ones' IPs, and the names of all that exist."""
@@ -364,6 +375,7 @@ def _reconcile_rollout_once(
             None
             if canary is None
             else _pods(kube, namespace, canary_name(target_name), canary, True),
+            token=_operator_token(),  # read per reading: a rotated Secret takes effect
         )
     obs = Observations(
         target=target_w,

@@ -6,7 +6,9 @@ on every ready pod of the Deployment and divides the summed matched tokens by th
 tokens. Those counters are cumulative since each pod started; for a canary (whose pods are new)
 that lags the instantaneous rate, so the fallback can only delay a promotion, never hasten one.
 The pods are asked all at once, and the whole read has one budget (the source's timeout): a slow
-or unreachable pod costs one timeout per read, not one per pod, and is skipped.
+or unreachable pod costs one timeout per read, not one per pod, and is skipped. The fallback
+reads all tenants' totals, which replicas show only to the operator's token
+(`kvfleet_runtime.auth`; the chart mounts it in the operator and the replicas).
 """
 
 from __future__ import annotations
@@ -86,21 +88,25 @@ def prometheus_query(source: PrometheusSource, query: str) -> float | None:
     return None if math.isnan(number) or math.isinf(number) else number
 
 
-def _pod_totals(source: CacheStatsSource, ip: str) -> tuple[int, int]:
+def _pod_totals(source: CacheStatsSource, ip: str, token: bytes | None) -> tuple[int, int]:
     """(matched, looked-up) tokens of one pod. Raises OSError or ValueError when it does not
-    answer or answers garbage."""
+    answer, refuses (a missing or wrong `token`: 401) or answers garbage."""
     url = f"http://{ip}:{source.port}{source.path}"
-    with urllib.request.urlopen(url, timeout=source.timeout_seconds) as response:
+    headers = {"Authorization": "Bearer " + token.decode()} if token else {}
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=source.timeout_seconds) as response:
         data: dict[str, Any] = json.loads(response.read())
     totals = data.get("totals") or {}
     return int(totals.get("num_matched_tokens", 0)), int(totals.get("num_lookup_tokens", 0))
 
 
-def read_cache_stats(source: CacheStatsSource, pod_ips: Sequence[str]) -> float | None:
-    """Hit rate over the pods' cumulative token counters. Every pod is asked concurrently and the
-    read returns after at most `source.timeout_seconds` in all; pods that have not answered by
-    then, or answered an error, are skipped (their requests finish in the background, bounded by
-    the same timeout)."""
+def read_cache_stats(
+    source: CacheStatsSource, pod_ips: Sequence[str], token: bytes | None = None
+) -> float | None:
+    """Hit rate over the pods' cumulative token counters. Every pod is asked concurrently (with
+    the operator `token`) and the read returns after at most `source.timeout_seconds` in all;
+    pods that have not answered by then, or answered an error (a refused token included), are
+    skipped (their requests finish in the background, bounded by the same timeout)."""
     if not pod_ips:
         return None
     pool = ThreadPoolExecutor(
@@ -108,7 +114,7 @@ def read_cache_stats(source: CacheStatsSource, pod_ips: Sequence[str]) -> float 
     )
     try:
         futures: list[Future[tuple[int, int]]] = [
-            pool.submit(_pod_totals, source, ip) for ip in pod_ips
+            pool.submit(_pod_totals, source, ip, token) for ip in pod_ips
         ]
         done, _ = wait(futures, timeout=source.timeout_seconds)
     finally:
@@ -131,8 +137,13 @@ def read_cache_stats(source: CacheStatsSource, pod_ips: Sequence[str]) -> float 
 
 
 def read_hit_rates(
-    spec: MetricsSpec, target: DeploymentPods, canary: DeploymentPods | None
+    spec: MetricsSpec,
+    target: DeploymentPods,
+    canary: DeploymentPods | None,
+    *,
+    token: bytes | None = None,
 ) -> MetricReading:
+    """`token`: the operator token the `/cache/stats` fallback presents."""
     prometheus = spec.prometheus
     if prometheus is not None:
         try:
@@ -152,8 +163,8 @@ def read_hit_rates(
                 return MetricReading(None, None, None, f"prometheus unavailable: {exc}"[:200])
     stats = spec.cache_stats
     return MetricReading(
-        read_cache_stats(stats, target.pod_ips),
-        None if canary is None else read_cache_stats(stats, canary.pod_ips),
+        read_cache_stats(stats, target.pod_ips, token),
+        None if canary is None else read_cache_stats(stats, canary.pod_ips, token),
         None,
         "cache-stats",
     )

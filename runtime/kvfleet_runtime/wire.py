@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvfleet_runtime.cache import CacheKey
 
 __all__ = [
+    "ASSERTION_HEADER",
     "BLOCK_SIZE",
     "BYTE_BOS_ID",
     "BYTE_TOKENIZER_ID",
@@ -46,6 +47,10 @@ PLATFORM_TENANT = "__platform__"
 TENANT_HEADER = "X-Kvfleet-Tenant"
 """The tenant a request belongs to: set by the router on proxied requests, and by a replica on the
 T2 requests it makes to peers."""
+
+ASSERTION_HEADER = "X-Kvfleet-Tenant-Assertion"
+"""The router's signed tenant assertion, sent with `TENANT_HEADER` on every proxied request
+(`kvfleet_runtime.auth`: format and checks)."""
 
 LOAD_PATH = "/fleet/v1/load"
 """A replica's load report (the router polls it; schema above)."""

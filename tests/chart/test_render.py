@@ -376,12 +376,13 @@ def _redis_url_of(out: Rendered, deployment: str, container: str) -> Any:
 @pytest.mark.parametrize(
     ("scenario", "overrides", "expected"),
     [
-        (DEFAULT, [], "redis://kvfleet-redis:6379/0"),
+        (DEFAULT, [], "redis://:$(KVFLEET_REDIS_PASSWORD)@kvfleet-redis:6379/0"),
+        (DEFAULT, ["redis.bundled.auth.enabled=false"], "redis://kvfleet-redis:6379/0"),
         (EXTERNAL_REDIS, [], "redis://redis-master.cache.svc.cluster.local:6379/0"),
         (EXTERNAL_SECRETS, [], {"secretKeyRef": {"name": "redis-url", "key": "url"}}),
         (DEFAULT, ["redis.bundled.enabled=false"], None),
     ],
-    ids=["bundled", "external-url", "external-secret", "none"],
+    ids=["bundled", "bundled-no-auth", "external-url", "external-secret", "none"],
 )
 def test_router_gets_the_redis_url(
     render: Render, scenario: str, overrides: list[str], expected: Any
@@ -745,7 +746,9 @@ def _resolved_env(container: dict[str, Any], pod: dict[str, str]) -> dict[str, s
 
 @pytest.mark.parametrize(
     ("scenario", "redis"),
-    [(DEFAULT, "redis://kvfleet-redis:6379/0"), (EXTERNAL_SECRETS, "redis-url/url")],
+    # A secretKeyRef resolves to "<secret>/<key>" here: the bundled Redis' password is in the URL.
+    [(DEFAULT, "redis://:kvfleet-redis/password@kvfleet-redis:6379/0"),
+     (EXTERNAL_SECRETS, "redis-url/url")],
 )
 def test_replica_joins_the_fleet_tier(
     render: Render, tmp_path: Path, scenario: str, redis: str

@@ -136,7 +136,7 @@ def test_chart_containers_serve_a_cached_prefix_through_the_router(
 
     # What the kubelet would mount: the chart's ConfigMap and Secrets, and the operator's file.
     etc = tmp_path / "etc" / "kvfleet"
-    for folder in ("replica", "router", "peer", "fleet"):
+    for folder in ("replica", "router", "peer", "fleet", "router-secret", "operator-token"):
         (etc / folder).mkdir(parents=True)
     (etc / "replica" / "replica.yaml").write_text(
         out.get("ConfigMap", "kvfleet-replica")["data"]["replica.yaml"]
@@ -147,6 +147,10 @@ def test_chart_containers_serve_a_cached_prefix_through_the_router(
     (etc / "peer" / "token").write_bytes(
         base64.b64decode(out.get("Secret", "kvfleet-peer")["data"]["token"])
     )
+    auth = out.get("Secret", "kvfleet-auth")["data"]
+    (etc / "router-secret" / "secret").write_bytes(base64.b64decode(auth["router-secret"]))
+    operator_token = base64.b64decode(auth["operator-token"]).decode()
+    (etc / "operator-token" / "token").write_text(operator_token)
     replica_url = f"http://127.0.0.1:{replica_port}"
     (etc / "fleet" / "fleet.yaml").write_text(dump_fleet_config(FleetConfig(
         model_id="tiny",
@@ -162,6 +166,8 @@ def test_chart_containers_serve_a_cached_prefix_through_the_router(
 
     router = out.get("Deployment", "kvfleet-router")["spec"]["template"]["spec"]["containers"][0]
     router_env = _kubelet_env(router, {})
+    router_env = {k: str(tmp_path) + v if v.startswith("/etc/kvfleet") else v
+                  for k, v in router_env.items()}
     router_log = tmp_path / "router.log"
     processes.append(
         _start(_kubelet_args(router, router_env, tmp_path), router_env, router_log)
@@ -193,7 +199,16 @@ def test_chart_containers_serve_a_cached_prefix_through_the_router(
         f"http://127.0.0.1:{router_port}/v1/completions", {"prompt": "x"}, "sk-unknown"
     )
     assert status == 401
-    stats = yaml.safe_load(
-        urllib.request.urlopen(f"{replica_url}/cache/stats?tenant=acme", timeout=5).read()
-    )
+    # The replica refuses a tenant claimed by anyone but the router, and shows a tenant's stats
+    # only to the operator's token (the chart's generated Secret, mounted in both).
+    request = urllib.request.Request(
+        f"{replica_url}/v1/completions", data=json.dumps({"prompt": "x"}).encode(),
+        method="POST", headers={"Content-Type": "application/json", "X-Kvfleet-Tenant": "acme"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=5)
+    assert refused.value.code == 401
+    assert _get(f"{replica_url}/cache/stats?tenant=acme")[0] == 401
+    request = urllib.request.Request(f"{replica_url}/cache/stats?tenant=acme",
+                                     headers={"Authorization": f"Bearer {operator_token}"})
+    stats = yaml.safe_load(urllib.request.urlopen(request, timeout=5).read())
     assert stats["totals"]["num_matched_tokens"] == sum(cached)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests import credentials
+
 TENANTS = ("acme", "globex", "initech")
 _SYSTEM_WORDS = "you are a careful assistant for {t}; answer briefly and cite the policy. "
 
@@ -174,7 +176,7 @@ class ReplicaFarm:
             self.errors.append(f"{namespace}/{name}: no checkpoint for digest {digest!r}")
             return None
         port = free_port()
-        env = dict(os.environ)
+        env = {**os.environ, **credentials.ENV}
         env.update(
             KVFLEET_WEIGHTS_DIGEST=digest,
             KVFLEET_REPLICA_CPU_THREADS="1",
@@ -264,10 +266,13 @@ class ReplicaFarm:
                 tenant = TENANTS[i % len(TENANTS)]
                 prompt = _SYSTEM_WORDS.format(t=tenant) * 8 + f"question {i}"
                 body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+                url = f"http://127.0.0.1:{replica.port}/v1/completions"
                 request = urllib.request.Request(
-                    f"http://127.0.0.1:{replica.port}/v1/completions",
+                    url,
                     data=body,
-                    headers={"Content-Type": "application/json", "X-Kvfleet-Tenant": tenant},
+                    # The farm plays the router: its tenant requests carry the router's assertion.
+                    headers={"Content-Type": "application/json",
+                             **credentials.as_router(tenant, url)},
                 )
                 try:
                     with urllib.request.urlopen(request, timeout=5) as r:

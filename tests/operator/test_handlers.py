@@ -271,7 +271,7 @@ def test_rollout_drives_the_deployments_and_writes_status_after_the_actions(
     monkeypatch.setattr(
         handlers,
         "read_hit_rates",
-        lambda *_: MetricReading(0.6, rates["canary"], None, "prometheus"),
+        lambda *_, **__: MetricReading(0.6, rates["canary"], None, "prometheus"),
     )
     clock = [datetime(2026, 1, 1, tzinfo=UTC)]
     posted: list[Event] = []

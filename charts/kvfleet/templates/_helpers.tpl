@@ -108,6 +108,16 @@ tag means the chart's appVersion.
 {{- default (printf "%s-router-keys" (include "kvfleet.fullname" .)) .Values.router.apiKeys.existingSecret -}}
 {{- end -}}
 
+{{/* The Secret holding the router secret and the operator token (chart-made unless existingSecret). */}}
+{{- define "kvfleet.authSecretName" -}}
+{{- default (printf "%s-auth" (include "kvfleet.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{/* The Secret holding the bundled Redis' password (chart-made unless existingSecret). */}}
+{{- define "kvfleet.redisSecretName" -}}
+{{- default (printf "%s-redis" (include "kvfleet.fullname" .)) .Values.redis.bundled.auth.existingSecret -}}
+{{- end -}}
+
 {{/* "true" when a Redis (bundled or external) is configured, else "". */}}
 {{- define "kvfleet.redis.configured" -}}
 {{- if or .Values.redis.bundled.enabled .Values.redis.external.url .Values.redis.external.existingSecret -}}
@@ -122,7 +132,17 @@ external URL, or a key of an existing Secret (a URL with a password stays out of
 Nothing when no Redis is configured (the runtime then keeps an in-process hint index).
 */}}
 {{- define "kvfleet.redisUrlEnv" -}}
-{{- if .Values.redis.bundled.enabled -}}
+{{- if and .Values.redis.bundled.enabled .Values.redis.bundled.auth.enabled -}}
+{{- /* The password from its Secret, into the URL by the kubelet's $(VAR) expansion: it never
+appears in the pod spec. */}}
+- name: KVFLEET_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvfleet.redisSecretName" . }}
+      key: {{ .Values.redis.bundled.auth.secretKey }}
+- name: KVFLEET_REDIS_URL
+  value: {{ printf "redis://:$(KVFLEET_REDIS_PASSWORD)@%s:%d/0" (include "kvfleet.componentFullname" (dict "context" . "component" "redis")) (int .Values.redis.bundled.port) | quote }}
+{{- else if .Values.redis.bundled.enabled -}}
 - name: KVFLEET_REDIS_URL
   value: {{ printf "redis://%s:%d/0" (include "kvfleet.componentFullname" (dict "context" . "component" "redis")) (int .Values.redis.bundled.port) | quote }}
 {{- else if .Values.redis.external.existingSecret -}}

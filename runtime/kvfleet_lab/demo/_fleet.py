@@ -125,6 +125,7 @@ class LocalFleet:
     _children: list[_Child] = field(default_factory=list)
     _configs: dict[str, Path] = field(default_factory=dict)
     _ports: dict[str, int] = field(default_factory=dict)
+    _operator_token: str = ""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -150,6 +151,10 @@ class LocalFleet:
         logs = opts.work_dir / "logs"
         logs.mkdir(exist_ok=True)
         secret = secrets.token_hex(16)
+        # The router's tenant assertions and the operator's token, as the chart generates them:
+        # the demo's tenants are real tenants, so the replicas must know the router.
+        router_secret = secrets.token_hex(16)
+        self._operator_token = secrets.token_hex(16)
         names = [f"r{i}" for i in range(opts.num_replicas)]
         for name in names:
             self._ports[name] = free_port()
@@ -168,6 +173,8 @@ class LocalFleet:
                 "KVFLEET_PEER_SECRET": secret,
                 "KVFLEET_PEER_URL": f"http://127.0.0.1:{port}",
                 "KVFLEET_FLEET_CONFIG": str(fleet_config),
+                "KVFLEET_ROUTER_SECRET": router_secret,
+                "KVFLEET_OPERATOR_TOKEN": self._operator_token,
             }
             if opts.redis_url:
                 env["KVFLEET_REDIS_URL"] = opts.redis_url
@@ -187,7 +194,8 @@ class LocalFleet:
             cmd += ["--redis-url", opts.redis_url,
                     "--recompute-s-per-token", str(opts.recompute_s_per_token)]
         self.router_url = f"http://127.0.0.1:{port}"
-        self._spawn("router", cmd, {}, logs / "router.log", self.router_url)
+        self._spawn("router", cmd, {"KVFLEET_ROUTER_SECRET": router_secret}, logs / "router.log",
+                    self.router_url)
         deadline = time.monotonic() + opts.start_timeout_s
         for child in self._children:
             self._wait_ready(child, deadline)
@@ -207,7 +215,8 @@ class LocalFleet:
         for name, url in self.replica_urls.items():
             self._wait_until(
                 deadline,
-                lambda url=url: self._get_json(f"{url}/cache/stats").get("enabled") is enabled,
+                lambda url=url: self._get_json(
+                    f"{url}/cache/stats", self._operator_token).get("enabled") is enabled,
                 f"replica {name} to apply cache.enabled={enabled}",
             )
 
@@ -313,9 +322,11 @@ class LocalFleet:
             return 0
 
     @staticmethod
-    def _get_json(url: str) -> dict[str, Any]:
+    def _get_json(url: str, token: str = "") -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            with urllib.request.urlopen(url, timeout=2.0) as resp:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                        timeout=2.0) as resp:
                 data = json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             try:

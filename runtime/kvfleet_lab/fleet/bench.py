@@ -341,6 +341,8 @@ def bench_router_overhead(*, num_requests: int = 500) -> RouterOverheadResult:
             f"serve_echo_replica({replica_port})"
         )
         router_code = (
+            # With a router secret, as deployed: the overhead includes signing the tenant.
+            "import os; os.environ['KVFLEET_ROUTER_SECRET'] = 'bench-router-secret'; "
             "from kvfleet_runtime.cli import app; "
             f"app(['router', '--keys', {str(keys)!r}, '--port', '{router_port}', "
             f"'--replica', 'r0=http://127.0.0.1:{replica_port}', '--log-level', 'WARNING'])"

@@ -55,11 +55,21 @@ def replica(
         help="Serving dtype: bf16, fp16 or fp32 (default: the checkpoint's).")] = None,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
-    """Serve one replica: OpenAI-compatible completions over the prefix cache."""
+    """Serve one replica: OpenAI-compatible completions over the prefix cache.
+
+    Tenants come only from the router, signed with KVFLEET_ROUTER_SECRET[_FILE].
+    Without it: only the tenant "default", on loopback.
+    Cache control needs KVFLEET_OPERATOR_TOKEN[_FILE] (docs/security.md)."""
     from aiohttp import web
 
     from kvfleet_runtime.fleet.wiring import attach_fleet, settings_from_env
-    from kvfleet_runtime.server import CONFIG_ENV, build_replica, create_app, load_config
+    from kvfleet_runtime.server import (
+        CONFIG_ENV,
+        ReplicaAuth,
+        build_replica,
+        create_app,
+        load_config,
+    )
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -73,11 +83,13 @@ def replica(
         cfg = load_config(config_path, overrides=overrides)
         rep = build_replica(cfg, config_path=config_path, overrides=overrides)
         fleet = settings_from_env(cfg.port)
+        auth = ReplicaAuth.from_env()
     except (ValueError, OSError) as exc:
         fail(str(exc))
     logging.getLogger("kvfleet.replica").info(
         "serving %s (%s) on %s:%d", rep.model_id, rep.loaded.weights_digest, cfg.host, cfg.port)
-    app = create_app(rep)
+    logging.getLogger("kvfleet.replica").info("tenant authentication: %s", auth.mode)
+    app = create_app(rep, auth=auth)
     if fleet is not None:  # the fleet tier (issue 6): T2 endpoint, load report, hints
         attach_fleet(app, rep, fleet)
     web.run_app(app, host=cfg.host, port=cfg.port, print=None)

@@ -59,9 +59,13 @@ def router(
     ] = None,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
-    """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware)."""
+    """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware).
+
+    With KVFLEET_ROUTER_SECRET[_FILE] it signs each request's tenant for its replica.
+    Replicas holding that secret accept a tenant only so signed (docs/security.md)."""
     from aiohttp import web
 
+    from kvfleet_runtime.auth import read_router_secret
     from kvfleet_runtime.fleet.index import RedisHintIndex
     from kvfleet_runtime.router import FleetView, RouterState, create_router_app
     from kvfleet_runtime.routing import load_api_keys
@@ -80,6 +84,7 @@ def router(
         fail("give --fleet-config or at least one --replica NAME=URL")
     try:
         api_keys = load_api_keys(keys)
+        router_secret = read_router_secret()
     except ValueError as exc:
         fail(str(exc))
     try:
@@ -100,5 +105,6 @@ def router(
         index=RedisHintIndex.from_url(redis_url) if redis_url else None,
         poll_interval_s=poll_interval_s,
         tokenizer=own_tokenizer,
+        router_secret=router_secret,
     )
     web.run_app(create_router_app(state), host=host, port=port, print=None)

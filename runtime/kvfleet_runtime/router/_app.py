@@ -46,12 +46,13 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kvfleet_runtime.auth import sign_assertion
 from kvfleet_runtime.cache import block_hashes
 from kvfleet_runtime.fleet.index import HintIndex
 from kvfleet_runtime.router._view import FleetView
 from kvfleet_runtime.routing import ApiKeyMap, RouteDecision, choose_replica
 from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
-from kvfleet_runtime.wire import BLOCK_SIZE, TENANT_HEADER
+from kvfleet_runtime.wire import ASSERTION_HEADER, BLOCK_SIZE, TENANT_HEADER
 
 __all__ = ["RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids"]
 
@@ -121,6 +122,10 @@ class RouterState:
     tokenizer: Tokenizer | None = None
     """The model's tokenizer (`kvfleet router --tokenizer DIR`), for text prompts; used only while
     the replicas report the same tokenizer name."""
+    router_secret: bytes | None = None
+    """Signs the tenant assertion sent with every proxied request (`kvfleet_runtime.auth`);
+    None: the tenant goes unsigned and only replicas without a router secret (tenant `default`,
+    loopback) accept it."""
     _recent: deque[bool] = field(default_factory=deque)
     _warned_tokenizers: set[str] = field(default_factory=set)
 
@@ -302,6 +307,11 @@ def create_router_app(state: RouterState) -> web.Application:
             tried.add(name)
             replica = state.view.replicas[name]
             headers = {TENANT_HEADER: tenant, "Content-Type": "application/json"}
+            if state.router_secret:
+                # One per attempt: bound to this replica, method and path, for seconds.
+                headers[ASSERTION_HEADER] = sign_assertion(
+                    state.router_secret, tenant, audience=name, method="POST", path=path,
+                    now_s=time.time())
             timeout = aiohttp.ClientTimeout(
                 total=state.upstream_timeout_s, sock_connect=state.upstream_connect_timeout_s
             )

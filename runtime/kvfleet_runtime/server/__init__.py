@@ -8,6 +8,7 @@ from kvfleet_runtime.server._app import (
     create_app,
     openapi_document,
 )
+from kvfleet_runtime.server._auth import ReplicaAuth
 from kvfleet_runtime.server._config import (
     CONFIG_ENV,
     ENV_PREFIX,
@@ -29,6 +30,7 @@ __all__ = [
     "InvalidateRequest",
     "Limits",
     "Replica",
+    "ReplicaAuth",
     "ReplicaConfig",
     "apply_config",
     "build_replica",

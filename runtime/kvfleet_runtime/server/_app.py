@@ -51,6 +51,7 @@ from kvfleet_runtime.engine import (
     TokenEvent,
 )
 from kvfleet_runtime.model import LoadedModel, default_device, load_checkpoint
+from kvfleet_runtime.server._auth import ReplicaAuth, auth_middleware
 from kvfleet_runtime.server._config import ReplicaConfig, load_config, restart_fields
 from kvfleet_runtime.server._schemas import (
     TENANT_PATTERN,
@@ -481,8 +482,12 @@ async def _errors(request: web.Request,
         return _error_response(500, "internal error", code="internal_error")
 
 
-def create_app(replica: Replica, *, watch: bool = True) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=_HARD_MAX_BODY_BYTES)
+def create_app(replica: Replica, *, watch: bool = True,
+               auth: ReplicaAuth | None = None) -> web.Application:
+    """The replica's app. `auth` None: no router secret (tenant `default` on loopback only)."""
+    authenticate = auth_middleware(auth or ReplicaAuth(), _error_response)
+    app = web.Application(middlewares=[_errors, authenticate],
+                          client_max_size=_HARD_MAX_BODY_BYTES)
     h = _handlers(replica)
     app.router.add_post("/v1/completions", h["completions"])
     app.router.add_get("/v1/models", h["models"])
@@ -526,12 +531,14 @@ def openapi_document(replica: Replica) -> dict[str, Any]:
     error = {"content": {"application/json": {"schema": ref(ErrorResponse)}}}
 
     def errors(*codes: int) -> dict[str, Any]:
-        names = {400: "Invalid request", 404: "Not found", 413: "Body too large",
-                 503: "Overloaded, retry later"}
+        names = {400: "Invalid request", 401: "Not authenticated (docs/security.md)",
+                 403: "Not allowed (docs/security.md)", 404: "Not found",
+                 413: "Body too large", 503: "Overloaded, retry later"}
         return {str(c): {"description": names[c], **error} for c in codes}
 
     tenant_header = {"name": TENANT_HEADER, "in": "header", "required": True,
-                     "description": "Tenant id, set by the router.",
+                     "description": "Tenant id, set by the router, with its assertion in "
+                                    "X-Kvfleet-Tenant-Assertion (docs/security.md).",
                      "schema": {"type": "string", "pattern": TENANT_PATTERN}}
     completion = ref(CompletionRequest)
     _apply_limits(components["CompletionRequest"], replica)
@@ -552,7 +559,7 @@ def openapi_document(replica: Replica) -> dict[str, Any]:
                     "200": {"description": "The completion, or server-sent events when streaming",
                             "content": {"application/json": {"schema": ref(CompletionResponse)},
                                         "text/event-stream": {"schema": _SSE_EVENT}}},
-                    **errors(400, 404, 413, 503),
+                    **errors(400, 401, 403, 404, 413, 503),
                 },
             }},
             "/v1/models": {"get": {"summary": "The served model", "operationId": "listModels",
@@ -564,7 +571,7 @@ def openapi_document(replica: Replica) -> dict[str, Any]:
                 "parameters": [{"name": "tenant", "in": "query", "required": False,
                                 "schema": {"type": "string", "pattern": TENANT_PATTERN}}],
                 "responses": {"200": {"description": "Stats", "content": json_ok},
-                              **errors(400)},
+                              **errors(400, 401, 403)},
             }},
             "/cache/invalidate": {"post": {
                 "summary": "Drop every cache entry of a weights version",
@@ -573,7 +580,7 @@ def openapi_document(replica: Replica) -> dict[str, Any]:
                     "application/json": {"schema": ref(InvalidateRequest)}}},
                 "responses": {"202": {"description": "Accepted", "content": {
                     "application/json": {"schema": ref(InvalidateAccepted)}}},
-                    **errors(400, 413)},
+                    **errors(400, 401, 403, 413)},
             }},
             "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
                                  "responses": {"200": {"description": "Text format",

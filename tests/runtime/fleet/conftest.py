@@ -30,10 +30,13 @@ class RedisProcess:
     port: int
     workdir: Path
     proc: subprocess.Popen[bytes] | None = None
+    password: str = ""
+    """Non-empty: the server requires it (requirepass), as the chart's Redis does."""
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         assert self.proc is None
@@ -52,6 +55,7 @@ class RedisProcess:
                 str(self.workdir),
                 "--protected-mode",
                 "yes",
+                *(["--requirepass", self.password] if self.password else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -62,8 +66,13 @@ class RedisProcess:
                 contextlib.suppress(OSError),
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn,
             ):
-                conn.sendall(b"PING\r\n")
-                if conn.recv(16).startswith(b"+PONG"):
+                auth = f"AUTH {self.password}\r\n".encode() if self.password else b""
+                conn.sendall(auth + b"PING\r\n")
+                answer = b""
+                expected = len(b"+OK\r\n+PONG\r\n") if auth else len(b"+PONG\r\n")
+                while len(answer) < expected and (chunk := conn.recv(64)):
+                    answer += chunk
+                if answer.endswith(b"+PONG\r\n"):
                     return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}")

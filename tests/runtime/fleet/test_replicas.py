@@ -24,6 +24,7 @@ from kvfleet_runtime.fleet import peer_token
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.routing import rendezvous_top_k
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
+from tests import credentials
 from tests.runtime.fleet.conftest import RedisProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -92,6 +93,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             url = f"http://127.0.0.1:{port}"
             env = {
                 **os.environ,
+                **credentials.ENV,
                 "KVFLEET_FLEET_NAME": name,
                 "KVFLEET_PEER_URL": url,
                 "KVFLEET_PEER_SECRET": SECRET,
@@ -122,6 +124,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 tmp / f"{name}.log",
             )
             replicas[name] = Proc(name, url, popen)
+            credentials.NAME_BY_URL[url] = name
             procs.append(replicas[name])
         keys = tmp / "keys.yaml"
         keys.write_text(json.dumps({"tenants": {"acme": ["sk-acme"], "globex": ["sk-globex"]}}))
@@ -146,7 +149,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         router = Proc(
             "router",
             f"http://127.0.0.1:{port}",
-            _spawn(router_args, dict(os.environ), tmp / "router.log"),
+            _spawn(router_args, {**os.environ, **credentials.ENV}, tmp / "router.log"),
         )
         procs.append(router)
         for proc in procs:
@@ -167,7 +170,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 def complete(
     url: str, prompt: str, *, tenant: str | None = None, key: str | None = None, max_tokens: int = 8
 ) -> tuple[list[int], dict[str, str]]:
-    headers = {TENANT_HEADER: tenant} if tenant else {"Authorization": f"Bearer {key}"}
+    # Straight to a replica: the test signs as the router does.
+    headers = (credentials.as_router_to(tenant, url) if tenant
+               else {"Authorization": f"Bearer {key}"})
     r = requests.post(
         url + "/v1/completions",
         json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0},
@@ -186,7 +191,7 @@ def wait_for(pred: Any, timeout_s: float = 20.0) -> None:
 
 
 def held_blocks(url: str) -> int:
-    stats = requests.get(url + "/cache/stats", timeout=5).json()
+    stats = requests.get(url + "/cache/stats", headers=credentials.OPERATOR, timeout=5).json()
     return int(stats["totals"]["num_blocks"])
 
 

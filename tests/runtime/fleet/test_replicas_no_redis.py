@@ -23,6 +23,7 @@ from kvfleet_runtime.fleet import peer_token
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.router._app import prompt_token_ids
 from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER, parse_load_report
+from tests import credentials
 from tests.runtime.fleet.conftest import free_port
 from tests.runtime.fleet.test_replicas import PROMPT, _spawn, _wait_ready, complete, held_blocks
 
@@ -55,6 +56,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rep
             url = f"http://127.0.0.1:{port}"
             env = {
                 **{k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")},
+                **credentials.ENV,
                 "KVFLEET_FLEET_NAME": name,
                 "KVFLEET_PEER_URL": url,
                 "KVFLEET_PEER_SECRET": SECRET,
@@ -68,6 +70,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rep
             args = ["replica", "--model-dir", str(model_dir), "--port", str(port), "--host",
                     "127.0.0.1", "--model-id", "tiny", "--device", "cpu", "--log-level", "WARNING"]
             out[name] = Replica(name, url, _spawn(args, env, tmp / f"{name}.log"))
+            credentials.NAME_BY_URL[url] = name
         for replica in out.values():
             _wait_ready(replica.url, replica.popen)
         yield out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +16,13 @@ import torch
 import yaml
 from aiohttp import web
 
+from kvfleet_runtime.auth import sign_assertion
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
-from kvfleet_runtime.server import Replica, build_replica, create_app, load_config
+from kvfleet_runtime.server import Replica, ReplicaAuth, build_replica, create_app, load_config
+from kvfleet_runtime.wire import ASSERTION_HEADER, TENANT_HEADER
+
+ROUTER_SECRET = b"test-router-secret"
+OPERATOR_TOKEN = b"test-operator-token"
 
 TEST_CONFIG: dict[str, Any] = {
     "model_id": "tiny",
@@ -34,9 +41,24 @@ class RunningReplica:
     config_path: Path
 
 
+def as_router(headers: dict[str, str], method: str, url: str) -> dict[str, str]:
+    """`headers` plus what the router and the operator would add: a fresh tenant assertion when
+    there is a tenant header and no assertion, the operator token on /cache/* without one. The
+    `running` replica holds both secrets; tests of refusals send their headers themselves."""
+    out = dict(headers)
+    path = urllib.parse.urlsplit(url).path
+    if TENANT_HEADER in out and ASSERTION_HEADER not in out:
+        out[ASSERTION_HEADER] = sign_assertion(ROUTER_SECRET, out[TENANT_HEADER], audience="",
+                                               method=method, path=path, now_s=time.time())
+    if path.startswith("/cache/") and "Authorization" not in out:
+        out["Authorization"] = "Bearer " + OPERATOR_TOKEN.decode()
+    return out
+
+
 class ServerThread:
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: Replica, auth: ReplicaAuth | None = None) -> None:
         self.replica = replica
+        self.auth = auth
         self.loop = asyncio.new_event_loop()
         self.port = 0
         self._started = threading.Event()
@@ -44,7 +66,7 @@ class ServerThread:
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(create_app(self.replica))
+        self.runner = web.AppRunner(create_app(self.replica, auth=self.auth))
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())
@@ -84,5 +106,6 @@ def running(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     overrides = {"model_dir": str(model_dir)}
     config = load_config(config_path, environ={}, overrides=overrides)
     replica = build_replica(config, config_path=config_path, overrides=overrides)
-    with ServerThread(replica) as server:
+    auth = ReplicaAuth(router_secret=ROUTER_SECRET, operator_token=OPERATOR_TOKEN)
+    with ServerThread(replica, auth) as server:
         yield RunningReplica(replica, f"http://127.0.0.1:{server.port}", config_path)

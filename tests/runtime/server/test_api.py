@@ -15,14 +15,18 @@ import openai
 import pytest
 import yaml
 
-from .conftest import TEST_CONFIG, RunningReplica
+from .conftest import TEST_CONFIG, RunningReplica, as_router
 
 TENANT = {"X-Kvfleet-Tenant": "acme"}
 
 
 def client(running: RunningReplica, tenant: str = "acme") -> openai.OpenAI:
+    def sign(request: Any) -> None:  # a fresh assertion per request, as the router does
+        request.headers.update(as_router({"X-Kvfleet-Tenant": tenant}, request.method,
+                                         str(request.url)))
+
     return openai.OpenAI(base_url=running.base_url + "/v1", api_key="unused", max_retries=0,
-                         default_headers={"X-Kvfleet-Tenant": tenant})
+                         http_client=openai.DefaultHttpxClient(event_hooks={"request": [sign]}))
 
 
 @dataclass
@@ -40,7 +44,8 @@ def http(method: str, url: str, *, data: bytes | Iterable[bytes] | None = None,
     """A stdlib HTTP call that returns 4xx/5xx responses instead of raising."""
     if params:
         url += "?" + urllib.parse.urlencode(params)
-    req = urllib.request.Request(url, data=data, headers=headers or {}, method=method)
+    req = urllib.request.Request(url, data=data, headers=as_router(headers or {}, method, url),
+                                 method=method)
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return Response(resp.status, resp.read().decode())

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from kvfleet_runtime.auth import sign_assertion
 from kvfleet_runtime.cli import app
+from kvfleet_runtime.wire import ASSERTION_HEADER
 
 
 def _free_port() -> int:
@@ -56,7 +58,7 @@ def test_kvfleet_replica_serves_with_config_file_and_env(tmp_path: Path) -> None
     port = _free_port()
     digest = CliRunner().invoke(app, ["model", "generate", "--out", str(model_dir)]).output
     env = {**os.environ, "KVFLEET_REPLICA_MODEL_ID": "cli-tiny",
-           "KVFLEET_WEIGHTS_DIGEST": digest.split()[-1]}
+           "KVFLEET_WEIGHTS_DIGEST": digest.split()[-1], "KVFLEET_ROUTER_SECRET": "cli-secret"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvfleet_runtime.cli", "replica", "--model-dir", str(model_dir),
          "--host", "127.0.0.1", "--port", str(port), "--config", str(config)],
@@ -78,6 +80,10 @@ def test_kvfleet_replica_serves_with_config_file_and_env(tmp_path: Path) -> None
         body = json.dumps({"model": "cli-tiny", "prompt": "hi", "max_tokens": 4}).encode()
         req = urllib.request.Request(base + "/v1/completions", data=body, method="POST",
                                      headers={"X-Kvfleet-Tenant": "acme",
+                                              ASSERTION_HEADER: sign_assertion(
+                                                  b"cli-secret", "acme", audience="",
+                                                  method="POST", path="/v1/completions",
+                                                  now_s=time.time()),
                                               "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as resp:
             data = json.loads(resp.read())

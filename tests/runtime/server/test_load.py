@@ -8,7 +8,7 @@ from pathlib import Path
 
 import aiohttp
 
-from .conftest import RunningReplica
+from .conftest import RunningReplica, as_router
 
 NUM_CLIENTS = 32
 REQUESTS_PER_CLIENT = 3
@@ -34,8 +34,9 @@ async def _client(session: aiohttp.ClientSession, base: str, i: int,
         stream = rng.random() < 0.2
         if stream:
             body["stream"] = True
-        async with session.post(base + "/v1/completions", json=body,
-                                headers={"X-Kvfleet-Tenant": f"load-{i % 4}"}) as resp:
+        url = base + "/v1/completions"
+        headers = as_router({"X-Kvfleet-Tenant": f"load-{i % 4}"}, "POST", url)
+        async with session.post(url, json=body, headers=headers) as resp:
             statuses.append(resp.status)
             if stream:
                 text = await resp.text()

@@ -87,7 +87,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def _client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0,
-                         default_headers={"X-Kvfleet-Tenant": "acme"})
+                         default_headers={"X-Kvfleet-Tenant": "default"})
 
 
 def test_text_prompt_encoded_with_the_models_tokenizer_and_stops_on_its_eos(
@@ -164,7 +164,7 @@ def test_text_that_is_not_unicode_is_a_400(served: tuple[str, list[int], HFToken
     # JSON may spell a lone surrogate (the openai client cannot send one).
     body = b'{"model": "m", "prompt": "a\\ud800b", "max_tokens": 2}'
     request = urllib.request.Request(base_url + "/completions", data=body, headers={
-        "Content-Type": "application/json", "X-Kvfleet-Tenant": "acme"})
+        "Content-Type": "application/json", "X-Kvfleet-Tenant": "default"})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=30)
     assert err.value.code == 400

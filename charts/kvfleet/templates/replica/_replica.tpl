@@ -37,6 +37,12 @@ config file may appear later: it is polled), and shares hints in Redis. */}}
       fieldPath: status.podIP
 - name: KVFLEET_PEER_SECRET_FILE
   value: /etc/kvfleet/peer/token
+{{- /* docs/security.md: tenant requests need the router's assertion, cache control the
+operator's token. */}}
+- name: KVFLEET_ROUTER_SECRET_FILE
+  value: /etc/kvfleet/router-secret/secret
+- name: KVFLEET_OPERATOR_TOKEN_FILE
+  value: /etc/kvfleet/operator-token/token
 - name: KVFLEET_FLEET_CONFIG
   value: {{ printf "%s/fleet.yaml" .Values.fleetConfig.mountPath | quote }}
 {{ include "kvfleet.redisUrlEnv" . }}

@@ -35,6 +35,9 @@ files, so an unchanged tokenizer still matches, and a changed one turns the over
 - name: KVFLEET_WEIGHTS_DIGEST
   value: {{ .Values.replica.model.weightsDigest | quote }}
 {{- end }}
+{{- /* It signs each forwarded request's tenant with this (docs/security.md). */}}
+- name: KVFLEET_ROUTER_SECRET_FILE
+  value: /etc/kvfleet/router-secret/secret
 {{ include "kvfleet.redisUrlEnv" . }}
 {{- end -}}
 
