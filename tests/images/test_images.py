@@ -127,9 +127,10 @@ def test_runtime_image_serves_a_completion_through_the_router(
     replica_url = f"http://127.0.0.1:{replica_port}"
     router_url = f"http://127.0.0.1:{router_port}"
     # The chart's mounts: the model volume, the replica's config, the fleet config, the peer
-    # secret and the router's keys, all read-only.
+    # secret, the router's keys and secret, the operator's token, all read-only.
     etc = tmp_path / "etc"
-    for sub in ("replica", "fleet", "peer", "router"):
+    subs = ("replica", "fleet", "peer", "router", "router-secret", "operator-token")
+    for sub in subs:
         (etc / sub).mkdir(parents=True)
         (etc / sub).chmod(0o755)
     (etc / "replica" / "replica.yaml").write_text("cpu_threads: 1\nlimits: {max_tokens: 8}\n")
@@ -138,11 +139,14 @@ def test_runtime_image_serves_a_completion_through_the_router(
     )
     (etc / "peer" / "token").write_text("image-test-secret")
     (etc / "router" / "keys.yaml").write_text(json.dumps({"tenants": {"acme": ["sk-acme"]}}))
+    (etc / "router-secret" / "secret").write_text("image-test-router-secret")
+    (etc / "operator-token" / "token").write_text("image-test-operator-token")
     for path in [model_dir, *model_dir.rglob("*"), *etc.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     volumes = [f"{model_dir}:/models/tiny:ro"] + [
-        f"{etc / sub}:/etc/kvfleet/{sub}:ro" for sub in ("replica", "fleet", "peer", "router")
+        f"{etc / sub}:/etc/kvfleet/{sub}:ro" for sub in subs
     ]
+    secret = {"KVFLEET_ROUTER_SECRET_FILE": "/etc/kvfleet/router-secret/secret"}
     entry = runtime_image.entrypoint()
     assert entry == ["kvfleet"]
     replica = runtime_image.start(
@@ -152,13 +156,14 @@ def test_runtime_image_serves_a_completion_through_the_router(
         tmp_path / "replica.log", volumes=volumes,
         env={"KVFLEET_WEIGHTS_DIGEST": digest, "POD_NAME": "r0", "POD_IP": "127.0.0.1",
              "KVFLEET_PEER_SECRET_FILE": "/etc/kvfleet/peer/token",
-             "KVFLEET_FLEET_CONFIG": "/etc/kvfleet/fleet/fleet.yaml"},
+             "KVFLEET_OPERATOR_TOKEN_FILE": "/etc/kvfleet/operator-token/token",
+             "KVFLEET_FLEET_CONFIG": "/etc/kvfleet/fleet/fleet.yaml", **secret},
     )
     router = runtime_image.start(
         [*entry, "router", "--host", "127.0.0.1", "--port", str(router_port),
          "--keys", "/etc/kvfleet/router/keys.yaml",
          "--fleet-config", "/etc/kvfleet/fleet/fleet.yaml", "--log-level", "WARNING"],
-        tmp_path / "router.log", volumes=volumes,
+        tmp_path / "router.log", volumes=volumes, env=secret,
     )
     try:
         _wait_ready(replica_url, replica, tmp_path / "replica.log")
