@@ -2,12 +2,12 @@
 # Each installs what it needs by itself, then runs. Environments live under ~/.cache/kvfleet.
 SHELL := /bin/bash
 
-.PHONY: demo test setup system-deps cluster-bins check lock
+.PHONY: demo test setup system-deps cluster-bins images check lock
 
 demo: setup
 	scripts/kvfleet.sh demo
 
-test: setup system-deps cluster-bins
+test: setup system-deps cluster-bins images
 	scripts/check.sh
 
 setup:
@@ -18,6 +18,10 @@ system-deps:
 
 cluster-bins:
 	@if [ -x tests/cluster/build.sh ]; then tests/cluster/build.sh; fi
+
+# The runtime and operator images, built with buildah (no Docker engine); cached, see the script.
+images:
+	scripts/images.sh
 
 check:
 	scripts/check.sh

@@ -29,6 +29,8 @@ RUNTIME = DOCKER / "runtime.Dockerfile"
 DOCKERFILES = [OPERATOR, RUNTIME]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 LOCK = (ROOT / "requirements.lock").read_text()
+# kvfleet itself, from the wheel the build stage made: no dependency resolved a second time.
+WHEEL = ["--no-deps", "--no-index", "/opt/kvfleet-wheel/kvfleet-*.whl"]
 
 
 @dataclass(frozen=True)
@@ -177,15 +179,20 @@ def test_small_multi_stage_on_the_project_python(dockerfile: Path) -> None:
 
 
 def _pip_installs(instructions: list[Instruction]) -> list[list[str]]:
-    """The argument lists of every `pip install` in RUN lines."""
+    """The argument lists of every `pip install` in RUN lines (a RUN's options such as --mount
+    dropped, its commands split at `&&` and `;` outside quotes)."""
     out = []
     for ins in instructions:
         if ins.keyword != "RUN":
             continue
-        for command in re.split(r"&&|;", ins.args):
-            words = shlex.split(command)
-            if len(words) >= 2 and words[0].endswith("pip") and words[1] == "install":
-                out.append(words[2:])
+        command: list[str] = []
+        for word in [*shlex.split(ins.args), "&&"]:
+            if word in {"&&", ";"}:
+                if len(command) >= 2 and command[0].endswith("pip") and command[1] == "install":
+                    out.append(command[2:])
+                command = []
+            elif command or not word.startswith("--"):
+                command.append(word)
     return out
 
 
@@ -200,7 +207,8 @@ def _locked_versions() -> dict[str, str]:
 
 def test_runtime_image_installs_the_locked_cuda_torch() -> None:
     installs = _pip_installs(parse_dockerfile(RUNTIME))
-    assert installs == [["--constraint", "requirements.lock", ".[replica]"]], installs
+    # The dependencies from the lock, then kvfleet's own wheel alone (made in the build stage).
+    assert installs == [["--constraint", "requirements.lock", ".[replica]"], WHEEL], installs
     pins = _locked_versions()
     assert "torch" in pins, "the lock pins no torch"
     # The lock's torch is the CUDA build for linux x86_64: it brings the CUDA runtime as wheels.
@@ -272,7 +280,7 @@ def _install_set(extras: list[str]) -> list[str]:
 
 def test_operator_image_installs_the_operators_install_set() -> None:
     installs = _pip_installs(parse_dockerfile(OPERATOR))
-    assert installs == [["--constraint", "requirements.lock", ".[operator]"]], installs
+    assert installs == [["--constraint", "requirements.lock", ".[operator]"], WHEEL], installs
 
 
 @pytest.mark.parametrize("extras", [["operator"], []], ids=["operator", "base"])

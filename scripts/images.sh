@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Builds the runtime and operator images from docker/ without a Docker engine, exactly as
+# `docker build -f docker/<image>.Dockerfile .` would: `buildah bud --isolation chroot` on a local
+# bookworm + python3.11 base (docker/python-base.sh) passed as PYTHON_IMAGE. Prints each image's
+# size. Called by `make test` (the image smoke tests in tests/images run on what it built).
+#
+# Cached outside the clone: the images live in buildah's own storage (root's, under
+# /var/lib/containers), the stamps under $KVFLEET_HOME/images. The base is rebuilt only when its
+# recipe changes; an image only when its Dockerfile, the lock, pyproject.toml or the sources
+# change, and then buildah's layer cache rebuilds only from the first changed step (a change of
+# the sources rebuilds the wheel and one small layer; torch's layer stays).
+set -euo pipefail
+source "$(dirname "$0")/env.sh"
+cd "$KVFLEET_ROOT"
+STAMPS="$KVFLEET_HOME/images"
+mkdir -p "$STAMPS"
+
+if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi
+need=()
+command -v buildah >/dev/null 2>&1 || need+=(buildah)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "images: installing ${need[*]}"
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${need[@]}"
+fi
+buildah=($sudo buildah)
+
+version=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
+base="localhost/kvfleet-python:3.11-bookworm-$(sha256sum docker/python-base.sh | cut -c1-12)"
+if ! "${buildah[@]}" inspect --type image "$base" >/dev/null 2>&1; then
+  echo "images: making the base $base (debootstrap of bookworm + python3.11)"
+  start=$SECONDS
+  $sudo docker/python-base.sh "$base"
+  echo "images: base made in $((SECONDS - start)) s"
+fi
+
+# What the build context holds (.dockerignore lets in pyproject.toml, the lock, README.md, runtime/
+# and operator/, without caches), by content, so a fresh clone of the same tree hits the cache.
+context_digest() {
+  {
+    printf '%s\n' "$base"
+    sha256sum "docker/$1.Dockerfile" .dockerignore pyproject.toml requirements.lock README.md
+    find runtime operator -type f -not -path '*/__pycache__/*' -not -name '*.pyc' \
+      -not -path '*/.mypy_cache/*' -not -path '*/.pytest_cache/*' -print0 \
+      | sort -z | xargs -0 sha256sum
+  } | sha256sum | cut -c1-64
+}
+
+# The layer cache keeps one torch layer per lock; old ones are dropped when space runs short.
+free_gib() { df -P --block-size=1G /var/lib/containers 2>/dev/null | awk 'NR == 2 {print $4}'; }
+if [ "$(free_gib)" -lt 25 ]; then
+  echo "images: under 25 GiB free for buildah's storage; pruning images no tag names"
+  "${buildah[@]}" rmi --prune >/dev/null || true
+fi
+
+# Behind a TLS-intercepting proxy pip needs the host's CA bundle: its folder is mounted on the
+# base's empty /mnt for the RUN steps only (nothing of it lands in a layer).
+ca_args=()
+ca="${PIP_CERT:-${SSL_CERT_FILE:-}}"
+if [ -n "$ca" ] && [ -f "$ca" ]; then
+  ca_args=(--volume "$(dirname "$ca"):/mnt:ro" --build-arg "PIP_CERT=/mnt/$(basename "$ca")")
+fi
+
+for image in runtime operator; do
+  name="localhost/kvfleet/kvfleet-$image:$version"
+  digest=$(context_digest "$image")
+  stamp="$STAMPS/kvfleet-$image.context"
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$digest" ] \
+     && "${buildah[@]}" inspect --type image "$name" >/dev/null 2>&1; then
+    echo "images: $name is up to date"
+  else
+    echo "images: building $name (docker/$image.Dockerfile)"
+    start=$SECONDS
+    log="$STAMPS/kvfleet-$image.build.log"
+    if ! "${buildah[@]}" bud --isolation chroot --layers --force-rm \
+         "${ca_args[@]}" --build-arg "PYTHON_IMAGE=$base" -f "docker/$image.Dockerfile" -t "$name" . >"$log" 2>&1
+    then
+      tail -n 40 "$log" >&2
+      echo "images: building $name failed (whole log: $log)" >&2
+      exit 1
+    fi
+    echo "$digest" > "$stamp"
+    echo "images: built $name in $((SECONDS - start)) s"
+  fi
+done
+for image in runtime operator; do
+  name="localhost/kvfleet/kvfleet-$image:$version"
+  size=$("${buildah[@]}" images --format '{{.Size}}' "$name")
+  echo "images: $name $size"
+done
