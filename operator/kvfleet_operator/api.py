@@ -268,8 +268,10 @@ class AdmissionSpec(_Spec):
             )
         )
     )
-    min_sightings: Annotated[int, Field(ge=1, le=16)] = 2
-    """Sightings (requests) of a block before it is stored: one-shot prefixes never enter."""
+    min_sightings: Annotated[int, Field(ge=1, le=16)] = 1
+    """Sightings (requests) of a block before it is stored. 1: on first sighting, the cache
+    growing stricter by itself while it thrashes (the replica's default); 2 or more keeps one-shot
+    prefixes out always."""
     hot_sightings: Annotated[int, Field(ge=2, le=1024)] = 3
     """Sightings from which a small prefix is pinned in GPU memory; >= minSightings."""
     pin_max_tokens: Annotated[int, Field(ge=0, le=1_048_576)] = 2048

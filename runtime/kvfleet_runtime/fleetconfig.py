@@ -33,7 +33,7 @@ class TierToggles(_Strict):
 
 
 class AdmissionSettings(_Strict):
-    min_sightings: Annotated[int, Field(ge=1, le=16)] = 2
+    min_sightings: Annotated[int, Field(ge=1, le=16)] = 1
     hot_sightings: Annotated[int, Field(ge=2, le=1024)] = 3
     pin_max_tokens: Annotated[int, Field(ge=0)] = 2048
     store_queue_size: Annotated[int, Field(ge=1)] = 256

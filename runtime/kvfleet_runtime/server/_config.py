@@ -61,7 +61,9 @@ class CacheSettings(_Strict):
     """Off: every request is a miss and nothing is stored (live: the pools stay allocated)."""
     num_t0_blocks: int = Field(default=512, ge=0)
     num_t1_blocks: int = Field(default=2048, ge=0)
-    admit_min_sightings: int = Field(default=2, ge=1)
+    admit_min_sightings: int = Field(default=1, ge=1)
+    """The shipped policy's default (`CacheConfig`): store on first sighting, stricter while the
+    cache thrashes."""
     store_queue_max_entries: int = Field(default=64, ge=1)
 
 
