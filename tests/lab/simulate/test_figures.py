@@ -53,8 +53,9 @@ def test_a_cold_rollout_breaches_ttft_and_staged_with_surge_does_not() -> None:
     for run in report.runs:
         assert run.baseline.ttft_p99_s < report.ttft_slo_s
         assert run.baseline.hit_rate == pytest.approx(0.6, abs=0.03)
-    # The cache was absorbing ~2.6 replicas of prefill; they reappear at once.
-    assert cold.peak_extra_replicas == pytest.approx(2.64, abs=0.3)
+    # The cache was absorbing ~2.6 replicas of prefill; most reappear at once (first-sighting
+    # admission refills part of it within the first measurement window).
+    assert 2.0 <= cold.peak_extra_replicas <= 2.9
     assert cold.peak_ttft_p99_s > 10 * report.ttft_slo_s and cold.breach_s >= 600
     assert cold.requests_over_slo > 0.05
     # Staging alone limits the dip, but under affinity each cold replica still overloads.
