@@ -59,8 +59,7 @@ def test_no_product_module_spells_a_wire_value(name: str) -> None:
 
 
 def test_what_the_packages_re_export_is_the_wire_itself() -> None:
-    from kvfleet_runtime import cache
-    from kvfleet_runtime.model import tokenizer
+    from kvfleet_runtime import cache, tokenizer
 
     assert cache.BLOCK_SIZE is wire.BLOCK_SIZE and cache.PLATFORM_TENANT is wire.PLATFORM_TENANT
     assert tokenizer.BOS_ID == wire.BYTE_BOS_ID

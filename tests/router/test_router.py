@@ -229,7 +229,7 @@ async def test_healthz_models_metrics(
 
 
 def test_prompt_tokens_match_the_replica_tokenizer() -> None:
-    from kvfleet_runtime.model import ByteTokenizer
+    from kvfleet_runtime.tokenizer import ByteTokenizer
 
     for text in ("", "hello", "héllo wörld ✓"):
         assert prompt_token_ids(text, "byte-v1") == ByteTokenizer().encode(text)

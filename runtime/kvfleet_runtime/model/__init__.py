@@ -1,6 +1,7 @@
-"""The model (Llama-family GQA decoders over a paged KV), its checkpoints and tokenizer.
+"""The model (Llama-family GQA decoders over a paged KV) and its checkpoints.
 
-Which architectures are served and how a config is read: `kvfleet_runtime.architectures`."""
+Which architectures are served and how a config is read: `kvfleet_runtime.architectures`; the
+model's tokenizer: `kvfleet_runtime.tokenizer` (torch-free, so the router loads the same one)."""
 
 from kvfleet_runtime.model.checkpoint import (
     CheckpointReport,
@@ -22,29 +23,13 @@ from kvfleet_runtime.model.model import (
     PagedKV,
     Transformer,
 )
-from kvfleet_runtime.model.tokenizer import (
-    BOS_ID,
-    EOS_ID,
-    VOCAB_SIZE,
-    ByteTokenizer,
-    IncrementalDecoder,
-    StreamDecoder,
-    Tokenizer,
-)
 
 __all__ = [
-    "BOS_ID",
-    "EOS_ID",
     "PRESETS",
-    "VOCAB_SIZE",
-    "ByteTokenizer",
     "CheckpointReport",
-    "IncrementalDecoder",
     "LoadedModel",
     "ModelArgs",
     "PagedKV",
-    "StreamDecoder",
-    "Tokenizer",
     "Transformer",
     "args_from_hf_config",
     "args_to_hf_config",

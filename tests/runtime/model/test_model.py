@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet_runtime.model import (
-    ByteTokenizer,
     ModelArgs,
     PagedKV,
     Transformer,
@@ -19,6 +18,7 @@ from kvfleet_runtime.model import (
     weights_digest,
 )
 from kvfleet_runtime.model.model import apply_rope
+from kvfleet_runtime.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")

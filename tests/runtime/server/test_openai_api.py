@@ -16,7 +16,7 @@ import openai
 import pytest
 import yaml
 
-from kvfleet_runtime.model import ByteTokenizer
+from kvfleet_runtime.tokenizer import ByteTokenizer
 
 from .conftest import TEST_CONFIG, RunningReplica, as_router
 from .test_api import _wait_for, client, get, post
