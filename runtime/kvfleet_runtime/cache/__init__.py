@@ -59,7 +59,7 @@ from kvfleet_runtime.cache._store_queue import StoreQueue
 
 if TYPE_CHECKING:
     from kvfleet_runtime.cache._cache import Hit, Miss, PrefixCache
-    from kvfleet_runtime.cache._pool import TensorPool
+    from kvfleet_runtime.cache._pool import PagedBlocks, TensorPool
 
 __all__ = [
     "BLOCK_SIZE",
@@ -76,6 +76,7 @@ __all__ = [
     "Hit",
     "KVLayout",
     "Miss",
+    "PagedBlocks",
     "Placement",
     "PrefixCache",
     "StoreOutcome",
@@ -88,7 +89,13 @@ __all__ = [
     "iter_block_hashes",
 ]
 
-_TORCH_EXPORTS = {"Hit": "_cache", "Miss": "_cache", "PrefixCache": "_cache", "TensorPool": "_pool"}
+_TORCH_EXPORTS = {
+    "Hit": "_cache",
+    "Miss": "_cache",
+    "PagedBlocks": "_pool",
+    "PrefixCache": "_cache",
+    "TensorPool": "_pool",
+}
 
 
 def __getattr__(name: str) -> Any:
