@@ -102,6 +102,8 @@ class PagedBlocks:
             ids = self.refs.allocate(n)
             if ids is not None or self.reclaimer is None:
                 return ids
+            if self.refs.num_free + self.refs.num_cache_only < n:
+                return None  # not even every cached block would do: evict nothing in vain
             short = n
         # Outside the lock: the cache takes it itself and calls its listeners after releasing it.
         self.reclaimer(short)
