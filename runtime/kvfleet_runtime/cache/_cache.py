@@ -240,7 +240,7 @@ class PrefixCache:
         cache's T0 pool (then `copy_into` copies every block)."""
         with self._lock:
             self._check_live(hit)
-            if kv is not self._pools[0]:
+            if not self._is_t0(kv):
                 return []
             ids: list[int] = []
             for node in hit._path[:max_blocks]:
@@ -274,7 +274,7 @@ class PrefixCache:
                     num_copies += copy_runs(
                         pool, [nodes[i].block_id for i in pos], kv, [dst[i] for i in pos]
                     )
-            if kv is self._pools[0] and nodes and all(n.tier == Tier.T1 for n in nodes):
+            if self._is_t0(kv) and nodes and all(n.tier == Tier.T1 for n in nodes):
                 parent = nodes[0].parent
                 if parent is None or parent.tier == Tier.T0:
                     self._manager.promote_in_place(nodes, dst)
@@ -298,7 +298,7 @@ class PrefixCache:
                     f"store_blocks: table has {len(table)} blocks, the prompt {len(plan.hashes)}"
                 )
             ids = list(table[: len(plan.hashes)])
-            commit = self._manager.commit_in_place(plan, ids) if kv is self._pools[0] else None
+            commit = self._manager.commit_in_place(plan, ids) if self._is_t0(kv) else None
             if commit is not None:
                 self._manager.finish_commit(commit)
                 events = self._manager.drain_events()
@@ -495,6 +495,11 @@ class PrefixCache:
                 ids = [path[i].block_id for i in positions]
                 num_copies += read_blocks_into(pool, out_k, out_v, ids, positions, heads)
         return num_copies
+
+    def _is_t0(self, kv: PagedBlocks) -> bool:
+        """`kv` is this cache's T0: the same block pool (one allocator), whatever wraps it."""
+        t0 = self._pools[0]
+        return t0 is not None and kv.refs is t0.refs
 
     def _check_device_kv(self, kv: PagedBlocks, config: CacheConfig) -> None:
         layout = self.layout

@@ -238,10 +238,17 @@ class Engine:
         self.key_fields = key_fields
         self.cache = cache
         config = config or EngineConfig()
-        if kv is None and cache is not None and isinstance(cache.device_kv, PagedKV):
-            kv = cache.device_kv
+        if kv is None and cache is not None and cache.device_kv is not None:
+            pool = cache.device_kv  # the same tensors, allocator and lock: one pool
+            kv = pool if isinstance(pool, PagedKV) else PagedKV(
+                k=pool.k, v=pool.v, refs=pool.refs, lock=pool.lock, reclaimer=pool.reclaimer)
         if kv is None:
             kv = PagedKV.allocate(model.args, config.num_kv_blocks, device=model.device)
+        args = model.args
+        expected = (args.n_layers, kv.num_blocks, args.n_kv_heads, BLOCK_SIZE, args.head_dim)
+        if tuple(kv.k.shape) != expected:
+            raise ValueError(f"the KV pool is {tuple(kv.k.shape)}, the model needs {expected} "
+                             "[layers, blocks, kv_heads, 16, head_dim]")
         self.kv = kv
         self.config = dataclasses.replace(config, num_kv_blocks=kv.num_blocks)
         self.metrics = _Metrics(registry or CollectorRegistry())

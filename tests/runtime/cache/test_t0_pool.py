@@ -163,7 +163,7 @@ def test_reclaim_demotes_to_t1_then_a_t1_hit_copies_one_run_into_engine_blocks(
     assert (stats.tiers[0].num_demotions, stats.tiers[1].num_blocks_used) == (4, 4)
     kv.give_back(hog)
 
-    hit = cache.lookup(make_key(), tokens + [1])
+    hit = cache.lookup(make_key(), [*tokens, 1])
     assert isinstance(hit, Hit) and hit.tier is Tier.T1
     assert cache.share_prefix(hit, kv, 4) == []
     t1_ids = [n.block_id for n in hit._path]
@@ -181,9 +181,10 @@ def test_reclaim_demotes_to_t1_then_a_t1_hit_copies_one_run_into_engine_blocks(
     num_copies = cache.copy_into(hit, kv, table, 0, 4)
     assert num_copies == len(paired_runs(t1_ids, table[:4])) == sum(counted)
     got = cache.read_blocks(cache.block_hashes(make_key(), tokens))
-    assert got is not None and torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
+    assert got is not None
+    assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
     # Promoted where the copy landed: the next hit is T0, in this sequence's blocks.
-    again = cache.lookup(make_key(), tokens + [1])
+    again = cache.lookup(make_key(), [*tokens, 1])
     assert isinstance(again, Hit) and again.tier is Tier.T0
     assert cache.share_prefix(again, kv, 4) == table[:4]
     kv.give_back(table[:4])
@@ -201,11 +202,11 @@ def test_invalidate_makes_shared_blocks_unreachable_and_frees_them_at_the_end(
     cache = bound(kv, clock)
     tokens = prompt(2, 9)
     run_sequence(cache, kv, tokens, 9)
-    hit = cache.lookup(make_key(), tokens + [3])
+    hit = cache.lookup(make_key(), [*tokens, 3])
     assert isinstance(hit, Hit)
     shared = cache.share_prefix(hit, kv, 2)
     assert cache.invalidate(DIGEST_A) == 2
-    assert not isinstance(cache.lookup(make_key(), tokens + [3]), Hit)
+    assert not isinstance(cache.lookup(make_key(), [*tokens, 3]), Hit)
     assert kv.refs.num_free == 4  # still read by the sequence
     cache.release(hit)
     kv.give_back(shared)
