@@ -3,8 +3,8 @@
 Pure bookkeeping (the tensors live in `_pool.py`). `BlockAllocator` is a pool the index owns
 alone (T1); `BlockRefs` is the engine's device pool, ref-counted between sequences and the cache,
 and `CachedSlots` is the index's view of it (T0 is the engine's KV). Free ids are handed out
-lowest first so that a prefix written into a fresh or lightly fragmented pool lands in one contiguous run, which the pool
-then moves with one copy instead of one per block.
+lowest first so that a prefix written into a fresh or lightly fragmented pool lands in one
+contiguous run, which the pool then moves with one copy instead of one per block.
 """
 
 from __future__ import annotations
