@@ -126,7 +126,15 @@ class GhostRanking:
     1/`sample` of the hash space, at 1/`sample` of the capacity) costs that fraction of the memory
     and measures about the same hit rate."""
 
-    __slots__ = ("_classes", "_limit", "_where", "capacity_blocks", "max_frequency", "sample")
+    __slots__ = (
+        "_classes",
+        "_limit",
+        "_low",
+        "_where",
+        "capacity_blocks",
+        "max_frequency",
+        "sample",
+    )
 
     def __init__(
         self, capacity_blocks: int, max_frequency: int | None, *, sample: int = 1
@@ -146,6 +154,9 @@ class GhostRanking:
         num_classes = _MAX_CLASS if max_frequency is None else max_frequency
         self._classes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_classes)]
         self._where: dict[bytes, int] = {}
+        self._low = 0
+        """Every class below this one is empty: eviction starts its scan here, not at class 0
+        (the raw-count ghost has 255 classes, most of them empty)."""
         self._limit = max(1, capacity_blocks // sample)
         """Blocks the ghost holds: the capacity's share of the sampled hash space."""
 
@@ -172,6 +183,7 @@ class GhostRanking:
         where, classes = self._where, self._classes
         top = len(classes)
         mask = self.sample - 1
+        low = self._low
         for h, count in zip(reversed(hashes), reversed(counts), strict=True):
             if h[-1] & mask:
                 continue
@@ -181,14 +193,15 @@ class GhostRanking:
                 del classes[old][h]
             classes[k][h] = None
             where[h] = k
+            low = min(low, k)
         excess = len(where) - self._limit
-        k = 0
         while excess > 0:
-            while not classes[k]:
-                k += 1
-            h, _ = classes[k].popitem(last=False)
+            while not classes[low]:
+                low += 1
+            h, _ = classes[low].popitem(last=False)
             del where[h]
             excess -= 1
+        self._low = low
 
     def __len__(self) -> int:
         return len(self._where)
