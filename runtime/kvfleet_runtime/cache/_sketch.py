@@ -132,9 +132,9 @@ class CountMinSketch:
         if not hashes:
             return []
         if len(hashes) <= _SCALAR_MAX_HASHES:
-            counts = self._increment_scalar(hashes)
-            if counts is not None:
-                return counts
+            scalar = self._increment_scalar(hashes)
+            if scalar is not None:
+                return scalar
         cols = self._columns(hashes)
         rows = np.arange(self.depth)
         current = self._array[rows, cols]  # [n, depth]
