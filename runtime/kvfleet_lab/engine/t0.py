@@ -113,7 +113,7 @@ async def _cached_beside_load(loaded: LoadedModel, budget: int, engine_blocks: i
             await engine.generate(GenerationRequest("t", _tokens(prefix_tokens, 100 + i), one))
             await engine.drain_stores()
         system = _tokens(system_tokens, 1)  # the load's shared prompt, cached last
-        await engine.generate(GenerationRequest("t", system + (1,), one))
+        await engine.generate(GenerationRequest("t", (*system, 1), one))
         await engine.drain_stores()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         streams = [engine.submit(GenerationRequest("t", system + _tokens(suffix_tokens, 900 + i),
