@@ -4,6 +4,8 @@ them and giving them back, which is all the engine does with the pool)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -272,3 +274,78 @@ def test_block_refs_never_free_a_held_block(ops: list[tuple[str, int]]) -> None:
         assert all(not refs.is_free(b) for b in held)
         assert refs.num_cached == len(cached)
         assert refs.num_cache_only == len(cached - set(users))
+
+
+def _expected(tokens: list[int], block: int) -> float:
+    """Fake KV that depends on the whole prefix, as real KV does (a block's value names it)."""
+    return float(hash(tuple(tokens[: (block + 1) * BLOCK_SIZE])) % 997 + 1)
+
+
+def _fill(kv: PagedBlocks, block_id: int, value: float) -> None:
+    kv.k[:, block_id] = value
+    kv.v[:, block_id] = -value
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.lists(st.integers(0, 2),
+                                                                       min_size=1, max_size=3)),
+                min_size=1, max_size=40))
+def test_sequences_and_the_cache_sharing_one_pool_never_see_wrong_data(
+    ops: list[tuple[bool, int, list[int]]],
+) -> None:
+    """Random starts (lookup, share, take, copy, compute, store in place) and finishes on a
+    10-block pool with a 4-block T1: every sequence's blocks keep its own KV while it runs, and
+    every block the cache returns is the KV of exactly those tokens."""
+    kv = pool(10)
+    cache = bound(kv, FakeClock(), t1=4)
+    key = make_key()
+    running: list[tuple[list[int], list[int], Hit | None]] = []
+    for start, pick, pattern in ops:
+        if start:
+            tokens = [t * 100 + i for t in pattern for i in range(BLOCK_SIZE)] + [9, 9]
+            n_blocks = len(pattern)
+            hit = cache.lookup(key, tokens)
+            held = hit if isinstance(hit, Hit) else None
+            usable = min(len(held.blocks), n_blocks) if held else 0
+            shared = cache.share_prefix(held, kv, usable) if held else []
+            fresh = kv.take(n_blocks + 1 - len(shared))
+            if fresh is None:
+                kv.give_back(shared)
+                if held:
+                    cache.release(held)
+                continue
+            table = shared + fresh
+            if held:
+                cache.copy_into(held, kv, table, len(shared), usable)
+            for b in range(usable):  # what the cache gave is this prompt's KV
+                assert kv.k[0, table[b], 0, 0, 0].item() == _expected(tokens, b)
+            for b in range(usable, n_blocks + 1):  # the sequence computes only its own blocks
+                assert kv.refs.ref_count(table[b]) == 1 and not kv.refs.is_cached(table[b])
+                _fill(kv, table[b], _expected(tokens, b))
+            cache.store_blocks(key, tokens[: n_blocks * BLOCK_SIZE], kv, table)
+            running.append((tokens, table, held))
+        elif running:
+            tokens, table, held = running.pop(pick % len(running))
+            kv.give_back(table)
+            if held:
+                cache.release(held)
+        for tokens, table, _ in running:
+            for b, block_id in enumerate(table):
+                assert kv.refs.ref_count(block_id) >= 1
+                assert kv.k[0, block_id, 0, 0, 0].item() == _expected(tokens, b)
+        cache._manager.index.check_invariants()
+    for _, table, held in running:
+        kv.give_back(table)
+        if held:
+            cache.release(held)
+    cache.drain_store_queue()
+    for pattern in itertools.chain.from_iterable(
+        itertools.product(range(3), repeat=n) for n in (1, 2, 3)
+    ):
+        tokens = [t * 100 + i for t in pattern for i in range(BLOCK_SIZE)]
+        for b, h in enumerate(cache.block_hashes(key, tokens)):
+            got = cache.read_blocks([h])
+            if got is not None:  # whatever is cached is the KV of exactly these tokens
+                assert got[0][0, 0, 0, 0].item() == _expected(tokens, b)
+                assert got[1][0, 0, 0, 0].item() == -_expected(tokens, b)
+    assert kv.num_free_blocks == kv.num_blocks
