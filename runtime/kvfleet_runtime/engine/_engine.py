@@ -84,7 +84,8 @@ class CacheKeyFields:
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     num_kv_blocks: int = 1024
-    """Working KV of running sequences, in 16-token blocks."""
+    """The device block pool, in 16-token blocks: running sequences' KV and the cache's T0 (one
+    pool; an engine given a pool takes its size from it)."""
     max_batch_size: int = 32
     """Sequences running at once (prefilling or decoding)."""
     max_waiting: int = 256
@@ -213,7 +214,8 @@ class _Metrics:
                              registry=registry)
         self.waiting = Gauge(p + "waiting_requests", "Requests queued for admission.",
                              registry=registry)
-        self.free_blocks = Gauge(p + "kv_free_blocks", "Free blocks of the working KV.",
+        self.free_blocks = Gauge(p + "kv_free_blocks", "Blocks of the KV pool new work can "
+                                 "have: free, or cached and used by no sequence.",
                                  registry=registry)
 
 
