@@ -489,12 +489,41 @@ class BlockIndex:
         plan = _Plan()
         slots = self.allocators[Tier.T0]
         skipped: list[BlockNode] = []
+        demoted: list[BlockNode] = []
         while slots.num_free < num_free:
             victim = self._pop_victim(Tier.T0)
             if victim is None:
                 break
             if slots.in_use(victim.block_id) or not self._evict(victim, plan):
                 skipped.append(victim)
+            elif victim.tier == Tier.T1:
+                demoted.append(victim)
         for node in skipped:
             self._push(node)
+        self._order_demotions(demoted, plan)
         return plan
+
+    def _order_demotions(self, demoted: list[BlockNode], plan: _Plan) -> None:
+        """Victims go leaf first, so a demoted chain would land in T1 slots in reverse order and
+        a later T1 hit would cost one copy per block. The copies have not run yet: hand the same
+        T1 slots out again in chain order (root first, chain by chain), so each chain is one run."""
+        if len(demoted) < 2:
+            return
+
+        def chain_order(node: BlockNode) -> tuple[int, int]:
+            depth, top = 0, node
+            while top.parent is not None:
+                top, depth = top.parent, depth + 1
+            return id(top), depth
+
+        new_ids = sorted(n.block_id for n in demoted)
+        remap: dict[int, int] = {}
+        for node, new_id in zip(sorted(demoted, key=chain_order), new_ids, strict=True):
+            remap[node.block_id] = new_id
+            node.block_id = new_id
+        plan.moves = [
+            Move(m.src_tier, m.src_id, m.dst_tier, remap.get(m.dst_id, m.dst_id))
+            if m.src_tier == Tier.T0 and m.dst_tier == Tier.T1
+            else m
+            for m in plan.moves
+        ]

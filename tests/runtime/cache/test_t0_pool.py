@@ -181,7 +181,9 @@ def test_reclaim_demotes_to_t1_then_a_t1_hit_copies_one_run_into_engine_blocks(
 
     monkeypatch.setattr(cache_module, "copy_runs", spy)
     num_copies = cache.copy_into(hit, kv, table, 0, 4)
-    assert num_copies == len(paired_runs(t1_ids, table[:4])) == sum(counted)
+    # Demoted in chain order (not leaf first), into one run: the 4-block hit is one copy.
+    assert t1_ids == [0, 1, 2, 3] and table[:4] == [0, 1, 2, 3]
+    assert num_copies == len(paired_runs(t1_ids, table[:4])) == sum(counted) == 1
     got = cache.read_blocks(cache.block_hashes(make_key(), tokens))
     assert got is not None
     assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])

@@ -147,7 +147,7 @@ async def test_in_flight_work_reclaims_cached_blocks_and_a_t1_hit_copies_runs(
         out, cached = await run(engine, "acme", prompt)
         assert (out, cached) == (expected, 64)  # the T1 hit answers like the miss
         (src_ids, dst_ids, n), = counted
-        assert src_ids == t1_ids and n == len(paired_runs(t1_ids, dst_ids))
+        assert src_ids == t1_ids and n == len(paired_runs(t1_ids, dst_ids)) == 1
         promoted = cache._manager.index.match(cache.block_hashes(key, prompt))
         assert [p.tier for p in promoted] == [0, 0, 0, 0]
         assert [p.block_id for p in promoted] == dst_ids  # filed in T0 where the copy landed
