@@ -166,6 +166,7 @@ def world(k8s_cluster: Cluster, runtime_image: Container) -> Iterator[World]:
         values_file = work_dir / "my-values.yaml"
         values_file.write_text(yaml.safe_dump(
             values(models, digests["v1"], replica_port, router_port, redis.url)))
+        (work_dir / "pods").mkdir()
         shim = KubeletShim(
             k8s_cluster, namespace, work_dir / "pods",
             selector=f"app.kubernetes.io/instance={RELEASE}", nodes=set(nodes),
@@ -173,7 +174,6 @@ def world(k8s_cluster: Cluster, runtime_image: Container) -> Iterator[World]:
             on_change=lambda pods: prometheus.set_targets(
                 [p for p in pods if p.labels.get("app.kubernetes.io/component") == "replica"]),
         )
-        (work_dir / "pods").mkdir()
         shim.start()
         # The chart creates the ServiceAccount; the identity needs it, so it is minted after the
         # install (World.operator_identity is set by the install test).

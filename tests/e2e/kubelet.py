@@ -45,13 +45,9 @@ a stopping pod's process still holds waits to start, and is kept not Ready meanw
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import threading
 import time
 import urllib.error
@@ -63,7 +59,7 @@ from typing import Any
 
 from tests.cluster.fixtures import Cluster, CommandError
 from tests.cluster.processes import ManagedProcess, start_process
-from tests.images.buildah import VERSION, Container, payload_pids
+from tests.images.buildah import VERSION, Container, stop_run
 
 # The repository pods name (the chart's runtimeImage.repository); the local build of a tag is
 # scripts/images.sh's localhost/<repository>:<version>.
@@ -162,7 +158,8 @@ class KubeletShim:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(30)
+        if self._thread.is_alive():
+            self._thread.join(30)
         with self._lock:
             pods = list(self.pods.values())
         for pod in pods:
@@ -243,7 +240,7 @@ class KubeletShim:
 
         def stop() -> None:
             try:
-                stop_container(pod.process, STOP_GRACE_S)
+                stop_run(pod.process.popen, STOP_GRACE_S)
             finally:
                 with self._lock:
                     self._stopping.pop(pod.ip, None)
@@ -387,25 +384,6 @@ class KubeletShim:
                 tmp.chmod(0o644)
                 tmp.replace(target)  # atomic, as the kubelet's symlink swap
                 volume.written[path] = content
-
-
-def stop_container(process: ManagedProcess, grace_s: float) -> None:
-    """As the kubelet stops a container: SIGTERM to its process (the command buildah runs, not
-    buildah's helpers: they would SIGKILL it before its handler ran), SIGKILL to everything
-    after the grace period, then reap buildah."""
-    if process.alive():
-        pids = payload_pids(process.pid)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        if not pids:  # not started yet (or gone): buildah itself
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.popen.wait(timeout=grace_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.popen.wait(timeout=grace_s)
 
 
 def _run_as(spec: dict[str, Any], container: dict[str, Any]) -> str | None:

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tomllib
 import uuid
@@ -73,9 +74,13 @@ class Container:
         args = [*buildah(), "run", "--isolation", "chroot", "--user", user]
         if hostname is not None:
             args += ["--hostname", hostname]
+        # A volume mounted on a top-level folder replaces it (a mount point made by an earlier
+        # run of this working container, e.g. /models): no read-only bind of its own there.
+        replaced = {v.split(":")[1].strip("/") for v in volumes}
         for top in sorted(os.listdir(self.mount)):
             path = self.mount / top
-            if top in WRITABLE | RUNTIME_MANAGED or not path.is_dir() or path.is_symlink():
+            if top in WRITABLE | RUNTIME_MANAGED | replaced or not path.is_dir() \
+                    or path.is_symlink():
                 continue
             args += ["--volume", f"{path}:/{top}:ro"]
         for volume in volumes:
@@ -143,6 +148,25 @@ def payload_pids(buildah_pid: int) -> list[int]:
                 (helpers if is_helper else found).append(child)
         frontier = helpers
     return found
+
+
+def stop_run(popen: subprocess.Popen[bytes], grace_s: float) -> None:
+    """Stop a `buildah run` started in its own session as the kubelet stops a container: SIGTERM
+    to its command (not to buildah's helpers: they would SIGKILL it before its handler ran),
+    SIGKILL to the whole group after `grace_s`, then reap buildah."""
+    if popen.poll() is None:
+        pids = payload_pids(popen.pid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        if not pids:  # the command is not started yet (or gone): buildah itself
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(popen.pid, signal.SIGKILL)
+    popen.wait(timeout=grace_s)
 
 
 def _children(pid: int) -> list[int]:

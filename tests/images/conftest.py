@@ -4,8 +4,6 @@ lists what chroot isolation does not check)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 from collections.abc import Iterator
 
@@ -18,6 +16,7 @@ from tests.images.buildah import (
     VERSION,
     Container,
     have_image,
+    stop_run,
     working_container,
 )
 
@@ -25,13 +24,7 @@ __all__ = ["OPERATOR", "ROOT", "RUNTIME", "VERSION", "Container", "stop"]
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+    stop_run(proc, grace_s=30)
 
 
 def _container(image: str) -> Iterator[Container]:
