@@ -166,6 +166,8 @@ class KubeletShim:
             self._stop_pod(pod)
         for thread in self._stoppers:
             thread.join(STOP_GRACE_S * 3)
+        # Beside the pods' logs (kept with KVFLEET_E2E_KEEP=1): what started and stopped, when.
+        (self.work_dir / "events.log").write_text("\n".join([*self.events, *self.errors]) + "\n")
 
     def running(self, label: str | None = None) -> list[PodProcess]:
         """Pods with a live process; `label` 'key=value' filters them."""
@@ -244,7 +246,8 @@ class KubeletShim:
             finally:
                 with self._lock:
                     self._stopping.pop(pod.ip, None)
-                self.events.append(f"{time.strftime('%H:%M:%S')} stopped {pod.name}")
+                self.events.append(f"{time.strftime('%H:%M:%S')} stopped {pod.name} "
+                                   f"rc={pod.process.popen.returncode}")
 
         thread = threading.Thread(target=stop, name=f"stop-{pod.name}", daemon=True)
         thread.start()
