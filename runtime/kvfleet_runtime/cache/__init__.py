@@ -23,6 +23,7 @@ Public facade (what the replica engine and, later, the fleet tier code against):
     cache.read_blocks(hashes) -> (k, v) | None    # export held blocks, canonical layout
     cache.import_blocks(key, token_ids, k, v)     # insert blocks fetched from a peer
     cache.add_listener(callback)                  # BlockEvent("stored"|"removed", key, hashes)
+    cache.set_eviction_sink(callback)             # EvictedRun: what T1 drops, with its data (T3)
 
 Stored layout, per tier pool: K and V `[num_layers, num_kv_heads, num_blocks, 16, head_dim]`.
 Chained hashes: `block_hashes(key, token_ids)` (blake2b-128, see `_keys.py`). Thread-safety:
@@ -58,7 +59,7 @@ from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
 from kvfleet_runtime.cache._store_queue import StoreQueue
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.cache._cache import Hit, Miss, PrefixCache
+    from kvfleet_runtime.cache._cache import EvictedRun, Hit, Miss, PrefixCache
     from kvfleet_runtime.cache._pool import TensorPool
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "CacheStats",
     "ChainMemo",
     "CountMinSketch",
+    "EvictedRun",
     "Hit",
     "KVLayout",
     "Miss",
@@ -88,7 +90,13 @@ __all__ = [
     "iter_block_hashes",
 ]
 
-_TORCH_EXPORTS = {"Hit": "_cache", "Miss": "_cache", "PrefixCache": "_cache", "TensorPool": "_pool"}
+_TORCH_EXPORTS = {
+    "EvictedRun": "_cache",
+    "Hit": "_cache",
+    "Miss": "_cache",
+    "PrefixCache": "_cache",
+    "TensorPool": "_pool",
+}
 
 
 def __getattr__(name: str) -> Any:

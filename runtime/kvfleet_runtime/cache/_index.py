@@ -99,6 +99,8 @@ class TierCounters:
 class _Plan:
     moves: list[Move] = field(default_factory=list)
     dropped: list[BlockNode] = field(default_factory=list)
+    dropped_from: list[int] = field(default_factory=list)
+    """The tier each `dropped` block left (its slot still holds its data until `moves` run)."""
 
 
 class BlockIndex:
@@ -252,6 +254,7 @@ class BlockIndex:
                 parent.num_t0_children -= 1
             self._push(parent)
         plan.dropped.append(node)
+        plan.dropped_from.append(tier)
 
     def _reserve(
         self, tier: int, n: int, candidate_freqs: Sequence[int] | None, plan: _Plan

@@ -128,6 +128,10 @@ class CacheManager:
         """New blocks one store may write beyond the free room (`store_max_fraction`)."""
         self.memo = ChainMemo(config.hash_memo_entries) if config.hash_memo_entries else None
         self.events: list[BlockEvent] = []
+        self.evicted: list[tuple[BlockNode, Tier]] | None = None
+        """With a list here (an eviction sink is attached), blocks the host tier drops (T1, or
+        T0 when there is no T1) are collected for the next tier, leaf first, slots still intact
+        until the pending moves run (`drain_evicted`)."""
         self._tenants: dict[str, TenantStats] = {}
         # Longest first, so the longest allow-listed prefix a request starts with wins.
         self._platform = sorted(config.platform_prefixes, key=len, reverse=True)
@@ -305,6 +309,12 @@ class CacheManager:
         if not plan.dropped:
             return
         self.thrash.record(self.clock(), dropped=len(plan.dropped))
+        if self.evicted is not None:
+            last = Tier.T1 if self.index.allocators[Tier.T1].num_blocks else Tier.T0
+            self.evicted.extend(
+                (node, last) for node, tier in zip(plan.dropped, plan.dropped_from, strict=True)
+                if tier == last
+            )
         by_key: dict[CacheKey, list[BlockHash]] = {}
         for node in plan.dropped:
             by_key.setdefault(node.namespace.key, []).append(node.block_hash)
@@ -330,6 +340,12 @@ class CacheManager:
             self.events.append(BlockEvent("removed", key, tuple(hashes)))
             self._tenant(key.tenant_id).num_invalidated += len(hashes)
         return num_unindexed
+
+    def drain_evicted(self) -> list[tuple[BlockNode, Tier]]:
+        if not self.evicted:
+            return []
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []

@@ -164,6 +164,8 @@ class BandwidthRecorder:
     """level -> per-bucket counts (len(edges) + 1, the last bucket is +Inf)."""
     num_bytes: dict[int, int] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
+    sum_gb_s: dict[int, float] = field(default_factory=dict)
+    """Sum of the per-read GB/s observed (a histogram's sum)."""
 
     def record(self, level: int, num_bytes: int, seconds: float) -> None:
         if num_bytes <= 0 or seconds <= 0:
@@ -174,6 +176,7 @@ class BandwidthRecorder:
         buckets[i] += 1
         self.num_bytes[level] = self.num_bytes.get(level, 0) + num_bytes
         self.seconds[level] = self.seconds.get(level, 0.0) + seconds
+        self.sum_gb_s[level] = self.sum_gb_s.get(level, 0.0) + gb_s
 
     def per_read_gb_s(self, level: int) -> float | None:
         """Bytes over busy seconds of one read at `level` (None: no sample)."""
@@ -437,6 +440,15 @@ class NvmeStore:
             for h, entry in stale:
                 self._forget(h, entry)
         return len(stale)
+
+    def forget_all(self) -> int:
+        """Forget every block (T3 turned off): unreachable at once, slots reused later."""
+        with self._lock:
+            n = len(self._index)
+            self._index.clear()
+            self._owner = [None] * self.num_slots
+            self.stats.num_blocks = 0
+        return n
 
     def _staging(self, size: int) -> mmap.mmap:
         """This thread's aligned staging buffer of at least `size` bytes (reused: first-touch
