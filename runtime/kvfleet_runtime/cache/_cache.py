@@ -258,6 +258,17 @@ class PrefixCache:
         index publishes and withdraws. Demotions T0 -> T1 keep a block on the host: no event."""
         self._listeners.append(callback)
 
+    def set_t1_enabled(self, enabled: bool) -> int:
+        """T1 on or off, live (the fleet config's `tiers.t1_host`). Off: every T1 block becomes
+        unreachable at once and its slot is freed (at the release of the in-flight hits that
+        hold it, which keep reading correct data meanwhile); stores and demotions stop using T1.
+        Returns the blocks removed. The pool stays allocated, so turning it on again is free."""
+        with self._lock:
+            removed = self._manager.set_t1_enabled(enabled)
+            events = self._manager.drain_events()
+        self._dispatch(events)
+        return removed
+
     def set_eviction_sink(self, sink: Callable[[EvictedRun], None] | None) -> None:
         """Hand every block the host tier drops (T1, or T0 without a T1) to `sink`, with a copy
         of its data, outside the cache lock on the thread that caused the eviction: the next

@@ -252,7 +252,7 @@ class CacheManager:
         parent = resident[-1] if resident else None
         if plan.placement is Placement.PINNED and index.allocators[Tier.T0].num_blocks:
             tier, pinned = Tier.T0, True
-        elif index.allocators[Tier.T1].num_blocks:
+        elif index.allocators[Tier.T1].num_blocks and index.t1_enabled:
             tier, pinned = Tier.T1, False
         else:
             tier, pinned = Tier.T0, False
@@ -310,7 +310,8 @@ class CacheManager:
             return
         self.thrash.record(self.clock(), dropped=len(plan.dropped))
         if self.evicted is not None:
-            last = Tier.T1 if self.index.allocators[Tier.T1].num_blocks else Tier.T0
+            t1 = self.index.allocators[Tier.T1].num_blocks and self.index.t1_enabled
+            last = Tier.T1 if t1 else Tier.T0
             self.evicted.extend(
                 (node, last) for node, tier in zip(plan.dropped, plan.dropped_from, strict=True)
                 if tier == last
@@ -340,6 +341,24 @@ class CacheManager:
             self.events.append(BlockEvent("removed", key, tuple(hashes)))
             self._tenant(key.tenant_id).num_invalidated += len(hashes)
         return num_unindexed
+
+    def set_t1_enabled(self, enabled: bool) -> int:
+        """The fleet config's T1 toggle. Off drains T1 (see `BlockIndex.disable_t1`) and
+        withdraws its blocks from the hint index; on hands out T1 slots again. Returns the
+        blocks removed from the index."""
+        if enabled:
+            self.index.t1_enabled = True
+            return 0
+        if not self.index.t1_enabled:
+            return 0
+        gone = self.index.disable_t1()
+        by_key: dict[CacheKey, list[BlockHash]] = {}
+        for node in gone:
+            by_key.setdefault(node.namespace.key, []).append(node.block_hash)
+            self._tenant(node.namespace.key.tenant_id).num_evictions += 1
+        for key, hashes in by_key.items():
+            self.events.append(BlockEvent("removed", key, tuple(hashes)))
+        return len(gone)
 
     def drain_evicted(self) -> list[tuple[BlockNode, Tier]]:
         if not self.evicted:
