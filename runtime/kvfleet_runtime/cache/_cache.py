@@ -258,6 +258,10 @@ class PrefixCache:
         index publishes and withdraws. Demotions T0 -> T1 keep a block on the host: no event."""
         self._listeners.append(callback)
 
+    @property
+    def t1_enabled(self) -> bool:
+        return bool(self.config.num_t1_blocks) and self._manager.index.t1_enabled
+
     def set_t1_enabled(self, enabled: bool) -> int:
         """T1 on or off, live (the fleet config's `tiers.t1_host`). Off: every T1 block becomes
         unreachable at once and its slot is freed (at the release of the in-flight hits that

@@ -18,13 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 from kvfleet_runtime.nvme._store import (
     ALIGN_BYTES,
+    MODES,
     STORE_FILENAME,
     BandwidthRecorder,
     NvmeConfig,
+    NvmeMode,
     NvmeStats,
     NvmeStore,
     aligned_buffer,
     concurrency_bucket,
+    mode_for,
 )
 
 if TYPE_CHECKING:
@@ -32,14 +35,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALIGN_BYTES",
+    "MODES",
     "STORE_FILENAME",
     "BandwidthRecorder",
     "NvmeConfig",
+    "NvmeMode",
     "NvmeStats",
     "NvmeStore",
     "NvmeTier",
     "aligned_buffer",
     "concurrency_bucket",
+    "mode_for",
 ]
 
 

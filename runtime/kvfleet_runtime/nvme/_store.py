@@ -43,18 +43,22 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import xxhash
 
 __all__ = [
     "ALIGN_BYTES",
+    "MODES",
     "STORE_FILENAME",
     "BandwidthRecorder",
     "NvmeConfig",
+    "NvmeMode",
     "NvmeStats",
     "NvmeStore",
     "aligned_buffer",
     "concurrency_bucket",
+    "mode_for",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,8 +67,15 @@ ALIGN_BYTES = 4096
 """O_DIRECT alignment of offsets, sizes and buffers (the logical block size of NVMe is 512 B or
 4 KiB; 4 KiB satisfies both)."""
 STORE_FILENAME = "kvfleet-t3.blocks"
+NvmeMode = Literal["off", "shadow", "on"]
+MODES: tuple[NvmeMode, ...] = ("off", "shadow", "on")
 CONCURRENCY_BUCKETS = (1, 2, 4, 8, 16, 32)
 """Reads in flight are reported at these levels (a level counts reads up to it)."""
+
+
+def mode_for(nvme: bool, shadow: bool) -> NvmeMode:
+    """The T3 mode of the fleet config's toggles: serving wins over shadowing (both measure)."""
+    return "on" if nvme else ("shadow" if shadow else "off")
 
 
 def _round_up(n: int, to: int) -> int:

@@ -29,7 +29,6 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -43,20 +42,11 @@ from kvfleet_runtime.cache import (
     EvictedRun,
     PrefixCache,
 )
-from kvfleet_runtime.nvme._store import NvmeStore, aligned_buffer
+from kvfleet_runtime.nvme._store import MODES, NvmeMode, NvmeStore, aligned_buffer
 
-__all__ = ["NvmeMode", "NvmeTier", "NvmeTierStats", "mode_for"]
+__all__ = ["NvmeCollector", "NvmeTier", "NvmeTierStats"]
 
 log = logging.getLogger(__name__)
-
-NvmeMode = Literal["off", "shadow", "on"]
-MODES: tuple[NvmeMode, ...] = ("off", "shadow", "on")
-
-
-def mode_for(nvme: bool, shadow: bool) -> NvmeMode:
-    """The mode of the fleet config's toggles: serving wins over shadowing (both measure)."""
-    return "on" if nvme else ("shadow" if shadow else "off")
-
 
 @dataclass(slots=True)
 class NvmeTierStats:
