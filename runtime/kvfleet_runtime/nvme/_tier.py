@@ -120,7 +120,8 @@ class NvmeTier:
         self._local = threading.local()
         self._writer: threading.Thread | None = None
         cache.add_listener(self.held.on_event)
-        cache.set_eviction_sink(self.offer)
+        # Attached only while T3 is on or shadowing: off, evictions cost no copy at all.
+        cache.set_eviction_sink(self.offer if mode != "off" else None)
         if registry is not None:
             registry.register(NvmeCollector(self))
 
@@ -149,6 +150,7 @@ class NvmeTier:
             return
         log.info("T3 (NVMe) mode %s -> %s", self.mode, mode)
         self.mode = mode
+        self.cache.set_eviction_sink(self.offer if mode != "off" else None)
         if mode == "off":
             self.store.forget_all()
 
