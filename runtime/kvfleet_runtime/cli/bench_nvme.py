@@ -5,6 +5,7 @@ reference model's break-even (the code lives in kvfleet_lab.nvme)."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +21,9 @@ __all__ = ["nvme"]
 
 @bench.command("nvme")
 def nvme(
-    path: Annotated[Path, typer.Option(help="Directory on the medium to measure (the T3 mount).")],
+    path: Annotated[Path | None, typer.Option(
+        help="Directory on the medium to measure (the T3 mount); default: the temp directory.")
+    ] = None,
     concurrency: Annotated[str, typer.Option(help="Comma-separated reads in flight.")] = "1,4,8",
     size_mib: Annotated[int, typer.Option(help="MiB written and read per level and rep.")] = 512,
     run_blocks: Annotated[int, typer.Option(
@@ -40,6 +43,8 @@ def nvme(
         fail(f"--concurrency must be comma-separated integers, got {concurrency!r}")
     if not levels or any(c < 1 for c in levels) or size_mib < 1 or run_blocks < 1 or reps < 1:
         fail("--concurrency levels, --size-mib, --run-blocks and --reps must be >= 1")
+    if path is None:
+        path = Path(tempfile.gettempdir())
     if not path.is_dir():
         fail(f"--path {path} is not a directory")
     try:
