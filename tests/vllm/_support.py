@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -35,6 +34,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvfleet_vllm.connector import KvfleetConnector
+from vllm import SamplingParams
 
 EOS = 2
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")

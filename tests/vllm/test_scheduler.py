@@ -10,14 +10,14 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not importable here: tests/vllm run in vLLM's own "
                     "environment (make test-vllm)")
 
-import torch  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
+import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.request import RequestStatus
 
-from kvfleet_runtime.architectures import parse_hf_config  # noqa: E402
-from kvfleet_runtime.cache import block_hashes  # noqa: E402
-from kvfleet_runtime.model.checkpoint import read_config, weights_digest  # noqa: E402
-from tests.vllm import _support as sup  # noqa: E402
+from kvfleet_runtime.architectures import parse_hf_config
+from kvfleet_runtime.cache import block_hashes
+from kvfleet_runtime.model.checkpoint import read_config, weights_digest
+from tests.vllm import _support as sup
 
 PROMPT = [(i * 7 + 3) % 500 for i in range(100)]  # 6 full blocks and a 4-token tail
 
@@ -78,7 +78,6 @@ def test_store_then_load_the_right_blocks_and_count_hits_once(engine):
     (load, table_b), = out.kv_connector_metadata.loads
     assert load.chain_blocks == (0, 1, 2, 3, 4, 5) and not load.failed
     assert b.num_computed_tokens >= 96
-    assert set(table_b[:6]).isdisjoint(table_a[:6]) or True
     for got, want in zip(kv_of(views, table_b, 6), saved, strict=True):
         assert torch.equal(got, want)  # bitwise
     run_to_end(s, w, views)
@@ -139,7 +138,8 @@ def test_abort_and_preemption_release_everything(engine):
     s.kv_cache_manager.reset_prefix_cache()
     assert conn.index.num_referenced_blocks == 0
     out, _ = sup.step(s, [w], [views])
-    assert [p.chain_blocks for p, _ in out.kv_connector_metadata.loads] == [(0, 1, 2, 3, 4, 5)]
+    # b's own first step completed its prefill and stored its 7th block (tokens 96-112)
+    assert [p.chain_blocks for p, _ in out.kv_connector_metadata.loads] == [tuple(range(7))]
     assert conn.stats().totals.num_lookups == 2 and conn.stats().totals.num_hits == 1
 
     # aborted with its load's step still in flight: the step's end releases the blocks
@@ -172,7 +172,7 @@ def test_a_failed_load_is_reported_and_recomputed(engine, monkeypatch):
     b = sup.request("b", PROMPT[:96] + [11] * 20)
     s.add_request(b)
     out = s.schedule()
-    (load, table), = out.kv_connector_metadata.loads
+    (_load, table), = out.kv_connector_metadata.loads
     w.bind_connector_metadata(out.kv_connector_metadata)
     w.start_load_kv(None)
     errors = w.get_block_ids_with_load_errors()
