@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, CacheStats, KVLayout
 from kvfleet_vllm._copy import HostPool, RankHeads, load_blocks, save_blocks, view_positions
 from kvfleet_vllm._keys import ModelKey, model_key, tenant_of
+from kvfleet_vllm._options import CACHE_KNOBS, DEFAULT_HOST_POOL_PATH, EXTRA_KEYS, PREFIX
 from kvfleet_vllm._plan import ConnectorIndex, LoadPlan, SavePlan
 
 if TYPE_CHECKING:
@@ -54,13 +55,9 @@ __all__ = ["KvfleetConnector", "KvfleetConnectorMetadata", "KvfleetWorkerMetadat
 
 logger = logging.getLogger(__name__)
 
-_PREFIX = "kvfleet."
-DEFAULT_HOST_POOL_PATH = "/dev/shm/kvfleet-host-pool"
-_CACHE_KNOBS = ("admit_min_sightings", "hot_min_sightings")
-"""`CacheConfig` fields a deployment may set (`kvfleet.<name>`); the rest keep kvfleet's
-defaults, the same as a kvfleet replica's."""
-_EXTRA_KEYS = frozenset({"host_pool_path", "num_host_blocks", "model_id", "weights_digest",
-                         "default_tenant", "tp_rank", *_CACHE_KNOBS})
+_PREFIX = PREFIX
+_CACHE_KNOBS = CACHE_KNOBS
+_EXTRA_KEYS = EXTRA_KEYS
 
 
 @dataclass(slots=True)
