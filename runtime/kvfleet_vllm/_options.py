@@ -11,7 +11,7 @@ MODULE_PATH = "kvfleet_vllm.connector"
 
 PREFIX = "kvfleet."
 DEFAULT_HOST_POOL_PATH = "/dev/shm/kvfleet-host-pool"
-CACHE_KNOBS = ("admit_min_sightings", "hot_min_sightings")
+CACHE_KNOBS = ("admit_min_sightings", "hot_min_sightings")  # read one by one in connector.py
 """`CacheConfig` fields a deployment may set (`kvfleet.<name>`); the rest keep kvfleet's
 defaults, the same as a kvfleet replica's."""
 EXTRA_KEYS = frozenset({"host_pool_path", "num_host_blocks", "model_id", "weights_digest",

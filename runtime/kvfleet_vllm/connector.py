@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, CacheStats, KVLayout
 from kvfleet_vllm._copy import HostPool, RankHeads, load_blocks, save_blocks, view_positions
 from kvfleet_vllm._keys import ModelKey, model_key, tenant_of
-from kvfleet_vllm._options import CACHE_KNOBS, DEFAULT_HOST_POOL_PATH, EXTRA_KEYS, PREFIX
+from kvfleet_vllm._options import DEFAULT_HOST_POOL_PATH, EXTRA_KEYS, PREFIX
 from kvfleet_vllm._plan import ConnectorIndex, LoadPlan, SavePlan
 
 if TYPE_CHECKING:
@@ -56,7 +56,6 @@ __all__ = ["KvfleetConnector", "KvfleetConnectorMetadata", "KvfleetWorkerMetadat
 logger = logging.getLogger(__name__)
 
 _PREFIX = PREFIX
-_CACHE_KNOBS = CACHE_KNOBS
 _EXTRA_KEYS = EXTRA_KEYS
 
 
@@ -139,8 +138,13 @@ class KvfleetConnector(KVConnectorBase_V1):
                 attention_backend=getattr(backend, "name", None) or str(backend or "auto"),
                 digest=extra.get(_PREFIX + "weights_digest"),
             )
-            knobs = {k: int(extra[_PREFIX + k]) for k in _CACHE_KNOBS if _PREFIX + k in extra}
-            config = CacheConfig(num_t0_blocks=0, num_t1_blocks=num_slots, **knobs)
+            defaults = CacheConfig(num_t0_blocks=0, num_t1_blocks=num_slots)
+            config = CacheConfig(
+                num_t0_blocks=0, num_t1_blocks=num_slots,
+                admit_min_sightings=int(extra.get(_PREFIX + "admit_min_sightings",
+                                                  defaults.admit_min_sightings)),
+                hot_min_sightings=int(extra.get(_PREFIX + "hot_min_sightings",
+                                                defaults.hot_min_sightings)))
             self.index = ConnectorIndex(self.layout, num_slots, vllm_block_size=self.block_size,
                                         clock=time.monotonic, config=config)
         else:
