@@ -190,3 +190,42 @@ def test_the_key_is_kvfleets_key_of_the_checkpoint(engine, tiny_checkpoint):
     assert mk.rope_config_hash == args.rope_config_hash()
     suffix = args.attn_impl_id()[len(args.attn_impl):]
     assert mk.attn_impl_id == "vllm-auto" + suffix
+
+
+def test_32_token_blocks_and_a_tp2_engine_store_what_tp1_loads(tiny_checkpoint, tmp_path):
+    """vLLM blocks of 2 kvfleet blocks; two TP ranks write one canonical pool together (heads
+    0-1 and 2-3), and a TP1 engine sharing that pool (a restart at another TP degree) loads it."""
+    vc2 = sup.vllm_config(tiny_checkpoint, tmp_path / "pool", block_size=32, tp=2)
+    s2 = sup.scheduler(vc2, num_blocks=32)
+    ranks = [sup.worker(vc2, r) for r in (0, 1)]
+    rank_views = [sup.layer_views(32, 2, 16, 32, KVCacheLayout.LBHNC) for _ in ranks]
+    torch.manual_seed(2)
+    for w, views in zip(ranks, rank_views, strict=True):
+        for v in views:
+            v.copy_(torch.randn(v.shape, dtype=torch.float16))
+        w.register_kv_caches(dict(zip(sup.LAYERS, views, strict=True)))
+    s2.add_request(sup.request("a", PROMPT, block_size=32))
+    saves = []
+    for _ in range(10):
+        if not s2.has_unfinished_requests():
+            break
+        out, _ = sup.step(s2, ranks, rank_views)
+        saves += out.kv_connector_metadata.saves
+    (plan, table_a), = saves
+    assert plan.chain_blocks == tuple(range(6))  # 3 vLLM blocks of 32 tokens
+    full = [torch.cat([rv[layer][list(table_a[:3])] for rv in rank_views], dim=1)
+            for layer in range(2)]  # [3 blocks, 4 heads, 32, 32]: rank 0 heads 0-1, rank 1 2-3
+
+    # A TP1 engine on the same pool, with the TP2 engine's index (one pool, one index).
+    vc1 = sup.vllm_config(tiny_checkpoint, tmp_path / "pool", block_size=32)
+    s1 = sup.scheduler(vc1, num_blocks=32)
+    sup.connector_of(s1).index = sup.connector_of(s2).index
+    w1 = sup.worker(vc1)
+    views1 = sup.layer_views(32, 4, 16, 32, KVCacheLayout.LBNHC)
+    w1.register_kv_caches(dict(zip(sup.LAYERS, views1, strict=True)))
+    s1.add_request(sup.request("b", PROMPT[:96] + [5] * 30, block_size=32))
+    out, _ = sup.step(s1, [w1], [views1])
+    (load, table_b), = out.kv_connector_metadata.loads
+    assert load.chain_blocks == tuple(range(6))
+    for layer in range(2):
+        assert torch.equal(views1[layer][list(table_b[:3])], full[layer])
