@@ -85,11 +85,13 @@ class ConnectorIndex:
         self.vllm_block_size = vllm_block_size
         self.manager = CacheManager(base, bytes_per_block=layout.bytes_per_block, clock=clock)
         self._counted: set[str] = set()
+        self._loaded: set[str] = set()
         self._pending: set[BlockHash] = set()
         self._poisoned: set[BlockHash] = set()
         self._in_flight: deque[_Step] = deque()
         self._step = _Step(0)
         self._next_store_id = 0
+        self._deltas: dict[str, dict[str, int]] = {}
 
     # -- scheduling ------------------------------------------------------------------------
 
@@ -131,6 +133,7 @@ class ConnectorIndex:
                 self.manager.index.acquire(path)
         else:
             self._counted.add(req_id)
+            self._count(key.tenant_id, "lookup_tokens", len(token_ids))
             # The denominator is the whole prompt, like vLLM's own prefix-cache metric.
             path = self.manager.lookup(key, hashes, len(token_ids),
                                        num_local_tokens=num_local_tokens)
@@ -148,6 +151,11 @@ class ConnectorIndex:
                 self.manager.release(path)
             return LoadPlan(req_id, chain, (), failed=True)
         self._step.holds.append(path)
+        if req_id not in self._loaded:
+            # The tokens this connector supplies, once per request: what the fleet's hit-rate
+            # series count for a vLLM replica, beside vLLM's own prefix-cache hits.
+            self._loaded.add(req_id)
+            self._count(key.tenant_id, "matched_tokens", num_external_tokens)
         return LoadPlan(req_id, chain, tuple(path[j].block_id for j in chain))
 
     def store(self, req_id: str, key: CacheKey, token_ids: Sequence[int]) -> SavePlan | None:
@@ -169,6 +177,7 @@ class ConnectorIndex:
         for node in commit.nodes:
             self._pending.add(node.block_hash)
         self._drain_events()
+        self._count(key.tenant_id, "stored_blocks", len(commit.nodes))
         first = commit.first_block
         return SavePlan(store_id, req_id, tuple(range(first, first + len(commit.nodes))),
                         tuple(n.block_id for n in commit.nodes))
@@ -202,6 +211,19 @@ class ConnectorIndex:
 
     def request_finished(self, req_id: str) -> None:
         self._counted.discard(req_id)
+        self._loaded.discard(req_id)
+
+    def _count(self, tenant: str, name: str, n: int) -> None:
+        per = self._deltas.setdefault(tenant, {})
+        per[name] = per.get(name, 0) + n
+
+    def take_deltas(self) -> dict[str, dict[str, int]]:
+        """Per tenant, what happened since the last call: `lookup_tokens` (prompt tokens of
+        admitted requests, once each), `matched_tokens` (tokens loaded from the host pool beyond
+        vLLM's own hit, once each), `stored_blocks`. vLLM ships these to its frontend, which
+        exports them (`KvfleetConnector.build_prom_metrics`)."""
+        deltas, self._deltas = self._deltas, {}
+        return deltas
 
     def _drain_events(self) -> None:
         for event in self.manager.drain_events():

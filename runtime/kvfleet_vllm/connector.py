@@ -35,6 +35,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, CacheStats, KVLayout
 from kvfleet_vllm._copy import HostPool, RankHeads, load_blocks, save_blocks, view_positions
@@ -51,7 +55,13 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KvfleetConnector", "KvfleetConnectorMetadata", "KvfleetWorkerMetadata"]
+__all__ = [
+    "KvfleetConnector",
+    "KvfleetConnectorMetadata",
+    "KvfleetConnectorStats",
+    "KvfleetPromMetrics",
+    "KvfleetWorkerMetadata",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +88,58 @@ class KvfleetWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvfleetWorkerMetadata) and other.step_id == self.step_id
         return KvfleetWorkerMetadata(self.step_id, self.failed_store_ids | other.failed_store_ids)
+
+
+_STAT_COUNTERS = (
+    ("lookup_tokens", "Prompt tokens of requests the connector looked up (once per request)."),
+    ("matched_tokens", "Tokens loaded from kvfleet's host pool beyond vLLM's own prefix hit."),
+    ("stored_blocks", "Blocks admission let into the host pool."),
+)
+"""Exported as `kvfleet_cache_<name>_total{tenant}`: the names a kvfleet replica's cache exports
+for the first two, so the operator's hit-rate query reads a vLLM replica's kvfleet share too."""
+
+
+class KvfleetConnectorStats(KVConnectorStats):
+    """Per-tenant counts since the last report: `data = {"tenants": {tenant: {name: n}}}`."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {"tenants": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        tenants = self.data.setdefault("tenants", {})
+        for tenant, counts in other.data.get("tenants", {}).items():
+            mine = tenants.setdefault(tenant, {})
+            for name, n in counts.items():
+                mine[name] = mine.get(name, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        totals: dict[str, int | float] = {name: 0 for name, _ in _STAT_COUNTERS}
+        for counts in self.data.get("tenants", {}).values():
+            for name, n in counts.items():
+                totals[name] = totals.get(name, 0) + n
+        return totals
+
+    def is_empty(self) -> bool:
+        return not self.data.get("tenants")
+
+
+class KvfleetPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(name=f"kvfleet_cache_{name}", documentation=doc,
+                                    labelnames=[*labelnames, "tenant"])
+            for name, doc in _STAT_COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        for tenant, counts in transfer_stats_data.get("tenants", {}).items():
+            for name, n in counts.items():
+                if name in self._counters and n:
+                    self._counters[name].labels(*engine, tenant).inc(n)
 
 
 def _layout(vllm_config: VllmConfig) -> KVLayout:
@@ -249,6 +311,23 @@ class KvfleetConnector(KVConnectorBase_V1):
         self._stored.discard(req_id)
         self.index.request_finished(req_id)
         return False, None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.index is None:  # the worker side has nothing to report
+            return None
+        deltas = self.index.take_deltas()
+        return KvfleetConnectorStats(data={"tenants": deltas}) if deltas else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KvfleetConnectorStats(data=data or {"tenants": {}})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KvfleetPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def stats(self, tenant: str | None = None) -> CacheStats:
         assert self.index is not None

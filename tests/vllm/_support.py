@@ -156,5 +156,12 @@ def step(s: Scheduler, workers: list[KvfleetConnector], views: list[list[torch.T
         worker_meta = m if worker_meta is None else worker_meta.aggregate(m)
         w.clear_connector_metadata()
     reqs = [s.requests[r] for r in out.num_scheduled_tokens]
-    s.update_from_output(out, runner_output(reqs, worker_meta, errors))
+    outputs = s.update_from_output(out, runner_output(reqs, worker_meta, errors))
+    for eco in outputs.values():
+        if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
+            REPORTED.append(eco.scheduler_stats.kv_connector_stats)
     return out, reqs
+
+
+REPORTED: list[dict[str, Any]] = []
+"""The connector stats payloads the scheduler shipped towards vLLM's frontend, step by step."""

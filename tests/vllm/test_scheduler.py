@@ -229,3 +229,37 @@ def test_32_token_blocks_and_a_tp2_engine_store_what_tp1_loads(tiny_checkpoint, 
     assert load.chain_blocks == tuple(range(6))
     for layer in range(2):
         assert torch.equal(views1[layer][list(table_b[:3])], full[layer])
+
+
+def test_connector_stats_reach_vllms_frontend_as_kvfleet_counters(engine):
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvfleet_vllm.connector import KvfleetConnector, KvfleetConnectorStats
+
+    s, w, views = engine()
+    sup.REPORTED.clear()
+    s.add_request(sup.request("a", PROMPT))
+    run_to_end(s, w, views)
+    s.kv_cache_manager.reset_prefix_cache()
+    s.add_request(sup.request("b", PROMPT[:96] + [11] * 20))
+    run_to_end(s, w, views)
+    total = KvfleetConnectorStats(data={"tenants": {}})
+    for payload in sup.REPORTED:  # what the scheduler shipped, step by step
+        total.aggregate(KvfleetConnector.build_kv_connector_stats(payload))
+    assert total.data == {"tenants": {"tenant-a": {
+        "lookup_tokens": 100 + 116, "matched_tokens": 96, "stored_blocks": 6 + 1}}}
+
+    registry = CollectorRegistry()
+
+    class LocalCounter(Counter):  # vLLM passes its metric classes; these register privately
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, registry=registry, **kwargs)
+
+    prom = KvfleetConnector.build_prom_metrics(
+        s.vllm_config, {Counter: LocalCounter, Gauge: Gauge, Histogram: Histogram},
+        ["model_name", "engine"], {0: ["tiny", 0]})
+    for payload in sup.REPORTED:
+        prom.observe(payload, 0)
+    labels = {"model_name": "tiny", "engine": "0", "tenant": "tenant-a"}
+    assert registry.get_sample_value("kvfleet_cache_matched_tokens_total", labels) == 96
+    assert registry.get_sample_value("kvfleet_cache_lookup_tokens_total", labels) == 216
