@@ -15,6 +15,7 @@ import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvfleet_runtime.cache import KVLayout
+from kvfleet_vllm import _copy
 from kvfleet_vllm._copy import (
     HostPool,
     RankHeads,
@@ -33,20 +34,25 @@ def filled(views: list[torch.Tensor], seed: int) -> None:
         v.copy_(torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype))
 
 
+@pytest.mark.parametrize("runs", [False, True], ids=["scattered", "runs"])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
-def test_round_trip_is_bitwise_in_every_layout(tmp_path: Path, layout, block_size):
+def test_round_trip_is_bitwise_in_every_layout(tmp_path: Path, layout, block_size, runs):
     pool = HostPool(tmp_path / "pool", KVLayout(LAYERS, HEADS, HEAD_DIM), num_slots=16)
     views = sup.layer_views(8, HEADS, HEAD_DIM, block_size, layout)
     assert views[0].shape == (8, HEADS, block_size, 2 * HEAD_DIM)
     filled(views, 3)
-    table = (5, 2, 7)  # a request's vLLM blocks, not in order
+    # a request's vLLM blocks and host slots: consecutive (copied as slices) or not (indexed)
+    table = (2, 3, 4) if runs else (5, 2, 7)
     chain = tuple(range(3 * block_size // 16))
-    slots = tuple(reversed(range(len(chain))))
+    slots = tuple(range(4, 4 + len(chain))) if runs else tuple(reversed(range(len(chain))))
     heads = RankHeads.for_rank(HEADS, 1, 0)
     positions = view_positions(table, chain, vllm_block_size=block_size,
                                view_block_tokens=block_size)
     want = [v[list(table)].clone() for v in views]
+    groups = _copy._groups(positions, slots)
+    assert all(_copy._use_runs(_copy.paired_runs(ss, bs), len(bs)) == (runs and block_size == 16)
+               for bs, ss in groups.values())  # both copy paths are exercised
     for layer, v in enumerate(views):
         save_blocks(pool, layer, v, heads, positions, slots)
     # the pool holds the canonical layout: slot s = chain block j, tokens 16j..16j+16, all heads
@@ -56,7 +62,7 @@ def test_round_trip_is_bitwise_in_every_layout(tmp_path: Path, layout, block_siz
     assert torch.equal(pool.v[1, :, s], views[1][vb, :, off:off + 16, HEAD_DIM:])
     for v in views:
         v.zero_()
-    other = (1, 6, 3)
+    other = (5, 6, 7) if runs else (1, 6, 3)
     for layer, v in enumerate(views):
         load_blocks(pool, layer, v, heads,
                     view_positions(other, chain, vllm_block_size=block_size,
