@@ -2,13 +2,20 @@
 # Each installs what it needs by itself, then runs. Environments live under ~/.cache/kvfleet.
 SHELL := /bin/bash
 
-.PHONY: demo test setup system-deps cluster-bins images check lock
+.PHONY: demo test test-vllm setup system-deps cluster-bins images check lock
 
 demo: setup
 	scripts/kvfleet.sh demo
 
 test: setup system-deps cluster-bins images
 	scripts/check.sh
+	$(MAKE) test-vllm
+
+# The vLLM KV connector's tests (tests/vllm) in vLLM's own environment, built from
+# requirements-vllm.lock under ~/.cache/kvfleet/vllm-envs (vllm pins its own torch).
+test-vllm:
+	PYTHONPATH="$(CURDIR):$(CURDIR)/runtime:$(CURDIR)/operator" "$$(scripts/vllm-env.sh)" \
+		-m pytest tests/vllm -q -p no:cacheprovider
 
 setup:
 	scripts/bootstrap.sh
@@ -30,3 +37,6 @@ check:
 lock: setup
 	source scripts/env.sh && "$$KVFLEET_HOME/tools/bin/uv" pip compile pyproject.toml --extra dev \
 		--python-version 3.11 --python-platform x86_64-unknown-linux-gnu -q -o requirements.lock
+	source scripts/env.sh && "$$KVFLEET_HOME/tools/bin/uv" pip compile pyproject.toml \
+		tests/vllm/requirements.in --extra vllm --python-version 3.11 \
+		--python-platform x86_64-unknown-linux-gnu -q -o requirements-vllm.lock

@@ -183,17 +183,28 @@ class CacheManager:
     # -- lookup ----------------------------------------------------------------------------
 
     def lookup(
-        self, key: CacheKey, hashes: Iterable[BlockHash], num_tokens: int
+        self,
+        key: CacheKey,
+        hashes: Iterable[BlockHash],
+        num_tokens: int,
+        *,
+        num_local_tokens: int = 0,
     ) -> list[BlockNode]:
-        """The longest cached chain along `hashes`, referenced (release it with `release`)."""
+        """The longest cached chain along `hashes`, referenced (release it with `release`).
+
+        `num_local_tokens`: a prefix the engine already holds in its own KV (vLLM's prefix
+        cache, when kvfleet runs as its connector); only matched tokens beyond it count as
+        hits, so the two caches' hit rates add up instead of counting those tokens twice."""
         path = self.index.match(hashes)
         stats = self._tenant(key.tenant_id)
         stats.num_lookups += 1
         stats.num_lookup_tokens += num_tokens
         if path:
             self.index.acquire(path)
-            stats.num_hits += 1
-            stats.num_matched_tokens += len(path) * BLOCK_SIZE
+            matched = len(path) * BLOCK_SIZE - num_local_tokens
+            if matched > 0:
+                stats.num_hits += 1
+                stats.num_matched_tokens += matched
         return path
 
     def release(self, path: list[BlockNode]) -> None:

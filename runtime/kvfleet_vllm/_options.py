@@ -1,0 +1,19 @@
+"""The connector's `kv_connector_extra_config` keys: one home, read by the connector and checked
+by the chart's render test against what `replica.engine: vllm` passes. No vllm, no torch."""
+
+from __future__ import annotations
+
+__all__ = ["CACHE_KNOBS", "DEFAULT_HOST_POOL_PATH", "EXTRA_KEYS", "MODULE_PATH", "NAME", "PREFIX"]
+
+NAME = "KvfleetConnector"
+MODULE_PATH = "kvfleet_vllm.connector"
+"""What `--kv-transfer-config` names: {"kv_connector": NAME, "kv_connector_module_path": ...}."""
+
+PREFIX = "kvfleet."
+DEFAULT_HOST_POOL_PATH = "/dev/shm/kvfleet-host-pool"
+CACHE_KNOBS = ("admit_min_sightings", "hot_min_sightings")  # read one by one in connector.py
+"""`CacheConfig` fields a deployment may set (`kvfleet.<name>`); the rest keep kvfleet's
+defaults, the same as a kvfleet replica's."""
+EXTRA_KEYS = frozenset({"host_pool_path", "num_host_blocks", "model_id", "weights_digest",
+                        "default_tenant", "tp_rank", *CACHE_KNOBS})
+"""Every key is `PREFIX + name`; `tp_rank` only for a worker built outside a distributed run."""

@@ -1,0 +1,85 @@
+"""`replica.engine: vllm`: the replica pods run `vllm serve` with kvfleet's KV connector, keyed
+like a kvfleet replica (the pod template's weights digest, the served model name), with the
+connector's host pool in the pod's /dev/shm. Asserted on what `helm template` renders; the extra
+config keys are checked against the connector's own list (kvfleet_vllm._options)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvfleet_vllm import _options
+from tests.chart.conftest import Render, run_helm, template_args
+
+VLLM = "vllm-values.yaml"
+DIGEST = "sha256:4f1c7fb2a0c94f7c6b57e2a1d5b3e8c9a0f1e2d3c4b5a69788796a5b4c3d2e1f"
+
+
+def _replica(render: Render, *values: str, set: tuple[str, ...] = ()) -> dict[str, Any]:
+    deployment = render(*values, set=set).get("Deployment", "kvfleet-replica")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["name"] == "replica"
+    return {"deployment": deployment, "container": container}
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_vllm_replicas_run_vllm_serve_with_the_connector(render: Render) -> None:
+    c = _replica(render, VLLM)["container"]
+    assert c["image"] == "example.org/kvfleet-vllm:0.33.0"
+    assert c["command"] == ["vllm"]
+    args = c["args"]
+    assert args[:2] == ["serve", "/models/$(KVFLEET_WEIGHTS_DIGEST)"]
+    assert _flag(args, "--served-model-name") == "llama-3.1-8b"
+    assert _flag(args, "--port") == "8000"
+    assert _flag(args, "--tensor-parallel-size") == "2"  # replica.gpu.count
+    config = json.loads(_flag(args, "--kv-transfer-config"))
+    assert config["kv_connector"] == _options.NAME
+    assert config["kv_connector_module_path"] == _options.MODULE_PATH
+    assert config["kv_role"] == "kv_both"
+    extra = config["kv_connector_extra_config"]
+    assert extra == {
+        "kvfleet.host_pool_path": _options.DEFAULT_HOST_POOL_PATH,
+        "kvfleet.num_host_blocks": 4096,
+        "kvfleet.default_tenant": "default",
+        "kvfleet.model_id": "llama-3.1-8b",
+        # the kubelet expands it from the env: the digest a ModelRollout sets is the key's
+        "kvfleet.weights_digest": "$(KVFLEET_WEIGHTS_DIGEST)",
+    }
+    assert {k.removeprefix(_options.PREFIX) for k in extra} <= _options.EXTRA_KEYS
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KVFLEET_WEIGHTS_DIGEST"] == DIGEST
+
+
+def test_vllm_replicas_probe_vllms_health_endpoint(render: Render) -> None:
+    c = _replica(render, VLLM)["container"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def test_vllm_replicas_keep_the_fleet_wiring_and_the_host_pool_in_shm(render: Render) -> None:
+    out = _replica(render, VLLM)
+    pod = out["deployment"]["spec"]["template"]
+    assert pod["metadata"]["annotations"]["kvfleet.dev/weights-digest"] == DIGEST
+    mounts = {m["name"]: m["mountPath"] for m in out["container"]["volumeMounts"]}
+    assert mounts["dshm"] == "/dev/shm"
+    assert mounts["model"] == "/models"
+    # the router selects replica pods by the same labels whatever their engine
+    default = _replica(render, "default-values.yaml")["deployment"]
+    assert pod["metadata"]["labels"] == default["spec"]["template"]["metadata"]["labels"]
+    assert "command" not in default["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_vllm_engine_needs_its_image(helm: Path, helm_env: dict[str, str]) -> None:
+    result = run_helm(helm, helm_env,
+                      *template_args([VLLM], ["replica.vllm.image.repository="]))
+    assert result.returncode != 0
+    assert "replica.vllm.image.repository is required with replica.engine vllm" in result.stderr
+
+
+def test_unknown_engine_is_refused_by_the_schema(helm: Path, helm_env: dict[str, str]) -> None:
+    result = run_helm(helm, helm_env, *template_args([VLLM], ["replica.engine=sglang"]))
+    assert result.returncode != 0 and "engine" in result.stderr, result.stderr
