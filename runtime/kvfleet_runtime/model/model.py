@@ -37,8 +37,13 @@ from kvfleet_runtime.architectures import ATTN_IMPLS, PRESETS, ModelArgs
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
-    "ATTN_IMPLS", "PRESETS", "ModelArgs", "PagedKV", "Transformer", "apply_rope", "rope_inv_freq",
+    "ATTN_IMPLS", "PREFILL_CHUNK_TOKENS", "PRESETS", "ModelArgs", "PagedKV", "Transformer",
+    "apply_rope", "rope_inv_freq",
 ]
+
+PREFILL_CHUNK_TOKENS = 2048
+"""`Transformer.prefill`'s chunk when the caller names none: long enough that the matmuls run at
+full speed, short enough that a chunk's attention scores ([Hq, chunk, T] in the eager path) fit."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -234,23 +239,43 @@ class Attention(nn.Module):
         With a sliding window W, a query at p sees keys (p - W, p] (transformers' rule)."""
         a = self.args
         n_q, n_k = q.shape[1], k.shape[1]
-        group = a.n_heads // a.n_kv_heads
+        if a.attn_impl == "sdpa" and self.window is None and q_start == 0 and n_q == n_k:
+            # A chunk that starts the sequence: plain causal, the kernels' fastest case.
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return out.transpose(0, 1).reshape(n_q, a.n_heads * a.head_dim)
         q_pos = torch.arange(q_start, q_start + n_q, device=q.device)
         k_pos = torch.arange(n_k, device=q.device)[None, :]
-        allowed = k_pos <= q_pos[:, None]  # [S, T]
+        allowed = k_pos <= q_pos[:, None]  # [S, T]: the causal mask offset by the chunk's start
         if self.window is not None:
             allowed = allowed & (k_pos > q_pos[:, None] - self.window)
         if a.attn_impl == "sdpa":
-            k_rep = k.repeat_interleave(group, dim=0)  # [Hq, T, D]
-            v_rep = v.repeat_interleave(group, dim=0)
-            out = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=allowed)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
         else:
+            group = a.n_heads // a.n_kv_heads
             qg = q.view(a.n_kv_heads, group, n_q, a.head_dim)  # [Hkv, G, S, D]
             scores = (qg @ k.transpose(-1, -2)[:, None]) * a.head_dim**-0.5  # [Hkv, G, S, T]
             scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = (probs @ v[:, None]).view(a.n_heads, n_q, a.head_dim)
         return out.transpose(0, 1).reshape(n_q, a.n_heads * a.head_dim)
+
+    def attend_batch(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+        """One query per sequence: q [B, Hq, D] over k, v [B, Hkv, T, D] where `allowed`
+        [B, T] is True: -> [B, Hq*D]."""
+        a = self.args
+        b, n_k = q.shape[0], k.shape[2]
+        if a.attn_impl == "sdpa":
+            out = F.scaled_dot_product_attention(q[:, :, None], k, v,
+                                                 attn_mask=allowed[:, None, None, :],
+                                                 enable_gqa=True)  # [B, Hq, 1, D]
+        else:
+            group = a.n_heads // a.n_kv_heads
+            qg = q.view(b, a.n_kv_heads, group, 1, a.head_dim)  # [B, Hkv, G, 1, D]
+            scores = (qg @ k.transpose(-1, -2)[:, :, None]) * a.head_dim**-0.5  # [B,Hkv,G,1,T]
+            scores = scores.masked_fill(~allowed.view(b, 1, 1, 1, n_k), float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = probs @ v[:, :, None]  # [B, Hkv, G, 1, D]
+        return out.reshape(b, a.n_heads * a.head_dim)
 
 
 class FeedForward(nn.Module):
@@ -316,40 +341,55 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, tokens: Sequence[int], start_pos: int, table: Sequence[int],
-                kv: PagedKV) -> Tensor:
+                kv: PagedKV, *, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> Tensor:
         """Compute KV for tokens at positions [start_pos, start_pos + S), return last logits [V].
 
         KV of positions [0, start_pos) must already be in the table's blocks (cached or computed).
-        `start_pos` must sit on a block boundary; chunks are the 16-token blocks themselves.
+        `start_pos` must sit on a block boundary. The tokens are computed in chunks of
+        `chunk_tokens` (a multiple of the block size): each chunk is one pass through the layers,
+        and per layer one write of its KV, one gather of the sequence's KV and one attention
+        call. `chunk_tokens=BLOCK_SIZE` is the deterministic rule (module docstring).
         """
         if start_pos % BLOCK_SIZE != 0:
             raise ValueError(f"start_pos {start_pos} is not a multiple of {BLOCK_SIZE}")
+        if chunk_tokens <= 0 or chunk_tokens % BLOCK_SIZE != 0:
+            raise ValueError(f"chunk_tokens {chunk_tokens} is not a positive multiple of "
+                             f"{BLOCK_SIZE}")
         if not tokens:
             raise ValueError("prefill needs at least one token")
         if start_pos + len(tokens) > self.args.max_seq_len:
             raise ValueError(
                 f"{start_pos + len(tokens)} positions exceed max_seq_len {self.args.max_seq_len}"
             )
+        n_blocks = -(-(start_pos + len(tokens)) // BLOCK_SIZE)
+        if len(table) < n_blocks:
+            raise ValueError(f"block table has {len(table)} blocks, positions up to "
+                             f"{start_pos + len(tokens)} need {n_blocks}")
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        blocks = torch.tensor(list(table[:n_blocks]), dtype=torch.long, device=self.device)
         logits = None
-        for lo in range(0, len(tokens), BLOCK_SIZE):
-            chunk = ids[lo : lo + BLOCK_SIZE]
-            logits = self._prefill_chunk(chunk, start_pos + lo, table, kv)
+        for lo in range(0, len(tokens), chunk_tokens):
+            logits = self._prefill_chunk(ids[lo : lo + chunk_tokens], start_pos + lo, blocks, kv)
         assert logits is not None
         return logits
 
-    def _prefill_chunk(self, chunk: Tensor, pos: int, table: Sequence[int], kv: PagedKV) -> Tensor:
-        # chunk: [S] tokens at positions [pos, pos + S), all inside block table[pos // 16]
+    def _prefill_chunk(self, chunk: Tensor, pos: int, blocks: Tensor, kv: PagedKV) -> Tensor:
+        # chunk: [S] tokens at positions [pos, pos + S); blocks: the table's ids up to pos + S
         n = int(chunk.shape[0])
-        block, slot = table[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-        cos, sin = self.rope_cos[pos : pos + n], self.rope_sin[pos : pos + n]
+        end = pos + n
+        positions = torch.arange(pos, end, device=chunk.device)
+        write_blocks = blocks[positions // BLOCK_SIZE]  # [S]: where each new token's KV goes
+        write_slots = positions % BLOCK_SIZE
+        seq_blocks = blocks[: -(-end // BLOCK_SIZE)]
+        cos, sin = self.rope_cos[pos:end], self.rope_sin[pos:end]
         x = self.embed_tokens(chunk)  # [S, dim]
         for i, layer in enumerate(self.blocks()):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
-            kv.k[i, block, :, slot : slot + n] = k
-            kv.v[i, block, :, slot : slot + n] = v
-            k_all, v_all = _layer_kv(kv, i, table, pos + n)  # [Hkv, pos + S, D]
+            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)  # [H, S, D]
+            # One indexed copy per tensor: token j -> block write_blocks[j], slot write_slots[j].
+            kv.k[i, write_blocks, :, write_slots] = k.transpose(0, 1).to(kv.k.dtype)
+            kv.v[i, write_blocks, :, write_slots] = v.transpose(0, 1).to(kv.v.dtype)
+            k_all, v_all = _gather_layer(kv, i, seq_blocks, end)  # [Hkv, pos + S, D]
             x = x + attn.o_proj(attn.attend(q, k_all, v_all, pos))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits: Tensor = self.lm_head(self.norm(x[-1:]))[0]
@@ -358,35 +398,54 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                tables: Sequence[Sequence[int]], kv: PagedKV) -> Tensor:
-        """One step for a batch: token b sits at positions[b]; returns logits [B, V]."""
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
-        pos = torch.tensor(list(positions), dtype=torch.long, device=self.device)
+        """One step for a batch: token b sits at positions[b]; returns logits [B, V].
+
+        One forward for the whole batch: per layer one indexed write of the B new KV rows, one
+        gather of every sequence's KV (block tables padded to the longest, padding masked out)
+        and one attention call."""
+        device = self.device
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=device)
+        pos = torch.tensor(list(positions), dtype=torch.long, device=device)
+        n_blocks = max(p // BLOCK_SIZE + 1 for p in positions)
+        # Pad each table with its own first block: real, finite KV, masked out below.
+        padded = [list(t[: n_blocks]) + [t[0]] * (n_blocks - len(t[: n_blocks])) for t in tables]
+        table = torch.tensor(padded, dtype=torch.long, device=device)  # [B, nb]
+        write_blocks = table.gather(1, (pos // BLOCK_SIZE)[:, None])[:, 0]  # [B]
+        write_slots = pos % BLOCK_SIZE
+        k_pos = torch.arange(n_blocks * BLOCK_SIZE, device=device)[None, :]  # [1, T]
+        visible = k_pos <= pos[:, None]  # [B, T]: the sequence's own tokens, not the padding
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [B, D]
         x = self.embed_tokens(ids)  # [B, dim]
         for i, layer in enumerate(self.blocks()):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)  # [H, B, D]
-            outs = []
-            for b, p in enumerate(positions):
-                kv.k[i, tables[b][p // BLOCK_SIZE], :, p % BLOCK_SIZE] = k[:, b]
-                kv.v[i, tables[b][p // BLOCK_SIZE], :, p % BLOCK_SIZE] = v[:, b]
-                k_all, v_all = _layer_kv(kv, i, tables[b], p + 1)
-                outs.append(attn.attend(q[:, b : b + 1], k_all, v_all, p))
-            x = x + attn.o_proj(torch.cat(outs, dim=0))
+            kv.k[i, write_blocks, :, write_slots] = k.transpose(0, 1).to(kv.k.dtype)
+            kv.v[i, write_blocks, :, write_slots] = v.transpose(0, 1).to(kv.v.dtype)
+            k_all = _gather_batch(kv.k[i], table)  # [B, Hkv, T, D]
+            v_all = _gather_batch(kv.v[i], table)
+            allowed = visible
+            if attn.window is not None:
+                allowed = allowed & (k_pos > pos[:, None] - attn.window)
+            x = x + attn.o_proj(attn.attend_batch(q.transpose(0, 1), k_all, v_all, allowed))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits: Tensor = self.lm_head(self.norm(x))
         return logits
 
 
-def _layer_kv(
-    kv: PagedKV, layer: int, table: Sequence[int], n_tokens: int
-) -> tuple[Tensor, Tensor]:
-    # -> k, v: [Hkv, n_tokens, D], gathered from the sequence's blocks
-    n_blocks = -(-n_tokens // BLOCK_SIZE)
-    idx = torch.tensor(list(table[:n_blocks]), dtype=torch.long, device=kv.k.device)
-    k = kv.k[layer].index_select(0, idx)  # [nb, Hkv, 16, D]
-    v = kv.v[layer].index_select(0, idx)
+def _gather_layer(kv: PagedKV, layer: int, blocks: Tensor, n_tokens: int
+                  ) -> tuple[Tensor, Tensor]:
+    # -> k, v: [Hkv, n_tokens, D], gathered from the sequence's blocks by one index_select each
+    k = kv.k[layer].index_select(0, blocks)  # [nb, Hkv, 16, D]
+    v = kv.v[layer].index_select(0, blocks)
     nb, h, _, d = k.shape
     k = k.transpose(0, 1).reshape(h, nb * BLOCK_SIZE, d)[:, :n_tokens]
     v = v.transpose(0, 1).reshape(h, nb * BLOCK_SIZE, d)[:, :n_tokens]
     return k, v
+
+
+def _gather_batch(pool: Tensor, table: Tensor) -> Tensor:
+    # pool: [num_blocks, Hkv, 16, D]; table: [B, nb] -> [B, Hkv, nb * 16, D]
+    b, nb = table.shape
+    blocks = pool.index_select(0, table.reshape(-1))  # [B * nb, Hkv, 16, D]
+    _, h, _, d = blocks.shape
+    return blocks.view(b, nb, h, BLOCK_SIZE, d).transpose(1, 2).reshape(b, h, nb * BLOCK_SIZE, d)
