@@ -1,20 +1,31 @@
 """The engine: continuous batching over the reference model, prefilling only what the cache lacks.
 
 Per request: `lookup` the prompt in the prefix cache (takes refs), `materialize` the hit into the
-request's own paged-KV blocks, prefill the unmatched suffix in 16-token chunks, decode, `store`
+request's own paged-KV blocks, prefill the unmatched suffix in block-aligned chunks, decode, `store`
 the prompt's full blocks (queued, best effort: the first token is already on its way), `release`
 the hit's refs when the request ends. Every cache failure degrades to recompute.
 
 Concurrency: one asyncio scheduler task admits requests between steps; each step runs on one
 dedicated worker thread (torch releases the GIL, so the HTTP server stays responsive). All model
-and cache calls happen on that thread, so neither needs to be thread-safe. A step prefills at most
-`prefill_chunks_per_step` chunks, then runs one decode step over every decoding sequence, so a
-long prompt never stalls the token stream of the others for more than a few chunks.
+and cache calls happen on that thread, so neither needs to be thread-safe.
 
-What is stored, and why only that: the prompt's full blocks, which prefill computed in chunks
-aligned to the block grid. KV written by decode is computed one row per sequence and is not
-bitwise equal to what prefill would compute for the same token, so it is never stored; it is
-stored later, by prefill, when a next turn sends it back as part of a prompt.
+A step has a token budget (`max_tokens_per_step`), shared as continuous-batching engines share
+it: every decoding sequence's next token is counted first, the rest goes to prefill chunks (whole
+blocks; a prompt's last chunk may end mid-block), one forward per chunk; then one batched decode
+forward runs for every decoding sequence. So a long prompt stalls the others' token streams by at
+most one budget of prefill per step.
+
+Determinism is a choice (`deterministic`). By default a prompt is prefilled in chunks as large as
+the budget allows: a hit's KV and the logits after it equal recomputation to floating-point
+tolerance (the suffix is computed by other matmul shapes than in a full prefill, and CPU and GPU
+kernels round differently per shape). `deterministic=True` prefills in one-block chunks, so the
+tokens after any block-aligned hit are computed by exactly the calls of a full prefill and a hit
+equals a miss bitwise (same device, same thread count), at the price docs/replica.md states. The
+mode is part of the cache key's attention id: a deterministic replica never takes fast-path KV.
+
+What is stored, and why only that: the prompt's full blocks, which prefill computed. KV written by
+decode is computed one row per sequence (other shapes again), so it is never stored; it is stored
+later, by prefill, when a next turn sends it back as part of a prompt.
 """
 
 from __future__ import annotations
@@ -51,6 +62,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+DETERMINISTIC_RULE = f"chunk{BLOCK_SIZE}"
+"""Appended to the cache key's attention id in deterministic mode."""
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -65,11 +79,17 @@ class CacheKeyFields:
     attn_impl_id: str
 
     @classmethod
-    def for_model(cls, loaded: LoadedModel, model_id: str) -> CacheKeyFields:
-        """Everything prefill depends on besides the tokens, derived from the loaded model."""
+    def for_model(cls, loaded: LoadedModel, model_id: str, *,
+                  deterministic: bool = False) -> CacheKeyFields:
+        """Everything prefill depends on besides the tokens, derived from the loaded model.
+
+        `deterministic` (the engine's mode) names the prefill rule in the attention id: KV of
+        one-block chunks is what a deterministic replica can reproduce bit for bit."""
         args = loaded.args  # the KV is written in the serving dtype
-        return cls(model_id, loaded.weights_digest, args.dtype, args.rope_config_hash(),
-                   args.attn_impl_id())
+        attn = args.attn_impl_id()
+        if deterministic:
+            attn = f"{attn}-{DETERMINISTIC_RULE}"
+        return cls(model_id, loaded.weights_digest, args.dtype, args.rope_config_hash(), attn)
 
     def key(self, tenant_id: str) -> CacheKey:
         return CacheKey(tenant_id, self.model_id, self.weights_digest, self.kv_dtype,
@@ -84,11 +104,24 @@ class EngineConfig:
     """Sequences running at once (prefilling or decoding)."""
     max_waiting: int = 256
     """Queued requests beyond which `submit` refuses (the server answers 503)."""
-    prefill_chunks_per_step: int = 8
-    """16-token prefill chunks between two decode steps."""
+    max_tokens_per_step: int = 2048
+    """Token budget of one step: decode tokens (one per decoding sequence) first, then prefill
+    chunks of whole blocks. A multiple of the block size, at least `max_batch_size` + one block
+    so a prompt always makes progress beside a full batch of decoders."""
+    deterministic: bool = False
+    """Prefill in one-block chunks so a hit equals a miss bitwise (module docstring); slower."""
     stop_ids: frozenset[int] = frozenset()
     """A sequence ends ("stop") on any of these, unless its request ignores EOS: the model's
     stop ids, from its tokenizer (`Tokenizer.stop_ids`); empty: only max_tokens ends one."""
+
+    def __post_init__(self) -> None:
+        budget = self.max_tokens_per_step
+        if budget <= 0 or budget % BLOCK_SIZE != 0:
+            raise ValueError(f"max_tokens_per_step {budget} is not a positive multiple of "
+                             f"{BLOCK_SIZE}")
+        if budget < self.max_batch_size + BLOCK_SIZE:
+            raise ValueError(f"max_tokens_per_step {budget} leaves no prefill block beside "
+                             f"max_batch_size {self.max_batch_size} decoding sequences")
 
 
 @dataclass(slots=True, frozen=True)
@@ -361,11 +394,16 @@ class Engine:
         self._admit()
         for seq in [s for s in self._running if s.cancelled]:
             self._finish(seq, seq.cancel_reason)
-        budget = self.config.prefill_chunks_per_step
+        # Decode tokens are counted first; what remains of the budget goes to prefill.
+        n_decoding = sum(1 for s in self._running if s.output)
+        budget = self.config.max_tokens_per_step - n_decoding
+        budget = max(BLOCK_SIZE, budget // BLOCK_SIZE * BLOCK_SIZE)
         for seq in self._running:
-            while budget > 0 and not seq.prefilled:
-                self._prefill_chunk(seq)
-                budget -= 1
+            if budget <= 0:
+                break
+            if not seq.prefilled:
+                # A prompt's tail may end mid-block; the next chunk still gets whole blocks.
+                budget = (budget - self._prefill_chunk(seq, budget)) // BLOCK_SIZE * BLOCK_SIZE
             if seq.prefilled and not seq.output:
                 self._first_token(seq)
         decoding = [s for s in self._running if s.output and not s.cancelled]
@@ -431,12 +469,17 @@ class Engine:
         seq.cache_tier = Tier(hit.tier).label
         self.metrics.cached_tokens.inc(usable)
 
-    def _prefill_chunk(self, seq: _Sequence) -> None:
+    def _prefill_chunk(self, seq: _Sequence, budget: int) -> int:
+        """Prefill up to `budget` tokens (a multiple of the block size) of the sequence's prompt
+        in one call; returns the tokens computed."""
         lo = seq.prefill_pos
-        hi = min(len(seq.prompt), (lo // BLOCK_SIZE + 1) * BLOCK_SIZE)
-        seq.last_logits = self.model.prefill(seq.prompt[lo:hi], lo, seq.table, self.kv)
+        hi = min(len(seq.prompt), lo + budget)
+        chunk = BLOCK_SIZE if self.config.deterministic else budget
+        seq.last_logits = self.model.prefill(seq.prompt[lo:hi], lo, seq.table, self.kv,
+                                             chunk_tokens=chunk)
         seq.prefill_pos = hi
         self.metrics.prefilled_tokens.inc(hi - lo)
+        return hi - lo
 
     def _first_token(self, seq: _Sequence) -> None:
         assert seq.last_logits is not None
