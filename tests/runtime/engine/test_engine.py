@@ -466,8 +466,10 @@ def test_submit_refuses_impossible_requests_and_overload(make_engine: EngineFact
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_hit_equals_miss_on_cuda_with_a_pinned_t1(tiny_dir: Path) -> None:
-    """The same guarantee on a GPU: T0 in device memory, T1 pinned on the host."""
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_hit_equals_miss_on_cuda_with_a_pinned_t1(tiny_dir: Path, deterministic: bool) -> None:
+    """The same guarantee on a GPU: T0 in device memory, T1 pinned on the host (and the fast
+    path's: the same greedy tokens on this fixed prompt)."""
     loaded = load_checkpoint(tiny_dir, device=torch.device("cuda"))
     prompt = tokens(90, seed=77)
     for t0, t1 in ((256, 0), (0, 256)):
@@ -477,8 +479,8 @@ def test_hit_equals_miss_on_cuda_with_a_pinned_t1(tiny_dir: Path) -> None:
                             KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype="float32"),
                             clock=lambda: 0.0, device="cuda")
         engine = Engine(loaded.model,
-                        CacheKeyFields.for_model(loaded, "tiny", deterministic=True),
-                        cache=cache, config=EngineConfig(deterministic=True))
+                        CacheKeyFields.for_model(loaded, "tiny", deterministic=deterministic),
+                        cache=cache, config=EngineConfig(deterministic=deterministic))
 
         async def body(engine: Engine) -> None:
             miss, cached = await run(engine, "acme", prompt)

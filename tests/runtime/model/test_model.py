@@ -258,3 +258,29 @@ def test_byte_tokenizer_round_trip_and_streaming() -> None:
     assert tok.decode(ids) == "héllo ✓"
     dec = tok.stream_decoder()
     assert "".join(dec.push(i) for i in ids) + dec.flush() == "héllo ✓"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+def test_cuda_chunked_prefill_and_batched_decode_match_the_cpu(
+    tiny_dir: Path, attn_impl: str
+) -> None:
+    """The device kernels (SDPA's flash / memory-efficient paths, indexed copies on the GPU)
+    compute what the CPU does, to float32 tolerance (1e-3: other kernels, other rounding)."""
+    cpu = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl=attn_impl).model
+    gpu = load_checkpoint(tiny_dir, device=torch.device("cuda"), attn_impl=attn_impl).model
+    lengths = [20, 150]
+    logits = []
+    for model in (cpu, gpu):
+        kv = PagedKV.allocate(model.args, 32, device=model.device)
+        tables = [kv.take(n // BLOCK_SIZE + 1) for n in lengths]
+        prompts = [prompt(n + 1, seed=30 + n) for n in lengths]
+        out = []
+        for t, p, n in zip(tables, prompts, lengths, strict=True):
+            assert t is not None
+            out.append(model.prefill(p[:n], 0, t, kv, chunk_tokens=64).cpu())
+        out.append(model.decode([p[-1] for p in prompts], lengths, tables, kv).cpu())
+        logits.append(out)
+    for c, g in zip(*logits, strict=True):
+        torch.testing.assert_close(g, c, rtol=1e-3, atol=1e-3)
