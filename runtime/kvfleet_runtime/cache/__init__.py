@@ -29,11 +29,13 @@ Chained hashes: `block_hashes(key, token_ids)` (blake2b-128, see `_keys.py`). Th
 `PrefixCache` takes one lock per call; the store queue is a thread-safe bounded priority queue.
 
 Modules, top to bottom: `_cache` (facade, torch) -> `_manager` (admission, placement, stats) ->
-`_index` (radix index, tiers, refs, eviction) -> `_allocator` (free slots); `_pool` holds the
-tensors; `_keys`, `_sketch`, `_policy`, `_store_queue`, `_stats`, `_metrics` and `_config` are
-pure. Importing this package does not import torch: `PrefixCache`, `Hit`, `Miss` and `TensorPool`
-load `_cache` on first use. Replays (the lab's policy comparison, the fleet simulator) drive the
-shipped policy through `CacheManager.replay`, with no tensors.
+`_index` (radix index, tiers, refs, what is evictable) -> `_allocator` (free slots); the policy
+beside the index: `_policy` (admission: sightings, ghosts, strictness) and `_ranking` (victim
+order and the duel, the index's `EvictionPolicy`); `_pool` holds the tensors; `_keys`, `_sketch`,
+`_store_queue`, `_stats`, `_metrics` and `_config` are pure. Importing this package does not
+import torch: `PrefixCache`, `Hit`, `Miss` and `TensorPool` load `_cache` on first use. Replays
+(the lab's policy comparison, the fleet simulator) drive the shipped policy through
+`CacheManager.replay`, with no tensors.
 """
 
 from __future__ import annotations

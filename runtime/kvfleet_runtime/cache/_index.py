@@ -14,23 +14,22 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
 - only leaves are dropped: an interior block is never evicted before its descendants;
 - every slot of every tier is either free or held by exactly one block.
 
-The index decides what is evictable (unreferenced, valid, a leaf of its tier); the order among
-evictable blocks is the policy's, one `VictimQueue` per tier (`_ranking.py`): unpinned first, lowest
-capped sighting count, least recent. A newcomer takes a victim's slot only if the count-min sketch
-says it is at least as frequent, capped alike ("the duel"; under a cap of 1, plain recency, it never
-refuses); a demotion T0 -> T1 must win the same duel in T1.
+The index decides what is evictable (unreferenced, valid, a leaf of its tier) and carries out
+evictions, demotions and promotions; which evictable block goes first, and whether a newcomer may
+take its slot, is the `EvictionPolicy`'s (`_ranking.py`), handed in by the caller: the index knows
+no counts. A newcomer that the policy's victim outranks is refused ("the duel"); a demotion
+T0 -> T1 must win the same duel in T1, as a candidate of its own weight.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvfleet_runtime.cache._allocator import BlockAllocator
 from kvfleet_runtime.cache._keys import BlockHash, CacheKey
-from kvfleet_runtime.cache._ranking import VictimQueue
-from kvfleet_runtime.cache._sketch import CountMinSketch
+from kvfleet_runtime.cache._ranking import EvictionPolicy
 
 __all__ = ["BlockIndex", "BlockNode", "Move", "Namespace", "Tier", "TierCounters"]
 
@@ -105,33 +104,18 @@ class BlockIndex:
     """Chain hash -> block node, plus per-tier slot accounting, ref counts and eviction."""
 
     def __init__(
-        self,
-        num_blocks: tuple[int, int],
-        sketch: CountMinSketch,
-        *,
-        max_frequency: int | None = None,
-        pin_limit: int = 0,
+        self, num_blocks: tuple[int, int], policy: EvictionPolicy, *, pin_limit: int = 0
     ) -> None:
-        self.sketch = sketch
+        self.policy = policy
+        """Victim order and the duel (`set_policy` swaps it)."""
         self.allocators = (BlockAllocator(num_blocks[0]), BlockAllocator(num_blocks[1]))
         self.counters = (TierCounters(), TierCounters())
         self.num_pinned = 0
         self.pin_limit = pin_limit
         """Pinned blocks T0 may hold at most."""
-        self._queues = (
-            VictimQueue(sketch, max_frequency=max_frequency),
-            VictimQueue(sketch, max_frequency=max_frequency),
-        )
-        """Victim order per tier: the eviction policy (`_ranking.VictimQueue`)."""
         self._nodes: dict[BlockHash, BlockNode] = {}
         self._namespaces: dict[CacheKey, Namespace] = {}
         self._tick = 0
-
-    @property
-    def max_frequency(self) -> int | None:
-        """Sightings beyond this rank alike in eviction and in the duel (None: no cap; 1: plain
-        recency, under which the duel never refuses anything)."""
-        return self._queues[0].max_frequency
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -204,30 +188,30 @@ class BlockIndex:
             return False
         return node.num_t0_children == 0 if tier == Tier.T0 else node.num_children == 0
 
-    def _frequency(self, block_hash: BlockHash) -> int:
-        return self._queues[0].frequency(block_hash)
+    def _evictable_in(self, tier: int) -> Callable[[BlockNode], bool]:
+        return self._evictable_t0 if tier == Tier.T0 else self._evictable_t1
+
+    def _evictable_t0(self, node: BlockNode) -> bool:
+        return self._evictable(node, Tier.T0)
+
+    def _evictable_t1(self, node: BlockNode) -> bool:
+        return self._evictable(node, Tier.T1)
 
     def _push(self, node: BlockNode) -> None:
         tier = node.tier
         if tier != _GONE and self._evictable(node, tier):
-            queue = self._queues[tier]
-            queue.push(node)
-            if len(queue) > 4 * len(self._nodes) + 1024:
-                queue.compact(lambda n: self._evictable(n, tier))
+            self.policy.push(node, self._evictable_in(tier))
 
-    def set_ranking(self, max_frequency: int | None) -> None:
-        """Rank eviction with another sighting cap: new victim queues holding every evictable
-        block, ranked now (a lazy queue only re-ranks entries whose weight grew, so a lower cap
-        would leave old heavy entries behind the new light ones)."""
-        queues = []
+    def set_policy(self, policy: EvictionPolicy) -> None:
+        """Rank eviction by another policy, handed every evictable block now (a lazy queue only
+        re-ranks entries whose weight grew, so re-using the old queues under a lower cap would
+        leave old heavy entries behind the new light ones)."""
         for tier in (Tier.T0, Tier.T1):
-            queue = VictimQueue(self.sketch, max_frequency=max_frequency)
-            queue.fill(n for n in self._nodes.values() if self._evictable(n, tier))
-            queues.append(queue)
-        self._queues = (queues[0], queues[1])
+            policy.fill(tier, (n for n in self._nodes.values() if self._evictable(n, tier)))
+        self.policy = policy
 
     def _pop_victim(self, tier: int) -> BlockNode | None:
-        return self._queues[tier].pop(lambda n: self._evictable(n, tier))
+        return self.policy.pop(tier, self._evictable_in(tier))
 
     def _free_slot(self, node: BlockNode) -> None:
         tier = node.tier
@@ -254,14 +238,14 @@ class BlockIndex:
         plan.dropped.append(node)
 
     def _reserve(
-        self, tier: int, n: int, candidate_freqs: Sequence[int] | None, plan: _Plan
+        self, tier: int, n: int, candidate_weights: Sequence[int] | None, plan: _Plan
     ) -> list[int]:
-        """Up to `n` free slots of `tier`, evicting victims that lose the frequency duel.
+        """Up to `n` free slots of `tier`, evicting victims that lose the policy's duel.
 
-        Slot i goes to a candidate of frequency `candidate_freqs[i]` (None: no duel, e.g. to
+        Slot i goes to a candidate of weight `candidate_weights[i]` (None: no duel, e.g. to
         demote an interior block that cannot be dropped). Returns fewer than `n` ids when the tier
-        is full of referenced blocks or of blocks more frequent than the candidate: not enough
-        room is not an error."""
+        is full of referenced blocks or of blocks that outrank the candidate: not enough room is
+        not an error."""
         alloc = self.allocators[tier]
         ids = alloc.allocate(min(n, alloc.num_free)) or []
         skipped: list[BlockNode] = []
@@ -269,9 +253,8 @@ class BlockIndex:
             victim = self._pop_victim(tier)
             if victim is None:
                 break
-            if (
-                candidate_freqs is not None
-                and self._frequency(victim.block_hash) > candidate_freqs[len(ids)]
+            if candidate_weights is not None and self.policy.outranks(
+                victim, candidate_weights[len(ids)]
             ):
                 skipped.append(victim)
                 break
@@ -289,10 +272,10 @@ class BlockIndex:
         """Free the victim's slot: demote T0 -> T1 if T1 admits it, else drop it if it is a leaf.
         False when neither is possible (an interior T0 block T1 cannot take)."""
         if victim.tier == Tier.T0 and self.allocators[Tier.T1].num_blocks:
-            freq = self._frequency(victim.block_hash)
             interior = victim.num_children > 0
+            weights = None if interior else self.policy.candidate_weights([victim.block_hash])
             victim.ref_count += 1  # its own demotion must not pick it as a T1 victim
-            got = self._reserve(Tier.T1, 1, None if interior else [freq], plan)
+            got = self._reserve(Tier.T1, 1, weights, plan)
             victim.ref_count -= 1
             if got:
                 plan.moves.append(Move(Tier.T0, victim.block_id, Tier.T1, got[0]))
@@ -333,7 +316,7 @@ class BlockIndex:
             parent.ref_count += 1
         if tier != Tier.T0 or self.num_pinned + len(hashes) > self.pin_limit:
             pinned = False
-        ids = self._reserve(tier, len(hashes), self._queues[0].frequencies(hashes), plan)
+        ids = self._reserve(tier, len(hashes), self.policy.candidate_weights(hashes), plan)
         if parent is not None:
             parent.ref_count -= 1
             self._push(parent)
@@ -370,8 +353,8 @@ class BlockIndex:
         t1_nodes = [n for n in path if n.tier == Tier.T1]
         if not t1_nodes or not self.allocators[Tier.T0].num_blocks:
             return plan
-        freqs = self._queues[0].frequencies([n.block_hash for n in t1_nodes])
-        ids = self._reserve(Tier.T0, len(t1_nodes), freqs, plan)
+        weights = self.policy.candidate_weights([n.block_hash for n in t1_nodes])
+        ids = self._reserve(Tier.T0, len(t1_nodes), weights, plan)
         for node, block_id in zip(t1_nodes, ids, strict=False):
             plan.moves.append(Move(Tier.T1, node.block_id, Tier.T0, block_id))
             self.allocators[Tier.T1].free([node.block_id])

@@ -1,7 +1,10 @@
 """The pure cache manager: keys -> hashes -> index, admission, placement, stats and events.
 
-Everything the cache decides, without tensors: the `PrefixCache` facade adds the pools and the
-copies, and the hit-rate simulator (`kvfleet_lab.cache.sim`) drives this same class with
+Everything the cache decides, without tensors, and the one place that wires the policy to the
+index: `Admission` (`_policy.py`) decides what is worth storing and which eviction ranking is in
+use; the `BlockIndex` (blocks, chains, refs, tiers) asks that ranking's `EvictionPolicy`
+(`_ranking.py`) for victims. The `PrefixCache` facade adds the pools and the copies, and the
+hit-rate simulator (`kvfleet_lab.cache.sim`) drives this same class with
 precomputed hashes, so the simulated policy is the shipped policy. Not thread-safe by itself: the
 facade serializes calls under its lock.
 """
@@ -28,10 +31,10 @@ from kvfleet_runtime.cache._keys import (
 )
 from kvfleet_runtime.cache._policy import (
     AdaptiveRanking,
+    Admission,
     GhostRanking,
     Placement,
     ThrashDetector,
-    admit_threshold,
     place,
 )
 from kvfleet_runtime.cache._sketch import CountMinSketch
@@ -104,22 +107,24 @@ class CacheManager:
         sample = 1
         while capacity // sample > config.ghost_max_blocks:
             sample *= 2
-        self.ranking = AdaptiveRanking(
+        ranking = AdaptiveRanking(
             [GhostRanking(capacity, cap, sample=sample) for cap in config.eviction_rankings],
             decay=config.ranking_decay,
             margin=config.ranking_margin,
         )
-        self.index = BlockIndex(
-            (config.num_t0_blocks, config.num_t1_blocks),
-            self.sketch,
-            max_frequency=self.ranking.max_frequency,
-            pin_limit=int(config.pin_max_fraction * config.num_t0_blocks),
-        )
-        self.thrash = ThrashDetector(
+        thrash = ThrashDetector(
             ratio=config.thrash_ratio,
             window_s=config.thrash_window_s,
             sustain_s=config.thrash_sustain_s,
             min_blocks=config.thrash_min_blocks,
+        )
+        self.admission = Admission(
+            self.sketch, ranking, thrash, admit_min_sightings=config.admit_min_sightings
+        )
+        self.index = BlockIndex(
+            (config.num_t0_blocks, config.num_t1_blocks),
+            self.admission.eviction(),
+            pin_limit=int(config.pin_max_fraction * config.num_t0_blocks),
         )
         self.store_max_blocks = max(
             config.store_min_blocks,
@@ -159,14 +164,6 @@ class CacheManager:
             stats = self._tenants[tenant_id] = TenantStats()
         return stats
 
-    @property
-    def thrashing(self) -> bool:
-        """Under pressure, as far as admission is concerned: the thrash detector fired and the
-        ranking in use counts reuse (then one more sighting is needed). Under plain recency (the
-        ghosts found that LRU hits the most here) thrash tightens nothing: selectivity is what
-        lost, and the duel refuses nothing either (every count is capped to 1)."""
-        return self.thrash.thrashing and self.ranking.strict
-
     # -- lookup ----------------------------------------------------------------------------
 
     def lookup(
@@ -197,40 +194,31 @@ class CacheManager:
         stats = self._tenant(key.tenant_id)
         stats.num_store_requests += 1
         stats.num_blocks_offered += len(hashes)
-        self.thrash.record(self.clock(), offered=len(hashes))
-        counts = self.sketch.increment_many(hashes)
+        counts = self.admission.count(hashes, self.clock())
         resident = self.index.match(hashes)
         if resident:
             self.index.touch(resident)
-        if self.ranking.observe(hashes, counts, len(resident)):
-            self.index.set_ranking(self.ranking.max_frequency)
-        cfg = self.config
-        thrashing = self.thrashing
-        admit = admit_threshold(cfg.admit_min_sightings, thrashing=thrashing)
-        admitted = 0
-        for count in counts:  # counts only fall along a chain, up to sketch noise: stop early
-            if count < admit:
-                break
-            admitted += 1
-        if admitted < len(hashes):
-            stats.num_admissions_refused += len(hashes) - max(admitted, len(resident))
+        decision = self.admission.decide(hashes, counts, len(resident))
+        if decision.ranking_changed:
+            self.index.set_policy(self.admission.eviction())
+        stats.num_admissions_refused += decision.num_refused
+        admitted = decision.num_blocks
         if admitted <= len(resident):
             return StoreOutcome.RESIDENT if resident else StoreOutcome.REFUSED
-        stats.num_first_sighting_admissions += sum(
-            1 for count in counts[len(resident) : admitted] if count == 1
-        )
+        stats.num_first_sighting_admissions += decision.num_first_sightings
         # Beyond the cap (or the free room, whichever is more) the rest of an admissible prefix
         # waits for its next sighting: one prompt must not flush the cache. Not a refusal.
         free = sum(alloc.num_free for alloc in self.index.allocators)
         admitted = min(admitted, len(resident) + max(self.store_max_blocks, free))
         sightings = counts[admitted - 1]
+        cfg = self.config
         placement = place(
             sightings,
             admitted * self.bytes_per_block,
             admit_min_sightings=cfg.admit_min_sightings,
             hot_min_sightings=cfg.hot_min_sightings,
             pin_max_bytes=cfg.pin_max_bytes,
-            thrashing=thrashing,
+            thrashing=decision.thrashing,
         )
         priority = admitted * BLOCK_SIZE * sightings
         return StorePlan(
@@ -304,7 +292,7 @@ class CacheManager:
         """Account for the blocks an operation dropped and queue their withdrawal events."""
         if not plan.dropped:
             return
-        self.thrash.record(self.clock(), dropped=len(plan.dropped))
+        self.admission.note_dropped(len(plan.dropped), self.clock())
         by_key: dict[CacheKey, list[BlockHash]] = {}
         for node in plan.dropped:
             by_key.setdefault(node.namespace.key, []).append(node.block_hash)
@@ -365,16 +353,17 @@ class CacheManager:
                     num_promotions=counters.num_promotions,
                 )
             )
+        admission = self.admission
         return CacheStats(
             tenant=tenant,
             totals=totals,
             tiers=tuple(tiers),
-            thrashing=self.thrash.thrashing,
-            num_thrash_episodes=self.thrash.num_episodes,
-            eviction_ranking=_ranking_label(self.ranking.max_frequency),
-            strictness=self.ranking.current,
-            num_ranking_switches=self.ranking.num_switches,
-            num_ghost_hit_blocks=self.ranking.num_ghost_hit_blocks,
+            thrashing=admission.thrash.thrashing,
+            num_thrash_episodes=admission.thrash.num_episodes,
+            eviction_ranking=_ranking_label(admission.ranking.max_frequency),
+            strictness=admission.ranking.current,
+            num_ranking_switches=admission.ranking.num_switches,
+            num_ghost_hit_blocks=admission.ranking.num_ghost_hit_blocks,
             store_queue_len=store_queue_len,
             num_indexed_blocks=len(self.index),
             num_memo_hits=self.memo.num_hits if self.memo else 0,

@@ -1,5 +1,10 @@
-"""Inferred placement and thrash detection: what the cache does with a prefix, decided from
-observed reuse only (R4). No caller declares a policy.
+"""Admission and inferred placement: what the cache does with a prefix, decided from observed
+reuse only (R4). No caller declares a policy.
+
+`Admission` is the one object the manager asks: it counts sightings (the count-min sketch),
+replays every offer into the ghost rankings (`AdaptiveRanking`), watches for thrash
+(`ThrashDetector`), says how many leading blocks of a chain are worth storing, and hands out the
+`EvictionPolicy` (`_ranking.py`) of the ranking the ghosts chose, for the index to use.
 
     sightings < admit threshold           -> not stored          (one-shot)
     sightings >= hot threshold and small  -> pinned in T0        (the "system prompt" case)
@@ -16,8 +21,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvfleet_runtime.cache._ranking import RankedEviction
+from kvfleet_runtime.cache._sketch import CountMinSketch
+
 __all__ = [
     "AdaptiveRanking",
+    "Admission",
+    "Admitted",
     "GhostRanking",
     "Placement",
     "ThrashDetector",
@@ -116,7 +126,15 @@ class GhostRanking:
     1/`sample` of the hash space, at 1/`sample` of the capacity) costs that fraction of the memory
     and measures about the same hit rate."""
 
-    __slots__ = ("_classes", "_limit", "_where", "capacity_blocks", "max_frequency", "sample")
+    __slots__ = (
+        "_classes",
+        "_limit",
+        "_low",
+        "_where",
+        "capacity_blocks",
+        "max_frequency",
+        "sample",
+    )
 
     def __init__(
         self, capacity_blocks: int, max_frequency: int | None, *, sample: int = 1
@@ -136,6 +154,9 @@ class GhostRanking:
         num_classes = _MAX_CLASS if max_frequency is None else max_frequency
         self._classes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_classes)]
         self._where: dict[bytes, int] = {}
+        self._low = 0
+        """Every class below this one is empty: eviction starts its scan here, not at class 0
+        (the raw-count ghost has 255 classes, most of them empty)."""
         self._limit = max(1, capacity_blocks // sample)
         """Blocks the ghost holds: the capacity's share of the sampled hash space."""
 
@@ -162,6 +183,7 @@ class GhostRanking:
         where, classes = self._where, self._classes
         top = len(classes)
         mask = self.sample - 1
+        low = self._low
         for h, count in zip(reversed(hashes), reversed(counts), strict=True):
             if h[-1] & mask:
                 continue
@@ -171,14 +193,15 @@ class GhostRanking:
                 del classes[old][h]
             classes[k][h] = None
             where[h] = k
+            low = min(low, k)
         excess = len(where) - self._limit
-        k = 0
         while excess > 0:
-            while not classes[k]:
-                k += 1
-            h, _ = classes[k].popitem(last=False)
+            while not classes[low]:
+                low += 1
+            h, _ = classes[low].popitem(last=False)
             del where[h]
             excess -= 1
+        self._low = low
 
     def __len__(self) -> int:
         return len(self._where)
@@ -244,3 +267,81 @@ class AdaptiveRanking:
             self.num_switches += 1
             return True
         return False
+
+
+@dataclass(slots=True, frozen=True)
+class Admitted:
+    """What admission decided for one offered chain."""
+
+    num_blocks: int
+    """Leading blocks worth storing, resident ones included (counts only fall along a chain, up
+    to sketch noise, so admission stops at the first block below the threshold)."""
+    num_first_sightings: int
+    """Of the admitted blocks not yet resident, those seen for the first time."""
+    num_refused: int
+    """Blocks beyond both the admitted and the resident prefix."""
+    thrashing: bool
+    """Whether admission was tightened for this offer (see `Admission.thrashing`)."""
+    ranking_changed: bool
+    """The ghosts chose another eviction ranking: the index needs `Admission.eviction()`."""
+
+
+class Admission:
+    """First-sighting admission that tightens under pressure, and the ranking the ghosts choose.
+
+    Two calls per offered chain, with the index's own work between them: `count` (one sighting
+    of every block, before the index touches the resident prefix, so that the touch ranks it by
+    its new count), then `decide` with the resident prefix's length. The thresholds are
+    constructor arguments; what changes with time is observed, never set by a caller."""
+
+    __slots__ = ("admit_min_sightings", "ranking", "sketch", "thrash")
+
+    def __init__(
+        self,
+        sketch: CountMinSketch,
+        ranking: AdaptiveRanking,
+        thrash: ThrashDetector,
+        *,
+        admit_min_sightings: int,
+    ) -> None:
+        if admit_min_sightings < 1:
+            raise ValueError(f"admit_min_sightings must be >= 1, got {admit_min_sightings}")
+        self.sketch = sketch
+        self.ranking = ranking
+        self.thrash = thrash
+        self.admit_min_sightings = admit_min_sightings
+
+    @property
+    def thrashing(self) -> bool:
+        """Under pressure, as far as admission is concerned: the thrash detector fired and the
+        ranking in use counts reuse (then one more sighting is needed). Under plain recency (the
+        ghosts found that LRU hits the most here) thrash tightens nothing: selectivity is what
+        lost, and the duel refuses nothing either (every count is capped to 1)."""
+        return self.thrash.thrashing and self.ranking.strict
+
+    def eviction(self) -> RankedEviction:
+        """A fresh eviction policy for the ranking in use (the index fills it)."""
+        return RankedEviction(self.sketch, max_frequency=self.ranking.max_frequency)
+
+    def count(self, hashes: Sequence[bytes], now_s: float) -> list[int]:
+        """One sighting of each block; returns their counts after it."""
+        self.thrash.record(now_s, offered=len(hashes))
+        return self.sketch.increment_many(hashes)
+
+    def note_dropped(self, num_blocks: int, now_s: float) -> None:
+        self.thrash.record(now_s, dropped=num_blocks)
+
+    def decide(
+        self, hashes: Sequence[bytes], counts: Sequence[int], resident_blocks: int
+    ) -> Admitted:
+        changed = self.ranking.observe(hashes, counts, resident_blocks)
+        thrashing = self.thrashing
+        admit = admit_threshold(self.admit_min_sightings, thrashing=thrashing)
+        admitted = 0
+        for count in counts:
+            if count < admit:
+                break
+            admitted += 1
+        refused = len(hashes) - max(admitted, resident_blocks) if admitted < len(hashes) else 0
+        first = sum(1 for count in counts[resident_blocks:admitted] if count == 1)
+        return Admitted(admitted, first, refused, thrashing, changed)

@@ -1,12 +1,20 @@
-"""Victim order of one tier: which evictable block goes first. The policy half of eviction,
-apart from the index (which knows blocks, chains, refs and tiers and decides what is evictable).
+"""Victim choice: which evictable block goes first, and whether a newcomer may take its slot.
+The policy half of eviction, apart from the index (which knows blocks, chains, refs and tiers and
+decides what is evictable).
 
-In the manner of vLLM's free-block queue and SGLang's `evict_policy.py`: the index pushes a block
-whenever it may have become evictable (released, touched, its last child gone) and pops the first
-valid one when it needs room; the queue never decides evictability itself, it asks the `valid`
-predicate it is given. The order is (unpinned first, lowest capped sighting count, least
-recent, oldest push); a cap of 1 makes it plain LRU. The cap is a constructor argument: another
-ranking is another queue (`BlockIndex.set_ranking` rebuilds both tiers').
+In the manner of vLLM's free-block queue and SGLang's `evict_policy.py`, the index talks to an
+`EvictionPolicy` through five calls: it pushes a block whenever the block may have become
+evictable (released, touched, its last child gone), pops the first valid one of a tier when it
+needs room, asks the policy for the weight of the blocks it wants to place (`candidate_weights`)
+and whether a victim outranks such a candidate (`outranks`: the TinyLFU duel; the newcomer is
+refused its slot), and hands a new policy every evictable block when the cache switches ranking
+(`fill`). The policy never decides evictability itself: it asks the `evictable` predicate it is
+given.
+
+`RankedEviction` is the one ranking the cache ships: (unpinned first, lowest capped sighting
+count, least recent, oldest push). Its cap is a constructor argument: 1 is plain LRU (vLLM's free
+queue; every count ranks alike, so the duel never refuses anything), None ranks by the raw count.
+Another ranking is another instance (`BlockIndex.set_policy`), never a mode flipped in place.
 
 Lazy: a block pushed twice has two entries; an entry is stale once its block was touched again
 (tick), pinned or unpinned since, or is no longer evictable. A popped entry whose block's count
@@ -18,14 +26,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvfleet_runtime.cache._sketch import CountMinSketch
 
 if TYPE_CHECKING:  # the index imports this module: the node type is only needed for checking
     from kvfleet_runtime.cache._index import BlockNode
 
-__all__ = ["VictimQueue"]
+__all__ = ["EvictionPolicy", "RankedEviction", "VictimQueue"]
+
+Evictable = Callable[["BlockNode"], bool]
 
 _Entry = tuple[bool, int, int, int, "BlockNode"]
 """(pinned, aged frequency, last tick, seq, node); smallest goes first."""
@@ -33,16 +43,43 @@ _Entry = tuple[bool, int, int, int, "BlockNode"]
 _MAX_REFRESH = 32
 """Victim candidates re-ranked per pop before the current best is taken regardless."""
 
+_COMPACT_MIN_ENTRIES = 1024
+"""A queue is compacted (stale entries dropped) once it holds this many entries more than 4x
+the valid ones it held after its last compaction: lazy entries stay bounded without a scan per
+push."""
+
+
+class EvictionPolicy(Protocol):
+    """What the index asks of a victim-choice policy (one per cache, both tiers)."""
+
+    def push(self, node: BlockNode, evictable: Evictable) -> None:
+        """`node` may have become evictable in `node.tier` (the caller has checked it is)."""
+
+    def pop(self, tier: int, evictable: Evictable) -> BlockNode | None:
+        """The first evictable block of `tier` in ranking order, out of the queue (None: none)."""
+
+    def candidate_weights(self, hashes: Sequence[bytes]) -> list[int]:
+        """How much each block about to be placed is worth, in the unit `outranks` compares."""
+
+    def outranks(self, victim: BlockNode, weight: int) -> bool:
+        """Whether `victim` is worth more than a candidate of `weight` (the candidate is
+        refused the slot)."""
+
+    def fill(self, tier: int, nodes: Iterable[BlockNode]) -> None:
+        """Replace `tier`'s queue by these evictable blocks, ranked now."""
+
 
 class VictimQueue:
+    """One tier's lazy heap in `RankedEviction`'s order."""
+
     def __init__(self, sketch: CountMinSketch, *, max_frequency: int | None) -> None:
         if max_frequency is not None and max_frequency < 1:
             raise ValueError(f"max_frequency must be >= 1 or None, got {max_frequency}")
         self.sketch = sketch
         self.max_frequency = max_frequency
-        """Sightings beyond this rank alike, in eviction and in the duel (None: no cap)."""
         self._heap: list[_Entry] = []
         self._seq = itertools.count()
+        self._compact_at = _COMPACT_MIN_ENTRIES
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -53,11 +90,6 @@ class VictimQueue:
         cap = self.max_frequency
         return freq if cap is None or freq <= cap else cap
 
-    def frequencies(self, hashes: Sequence[bytes]) -> list[int]:
-        freqs = self.sketch.estimate_many(hashes)
-        cap = self.max_frequency
-        return freqs if cap is None else [min(f, cap) for f in freqs]
-
     def _weight(self, node: BlockNode) -> int:
         """Frequency scaled by 2^(sketch resets so far). Every reset halves all counters, so
         ordering by f * 2^resets_at_push ranks entries pushed in different epochs exactly as
@@ -67,27 +99,27 @@ class VictimQueue:
     def _entry(self, node: BlockNode) -> _Entry:
         return (node.pinned, self._weight(node), node.last_tick, next(self._seq), node)
 
-    def push(self, node: BlockNode) -> None:
-        """Queue an evictable block (the caller has checked it is)."""
+    def push(self, node: BlockNode, evictable: Evictable) -> None:
         heapq.heappush(self._heap, self._entry(node))
+        if len(self._heap) > self._compact_at:
+            # Dropping stale entries never changes the pop order: every valid entry stays,
+            # with its key, and the keys (seq last) are a total order.
+            self._heap = [e for e in self._heap if self._valid(e, evictable)]
+            heapq.heapify(self._heap)
+            self._compact_at = 4 * len(self._heap) + _COMPACT_MIN_ENTRIES
 
     def fill(self, nodes: Iterable[BlockNode]) -> None:
-        """Replace the queue by these evictable blocks, ranked now."""
         heap = [self._entry(n) for n in nodes]
         heapq.heapify(heap)
         self._heap = heap
-
-    def compact(self, evictable: Callable[[BlockNode], bool]) -> None:
-        self._heap = [e for e in self._heap if self._valid(e, evictable)]
-        heapq.heapify(self._heap)
+        self._compact_at = 4 * len(heap) + _COMPACT_MIN_ENTRIES
 
     @staticmethod
-    def _valid(entry: _Entry, evictable: Callable[[BlockNode], bool]) -> bool:
+    def _valid(entry: _Entry, evictable: Evictable) -> bool:
         pinned, _, tick, _, node = entry
         return node.last_tick == tick and node.pinned == pinned and evictable(node)
 
-    def pop(self, evictable: Callable[[BlockNode], bool]) -> BlockNode | None:
-        """The first evictable block in ranking order, taken out of the queue (None: none)."""
+    def pop(self, evictable: Evictable) -> BlockNode | None:
         heap = self._heap
         refreshed = 0
         while heap:
@@ -102,3 +134,40 @@ class VictimQueue:
                 continue
             return node
         return None
+
+
+class RankedEviction:
+    """Unpinned first, lowest capped sighting count, least recent; a newcomer takes a victim's
+    slot only if it is at least as frequent, capped alike (the duel)."""
+
+    __slots__ = ("_queues", "max_frequency", "sketch")
+
+    def __init__(
+        self, sketch: CountMinSketch, *, max_frequency: int | None, num_tiers: int = 2
+    ) -> None:
+        self.sketch = sketch
+        self.max_frequency = max_frequency
+        """Sightings beyond this rank alike, in eviction and in the duel (None: no cap; 1: plain
+        recency, under which the duel never refuses anything)."""
+        self._queues = [VictimQueue(sketch, max_frequency=max_frequency) for _ in range(num_tiers)]
+
+    def num_queued(self, tier: int) -> int:
+        """Entries in `tier`'s queue, stale ones included (for tests and the memory bench)."""
+        return len(self._queues[tier])
+
+    def push(self, node: BlockNode, evictable: Evictable) -> None:
+        self._queues[node.tier].push(node, evictable)
+
+    def pop(self, tier: int, evictable: Evictable) -> BlockNode | None:
+        return self._queues[tier].pop(evictable)
+
+    def candidate_weights(self, hashes: Sequence[bytes]) -> list[int]:
+        freqs = self.sketch.estimate_many(hashes)
+        cap = self.max_frequency
+        return freqs if cap is None else [min(f, cap) for f in freqs]
+
+    def outranks(self, victim: BlockNode, weight: int) -> bool:
+        return self._queues[0].frequency(victim.block_hash) > weight
+
+    def fill(self, tier: int, nodes: Iterable[BlockNode]) -> None:
+        self._queues[tier].fill(nodes)

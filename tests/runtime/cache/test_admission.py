@@ -35,6 +35,28 @@ def test_sketch_batch_and_single_paths_agree() -> None:
     assert sketch.estimate_many(hashes)[:12] == [2] * 10 + [1] * 2
 
 
+@pytest.mark.parametrize("width", [1, 4, 1024])
+def test_sketch_short_chain_path_gives_the_batch_path_counters(
+    width: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chains of up to 8 blocks count in pure Python; where two ids of a chain share a counter
+    (every one does at width 1) the batch rule applies, so both paths agree exactly."""
+    import random
+
+    from kvfleet_runtime.cache import _sketch
+
+    rng = random.Random(7)
+    chains = [[rng.randbytes(16) for _ in range(rng.randint(1, 8))] for _ in range(300)]
+    chains += [[chains[0][0]] * 3]  # one id twice in a chain: always a shared counter
+    scalar = CountMinSketch(width=width, depth=4, sample_size=500)
+    got = [scalar.increment_many(c) for c in chains]
+    monkeypatch.setattr(_sketch, "_SCALAR_MAX_HASHES", 0)
+    batch = CountMinSketch(width=width, depth=4, sample_size=500)
+    assert got == [batch.increment_many(c) for c in chains]
+    assert bytes(scalar._counters) == bytes(batch._counters) and scalar.num_resets > 0
+    assert scalar.num_resets == batch.num_resets
+
+
 def test_sketch_ages_itself_after_sample_size_increments() -> None:
     sketch = CountMinSketch(width=64, depth=2, sample_size=8)
     h = bytes(16)

@@ -7,6 +7,7 @@ import pytest
 from kvfleet_runtime.cache import BlockHash, BlockIndex, CountMinSketch, Tier
 from kvfleet_runtime.cache._allocator import BlockAllocator, contiguous_runs, paired_runs
 from kvfleet_runtime.cache._index import BlockNode, Move, Namespace
+from kvfleet_runtime.cache._ranking import RankedEviction
 from tests.runtime.cache.conftest import DIGEST_A, DIGEST_B, make_key
 
 
@@ -21,10 +22,16 @@ def chain(prefix: str, n: int) -> list[BlockHash]:
 def make_index(
     t0: int, t1: int = 0, *, max_frequency: int | None = None, pin_limit: int = 0
 ) -> tuple[BlockIndex, Namespace]:
-    index = BlockIndex(
-        (t0, t1), CountMinSketch(width=1024), max_frequency=max_frequency, pin_limit=pin_limit
-    )
+    policy = RankedEviction(CountMinSketch(width=1024), max_frequency=max_frequency)
+    index = BlockIndex((t0, t1), policy, pin_limit=pin_limit)
     return index, index.namespace(make_key())
+
+
+def sketch(index: BlockIndex) -> CountMinSketch:
+    """The sketch the index's eviction policy ranks by (the tests count sightings into it)."""
+    policy = index.policy
+    assert isinstance(policy, RankedEviction)
+    return policy.sketch
 
 
 def put(
@@ -100,10 +107,10 @@ def test_frequency_duel_keeps_frequent_blocks_against_a_colder_newcomer() -> Non
     hot = chain("hot", 2)
     for _ in range(5):
         for x in hot:
-            index.sketch.increment(x)
+            sketch(index).increment(x)
     put(index, ns, hot)
     cold = chain("cold", 2)
-    index.sketch.increment(cold[0])
+    sketch(index).increment(cold[0])
     nodes, _ = index.insert(ns, None, cold, tier=Tier.T0, pinned=False)
     assert nodes == [] and len(index.match(hot)) == 2
 
@@ -128,7 +135,7 @@ def test_t0_eviction_demotes_to_t1_and_a_hit_promotes_back() -> None:
     index, ns = make_index(2, 2)
     put(index, ns, chain("a", 2))  # T0 ids 0, 1
     for x in chain("b", 2):
-        index.sketch.increment(x)
+        sketch(index).increment(x)
     nodes, plan = index.insert(ns, None, chain("b", 2), tier=Tier.T0, pinned=False)
     index.release(nodes)
     # a's leaf then a's root were demoted (T1 ids 0 then 1): their data moves before b lands.
@@ -138,8 +145,8 @@ def test_t0_eviction_demotes_to_t1_and_a_hit_promotes_back() -> None:
     index.check_invariants()
     index.acquire(a)
     for x in chain("a", 2):
-        index.sketch.increment(x)
-        index.sketch.increment(x)
+        sketch(index).increment(x)
+        sketch(index).increment(x)
     plan = index.promote(a)
     # b could not be demoted (T1 is full of a's referenced blocks): b's leaf (T0 id 0) and then
     # b's root (id 1) were dropped, and a moved into those slots.
@@ -183,13 +190,13 @@ def test_frequencies_above_the_cap_rank_alike_so_recency_decides(
     index, ns = make_index(2, max_frequency=max_frequency)
     old, new = chain("old", 1), chain("new", 1)
     for _ in range(5):  # popular once, then never again
-        index.sketch.increment(old[0])
+        sketch(index).increment(old[0])
     put(index, ns, old)
     for _ in range(2):
-        index.sketch.increment(new[0])
+        sketch(index).increment(new[0])
     put(index, ns, new)
     for _ in range(2):
-        index.sketch.increment(chain("x", 1)[0])
+        sketch(index).increment(chain("x", 1)[0])
     put(index, ns, chain("x", 1))  # needs a victim: the least frequent, least recent among equals
     gone = "new" if survivor == "old" else "old"
     assert len(index.match(chain(survivor, 1))) == 1 and index.match(chain(gone, 1)) == []

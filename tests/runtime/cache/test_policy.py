@@ -9,6 +9,7 @@ from kvfleet_runtime.cache import CacheConfig, CountMinSketch
 from kvfleet_runtime.cache._index import BlockIndex
 from kvfleet_runtime.cache._manager import CacheManager, StorePlan
 from kvfleet_runtime.cache._policy import AdaptiveRanking, GhostRanking
+from kvfleet_runtime.cache._ranking import RankedEviction
 from tests.runtime.cache.conftest import make_key
 from tests.runtime.cache.test_index import chain, h, put
 
@@ -70,16 +71,18 @@ def test_adaptive_ranking_follows_the_ghost_that_hit_most_with_hysteresis() -> N
 
 
 def test_index_re_ranks_every_evictable_block_when_the_cap_drops() -> None:
-    index = BlockIndex((2, 0), CountMinSketch(width=1024))
+    counts = CountMinSketch(width=1024)
+    index = BlockIndex((2, 0), RankedEviction(counts, max_frequency=None))
     ns = index.namespace(make_key())
     old, new = chain("old", 1), chain("new", 1)
     for _ in range(5):
-        index.sketch.increment(old[0])
+        counts.increment(old[0])
     put(index, ns, old)
-    index.sketch.increment(new[0])
+    counts.increment(new[0])
     put(index, ns, new)
-    index.set_ranking(1)  # plain recency: "old" is the least recent, it goes
-    index.sketch.increment(h("x"))
+    # Plain recency: "old" is the least recent, it goes.
+    index.set_policy(RankedEviction(counts, max_frequency=1))
+    counts.increment(h("x"))
     put(index, ns, [h("x")])
     assert index.match(old) == [] and len(index.match(new)) == 1
 
