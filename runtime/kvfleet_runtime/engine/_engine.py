@@ -398,13 +398,19 @@ class Engine:
         n_decoding = sum(1 for s in self._running if s.output)
         budget = self.config.max_tokens_per_step - n_decoding
         budget = max(BLOCK_SIZE, budget // BLOCK_SIZE * BLOCK_SIZE)
+        plan: list[tuple[_Sequence, int]] = []  # (sequence, tokens to prefill this step)
         for seq in self._running:
             if budget <= 0:
                 break
             if not seq.prefilled:
+                n = min(len(seq.prompt) - seq.prefill_pos, budget)
+                plan.append((seq, n))
                 # A prompt's tail may end mid-block; the next chunk still gets whole blocks.
-                budget = (budget - self._prefill_chunk(seq, budget)) // BLOCK_SIZE * BLOCK_SIZE
-            if seq.prefilled and not seq.output:
+                budget = (budget - n) // BLOCK_SIZE * BLOCK_SIZE
+        if plan:
+            self._prefill_chunks(plan)
+        for seq in self._running:
+            if seq.prefilled and not seq.output and seq.last_logits is not None:
                 self._first_token(seq)
         decoding = [s for s in self._running if s.output and not s.cancelled]
         if decoding:
@@ -469,17 +475,20 @@ class Engine:
         seq.cache_tier = Tier(hit.tier).label
         self.metrics.cached_tokens.inc(usable)
 
-    def _prefill_chunk(self, seq: _Sequence, budget: int) -> int:
-        """Prefill up to `budget` tokens (a multiple of the block size) of the sequence's prompt
-        in one call; returns the tokens computed."""
-        lo = seq.prefill_pos
-        hi = min(len(seq.prompt), lo + budget)
-        chunk = BLOCK_SIZE if self.config.deterministic else budget
-        seq.last_logits = self.model.prefill(seq.prompt[lo:hi], lo, seq.table, self.kv,
-                                             chunk_tokens=chunk)
-        seq.prefill_pos = hi
-        self.metrics.prefilled_tokens.inc(hi - lo)
-        return hi - lo
+    def _prefill_chunks(self, plan: list[tuple[_Sequence, int]]) -> None:
+        """Prefill the next `n` prompt tokens of each planned sequence: one packed forward for
+        all of them (fast path), or each in one-block chunks on its own (deterministic)."""
+        chunks = [(seq.prompt[seq.prefill_pos : seq.prefill_pos + n], seq.prefill_pos, seq.table)
+                  for seq, n in plan]
+        if self.config.deterministic:
+            rows = [self.model.prefill(t, lo, table, self.kv, chunk_tokens=BLOCK_SIZE)
+                    for t, lo, table in chunks]
+        else:
+            rows = list(self.model.prefill_packed(chunks, self.kv))
+        for (seq, n), logits in zip(plan, rows, strict=True):
+            seq.prefill_pos += n
+            seq.last_logits = logits if seq.prefilled else None
+            self.metrics.prefilled_tokens.inc(n)
 
     def _first_token(self, seq: _Sequence) -> None:
         assert seq.last_logits is not None

@@ -24,6 +24,7 @@ float32, softmax in float32, RoPE tables in float32), so float32 logits agree to
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -382,49 +383,74 @@ class Transformer(nn.Module):
         and per layer one write of its KV, one gather of the sequence's KV and one attention
         call. `chunk_tokens=BLOCK_SIZE` is the deterministic rule (module docstring).
         """
-        if start_pos % BLOCK_SIZE != 0:
-            raise ValueError(f"start_pos {start_pos} is not a multiple of {BLOCK_SIZE}")
         if chunk_tokens <= 0 or chunk_tokens % BLOCK_SIZE != 0:
             raise ValueError(f"chunk_tokens {chunk_tokens} is not a positive multiple of "
                              f"{BLOCK_SIZE}")
-        if not tokens:
-            raise ValueError("prefill needs at least one token")
-        if start_pos + len(tokens) > self.args.max_seq_len:
-            raise ValueError(
-                f"{start_pos + len(tokens)} positions exceed max_seq_len {self.args.max_seq_len}"
-            )
-        n_blocks = -(-(start_pos + len(tokens)) // BLOCK_SIZE)
-        if len(table) < n_blocks:
-            raise ValueError(f"block table has {len(table)} blocks, positions up to "
-                             f"{start_pos + len(tokens)} need {n_blocks}")
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
-        blocks = torch.tensor(list(table[:n_blocks]), dtype=torch.long, device=self.device)
         logits = None
-        for lo in range(0, len(tokens), chunk_tokens):
-            logits = self._prefill_chunk(ids[lo : lo + chunk_tokens], start_pos + lo, blocks, kv)
+        for lo in range(0, max(len(tokens), 1), chunk_tokens):
+            logits = self.prefill_packed(
+                [(tokens[lo : lo + chunk_tokens], start_pos + lo, table)], kv)[0]
         assert logits is not None
         return logits
 
-    def _prefill_chunk(self, chunk: Tensor, pos: int, blocks: Tensor, kv: PagedKV) -> Tensor:
-        # chunk: [S] tokens at positions [pos, pos + S); blocks: the table's ids up to pos + S
-        n = int(chunk.shape[0])
-        end = pos + n
-        positions = torch.arange(pos, end, device=chunk.device)
-        write_blocks = blocks[positions // BLOCK_SIZE]  # [S]: where each new token's KV goes
-        write_slots = positions % BLOCK_SIZE
-        seq_blocks = blocks[: -(-end // BLOCK_SIZE)]
-        cos, sin = self.rope_cos[pos:end], self.rope_sin[pos:end]
-        x = self.embed_tokens(chunk)  # [S, dim]
+    @torch.inference_mode()
+    def prefill_packed(self, chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+                       kv: PagedKV) -> Tensor:
+        """One forward over the prompt chunks of several sequences: (tokens, start_pos, table)
+        each, as in `prefill`; returns each chunk's last logits [N, V].
+
+        The chunks' rows are packed into one batch for every matmul and one indexed KV write
+        per layer; attention stays per chunk (one call each, over its own sequence's KV), since
+        the sequences' lengths differ. A chunk's rows then meet other matmul shapes than they
+        would alone, which is why deterministic mode never packs."""
+        if not chunks:
+            raise ValueError("prefill needs at least one chunk")
+        device = self.device
+        ids: list[int] = []
+        positions: list[Tensor] = []
+        seq_blocks: list[Tensor] = []
+        ends: list[int] = []
+        for tokens, start, table in chunks:
+            end = start + len(tokens)
+            if start % BLOCK_SIZE != 0:
+                raise ValueError(f"start_pos {start} is not a multiple of {BLOCK_SIZE}")
+            if not tokens:
+                raise ValueError("prefill needs at least one token")
+            if end > self.args.max_seq_len:
+                raise ValueError(f"{end} positions exceed max_seq_len {self.args.max_seq_len}")
+            n_blocks = -(-end // BLOCK_SIZE)
+            if len(table) < n_blocks:
+                raise ValueError(f"block table has {len(table)} blocks, positions up to {end} "
+                                 f"need {n_blocks}")
+            ids.extend(tokens)
+            positions.append(torch.arange(start, end))
+            seq_blocks.append(torch.tensor(list(table[:n_blocks]), dtype=torch.long))
+            ends.append(end)
+        pos = torch.cat(positions).to(device)  # [R]: every packed row's position
+        write_blocks = torch.cat([blk[p // BLOCK_SIZE] for blk, p in zip(
+            seq_blocks, positions, strict=True)]).to(device)  # [R]: where each row's KV goes
+        write_slots = pos % BLOCK_SIZE
+        seq_blocks = [blk.to(device) for blk in seq_blocks]
+        bounds = [0]
+        for p in positions:
+            bounds.append(bounds[-1] + len(p))
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [R, D]
+        x = self.embed_tokens(torch.tensor(ids, dtype=torch.long, device=device))  # [R, dim]
         for i, layer in enumerate(self.blocks()):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)  # [H, S, D]
-            # One indexed copy per tensor: token j -> block write_blocks[j], slot write_slots[j].
+            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)  # [H, R, D]
+            # One indexed copy per tensor: row j -> block write_blocks[j], slot write_slots[j].
             kv.k[i, write_blocks, :, write_slots] = k.transpose(0, 1).to(kv.k.dtype)
             kv.v[i, write_blocks, :, write_slots] = v.transpose(0, 1).to(kv.v.dtype)
-            k_all, v_all = _gather_layer(kv, i, seq_blocks, end)  # [Hkv, pos + S, D]
-            x = x + attn.o_proj(attn.attend(q, k_all, v_all, pos))
+            outs = []
+            for c, (start, end) in enumerate(itertools.pairwise(bounds)):
+                k_all, v_all = _gather_layer(kv, i, seq_blocks[c], ends[c])  # [Hkv, T, D]
+                outs.append(attn.attend(q[:, start:end], k_all, v_all, ends[c] - (end - start)))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+            x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits: Tensor = self.lm_head(self.norm(x[-1:]))[0]
+        last = torch.tensor([b - 1 for b in bounds[1:]], device=device)
+        logits: Tensor = self.lm_head(self.norm(x[last]))
         return logits
 
     @torch.inference_mode()

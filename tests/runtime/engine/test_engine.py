@@ -152,15 +152,15 @@ async def test_fast_mode_greedy_output_equals_the_miss_on_a_fixed_prompt_set(
 
 
 class ChunkRecorder(Engine):
-    """Records each prefill call's (start, tokens) and how many sequences were decoding."""
+    """Records each planned prefill chunk's (start, tokens) and how many sequences were
+    decoding beside it."""
 
     chunks: list[tuple[int, int, int]]
 
-    def _prefill_chunk(self, seq, budget):  # type: ignore[no-untyped-def]
-        lo = seq.prefill_pos
-        done = super()._prefill_chunk(seq, budget)
-        self.chunks.append((lo, done, sum(1 for s in self._running if s.output)))
-        return done
+    def _prefill_chunks(self, plan):  # type: ignore[no-untyped-def]
+        decoding = sum(1 for s in self._running if s.output)
+        self.chunks.extend((seq.prefill_pos, n, decoding) for seq, n in plan)
+        super()._prefill_chunks(plan)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -161,6 +161,30 @@ def test_chunked_prefill_matches_dense_reference_at_any_chunk(
 
 
 @pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+def test_packed_prefill_of_several_sequences_equals_each_alone(
+    tiny_dir: Path, attn_impl: str
+) -> None:
+    # A fresh prompt, a later chunk of a second one (its first 32 tokens already in place) and
+    # a one-token chunk, in one forward.
+    model = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl=attn_impl).model
+    kv = PagedKV.allocate(model.args, 24, device=torch.device("cpu"))
+    a, b, c = prompt(70, seed=21), prompt(90, seed=22), prompt(17, seed=23)
+    ta, tb, tc = (kv.take(n) for n in (5, 6, 2))
+    assert ta is not None and tb is not None and tc is not None
+    model.prefill(b[:32], 0, tb, kv)
+    model.prefill(c[:16], 0, tc, kv)
+    packed = model.prefill_packed([(a, 0, ta), (b[32:], 32, tb), (c[16:], 16, tc)], kv)
+    k_packed, v_packed = kv.gather(tb, 90)
+    alone = [model.prefill(a, 0, ta, kv), model.prefill(b[32:], 32, tb, kv),
+             model.prefill(c[16:], 16, tc, kv)]
+    k_alone, v_alone = kv.gather(tb, 90)
+    torch.testing.assert_close(packed, torch.stack(alone), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_packed, k_alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_packed, v_alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[1], dense_forward(model, b)[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
 def test_batched_decode_equals_one_sequence_at_a_time(tiny_dir: Path, attn_impl: str) -> None:
     # Sequences of different lengths in one padded batch: each row as if decoded alone.
     model = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl=attn_impl).model
