@@ -3,16 +3,27 @@
 One readable file in the manner of gpt-fast: a `ModelArgs` dataclass with presets, small modules,
 and prefill and decode as separate functions over a paged KV (`PagedKV`, blocks of 16 tokens).
 
-Why prefill runs in chunks of exactly one block, aligned to absolute positions: the prefix cache
-replaces the KV of the first `m` tokens (m a multiple of 16) by stored bytes and prefills only the
-rest. On CPU, torch's matmul gives bit-different rows for the same input row depending on how
-many rows the call has (a [5, D] call and a [2000, D] call disagree in the last bits). If prefill
-computed all tokens in one call, a suffix prefill would not reproduce the full prefill's KV and a
-cache hit could change the answer. With chunks aligned to the 16-token grid, the tokens after a
-block-aligned hit are computed by exactly the same calls, on the same shapes and the same inputs,
-as in a full prefill, so the KV and the logits are bitwise equal by construction (same process,
-same device, same thread count). Decode computes one row per sequence, so KV written by decode is
-never stored in the cache (see the engine).
+Prefill runs in chunks of whole blocks as large as the caller's budget (`chunk_tokens`, the
+engine's token budget per step): per layer per chunk, one indexed write of the chunk's K/V into
+its blocks, one gather of the sequence's KV over its block table and one attention call (torch
+SDPA, or transformers' eager arithmetic); a chunk that starts the sequence is plain causal, a
+later one attends to the prefix unmasked and to itself causally (merged by log-sum-exp on CPU, an
+offset causal mask elsewhere). The chunks of several sequences can share one forward
+(`prefill_packed`). Decode is one forward per step for the batch: one indexed write of the new
+rows, one padded gather of every sequence's KV, one attention call with a length mask.
+
+Determinism is the caller's choice. The prefix cache replaces the KV of the first `m` tokens (m a
+multiple of 16) by stored bytes and prefills only the rest. CPU and GPU kernels round a row
+differently depending on the call's shape (on this project's CPU, torch's matmul gives other
+bits for a row in a 1-, 2- or 5-row call than in a 4,096-row one, and a softmax or `probs @ v`
+over T keys sums in an order that depends on T), so a suffix prefilled in other chunks than the
+full prefill used agrees with it to float tolerance (about 1e-6 in float32 logits), not bitwise.
+`chunk_tokens=BLOCK_SIZE` makes every block boundary a chunk boundary: the tokens after any
+block-aligned hit are then computed by exactly the calls of a full prefill, on the same shapes and
+inputs, so KV and logits are bitwise equal by construction (same process, device, thread count).
+No coarser aligned rule has that property for hits that may end at any block: a C-token grid is
+bitwise only if hits are cut to multiples of C. Decode computes one row per sequence, so KV
+written by decode is never stored in the cache (see the engine).
 
 Weight names follow Hugging Face's Llama (`q_proj`, `gate_proj`, ...), and RoPE rotates halves
 (`rotate_half`), so Llama-format checkpoints load without permuting q/k. The architectures it
