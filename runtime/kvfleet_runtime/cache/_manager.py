@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvfleet_runtime.cache._allocator import Slots
 from kvfleet_runtime.cache._config import CacheConfig
 from kvfleet_runtime.cache._index import BlockIndex, BlockNode, Move, Tier, _Plan
 from kvfleet_runtime.cache._keys import (
@@ -51,6 +52,8 @@ class StoreOutcome(enum.Enum):
     """Not seen often enough yet (one-shot so far): not worth a queue slot."""
     DROPPED = "dropped"
     """The store queue was full of more valuable writes."""
+    STORED = "stored"
+    """Indexed at once: the blocks were already in T0 (the engine's KV), nothing to copy."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +86,8 @@ class Commit:
     first_block: int
     """Index in the chain of nodes[0], i.e. the token offset is first_block * BLOCK_SIZE."""
     moves: list[Move] = field(default_factory=list)
+    adopted: bool = False
+    """The nodes were indexed in place in the engine's blocks: no data to write."""
 
 
 def check_key(key: CacheKey) -> CacheKey:
@@ -97,8 +102,14 @@ def check_key(key: CacheKey) -> CacheKey:
 
 class CacheManager:
     def __init__(
-        self, config: CacheConfig, *, bytes_per_block: int, clock: Callable[[], float]
+        self,
+        config: CacheConfig,
+        *,
+        bytes_per_block: int,
+        clock: Callable[[], float],
+        t0_slots: Slots | None = None,
     ) -> None:
+        """`t0_slots`: T0 is the engine's KV (see `BlockIndex`)."""
         self.config = config
         self.bytes_per_block = bytes_per_block
         self.clock = clock
@@ -125,6 +136,7 @@ class CacheManager:
             (config.num_t0_blocks, config.num_t1_blocks),
             self.admission.eviction(),
             pin_limit=int(config.pin_max_fraction * config.num_t0_blocks),
+            t0_slots=t0_slots,
         )
         self.store_max_blocks = max(
             config.store_min_blocks,
@@ -261,6 +273,46 @@ class CacheManager:
                 break
         self._tenant(plan.key.tenant_id).num_blocks_stored += len(commit.nodes)
         return commit
+
+    def commit_in_place(self, plan: StorePlan, block_ids: Sequence[int]) -> Commit | None:
+        """Index the plan's new blocks where they already are: `block_ids[i]` is the engine's
+        T0 block holding chain block i. None when they cannot be indexed in place (the resident
+        prefix ends in T1, or a block is already cached): then `commit` copies them instead."""
+        index = self.index
+        resident = index.match(plan.hashes)
+        start = len(resident)
+        parent = resident[-1] if resident else None
+        if parent is not None and parent.tier != Tier.T0:
+            return None
+        slots = index.allocators[Tier.T0]
+        if any(not slots.is_free(b) for b in block_ids[start : len(plan.hashes)]):
+            return None
+        pinned = plan.placement is Placement.PINNED
+        commit = Commit([], start, adopted=True)
+        segments = []
+        if start < plan.platform_blocks:
+            segments.append((platform_key(plan.key), start, plan.platform_blocks))
+        segments.append((plan.key, max(start, plan.platform_blocks), len(plan.hashes)))
+        for key, lo, hi in segments:
+            if lo >= hi:
+                continue
+            nodes = index.adopt(
+                index.namespace(key), parent, plan.hashes[lo:hi], block_ids[lo:hi], pinned=pinned
+            )
+            commit.nodes.extend(nodes)
+            self.events.append(BlockEvent("stored", key, tuple(n.block_hash for n in nodes)))
+            parent = nodes[-1]
+        self._tenant(plan.key.tenant_id).num_blocks_stored += len(commit.nodes)
+        return commit
+
+    def reclaim(self, num_free: int) -> list[Move]:
+        """Make room in T0 for in-flight work (`BlockIndex.reclaim`); the demotion copies."""
+        plan = self.index.reclaim(num_free)
+        self._after(plan)
+        return plan.moves
+
+    def promote_in_place(self, nodes: Sequence[BlockNode], block_ids: Sequence[int]) -> None:
+        self.index.promote_in_place(nodes, block_ids)
 
     def finish_commit(self, commit: Commit) -> None:
         self.index.release(commit.nodes)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvfleet_runtime.architectures import ATTN_IMPLS, PRESETS, ModelArgs
+from kvfleet_runtime.cache._allocator import BlockRefs
+from kvfleet_runtime.cache._pool import PagedBlocks
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
@@ -65,17 +67,17 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-@dataclass(slots=True)
-class PagedKV:
-    """The engine's working KV: per layer, `num_blocks` blocks of `BLOCK_SIZE` tokens.
+@dataclass(slots=True, eq=False)
+class PagedKV(PagedBlocks):
+    """The engine's working KV: per layer, `num_blocks` blocks of `BLOCK_SIZE` tokens, and T0 of
+    the prefix cache bound to it (one pool per device, see `kvfleet_runtime.cache`).
 
     k, v: [n_layers, num_blocks, n_kv_heads, BLOCK_SIZE, head_dim]. A sequence owns a block table
     (a list of block ids); token at position p lives in block `table[p // 16]`, slot `p % 16`.
+    Blocks are ref-counted (`take`, `share`, `give_back`): a cached prefix block may sit in
+    several tables at once, and nobody writes it (computation resumes at the first unmatched
+    block).
     """
-
-    k: Tensor
-    v: Tensor
-    free_blocks: list[int] = field(default_factory=list)
 
     @classmethod
     def allocate(cls, args: ModelArgs, num_blocks: int, *, device: torch.device,
@@ -85,24 +87,7 @@ class PagedKV:
         shape = (args.n_layers, num_blocks, args.n_kv_heads, BLOCK_SIZE, args.head_dim)
         k = torch.zeros(shape, dtype=dtype, device=device)
         v = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(k=k, v=v, free_blocks=list(range(num_blocks - 1, -1, -1)))
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.k.shape[1])
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    def take(self, n: int) -> list[int] | None:
-        """Hand out n free blocks, or None when there is not enough room."""
-        if n > len(self.free_blocks):
-            return None
-        return [self.free_blocks.pop() for _ in range(n)]
-
-    def give_back(self, blocks: Sequence[int]) -> None:
-        self.free_blocks.extend(reversed(blocks))
+        return cls(k=k, v=v, refs=BlockRefs(num_blocks))
 
     def gather(self, table: Sequence[int], n_tokens: int) -> tuple[Tensor, Tensor]:
         """K, V of a sequence's first n_tokens: [n_layers, n_kv_heads, n_tokens, head_dim]."""

@@ -60,7 +60,7 @@ from kvfleet_runtime.engine import (
     Engine,
     EngineConfig,
 )
-from kvfleet_runtime.model import LoadedModel, default_device, load_checkpoint
+from kvfleet_runtime.model import LoadedModel, PagedKV, default_device, load_checkpoint
 from kvfleet_runtime.server._auth import ReplicaAuth, auth_middleware
 from kvfleet_runtime.server._config import Limits, ReplicaConfig, load_config, restart_fields
 from kvfleet_runtime.server._openai import chat_completions, completions
@@ -134,16 +134,21 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
     registry = registry or CollectorRegistry()
     args = loaded.args
     cache_cfg = config.cache
+    e = config.engine
+    # One block pool per device: the engine's KV is the cache's T0 (cached prefixes and
+    # in-flight sequences compete for the same blocks; num_t0_blocks 0 turns T0 off).
+    kv = PagedKV.allocate(args, e.num_kv_blocks, device=device)
     cache = PrefixCache(
-        CacheConfig(num_t0_blocks=cache_cfg.num_t0_blocks, num_t1_blocks=cache_cfg.num_t1_blocks,
+        CacheConfig(num_t0_blocks=e.num_kv_blocks if cache_cfg.num_t0_blocks else 0,
+                    num_t1_blocks=cache_cfg.num_t1_blocks,
                     admit_min_sightings=cache_cfg.admit_min_sightings,
                     store_queue_max_entries=cache_cfg.store_queue_max_entries),
         KVLayout(args.n_layers, args.n_kv_heads, args.head_dim, dtype=args.dtype),
         clock=time.monotonic,
         device=device,
         registry=registry,
+        device_kv=kv if cache_cfg.num_t0_blocks else None,
     )
-    e = config.engine
     engine = Engine(
         loaded.model,
         CacheKeyFields.for_model(loaded, model_id, deterministic=config.engine.deterministic),
@@ -154,6 +159,7 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
                             deterministic=e.deterministic,
                             stop_ids=tokenizer.stop_ids),
         registry=registry,
+        kv=kv,
     )
     return Replica(config=config, boot_config=config, loaded=loaded, model_id=model_id,
                    tokenizer=tokenizer,

@@ -75,6 +75,8 @@ class CacheSettings(_Strict):
     enabled: bool = True
     """Off: every request is a miss and nothing is stored (live: the pools stay allocated)."""
     num_t0_blocks: int = Field(default=512, ge=0)
+    """0 turns T0 off; otherwise T0 is the engine's KV itself (`engine.num_kv_blocks` blocks shared
+    by in-flight sequences and cached prefixes), whatever the number."""
     num_t1_blocks: int = Field(default=2048, ge=0)
     admit_min_sightings: int = Field(default=1, ge=1)
     """The shipped policy's default (`CacheConfig`): store on first sighting, stricter while the

@@ -304,10 +304,15 @@ class CountingCache(PrefixCache):
             self.num_held += 1
         return hit
 
-    def materialize(self, hit, *, tp_degree=1, tp_rank=0):  # type: ignore[no-untyped-def]
+    def share_prefix(self, hit, kv, max_blocks):  # type: ignore[no-untyped-def]
+        if self.fail_materialize:
+            raise RuntimeError("simulated failure placing the hit")
+        return super().share_prefix(hit, kv, max_blocks)
+
+    def copy_into(self, hit, kv, table, start, stop):  # type: ignore[no-untyped-def]
         if self.fail_materialize:
             raise RuntimeError("simulated T1 copy failure")
-        return super().materialize(hit, tp_degree=tp_degree, tp_rank=tp_rank)
+        return super().copy_into(hit, kv, table, start, stop)
 
     def release(self, hit):  # type: ignore[no-untyped-def]
         self.num_held -= 1
