@@ -7,15 +7,15 @@ One run, one checkpoint, one device and thread count; every figure next to its b
    between the two so a shared machine's load falls on both alike; medians of `reps`.
 2. For one `prompt_tokens` prompt: TTFT on a T0 hit and on a T1 hit vs a fresh prefill of only
    the unmatched suffix (the physical floor: a miss of a prompt that is just the suffix), and the
-   T1 copy path (materialize + copy into the engine's blocks) vs one raw copy of the same bytes.
+   T1 copy into the engine's blocks vs one raw copy of the same bytes.
 3. Decode throughput (generated tokens/s, the prompts' prefill included on both sides) at each
    concurrency, without and with the cache (every prompt a hit), vs transformers' batched
    `generate` of the same prompts.
 4. The deterministic mode's price: its full-prefill TTFT and its throughput beside the fast path's.
-5. Cached blocks that fit beside an in-flight load at a fixed KV budget, in the layout the engine
-   has today (T0 a second pool: the prefix of every in-flight hit is held twice) and in the one
-   where T0 is the engine's KV (that prefix is the cached blocks themselves): arithmetic of the
-   layouts, printed so the figure exists before and after that change.
+5. Cached blocks that fit beside an in-flight load at a fixed KV budget, with T0 the engine's KV
+   (the engine's layout since issue 17 item 2: an in-flight hit's prefix is the cached blocks
+   themselves) and with T0 a second pool (before: that prefix held twice): the layouts'
+   arithmetic; `kvfleet_lab.engine.t0` measures the same by running both.
 6. The cost of a miss: `lookup` + the store's request-path work as a fraction of the prefill; the
    background copy into the pool separately.
 
@@ -290,7 +290,8 @@ def _miss_ttft(b: _Bench, prompt: tuple[int, ...], reps: int, *, deterministic: 
 
 
 def _t1_copy(b: _Bench, prompt: tuple[int, ...], reps: int) -> tuple[float, float, int]:
-    """The T1 hit's copy (materialize + copy into the engine's blocks) vs one raw copy."""
+    """The T1 hit's copy into the engine's blocks (`copy_into`, the engine's path) vs one raw
+    copy of the same bytes."""
     n_blocks = len(prompt) // BLOCK_SIZE
     n_full = n_blocks * BLOCK_SIZE
     cache = _cache(b.loaded, t0=0, t1=n_blocks + 1)
@@ -307,10 +308,8 @@ def _t1_copy(b: _Bench, prompt: tuple[int, ...], reps: int) -> tuple[float, floa
     assert isinstance(hit, Hit) and hit.matched_tokens == n_full
     non_blocking = b.device.type == "cuda"
 
-    def path() -> None:
-        hk, hv = cache.materialize(hit)
-        kv.scatter(table, hk.to(b.device, non_blocking=non_blocking),
-                   hv.to(b.device, non_blocking=non_blocking))
+    def path() -> None:  # the engine's T1 hit: one copy per run into the sequence's blocks
+        cache.copy_into(hit, kv, table, 0, n_blocks)
 
     nbytes = 2 * k.numel() * k.element_size()
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=non_blocking)

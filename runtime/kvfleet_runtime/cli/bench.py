@@ -157,7 +157,7 @@ def _print_replica(report: Any) -> None:
                   f"({r.inflight_blocks:,} blocks) in {r.kv_budget_blocks:,}",
                   f"{r.cached_blocks_shared:,} (T0 = engine KV)",
                   f"{r.cached_blocks_doubled:,} (T0 doubled)",
-                  f"today's engine: doubled; +{r.inflight_prefix_blocks:,} when shared")
+                  f"+{r.inflight_prefix_blocks:,} with one pool (the engine's since #17)")
     table.add_row("miss: lookup + store on the request path",
                   f"{(r.miss_lookup_s + r.miss_store_path_s) * ms:.3f} ms",
                   f"{r.prefill_s * ms:.1f} ms prefill",
