@@ -241,7 +241,7 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
                                                      enable_gqa=True)[0]
                 return out.transpose(0, 1).reshape(n_q, a.n_heads * a.head_dim)
-            if q.device.type == "cpu" and _CPU_FLASH is not None:
+            if q.device.type == "cpu" and _CPU_FLASH is not None and n_q >= _SPLIT_MIN_QUERIES:
                 out = _prefix_then_causal(q, k, v, q_start)
                 return out.transpose(0, 1).reshape(n_q, a.n_heads * a.head_dim)
         q_pos = torch.arange(q_start, q_start + n_q, device=q.device)
@@ -282,6 +282,11 @@ class Attention(nn.Module):
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 """SDPA's CPU flash kernel, called directly because it also returns the log-sum-exp."""
+
+_SPLIT_MIN_QUERIES = 512
+"""Below this many queries a masked call is cheaper than the split (which copies the prefix's
+K/V per query head). Measured on the small preset over 2,000 prefix keys, split vs masked: 16
+queries 1.4 vs 0.8 ms, 256: 19.0 vs 17.0 ms, 512: 34.4 vs 40.9 ms."""
 
 
 def _prefix_then_causal(q: Tensor, k: Tensor, v: Tensor, q_start: int) -> Tensor:
