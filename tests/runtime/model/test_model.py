@@ -160,6 +160,20 @@ def test_chunked_prefill_matches_dense_reference_at_any_chunk(
     torch.testing.assert_close(logits, dense_forward(model, tokens)[-1], rtol=1e-4, atol=1e-4)
 
 
+def test_long_later_chunks_take_the_split_attention_and_match_the_reference(
+    tiny_dir: Path
+) -> None:
+    # Chunks of >= 512 queries after the first attend to the prefix and to themselves apart,
+    # merged by log-sum-exp (CPU); the result is the same function as one masked call.
+    model = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl="sdpa").model
+    tokens = prompt(1100, seed=5)
+    kv = PagedKV.allocate(model.args, 70, device=torch.device("cpu"))
+    table = kv.take(70)
+    assert table is not None
+    logits = model.prefill(tokens, 0, table[::-1], kv, chunk_tokens=512)
+    torch.testing.assert_close(logits, dense_forward(model, tokens)[-1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
 def test_packed_prefill_of_several_sequences_equals_each_alone(
     tiny_dir: Path, attn_impl: str
