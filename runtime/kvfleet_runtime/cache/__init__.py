@@ -30,6 +30,7 @@ Public facade (what the replica engine and the fleet tier code against)::
     cache.read_blocks(hashes) -> (k, v) | None    # export held blocks, canonical layout
     cache.import_blocks(key, token_ids, k, v)     # insert blocks fetched from a peer
     cache.add_listener(callback)                  # BlockEvent("stored"|"removed", key, hashes)
+    cache.set_eviction_sink(callback)             # EvictedRun: what T1 drops, with its data (T3)
 
 Layouts: T0 is the engine's `[num_layers, num_blocks, num_kv_heads, 16, head_dim]` (what
 attention reads); T1 and everything that leaves the replica is the canonical TP-agnostic
@@ -69,7 +70,7 @@ from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
 from kvfleet_runtime.cache._store_queue import StoreQueue
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.cache._cache import Hit, Miss, PrefixCache
+    from kvfleet_runtime.cache._cache import EvictedRun, Hit, Miss, PrefixCache
     from kvfleet_runtime.cache._pool import PagedBlocks, TensorPool
 
 __all__ = [
@@ -84,6 +85,7 @@ __all__ = [
     "CacheStats",
     "ChainMemo",
     "CountMinSketch",
+    "EvictedRun",
     "Hit",
     "KVLayout",
     "Miss",
@@ -101,6 +103,7 @@ __all__ = [
 ]
 
 _TORCH_EXPORTS = {
+    "EvictedRun": "_cache",
     "Hit": "_cache",
     "Miss": "_cache",
     "PagedBlocks": "_pool",

@@ -51,7 +51,7 @@ from kvfleet_runtime.cache._pool import (
 from kvfleet_runtime.cache._stats import CacheStats
 from kvfleet_runtime.cache._store_queue import StoreQueue
 
-__all__ = ["Hit", "Miss", "PrefixCache"]
+__all__ = ["EvictedRun", "Hit", "Miss", "PrefixCache"]
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +71,19 @@ class Hit:
 @dataclass(slots=True, frozen=True)
 class Miss:
     """No block of the prompt is cached: prefill everything."""
+
+
+@dataclass(slots=True, frozen=True)
+class EvictedRun:
+    """Blocks of one key the host tier dropped, parents before children, with their data (a
+    copy, canonical layout `[num_layers, num_kv_heads, len(hashes) * 16, head_dim]`, on the
+    host) and their sighting counts: what an eviction sink (T3) may keep."""
+
+    key: CacheKey
+    block_hashes: tuple[BlockHash, ...]
+    sightings: tuple[int, ...]
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -143,6 +156,8 @@ class PrefixCache:
         if t0 is not None:
             t0.reclaimer = self._reclaim
         self._listeners: list[Callable[[BlockEvent], None]] = []
+        self._eviction_sink: Callable[[EvictedRun], None] | None = None
+        self._evicted_runs: list[EvictedRun] = []
         self.collector = CacheCollector(self._metrics_snapshot, metrics_prefix)
         if registry is not None:
             registry.register(self.collector)
@@ -190,6 +205,7 @@ class PrefixCache:
             self._check_live(hit)
             path = hit._path
             moves = self._manager.promote(path)
+            self._capture_evicted()
             execute_moves(self._pools, moves)
             shape = (
                 layout.num_layers,
@@ -341,6 +357,7 @@ class PrefixCache:
     def _write(self, pending: _Pending) -> int:
         commit = self._manager.commit(pending.plan)
         try:
+            self._capture_evicted()
             execute_moves(self._pools, commit.moves)
             first = commit.first_block
             for tier in (Tier.T0, Tier.T1):
@@ -374,7 +391,9 @@ class PrefixCache:
                     self._write(pending)
                 finally:
                     pending.let_go()
-            execute_moves(self._pools, self._manager.reclaim(num_blocks))
+            moves = self._manager.reclaim(num_blocks)
+            self._capture_evicted()
+            execute_moves(self._pools, moves)
             events = self._manager.drain_events()
         self._dispatch(events)
 
@@ -409,6 +428,29 @@ class PrefixCache:
         blocks written and "removed" events for blocks dropped or invalidated: what a global hint
         index publishes and withdraws. Demotions T0 -> T1 keep a block on the host: no event."""
         self._listeners.append(callback)
+
+    @property
+    def t1_enabled(self) -> bool:
+        return bool(self.config.num_t1_blocks) and self._manager.index.t1_enabled
+
+    def set_t1_enabled(self, enabled: bool) -> int:
+        """T1 on or off, live (the fleet config's `tiers.t1_host`). Off: every T1 block becomes
+        unreachable at once and its slot is freed (at the release of the in-flight hits that
+        hold it, which keep reading correct data meanwhile); stores and demotions stop using T1.
+        Returns the blocks removed. The pool stays allocated, so turning it on again is free."""
+        with self._lock:
+            removed = self._manager.set_t1_enabled(enabled)
+            events = self._manager.drain_events()
+        self._dispatch(events)
+        return removed
+
+    def set_eviction_sink(self, sink: Callable[[EvictedRun], None] | None) -> None:
+        """Hand every block the host tier drops (T1, or T0 without a T1) to `sink`, with a copy
+        of its data, outside the cache lock on the thread that caused the eviction: the next
+        tier's way in (T3). The sink must be quick (queue, don't write). None detaches it."""
+        with self._lock:
+            self._eviction_sink = sink
+            self._manager.evicted = [] if sink is not None else None
 
     def read_blocks(
         self,
@@ -545,10 +587,41 @@ class PrefixCache:
             if t.dtype != self.dtype:
                 raise ValueError(f"{what}: {name} must be {self.dtype}, got {t.dtype}")
 
+    def _capture_evicted(self) -> None:
+        """Copy out what the last index operation dropped, before its moves reuse the slots."""
+        evicted = self._manager.drain_evicted()
+        if not evicted or self._eviction_sink is None:
+            return
+        by_key: dict[CacheKey, list[BlockNode]] = {}
+        # Dropped leaf first: reversed, a parent precedes its children (a run reads root first).
+        for node, _ in reversed(evicted):
+            by_key.setdefault(node.namespace.key, []).append(node)
+        tier = evicted[0][1]
+        pool = self._pools[tier]
+        assert pool is not None
+        layout = self.layout
+        for key, nodes in by_key.items():
+            shape = (layout.num_layers, layout.num_kv_heads, len(nodes) * BLOCK_SIZE,
+                     layout.head_dim)
+            k = torch.empty(shape, dtype=self.dtype)
+            v = torch.empty(shape, dtype=self.dtype)
+            read_blocks_into(pool, k, v, [n.block_id for n in nodes], range(len(nodes)),
+                             slice(None))
+            hashes = tuple(n.block_hash for n in nodes)
+            sightings = tuple(self._manager.sketch.estimate_many(hashes))
+            self._evicted_runs.append(EvictedRun(key, hashes, sightings, k, v))
+
     def _dispatch(self, events: list[BlockEvent]) -> None:
         for event in events:
             for callback in self._listeners:
                 callback(event)
+        if self._evicted_runs:
+            with self._lock:
+                runs, self._evicted_runs = self._evicted_runs, []
+                sink = self._eviction_sink
+            if sink is not None:
+                for run in runs:
+                    sink(run)
 
     def _metrics_snapshot(self) -> tuple[CacheStats, dict[str, CacheStats]]:
         with self._lock:

@@ -98,6 +98,8 @@ class TierCounters:
 class _Plan:
     moves: list[Move] = field(default_factory=list)
     dropped: list[BlockNode] = field(default_factory=list)
+    dropped_from: list[int] = field(default_factory=list)
+    """The tier each `dropped` block left (its slot still holds its data until `moves` run)."""
 
 
 class BlockIndex:
@@ -126,6 +128,8 @@ class BlockIndex:
         self._nodes: dict[BlockHash, BlockNode] = {}
         self._namespaces: dict[CacheKey, Namespace] = {}
         self._tick = 0
+        self.t1_enabled = True
+        """False (the fleet config's `tiers.t1_host` off): no slot of T1 is handed out."""
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -246,6 +250,7 @@ class BlockIndex:
                 parent.num_t0_children -= 1
             self._push(parent)
         plan.dropped.append(node)
+        plan.dropped_from.append(tier)
 
     def _reserve(
         self, tier: int, n: int, candidate_weights: Sequence[int] | None, plan: _Plan
@@ -257,6 +262,8 @@ class BlockIndex:
         is full of referenced blocks or of blocks that outrank the candidate: not enough room is
         not an error."""
         alloc = self.allocators[tier]
+        if tier == Tier.T1 and not self.t1_enabled:
+            return []
         ids = alloc.allocate(min(n, alloc.num_free)) or []
         skipped: list[BlockNode] = []
         while len(ids) < n:
@@ -363,7 +370,8 @@ class BlockIndex:
     def promote(self, path: list[BlockNode]) -> _Plan:
         """Move the T1 suffix of a referenced path into T0, as far as T0 has room."""
         plan = _Plan()
-        t1_nodes = [n for n in path if n.tier == Tier.T1]
+        # Not detached blocks (T1 turned off under an in-flight hit): they leave at release.
+        t1_nodes = [n for n in path if n.tier == Tier.T1 and n.namespace.valid]
         if not t1_nodes or not self.allocators[Tier.T0].num_blocks:
             return plan
         weights = self.policy.candidate_weights([n.block_hash for n in t1_nodes])
@@ -376,6 +384,32 @@ class BlockIndex:
                 node.parent.num_t0_children += 1
             self.counters[Tier.T1].num_promotions += 1
         return plan
+
+    def disable_t1(self) -> list[BlockNode]:
+        """Turn T1 off: no more T1 slots, and every T1 block leaves the index now (unreachable).
+        Unreferenced blocks free their slots now; a block an in-flight hit references keeps its
+        slot (and its data) until that hit's release, as an invalidated block does: it moves to
+        a detached namespace. Returns the blocks removed from the index."""
+        self.t1_enabled = False
+        gone = [n for n in self._nodes.values() if n.tier == Tier.T1]
+        detached: dict[int, Namespace] = {}
+        for node in gone:
+            del self._nodes[node.block_hash]
+            node.namespace.num_blocks -= 1
+            self.counters[Tier.T1].num_evictions += 1
+            parent = node.parent
+            if parent is not None and parent.tier != Tier.T1:  # a T0 parent stays indexed
+                parent.num_children -= 1
+                self._push(parent)
+        for node in gone:
+            if node.ref_count == 0:
+                self._free_slot(node)
+            else:
+                ns = detached.get(id(node.namespace))
+                if ns is None:
+                    ns = detached[id(node.namespace)] = Namespace(node.namespace.key, valid=False)
+                node.namespace = ns
+        return gone
 
     def invalidate(self, weights_digest: str) -> tuple[int, list[BlockNode]]:
         """Make every block of a weights version unreachable; free the unreferenced ones now and

@@ -34,6 +34,7 @@ QUICK_ARGS: dict[str, list[str]] = {
                 "--concurrency", "1,8"],
     "cache": ["--requests", "1000", "--lookup-reps", "50", "--materialize-reps", "3"],
     "fleet": ["--max-requests", "1000", "--reps", "3", "--router-requests", "200"],
+    "nvme": ["--size-mib", "128", "--reps", "1"],
 }
 """Options `kvfleet bench all` passes to the other benchmarks (those a command lacks are left
 out); a benchmark not named here runs with its own defaults."""

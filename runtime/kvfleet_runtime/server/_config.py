@@ -2,8 +2,9 @@
 
 Precedence, lowest first: defaults, the file, `KVFLEET_REPLICA_*` environment variables (nested
 fields with `__`: `KVFLEET_REPLICA_LIMITS__MAX_TOKENS=64`), then command-line flags. The file is
-watched; a change to a live field (limits, batching, `cache.enabled`) applies without a restart,
-a change to anything else is reported as needing one, and a broken file keeps the last good config.
+watched; a change to a live field (limits, batching, `cache.enabled`, `cache.nvme_mode`) applies
+without a restart, a change to anything else is reported as needing one, and a broken file keeps
+the last good config.
 """
 
 from __future__ import annotations
@@ -82,6 +83,15 @@ class CacheSettings(_Strict):
     """The shipped policy's default (`CacheConfig`): store on first sighting, stricter while the
     cache thrashes."""
     store_queue_max_entries: int = Field(default=64, ge=1)
+    nvme_path: str = ""
+    """T3: a directory on local NVMe (the chart mounts an emptyDir or a local PV); empty: no T3."""
+    nvme_capacity_bytes: int = Field(default=0, ge=0)
+    """Size of the T3 file; the chart's volume size bounds it. 0 with a path: no T3."""
+    nvme_mode: Literal["off", "shadow", "on"] = "off"
+    """Live. "shadow" writes and reads back without serving (measures); "on" serves. A fleet
+    config, when the replica has one, decides instead (`tiers.nvme`, `tiers.nvme_shadow`)."""
+    nvme_min_sightings: int = Field(default=2, ge=1)
+    """T3 keeps only evicted blocks seen at least this often."""
 
 
 class ReplicaConfig(_Strict):
@@ -110,7 +120,7 @@ class ReplicaConfig(_Strict):
 
 LIVE_FIELDS = frozenset({
     "limits", "engine.max_batch_size", "engine.max_waiting", "engine.max_tokens_per_step",
-    "cache.enabled", "config_poll_interval_s",
+    "cache.enabled", "cache.nvme_mode", "config_poll_interval_s",
 })
 
 
