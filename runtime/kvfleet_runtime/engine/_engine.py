@@ -4,21 +4,32 @@ Per request: `lookup` the prompt in the prefix cache (takes refs); the hit's T0 
 request's block table as they are (T0 is this engine's own KV: no copy, the blocks are shared and
 never written, since computation resumes at the first unmatched block); fresh blocks for the rest
 (the cache gives back unreferenced cached blocks when the pool is short); the hit's T1 blocks are
-copied into the first fresh ones, one copy per run; prefill the unmatched suffix, decode, index
-the prompt's full blocks in the cache where they are (`store_blocks`, after the first token is on
-its way), give the blocks back and `release` the hit's refs when the request ends. Every cache
-failure degrades to recompute.
+copied into the first fresh ones, one copy per run; prefill the unmatched suffix in block-aligned
+chunks, decode, index the prompt's full blocks in the cache where they are (`store_blocks`, after
+the first token is on its way), give the blocks back and `release` the hit's refs when the
+request ends. Every cache failure degrades to recompute.
 
 Concurrency: one asyncio scheduler task admits requests between steps; each step runs on one
 dedicated worker thread (torch releases the GIL, so the HTTP server stays responsive). All model
-and cache calls happen on that thread, so neither needs to be thread-safe. A step prefills at most
-`prefill_chunks_per_step` chunks, then runs one decode step over every decoding sequence, so a
-long prompt never stalls the token stream of the others for more than a few chunks.
+and cache calls happen on that thread, so neither needs to be thread-safe.
 
-What is stored, and why only that: the prompt's full blocks, which prefill computed in chunks
-aligned to the block grid. KV written by decode is computed one row per sequence and is not
-bitwise equal to what prefill would compute for the same token, so it is never stored; it is
-stored later, by prefill, when a next turn sends it back as part of a prompt.
+A step has a token budget (`max_tokens_per_step`), shared as continuous-batching engines share
+it: every decoding sequence's next token is counted first, the rest goes to prefill chunks (whole
+blocks; a prompt's last chunk may end mid-block), one forward per chunk; then one batched decode
+forward runs for every decoding sequence. So a long prompt stalls the others' token streams by at
+most one budget of prefill per step.
+
+Determinism is a choice (`deterministic`). By default a prompt is prefilled in chunks as large as
+the budget allows: a hit's KV and the logits after it equal recomputation to floating-point
+tolerance (the suffix is computed by other matmul shapes than in a full prefill, and CPU and GPU
+kernels round differently per shape). `deterministic=True` prefills in one-block chunks, so the
+tokens after any block-aligned hit are computed by exactly the calls of a full prefill and a hit
+equals a miss bitwise (same device, same thread count), at the price docs/replica.md states. The
+mode is part of the cache key's attention id: a deterministic replica never takes fast-path KV.
+
+What is stored, and why only that: the prompt's full blocks, which prefill computed. KV written by
+decode is computed one row per sequence (other shapes again), so it is never stored; it is stored
+later, by prefill, when a next turn sends it back as part of a prompt.
 """
 
 from __future__ import annotations
@@ -56,6 +67,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+DETERMINISTIC_RULE = f"chunk{BLOCK_SIZE}"
+"""Appended to the cache key's attention id in deterministic mode."""
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -70,11 +84,17 @@ class CacheKeyFields:
     attn_impl_id: str
 
     @classmethod
-    def for_model(cls, loaded: LoadedModel, model_id: str) -> CacheKeyFields:
-        """Everything prefill depends on besides the tokens, derived from the loaded model."""
+    def for_model(cls, loaded: LoadedModel, model_id: str, *,
+                  deterministic: bool = False) -> CacheKeyFields:
+        """Everything prefill depends on besides the tokens, derived from the loaded model.
+
+        `deterministic` (the engine's mode) names the prefill rule in the attention id: KV of
+        one-block chunks is what a deterministic replica can reproduce bit for bit."""
         args = loaded.args  # the KV is written in the serving dtype
-        return cls(model_id, loaded.weights_digest, args.dtype, args.rope_config_hash(),
-                   args.attn_impl_id())
+        attn = args.attn_impl_id()
+        if deterministic:
+            attn = f"{attn}-{DETERMINISTIC_RULE}"
+        return cls(model_id, loaded.weights_digest, args.dtype, args.rope_config_hash(), attn)
 
     def key(self, tenant_id: str) -> CacheKey:
         return CacheKey(tenant_id, self.model_id, self.weights_digest, self.kv_dtype,
@@ -90,11 +110,24 @@ class EngineConfig:
     """Sequences running at once (prefilling or decoding)."""
     max_waiting: int = 256
     """Queued requests beyond which `submit` refuses (the server answers 503)."""
-    prefill_chunks_per_step: int = 8
-    """16-token prefill chunks between two decode steps."""
+    max_tokens_per_step: int = 2048
+    """Token budget of one step: decode tokens (one per decoding sequence) first, then prefill
+    chunks of whole blocks. A multiple of the block size, at least `max_batch_size` + one block
+    so a prompt always makes progress beside a full batch of decoders."""
+    deterministic: bool = False
+    """Prefill in one-block chunks so a hit equals a miss bitwise (module docstring); slower."""
     stop_ids: frozenset[int] = frozenset()
     """A sequence ends ("stop") on any of these, unless its request ignores EOS: the model's
     stop ids, from its tokenizer (`Tokenizer.stop_ids`); empty: only max_tokens ends one."""
+
+    def __post_init__(self) -> None:
+        budget = self.max_tokens_per_step
+        if budget <= 0 or budget % BLOCK_SIZE != 0:
+            raise ValueError(f"max_tokens_per_step {budget} is not a positive multiple of "
+                             f"{BLOCK_SIZE}")
+        if budget < self.max_batch_size + BLOCK_SIZE:
+            raise ValueError(f"max_tokens_per_step {budget} leaves no prefill block beside "
+                             f"max_batch_size {self.max_batch_size} decoding sequences")
 
 
 @dataclass(slots=True, frozen=True)
@@ -391,12 +424,23 @@ class Engine:
         self._admit()
         for seq in [s for s in self._running if s.cancelled]:
             self._finish(seq, seq.cancel_reason)
-        budget = self.config.prefill_chunks_per_step
+        # Decode tokens are counted first; what remains of the budget goes to prefill.
+        n_decoding = sum(1 for s in self._running if s.output)
+        budget = self.config.max_tokens_per_step - n_decoding
+        budget = max(BLOCK_SIZE, budget // BLOCK_SIZE * BLOCK_SIZE)
+        plan: list[tuple[_Sequence, int]] = []  # (sequence, tokens to prefill this step)
         for seq in self._running:
-            while budget > 0 and not seq.prefilled:
-                self._prefill_chunk(seq)
-                budget -= 1
-            if seq.prefilled and not seq.output:
+            if budget <= 0:
+                break
+            if not seq.prefilled:
+                n = min(len(seq.prompt) - seq.prefill_pos, budget)
+                plan.append((seq, n))
+                # A prompt's tail may end mid-block; the next chunk still gets whole blocks.
+                budget = (budget - n) // BLOCK_SIZE * BLOCK_SIZE
+        if plan:
+            self._prefill_chunks(plan)
+        for seq in self._running:
+            if seq.prefilled and not seq.output and seq.last_logits is not None:
                 self._first_token(seq)
         decoding = [s for s in self._running if s.output and not s.cancelled]
         if decoding:
@@ -485,12 +529,20 @@ class Engine:
         seq.cache_tier = Tier(seq.hit.tier).label if done > shared else Tier.T0.label
         self.metrics.cached_tokens.inc(usable)
 
-    def _prefill_chunk(self, seq: _Sequence) -> None:
-        lo = seq.prefill_pos
-        hi = min(len(seq.prompt), (lo // BLOCK_SIZE + 1) * BLOCK_SIZE)
-        seq.last_logits = self.model.prefill(seq.prompt[lo:hi], lo, seq.table, self.kv)
-        seq.prefill_pos = hi
-        self.metrics.prefilled_tokens.inc(hi - lo)
+    def _prefill_chunks(self, plan: list[tuple[_Sequence, int]]) -> None:
+        """Prefill the next `n` prompt tokens of each planned sequence: one packed forward for
+        all of them (fast path), or each in one-block chunks on its own (deterministic)."""
+        chunks = [(seq.prompt[seq.prefill_pos : seq.prefill_pos + n], seq.prefill_pos, seq.table)
+                  for seq, n in plan]
+        if self.config.deterministic:
+            rows = [self.model.prefill(t, lo, table, self.kv, chunk_tokens=BLOCK_SIZE)
+                    for t, lo, table in chunks]
+        else:
+            rows = list(self.model.prefill_packed(chunks, self.kv))
+        for (seq, n), logits in zip(plan, rows, strict=True):
+            seq.prefill_pos += n
+            seq.last_logits = logits if seq.prefilled else None
+            self.metrics.prefilled_tokens.inc(n)
 
     def _first_token(self, seq: _Sequence) -> None:
         assert seq.last_logits is not None

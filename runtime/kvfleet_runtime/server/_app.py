@@ -161,11 +161,12 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
     )
     engine = Engine(
         loaded.model,
-        CacheKeyFields.for_model(loaded, model_id),
+        CacheKeyFields.for_model(loaded, model_id, deterministic=config.engine.deterministic),
         cache=cache if cache_cfg.enabled else None,
         config=EngineConfig(num_kv_blocks=e.num_kv_blocks, max_batch_size=e.max_batch_size,
                             max_waiting=e.max_waiting,
-                            prefill_chunks_per_step=e.prefill_chunks_per_step,
+                            max_tokens_per_step=e.max_tokens_per_step,
+                            deterministic=e.deterministic,
                             stop_ids=tokenizer.stop_ids),
         registry=registry,
         kv=kv,
@@ -207,7 +208,7 @@ def apply_config(replica: Replica, new: ReplicaConfig) -> list[str]:
     e = new.engine
     replica.engine.config = dataclasses.replace(
         replica.engine.config, max_batch_size=e.max_batch_size, max_waiting=e.max_waiting,
-        prefill_chunks_per_step=e.prefill_chunks_per_step)
+        max_tokens_per_step=e.max_tokens_per_step)
     replica.engine.cache = replica.cache if new.cache.enabled else None
     if replica.nvme is not None and new.cache.nvme_mode != replica.config.cache.nvme_mode:
         replica.nvme.set_mode(new.cache.nvme_mode)

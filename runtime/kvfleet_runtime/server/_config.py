@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
     "CONFIG_ENV",
@@ -54,7 +56,20 @@ class EngineSettings(_Strict):
     num_kv_blocks: int = Field(default=1024, ge=1)
     max_batch_size: int = Field(default=32, ge=1)
     max_waiting: int = Field(default=256, ge=1)
-    prefill_chunks_per_step: int = Field(default=8, ge=1)
+    max_tokens_per_step: int = Field(default=2048, ge=BLOCK_SIZE, multiple_of=BLOCK_SIZE)
+    """Token budget of one engine step, shared by decode (one token per running sequence) and
+    block-aligned prefill chunks; larger prefills long prompts faster, smaller keeps the other
+    sequences' token streams smoother."""
+    deterministic: bool = False
+    """One-block prefill chunks: a cache hit equals a miss bitwise (same device and threads), at
+    the price docs/replica.md measures; changes the cache key's attention id."""
+
+    @model_validator(mode="after")
+    def _budget_leaves_prefill_room(self) -> EngineSettings:
+        if self.max_tokens_per_step < self.max_batch_size + BLOCK_SIZE:
+            raise ValueError(f"max_tokens_per_step {self.max_tokens_per_step} must be at least "
+                             f"max_batch_size {self.max_batch_size} + {BLOCK_SIZE}")
+        return self
 
 
 class CacheSettings(_Strict):
@@ -104,7 +119,7 @@ class ReplicaConfig(_Strict):
 
 
 LIVE_FIELDS = frozenset({
-    "limits", "engine.max_batch_size", "engine.max_waiting", "engine.prefill_chunks_per_step",
+    "limits", "engine.max_batch_size", "engine.max_waiting", "engine.max_tokens_per_step",
     "cache.enabled", "cache.nvme_mode", "config_poll_interval_s",
 })
 
