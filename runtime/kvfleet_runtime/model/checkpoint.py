@@ -266,6 +266,9 @@ def generate_checkpoint(out_dir: Path, args: ModelArgs, *, seed: int = 0) -> str
             value = torch.randn(shape, generator=gen) / fan_in**0.5
         tensors[hf_name] = value.to(dtype).contiguous()
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    # safetensors writes 0600; a checkpoint is read by the serving uid (10001 in the image), which
+    # is rarely the uid that generated it.
+    (out_dir / WEIGHTS_FILE).chmod(0o644)
     # The generated model has no trained tokenizer: it declares the byte tokenizer (a folder
     # without a tokenizer or a declaration is refused).
     config = {**config, BYTE_TOKENIZER_DECLARATION: BYTE_TOKENIZER_NAME}

@@ -244,6 +244,8 @@ def test_checkpoint_generation_is_deterministic_and_digest_is_file_sha256(tmp_pa
     assert d1 == d2 == "sha256:" + raw
     assert d3 != d1
     assert weights_digest(tmp_path / "a") == d1
+    # readable by a serving uid other than the one that generated it (the image runs as 10001)
+    assert (tmp_path / "a" / "model.safetensors").stat().st_mode & 0o777 == 0o644
 
 
 def test_loader_reads_hf_config_and_rejects_mismatched_weights(
