@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvfleet_lab.vllm.bench import format_report, run_bench  # noqa: E402
+from kvfleet_lab.vllm.bench import format_report, run_bench
 
 
 def test_bench_runs_both_connectors_and_every_copy_pattern() -> None:

@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,8 @@ def _checkpoint(path: Path, max_len: int) -> None:
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=max_len)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.float16).save_pretrained(path)
+    model: Any = LlamaForCausalLM(config)  # transformers' wrapped `.to` confuses mypy
+    model.to(torch.float16).save_pretrained(path)
 
 
 def _model_config(model: Path, max_len: int) -> Any:
@@ -129,8 +131,9 @@ class _Requests:
         self._n = 0
 
     def make(self, tokens: list[int]) -> Any:
-        from vllm import SamplingParams
         from vllm.v1.request import Request
+
+        from vllm import SamplingParams
 
         self._n += 1
         params = SamplingParams(max_tokens=1)
@@ -180,7 +183,7 @@ def _kvfleet_rows(model: Any, max_len: int, sizes: list[int], reps: int, pool_di
             conn.request_finished(req, [])
             return int(got or 0)
 
-        matched, us = _time_lookups(lookup, lambda: reqs.make(other), reps)
+        matched, us = _time_lookups(lookup, partial(reqs.make, other), reps)
         rows.append(LookupRow("kvfleet", n, "miss", matched, us))
         # kvfleet's store path, as the scheduler drives it: a store plan, the step's metadata,
         # the workers' completion (nothing fails).
@@ -190,7 +193,7 @@ def _kvfleet_rows(model: Any, max_len: int, sizes: list[int], reps: int, pool_di
             if index.store("seed", key, tokens) is not None:
                 break
         index.step_done(index.end_step(), set())
-        matched, us = _time_lookups(lookup, lambda: reqs.make(tokens), reps)
+        matched, us = _time_lookups(lookup, partial(reqs.make, tokens), reps)
         rows.append(LookupRow("kvfleet", n, "hit", matched, us))
     return rows
 
@@ -221,7 +224,7 @@ def _vllm_rows(model: Any, max_len: int, sizes: list[int], reps: int, reqs: _Req
             conn.request_finished(req, [])
             return int(got or 0)
 
-        matched, us = _time_lookups(lookup, lambda: reqs.make(other), reps)
+        matched, us = _time_lookups(lookup, partial(reqs.make, other), reps)
         rows.append(LookupRow("vllm-offloading", n, "miss", matched, us))
         # vLLM's store path at its manager: prepare_store, then complete_store (the worker's
         # finished transfer), for the prompt's offload keys.
@@ -235,7 +238,7 @@ def _vllm_rows(model: Any, max_len: int, sizes: list[int], reps: int, reqs: _Req
             assert out is not None, "vLLM's CPU manager refused the store"
             sched.manager.complete_store(keys, status.req_context)
         conn.request_finished(req, [])
-        matched, us = _time_lookups(lookup, lambda: reqs.make(tokens), reps)
+        matched, us = _time_lookups(lookup, partial(reqs.make, tokens), reps)
         rows.append(LookupRow("vllm-offloading", n, "hit", matched, us))
     return rows
 
@@ -307,7 +310,7 @@ def run_bench(*, sizes: list[int], lookup_reps: int, copy_blocks: int, copy_laye
         report.lookups += _kvfleet_rows(model_config, max_len, sizes, lookup_reps, tmp_path, reqs)
         try:
             report.lookups += _vllm_rows(model_config, max_len, sizes, lookup_reps, reqs)
-        except Exception as exc:  # noqa: BLE001 - the baseline's failure is a result to show
+        except Exception as exc:  # the baseline's failure is a result to show, not a crash
             report.vllm_offloading_error = f"{type(exc).__name__}: {exc}"
         report.copies, report.config = _copy_rows(copy_blocks, copy_layers, copy_heads,
                                                   copy_head_dim, copy_reps, tmp_path)
