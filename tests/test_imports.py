@@ -18,6 +18,9 @@ PACKAGES = {
     "kvfleet_runtime": ROOT / "runtime" / "kvfleet_runtime",
     "kvfleet_lab": ROOT / "runtime" / "kvfleet_lab",
     "kvfleet_operator": ROOT / "operator" / "kvfleet_operator",
+    # The vLLM connector: a second facade over the cache manager (as PrefixCache is), run inside
+    # vLLM's own environment; nothing else may depend on it.
+    "kvfleet_vllm": ROOT / "runtime" / "kvfleet_vllm",
 }
 PURE_CACHE_CORE = [
     "kvfleet_runtime.cache._keys",
@@ -130,7 +133,10 @@ def _closure(start: str, top_level_only: bool) -> set[str]:
 
 
 def _product_modules() -> list[str]:
-    return [m for m in _sources() if m.split(".")[0] in {"kvfleet_runtime", "kvfleet_operator"}]
+    return [
+        m for m in _sources()
+        if m.split(".")[0] in {"kvfleet_runtime", "kvfleet_operator", "kvfleet_vllm"}
+    ]
 
 
 def test_the_sources_parse_into_modules() -> None:
@@ -139,6 +145,7 @@ def test_the_sources_parse_into_modules() -> None:
     assert "kvfleet_runtime.router._app" in sources
     assert "kvfleet_lab.cache.sim" in sources
     assert "kvfleet_operator.handlers" in sources
+    assert "kvfleet_vllm.connector" in sources
     assert "kvfleet_runtime.cache.sim" not in sources  # the replays live in the lab
 
 
@@ -189,6 +196,27 @@ def test_operator_imports_only_the_runtimes_pure_core() -> None:
     }
     assert used, "the operator imports nothing of the runtime: the contract reads nothing"
     assert sorted(n for n in used if not n.startswith(allowed)) == []
+
+
+@pytest.mark.parametrize(
+    "module", [m for m in _sources() if not m.startswith("kvfleet_vllm")]
+)
+def test_nothing_depends_on_the_vllm_connector(module: str) -> None:
+    # vllm pins its own torch: the connector lives in vLLM's environment, and the replica, the
+    # router, the operator and the lab must import and run without it.
+    names = sorted(
+        n for n in _imports(module, top_level_only=False) if n.startswith("kvfleet_vllm")
+    )
+    assert names == [], f"{module} imports the vLLM connector: {names}"
+
+
+def test_only_the_connector_module_imports_vllm() -> None:
+    users = sorted(
+        m for m in _sources()
+        if any(n.split(".")[0] == "vllm" for n in _imports(m, top_level_only=False))
+    )
+    # (the lab's BlockPool replay is the other one: it runs vLLM's own block pool as the baseline)
+    assert users == ["kvfleet_lab.cache.vllm_pool", "kvfleet_vllm.connector"]
 
 
 def test_no_router_fleet_cycle() -> None:

@@ -345,6 +345,14 @@ class TierDecisionStatus(_Status):
     """Whether replicas use the tier."""
     reason: str
     """Why, e.g. "break-even 9.26 GB/s vs measured 6.1 GB/s: off"."""
+    profile_g_bps: Annotated[float | None, Field(alias="profileGBps")] = None
+    """Bandwidth in GB/s (1e9 bytes/s) of the medium's profile (unset for a tier set by mode)."""
+    measured_g_bps: Annotated[float | None, Field(alias="measuredGBps")] = None
+    """Bandwidth in GB/s the decision used instead of the profile: the spec's
+    measuredBandwidthGBps, else the fleet's shadow measurement (unset: none)."""
+    measurement: str = ""
+    """Where the measured figure comes from, e.g. "shadow: 3 replica(s), 120 reads, per-read
+    bandwidth at p95 concurrency 4" or "spec" (empty: the profile decided)."""
 
 
 class HomeSetSummary(_Status):

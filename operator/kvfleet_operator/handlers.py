@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -31,6 +31,7 @@ from kvfleet_operator.api import (
     ModelRolloutStatus,
     RolloutPhase,
     TierDecisionStatus,
+    TierMode,
 )
 from kvfleet_operator.constants import (
     FLEET_CONFIGMAP_SUFFIX,
@@ -47,7 +48,12 @@ from kvfleet_operator.manifests import (
     template_version,
     with_version,
 )
-from kvfleet_operator.metrics import DeploymentPods, MetricReading, read_hit_rates
+from kvfleet_operator.metrics import (
+    DeploymentPods,
+    MetricReading,
+    read_hit_rates,
+    read_nvme_reports,
+)
 from kvfleet_operator.planning import (
     DeleteCanary,
     EnsureCanary,
@@ -59,6 +65,7 @@ from kvfleet_operator.planning import (
     SetTargetVersion,
     Workload,
     advance,
+    aggregate_nvme,
     build_fleet_config,
     decide_tiers,
     plan_home_sets,
@@ -69,6 +76,7 @@ from kvfleet_operator.planning.rollout import format_time
 from kvfleet_runtime.auth import read_operator_token
 from kvfleet_runtime.breakeven import GB
 from kvfleet_runtime.fleetconfig import dump_fleet_config
+from kvfleet_runtime.wire import LOAD_PATH
 
 __all__ = [
     "PostEvent",
@@ -153,11 +161,24 @@ def _transient(exc: KubeError) -> kopf.TemporaryError:
 # KVCachePolicy
 
 
-def reconcile_policy(kube: Kube, namespace: str, name: str, now: Clock = utc_now) -> bool:
-    """Decide tiers, plan home sets over the ready replicas, publish the fleet ConfigMap, record
-    the status. Returns whether anything was written."""
+ReadNvme = Callable[[Sequence[str]], list[dict[str, Any]]]
+"""Replica load-report URLs -> their T3 read-bandwidth sections (`metrics.read_nvme_reports`)."""
+
+
+def reconcile_policy(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    now: Clock = utc_now,
+    read_nvme: ReadNvme = read_nvme_reports,
+) -> bool:
+    """Decide tiers (with the fleet's shadow-mode NVMe measurement), plan home sets over the
+    ready replicas, publish the fleet ConfigMap, record the status. Returns whether anything
+    was written."""
     try:
-        return retry_on_conflict(lambda: _reconcile_policy_once(kube, namespace, name, now))
+        return retry_on_conflict(
+            lambda: _reconcile_policy_once(kube, namespace, name, now, read_nvme)
+        )
     except NamespaceTerminating as exc:
         log.debug(
             "%s/%s: namespace going away, nothing to do (NamespaceTerminating): %s",
@@ -170,7 +191,24 @@ def reconcile_policy(kube: Kube, namespace: str, name: str, now: Clock = utc_now
         raise _transient(exc) from exc
 
 
-def _reconcile_policy_once(kube: Kube, namespace: str, name: str, now: Clock) -> bool:
+def _fleet_measurement(
+    spec: KVCachePolicySpec, pods: Sequence[ReplicaPod], read_nvme: ReadNvme
+) -> tuple[dict[str, float], dict[str, str]]:
+    """The fleet's measured NVMe bandwidth (shadow mode, p95 concurrency), when the tier is
+    Auto without a figure in the spec; ({}, {}) when there is nothing measured yet."""
+    nvme = spec.tiers.nvme
+    if nvme.mode is not TierMode.AUTO or nvme.measured_bandwidth_g_bps is not None:
+        return {}, {}
+    urls = [f"http://{p.ip}:{spec.replica_port}{LOAD_PATH}" for p in ready_replicas(pods) if p.ip]
+    measured = aggregate_nvme(read_nvme(urls))
+    if measured is None:
+        return {}, {}
+    return {"nvme": measured.bytes_per_s}, {"nvme": measured.source}
+
+
+def _reconcile_policy_once(
+    kube: Kube, namespace: str, name: str, now: Clock, read_nvme: ReadNvme
+) -> bool:
     obj = kube.get_custom(namespace, POLICY_PLURAL, name)
     if obj is None:
         return False
@@ -181,7 +219,7 @@ def _reconcile_policy_once(kube: Kube, namespace: str, name: str, now: Clock) ->
     stamp = format_time(now())
     try:
         spec = KVCachePolicySpec.model_validate(obj.get("spec") or {})
-        tiers = decide_tiers(spec)
+        decide_tiers(spec)  # refuse what the arithmetic refuses before reading any pod
     except (ValidationError, ValueError) as exc:
         status = old_status.model_copy(
             update={
@@ -201,6 +239,8 @@ def _reconcile_policy_once(kube: Kube, namespace: str, name: str, now: Clock) ->
         raise kopf.PermanentError(f"invalid KVCachePolicy {namespace}/{name}: {exc}") from exc
 
     pods = [pod_to_replica(p) for p in kube.list_pods(namespace, spec.selector.match_labels)]
+    measured, sources = _fleet_measurement(spec, pods, read_nvme)
+    tiers = decide_tiers(spec, measured, sources)
     ready = ready_replicas(pods)
     homes = _home_sets(tuple(spec.tenants), tuple(p.name for p in ready), spec.affinity.k)
     config = build_fleet_config(f"{namespace}/{name}", generation, spec, tiers, pods, homes)
@@ -242,7 +282,15 @@ def _reconcile_policy_once(kube: Kube, namespace: str, name: str, now: Clock) ->
         break_even_g_bps=round(tiers.break_even_bytes_per_s / GB, 4),
         tiers_summary=tiers.summary,
         tiers=[
-            TierDecisionStatus(tier=d.tier, medium=d.medium, enabled=d.enabled, reason=d.reason)
+            TierDecisionStatus(
+                tier=d.tier,
+                medium=d.medium,
+                enabled=d.enabled,
+                reason=d.reason,
+                profile_g_bps=_gbps(d.profile_bytes_per_s),
+                measured_g_bps=_gbps(d.measured_bytes_per_s),
+                measurement=d.measurement,
+            )
             for d in tiers.decisions
         ],
         home_sets=homes.summary(cm_name, text),
@@ -251,6 +299,10 @@ def _reconcile_policy_once(kube: Kube, namespace: str, name: str, now: Clock) ->
         ),
     )
     return _write_status(kube, namespace, POLICY_PLURAL, obj, _wire(status)) or wrote
+
+
+def _gbps(bytes_per_s: float | None) -> float | None:
+    return None if bytes_per_s is None else round(bytes_per_s / GB, 4)
 
 
 @functools.lru_cache(maxsize=1024)

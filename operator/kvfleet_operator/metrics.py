@@ -33,6 +33,7 @@ __all__ = [
     "prometheus_query",
     "read_cache_stats",
     "read_hit_rates",
+    "read_nvme_reports",
     "render_query",
 ]
 
@@ -134,6 +135,38 @@ def read_cache_stats(
     if not answered or looked_up == 0:
         return None
     return matched / looked_up
+
+
+def _pod_nvme(url: str, timeout_s: float) -> dict[str, Any] | None:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        data: dict[str, Any] = json.loads(response.read())
+    nvme = data.get("nvme")
+    if not isinstance(nvme, dict) or not isinstance(nvme.get("read_bandwidth"), dict):
+        return None
+    return dict(nvme["read_bandwidth"])
+
+
+def read_nvme_reports(
+    urls: Sequence[str], timeout_s: float = 2.0
+) -> list[dict[str, Any]]:
+    """The T3 read-bandwidth sections of the replicas' load reports (`GET /fleet/v1/load`),
+    asked concurrently within one total budget; replicas without T3, slow or unreachable ones
+    are skipped (the decision then rests on fewer replicas, or on the profile)."""
+    if not urls:
+        return []
+    pool = ThreadPoolExecutor(
+        max_workers=min(len(urls), MAX_STATS_READERS), thread_name_prefix="nvme-reports"
+    )
+    try:
+        futures = [pool.submit(_pod_nvme, url, timeout_s) for url in urls]
+        done, _ = wait(futures, timeout=timeout_s)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    out = []
+    for future in done:
+        if future.exception() is None and (result := future.result()) is not None:
+            out.append(result)
+    return out
 
 
 def read_hit_rates(

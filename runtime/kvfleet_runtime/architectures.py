@@ -26,8 +26,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvfleet_runtime.wire import BLOCK_SIZE
-
 __all__ = [
     "ARCHITECTURES",
     "ATTN_IMPLS",
@@ -275,8 +273,8 @@ class ModelArgs:
              "sliding_layers": self.sliding_layers},
             sort_keys=True, separators=(",", ":"),
         )
-        return (f"{self.attn_impl}-chunk{BLOCK_SIZE}-v1-"
-                + hashlib.sha256(extra.encode()).hexdigest()[:12])
+        # v2: prefill in large chunks (the engine appends its deterministic rule when it runs one)
+        return f"{self.attn_impl}-v2-" + hashlib.sha256(extra.encode()).hexdigest()[:12]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

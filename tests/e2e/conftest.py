@@ -7,13 +7,18 @@ How each piece runs (and why):
   replicas and router are pinned to them with `nodeSelector` in the values file.
 - Replica and router pods: kwok's, backed by real `kvfleet replica` / `kvfleet router` processes
   at the pods' IPs and container ports, started and stopped by the KubeletShim (kubelet.py) from
-  the pods' own specs (args, env, mounted ConfigMaps and Secrets, the hostPath model volume).
-  One image tag is a fault injected for scenario B (kubelet.UNSTABLE_KEY_IMAGE: the real replica
-  through unstable_key.py, its cache key nonced per request); every other pod runs as is.
-- Operator: `kvfleet-operator run` as a local process with a kubeconfig minted for the chart's
-  operator ServiceAccount (so it has exactly the chart's RBAC). The chart's operator pod is
-  scheduled by kwok but runs nothing: kwok cannot run the operator image, and a local process can
-  be SIGKILLed and restarted by the test.
+  the pods' own specs (args, env, mounted ConfigMaps and Secrets, the hostPath model volume,
+  uid 10001), inside the runtime image scripts/images.sh built (`buildah run --isolation
+  chroot`, read-only root): the bytes a cluster would pull, not this checkout's venv. The image
+  must be there and built from this checkout's sources, or the e2e fails saying so (`make test`
+  builds it first; `make images` alone rebuilds it). One image tag is a fault injected for
+  scenario B (kubelet.UNSTABLE_KEY_IMAGE: the same image's replica through unstable_key.py, its
+  cache key nonced per request); every other pod runs as is.
+- Operator: `kvfleet-operator run` as a local process (this checkout's venv) with a kubeconfig
+  minted for the chart's operator ServiceAccount (so it has exactly the chart's RBAC). The chart's
+  operator pod is scheduled by kwok but runs nothing: the shim runs only the runtime image, and a
+  local process can be SIGKILLed and restarted by the test (the operator image is smoke-tested
+  in tests/images).
 - Redis: a redis-server process, given to the chart as `redis.external.url` (the bundled Redis'
   pod would need Service DNS, which this cluster does not have).
 - Prometheus: Debian's binary, scraping the replica processes' /metrics; its targets come from
@@ -45,6 +50,7 @@ from tests.e2e.world import (
     free_port,
     generate_model,
 )
+from tests.images.buildah import RUNTIME, Container, have_image, working_container
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvfleet"
@@ -117,7 +123,26 @@ def values(world_models: Path, digest: str, replica_port: int, router_port: int,
 
 
 @pytest.fixture(scope="module")
-def world(k8s_cluster: Cluster) -> Iterator[World]:
+def runtime_image() -> Iterator[Container]:
+    """A working container of the built runtime image, which every replica and router pod runs.
+    Missing or stale, the e2e fails (no fall back to the host's venv): `make test` always builds
+    it before pytest, so either is a real fault (a failed or skipped build, a pruned image, or a
+    focused run after a source change)."""
+    if not have_image(RUNTIME):
+        pytest.fail(f"the e2e runs the replica and router pods in {RUNTIME}, which is not built "
+                    "(or buildah is missing): run `make images` (scripts/images.sh), which "
+                    "`make test` runs before the tests", pytrace=False)
+    with working_container(RUNTIME, prefix="kvfleet-e2e") as container:
+        stale = container.stale_sources()
+        if stale:
+            pytest.fail(f"{RUNTIME} was built from other sources than this checkout's "
+                        f"({len(stale)} files differ, e.g. {', '.join(stale[:3])}): run "
+                        "`make images` (scripts/images.sh) to rebuild it", pytrace=False)
+        yield container
+
+
+@pytest.fixture(scope="module")
+def world(k8s_cluster: Cluster, runtime_image: Container) -> Iterator[World]:
     if not k8s_cluster.local:
         pytest.skip("the e2e path needs the local control plane (loopback kwok nodes)")
     work_dir = Path(tempfile.mkdtemp(prefix="kvfleet-e2e-"))
@@ -141,14 +166,14 @@ def world(k8s_cluster: Cluster) -> Iterator[World]:
         values_file = work_dir / "my-values.yaml"
         values_file.write_text(yaml.safe_dump(
             values(models, digests["v1"], replica_port, router_port, redis.url)))
+        (work_dir / "pods").mkdir()
         shim = KubeletShim(
             k8s_cluster, namespace, work_dir / "pods",
             selector=f"app.kubernetes.io/instance={RELEASE}", nodes=set(nodes),
-            image_prefix="kvfleet/kvfleet-runtime:",
+            container=runtime_image,
             on_change=lambda pods: prometheus.set_targets(
                 [p for p in pods if p.labels.get("app.kubernetes.io/component") == "replica"]),
         )
-        (work_dir / "pods").mkdir()
         shim.start()
         # The chart creates the ServiceAccount; the identity needs it, so it is minted after the
         # install (World.operator_identity is set by the install test).

@@ -1,26 +1,36 @@
-"""A test-side kubelet for kwok's fake GPU nodes: real processes behind the pods.
+"""A test-side kubelet for kwok's fake GPU nodes: real processes behind the pods, run inside the
+built runtime image.
 
 kwok plays the kubelet of the fake nodes: it binds pods, gives them an IP from the node's
 `spec.podCIDR` and marks them Running and Ready, but runs nothing. The e2e nodes get loopback pod
 CIDRs (127.x.y.0/24), so every pod IP is an address this machine can bind. `KubeletShim` watches
 the release's pods on those nodes and, for each running pod whose image is the kvfleet runtime
-image, starts the container's process the way the kubelet would:
+image, starts its container the way the kubelet would, from the image scripts/images.sh built
+(`localhost/kvfleet/kvfleet-runtime:<version>`, the bytes `helm install` would pull), with
+`buildah run --isolation chroot` of one working container of it (tests/images/buildah.py):
 
-- the command is the image's ENTRYPOINT (read from docker/runtime.Dockerfile: `kvfleet`, the
-  console script of this environment) followed by the container's `args`, with `$(VAR)` references
-  expanded from the container's environment; one image tag is a fault the tests inject,
-  UNSTABLE_KEY_IMAGE: its pods run the same real replica through unstable_key.py, which makes
-  one cache-key field differ on every request (what no real replica can be made to do);
-- the environment is the container's: plain values, the downward API (`metadata.name`,
-  `metadata.namespace`, `status.podIP`) and Secret/ConfigMap key references;
-- each volume mount is a folder: ConfigMap and Secret volumes are written from the live objects
-  (and rewritten when they change, as the kubelet does, only faster), a hostPath is the host's
-  folder, an emptyDir a fresh one; an absolute path in an argument or a variable that starts with a
-  mount path is moved onto that folder;
-- the pod's own network namespace is played by its loopback address: `--host 0.0.0.0` becomes
-  `--host <pod IP>`, so every replica listens on its pod's IP and the container port.
+- the image: a pod's `kvfleet/kvfleet-runtime:<tag>` is the local build of that tag; a tag no
+  build has is an error in `errors`, the pod is not started. One tag is a fault the tests inject,
+  UNSTABLE_KEY_IMAGE: its pods run the same image, but through unstable_key.py (bind-mounted
+  read-only into the container), which makes one cache-key field differ on every request (what no
+  real replica can be made to do);
+- the command is the image's ENTRYPOINT (its OCI config) followed by the container's `args`, with
+  `$(VAR)` references expanded from the container's environment; the user is the pod's
+  securityContext runAsUser:runAsGroup (the chart's 10001), the hostname the pod's name;
+- the environment is the image's, then the container's: plain values, the downward API
+  (`metadata.name`, `metadata.namespace`, `status.podIP`) and Secret/ConfigMap key references;
+- each volume mount is a bind mount of a host folder at its mountPath (read-only where the pod
+  says so): ConfigMap and Secret volumes are written from the live objects (and rewritten when
+  they change, as the kubelet does, only faster), a hostPath is the host's folder, an emptyDir a
+  fresh one (the chart's /tmp); the rest of the root filesystem is read-only
+  (readOnlyRootFilesystem). buildah gives every run its own /dev/shm, so the chart's Memory
+  emptyDir there is not mounted;
+- the pod's own network namespace is played by its loopback address (chroot isolation shares the
+  host's network): `--host 0.0.0.0` becomes `--host <pod IP>`, so every replica listens on its
+  pod's IP and the container port.
 
-When a pod is deleted (or terminating) its process group gets SIGTERM, SIGKILL after a grace
+When a pod is deleted (or terminating) its container's process gets SIGTERM (the command itself,
+not buildah's helpers, which would SIGKILL it), and the whole process group SIGKILL after a grace
 period.
 
 Readiness: kwok marks a pod Ready once, when it starts running, without probing anything. The
@@ -37,7 +47,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-import sys
+import shutil
 import threading
 import time
 import urllib.error
@@ -49,27 +59,23 @@ from typing import Any
 
 from tests.cluster.fixtures import Cluster, CommandError
 from tests.cluster.processes import ManagedProcess, start_process
+from tests.images.buildah import VERSION, Container, stop_run
 
-ROOT = Path(__file__).resolve().parents[2]
-RUNTIME_DOCKERFILE = ROOT / "docker" / "runtime.Dockerfile"
+# The repository pods name (the chart's runtimeImage.repository); the local build of a tag is
+# scripts/images.sh's localhost/<repository>:<version>.
+RUNTIME_REPOSITORY = "kvfleet/kvfleet-runtime"
 # The one fault the shim injects (scenario B of test_user_path.py): pods of this image run the
 # real replica through tests/e2e/unstable_key.py, whose cache key never holds still.
-UNSTABLE_KEY_IMAGE = "kvfleet/kvfleet-runtime:unstable-cache-key"
+UNSTABLE_KEY_IMAGE = f"{RUNTIME_REPOSITORY}:unstable-cache-key"
 UNSTABLE_KEY_WRAPPER = Path(__file__).with_name("unstable_key.py")
+# Where the wrapper's folder is mounted in the container (read-only), and how it runs there.
+FAULT_MOUNT = "/opt/kvfleet-e2e"
+UNSTABLE_KEY_COMMAND = ["python", f"{FAULT_MOUNT}/{UNSTABLE_KEY_WRAPPER.name}"]
+# Mounts the chart makes that buildah run makes itself (its own /dev, with a /dev/shm tmpfs).
+BUILDAH_MANAGED_MOUNTS = ("/dev/",)
 POLL_S = 0.5
 STOP_GRACE_S = 8.0
 _VAR = re.compile(r"\$\((\w+)\)")
-
-
-def image_entrypoint(dockerfile: Path = RUNTIME_DOCKERFILE) -> list[str]:
-    """The image's ENTRYPOINT (exec form), its programs resolved in this environment."""
-    for line in dockerfile.read_text().splitlines():
-        if line.startswith("ENTRYPOINT"):
-            argv = json.loads(line[len("ENTRYPOINT"):].strip())
-            program = Path(sys.executable).with_name(argv[0])
-            assert program.is_file(), f"{dockerfile}: entry point {argv[0]} is not installed"
-            return [str(program), *argv[1:]]
-    raise AssertionError(f"{dockerfile} has no ENTRYPOINT")
 
 
 @dataclass
@@ -106,7 +112,8 @@ class PodProcess:
 
 class KubeletShim:
     """See the module docstring. `selector` picks the pods (kubectl -l), `nodes` the fake nodes
-    whose pods this shim runs, `image_prefix` the image it knows how to run."""
+    whose pods this shim runs, `container` a working container of the built runtime image (every
+    pod runs in it: the root is read-only, so nothing one pod writes reaches another)."""
 
     def __init__(
         self,
@@ -116,7 +123,7 @@ class KubeletShim:
         *,
         selector: str,
         nodes: set[str],
-        image_prefix: str,
+        container: Container,
         on_change: Callable[[list[PodProcess]], None] | None = None,
     ) -> None:
         self.cluster = cluster
@@ -124,9 +131,17 @@ class KubeletShim:
         self.work_dir = work_dir
         self.selector = selector
         self.nodes = nodes
-        self.image_prefix = image_prefix
+        self.container = container
         self.on_change = on_change
-        self.entrypoint = image_entrypoint()
+        self.entrypoint = container.entrypoint()
+        if not self.entrypoint:
+            raise ValueError(f"the image of {container.name} has no ENTRYPOINT")
+        # The fault's wrapper, in a folder of its own that the container's user can read.
+        self.fault_dir = work_dir / "fault"
+        self.fault_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(UNSTABLE_KEY_WRAPPER, self.fault_dir / UNSTABLE_KEY_WRAPPER.name)
+        self.fault_dir.chmod(0o755)
+        (self.fault_dir / UNSTABLE_KEY_WRAPPER.name).chmod(0o644)
         self.pods: dict[str, PodProcess] = {}
         self.events: list[str] = []  # "started <pod> <ip>" / "stopped <pod>", for the report
         self.errors: list[str] = []
@@ -143,13 +158,16 @@ class KubeletShim:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(30)
+        if self._thread.is_alive():
+            self._thread.join(30)
         with self._lock:
             pods = list(self.pods.values())
         for pod in pods:
             self._stop_pod(pod)
         for thread in self._stoppers:
             thread.join(STOP_GRACE_S * 3)
+        # Beside the pods' logs (kept with KVFLEET_E2E_KEEP=1): what started and stopped, when.
+        (self.work_dir / "events.log").write_text("\n".join([*self.events, *self.errors]) + "\n")
 
     def running(self, label: str | None = None) -> list[PodProcess]:
         """Pods with a live process; `label` 'key=value' filters them."""
@@ -188,7 +206,7 @@ class KubeletShim:
                 and status.get("phase") == "Running"
                 and status.get("podIP")
                 and not meta.get("deletionTimestamp")
-                and spec["containers"][0]["image"].startswith(self.image_prefix)
+                and spec["containers"][0]["image"].startswith(RUNTIME_REPOSITORY + ":")
             ):
                 wanted[meta["uid"]] = pod
         changed = False
@@ -199,10 +217,10 @@ class KubeletShim:
                 self._stop_pod(record)
                 changed = True
         for uid, pod in wanted.items():
-            record = current.get(uid)
-            if record is not None:
-                self._refresh(record.live, objects)
-                self._report_readiness(record, pod)
+            existing = current.get(uid)
+            if existing is not None:
+                self._refresh(existing.live, objects)
+                self._report_readiness(existing, pod)
             elif pod["status"]["podIP"] not in self._stopping:
                 # kwok may hand a deleted pod's IP to a new pod at once: start it only once the
                 # old process has let go of the address.
@@ -224,11 +242,12 @@ class KubeletShim:
 
         def stop() -> None:
             try:
-                pod.process.stop(grace_s=STOP_GRACE_S)
+                stop_run(pod.process.popen, STOP_GRACE_S)
             finally:
                 with self._lock:
                     self._stopping.pop(pod.ip, None)
-                self.events.append(f"{time.strftime('%H:%M:%S')} stopped {pod.name}")
+                self.events.append(f"{time.strftime('%H:%M:%S')} stopped {pod.name} "
+                                   f"rc={pod.process.popen.returncode}")
 
         thread = threading.Thread(target=stop, name=f"stop-{pod.name}", daemon=True)
         thread.start()
@@ -263,26 +282,35 @@ class KubeletShim:
         meta, spec = pod["metadata"], pod["spec"]
         (container,) = spec["containers"]
         ip = pod["status"]["podIP"]
+        fault = container["image"] == UNSTABLE_KEY_IMAGE
+        if fault:
+            entrypoint = UNSTABLE_KEY_COMMAND
+        elif container["image"].rpartition(":")[2] == VERSION:
+            entrypoint = self.entrypoint
+        else:
+            raise ValueError(f"pod {meta['name']}: no local build of {container['image']} "
+                             f"(scripts/images.sh builds {RUNTIME_REPOSITORY}:{VERSION})")
         root = self.work_dir / meta["name"]
         root.mkdir(parents=True, exist_ok=True)
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
-        mounts: dict[str, Path] = {}
+        binds: list[str] = []
         live: list[LiveVolume] = []
         for mount in container.get("volumeMounts", []):
+            if mount["mountPath"].startswith(BUILDAH_MANAGED_MOUNTS):
+                continue
             local = self._volume_dir(volumes[mount["name"]], root, objects, live)
-            mounts[mount["mountPath"]] = local / mount.get("subPath", "")
-
-        def moved(value: str) -> str:
-            for path, local in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
-                if value == path or value.startswith(path.rstrip("/") + "/"):
-                    return str(local) + value[len(path.rstrip("/")):]
-            return value
+            mode = ":ro" if mount.get("readOnly") else ""
+            binds.append(f"{local / mount.get('subPath', '')}:{mount['mountPath']}{mode}")
+        if fault:
+            binds.append(f"{self.fault_dir}:{FAULT_MOUNT}:ro")
 
         fields = {
             "metadata.name": meta["name"],
             "metadata.namespace": meta["namespace"],
             "status.podIP": ip,
         }
+        # The image's variables (PATH, HOME=/tmp) come from its config through buildah, and
+        # HOSTNAME from --hostname; these are the pod's.
         env: dict[str, str] = {}
         for item in container.get("env", []):
             if "value" in item:
@@ -295,20 +323,16 @@ class KubeletShim:
                     kind = "Secret" if "secretKeyRef" in source else "ConfigMap"
                     ref = source.get("secretKeyRef") or source["configMapKeyRef"]
                     value = _object_data(objects[(kind, ref["name"])])[ref["key"]].decode()
-            env[item["name"]] = moved(value)
-        args = [moved(_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a))
+            env[item["name"]] = value
+        args = [_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a)
                 for a in container.get("args", [])]
         # The pod's network namespace: its own address instead of every address.
         args = [ip if a == "0.0.0.0" and i and args[i - 1] == "--host" else a
                 for i, a in enumerate(args)]
         ports = [p["containerPort"] for p in container.get("ports", [])]
-        base = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "HOME": str(root),
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        entrypoint = self.entrypoint
-        if container["image"] == UNSTABLE_KEY_IMAGE:
-            entrypoint = [sys.executable, str(UNSTABLE_KEY_WRAPPER)]
-        process = start_process(meta["name"], [*entrypoint, *args], self.work_dir,
-                                env={**base, **env})
+        argv = self.container.argv([*entrypoint, *args], volumes=binds, env=env,
+                                   user=_run_as(spec, container), hostname=meta["name"])
+        process = start_process(meta["name"], argv, self.work_dir)
         record = PodProcess(meta["namespace"], meta["name"], meta["uid"], ip,
                             ports[0] if ports else None, dict(meta.get("labels") or {}),
                             container["image"], process, root, live)
@@ -327,8 +351,11 @@ class KubeletShim:
     ) -> Path:
         if "hostPath" in volume:
             return Path(volume["hostPath"]["path"])
-        local = root / "volumes" / volume["name"]
+        local = root / "volumes" / str(volume["name"])
         local.mkdir(parents=True, exist_ok=True)
+        # The kubelet's modes: an emptyDir is world-writable, a ConfigMap or Secret volume
+        # readable by the container's user (defaultMode 0644, the chart sets none).
+        local.chmod(0o777 if "emptyDir" in volume else 0o755)
         for kind, key in (("ConfigMap", "configMap"), ("Secret", "secret")):
             if key in volume:
                 source = volume[key]
@@ -357,8 +384,19 @@ class KubeletShim:
                     continue
                 tmp = target.with_name(target.name + ".tmp")
                 tmp.write_bytes(content)
+                tmp.chmod(0o644)
                 tmp.replace(target)  # atomic, as the kubelet's symlink swap
                 volume.written[path] = content
+
+
+def _run_as(spec: dict[str, Any], container: dict[str, Any]) -> str | None:
+    """`uid:gid` from the securityContext (the container's wins over the pod's); None: the
+    image's USER."""
+    pod_context = spec.get("securityContext") or {}
+    context = {**pod_context, **(container.get("securityContext") or {})}
+    if "runAsUser" not in context:
+        return None
+    return f"{context['runAsUser']}:{context.get('runAsGroup', 0)}"
 
 
 def _ready(pod: dict[str, Any]) -> bool:

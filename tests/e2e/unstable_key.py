@@ -1,6 +1,7 @@
 """A FAULT for scenario B of test_user_path.py: the real replica, with a cache key that never holds
-still. The kubelet shim runs this in place of the image's ENTRYPOINT for pods of the image
-kubelet.UNSTABLE_KEY_IMAGE; every other pod runs the `kvfleet` entry point as it is.
+still. For pods of the image kubelet.UNSTABLE_KEY_IMAGE the kubelet shim runs this, bind-mounted
+read-only into the built runtime image, with the image's own python in place of the image's
+ENTRYPOINT; every other pod runs the `kvfleet` entry point as it is.
 
 What it stands for: a new version that unintentionally changed a cache-key component, one that
 keeps changing (seed: "hit rate did not recover within 30 minutes usually means a key component
@@ -13,7 +14,8 @@ then the unchanged `kvfleet` CLI runs with the pod's args. Nothing the replica r
 (its load report and /readyz show the model's real key fields): the fault shows only as a hit
 rate that stays at zero, as it would in production.
 
-Run as a file (`python tests/e2e/unstable_key.py replica ...`): it imports nothing from tests/.
+Run as a file (`python /opt/kvfleet-e2e/unstable_key.py replica ...` inside the image): it imports
+nothing from tests/, only the image's kvfleet.
 """
 
 from __future__ import annotations

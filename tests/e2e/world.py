@@ -107,6 +107,10 @@ def generate_model(models: Path, seed: int, attn_impl: str = "eager") -> str:
     ).stdout.split()
     digest = out[-1]
     assert digest.startswith("sha256:"), out
+    # The replica pods run as uid 10001 and read this folder through a hostPath; safetensors
+    # writes the weights 0600 (owner root), which a pod could not open.
+    for path in staging.iterdir():
+        path.chmod(0o644)
     staging.rename(models / digest)
     return digest
 

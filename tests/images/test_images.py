@@ -2,7 +2,7 @@
 root: the runtime image serves a completion from a generated checkpoint through `kvfleet router`
 with the official `openai` client, carries exactly the lock's versions and its CUDA torch; the
 operator image runs `kvfleet-operator --help` and carries no torch and no matplotlib. What chroot
-isolation does not check is listed in conftest.py."""
+isolation does not check is listed in buildah.py."""
 
 from __future__ import annotations
 

@@ -22,7 +22,13 @@ from kvfleet_operator.planning.rollout import (
     canary_replicas_for,
     desired_actions,
 )
-from kvfleet_operator.planning.tiers import TierDecision, TierPlan, decide_tiers
+from kvfleet_operator.planning.tiers import (
+    NvmeMeasurement,
+    TierDecision,
+    TierPlan,
+    aggregate_nvme,
+    decide_tiers,
+)
 
 __all__ = [
     "Action",
@@ -30,6 +36,7 @@ __all__ = [
     "EnsureCanary",
     "Event",
     "HomeSetPlan",
+    "NvmeMeasurement",
     "Observations",
     "ReplicaPod",
     "ScaleTarget",
@@ -39,6 +46,7 @@ __all__ = [
     "Transition",
     "Workload",
     "advance",
+    "aggregate_nvme",
     "build_fleet_config",
     "canary_replicas_for",
     "config_hash",

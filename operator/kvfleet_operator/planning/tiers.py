@@ -11,8 +11,9 @@ help capacity. The reason is recorded for every tier, e.g.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvfleet_operator.api import FleetKind, KVCachePolicySpec, TierMode, TierSpec
 from kvfleet_runtime.breakeven import (
@@ -30,7 +31,15 @@ from kvfleet_runtime.breakeven import (
 )
 from kvfleet_runtime.fleetconfig import TierToggles
 
-__all__ = ["TIERS", "TierDecision", "TierPlan", "decide_tiers", "format_gbps"]
+__all__ = [
+    "TIERS",
+    "NvmeMeasurement",
+    "TierDecision",
+    "TierPlan",
+    "aggregate_nvme",
+    "decide_tiers",
+    "format_gbps",
+]
 
 # (spec field, FleetConfig toggle, default medium)
 TIERS = (
@@ -47,6 +56,71 @@ class TierDecision:
     medium: str
     enabled: bool
     reason: str
+    profile_bytes_per_s: float | None = None
+    measured_bytes_per_s: float | None = None
+    measurement: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeMeasurement:
+    """The fleet's shadow-mode T3 reads, aggregated (R6)."""
+
+    bytes_per_s: float
+    """Per-read bandwidth at the p95 concurrency level: what one request's fetch achieved when
+    the fleet was as busy as it is 5% of the time (the figure a fetch's latency depends on)."""
+    p95_concurrency: int
+    num_reads: int
+    num_replicas: int
+
+    @property
+    def source(self) -> str:
+        return (
+            f"shadow: {self.num_replicas} replica(s), {self.num_reads} reads, per-read "
+            f"bandwidth at p95 concurrency {self.p95_concurrency}"
+        )
+
+
+def aggregate_nvme(
+    reports: Sequence[Mapping[str, Any]], min_reads: int = 1
+) -> NvmeMeasurement | None:
+    """Aggregate the replicas' `nvme.read_bandwidth` load-report sections ({level: {num_reads,
+    num_bytes, seconds}}) into the fleet's figure at p95 concurrency: the lowest level at or
+    below which 95% of the fleet's reads ran. None with fewer than `min_reads` reads. Sections
+    that do not parse are skipped (a replica of another version must not block the decision)."""
+    reads: dict[int, int] = {}
+    num_bytes: dict[int, int] = {}
+    seconds: dict[int, float] = {}
+    replicas = 0
+    for report in reports:
+        try:
+            levels = {
+                int(level): (int(v["num_reads"]), int(v["num_bytes"]), float(v["seconds"]))
+                for level, v in dict(report).items()
+            }
+        except (KeyError, TypeError, ValueError):
+            continue
+        if not levels:
+            continue
+        replicas += 1
+        for level, (n, b, sec) in levels.items():
+            if level < 1 or n < 0 or b < 0 or not sec >= 0:
+                continue
+            reads[level] = reads.get(level, 0) + n
+            num_bytes[level] = num_bytes.get(level, 0) + b
+            seconds[level] = seconds.get(level, 0.0) + sec
+    total = sum(reads.values())
+    if total < max(min_reads, 1):
+        return None
+    cumulative = 0
+    p95 = max(reads)
+    for level in sorted(reads):
+        cumulative += reads[level]
+        if cumulative >= 0.95 * total:
+            p95 = level
+            break
+    if seconds.get(p95, 0.0) <= 0:
+        return None
+    return NvmeMeasurement(num_bytes[p95] / seconds[p95], p95, total, replicas)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +153,7 @@ def _decide(
     default_medium: str,
     fleet: FleetKind,
     measured_bytes_per_s: float | None,
+    measurement: str,
     ctx: _Context,
 ) -> TierDecision:
     medium_name = tier.medium or default_medium
@@ -107,14 +182,21 @@ def _decide(
         f"break-even {format_gbps(threshold)} vs {source} "
         f"{format_gbps(medium.bandwidth_bytes_per_s)}: {'on' if on else 'off'}{detail}"
     )
-    return TierDecision(name, medium_name, on, reason)
+    profile = medium_for(medium_name, ctx.gpu).bandwidth_bytes_per_s
+    return TierDecision(
+        name, medium_name, on, reason, profile, measured_bytes_per_s,
+        measurement if measured_bytes_per_s is not None else "",
+    )
 
 
 def decide_tiers(
-    spec: KVCachePolicySpec, measured_bytes_per_s: Mapping[str, float] | None = None
+    spec: KVCachePolicySpec,
+    measured_bytes_per_s: Mapping[str, float] | None = None,
+    measurement: Mapping[str, str] | None = None,
 ) -> TierPlan:
     """Decide every tier of a policy. `measured_bytes_per_s` maps a tier name ("nvme") to a
-    bandwidth measured in the fleet (shadow mode); the spec's own measurement takes precedence.
+    bandwidth measured in the fleet (shadow mode), `measurement` to where it comes from; the
+    spec's own measurement takes precedence.
     Raises ValueError for a model/hardware combination the arithmetic refuses (e.g. a TP degree
     that does not divide the KV heads)."""
     model = lookup_profile("model", MODELS, spec.model.profile)
@@ -135,12 +217,12 @@ def decide_tiers(
     toggles: dict[str, bool] = {}
     for name, toggle, default_medium in TIERS:
         tier: TierSpec = getattr(spec.tiers, name)
-        measured = (
-            tier.measured_bandwidth_g_bps * GB
-            if tier.measured_bandwidth_g_bps is not None
-            else observed.get(name)
-        )
-        decision = _decide(name, tier, default_medium, spec.fleet, measured, ctx)
+        measured: float | None
+        if tier.measured_bandwidth_g_bps is not None:
+            measured, source = tier.measured_bandwidth_g_bps * GB, "spec"
+        else:
+            measured, source = observed.get(name), (measurement or {}).get(name, "fleet")
+        decision = _decide(name, tier, default_medium, spec.fleet, measured, source, ctx)
         decisions.append(decision)
         toggles[toggle] = decision.enabled
     return TierPlan(

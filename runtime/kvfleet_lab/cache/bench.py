@@ -51,7 +51,7 @@ from kvfleet_runtime.cache._keys import (
 )
 from kvfleet_runtime.cache._manager import CacheManager, StorePlan
 from kvfleet_runtime.cache._policy import Placement
-from kvfleet_runtime.cache._pool import execute_moves
+from kvfleet_runtime.cache._pool import TensorPool, execute_moves
 
 __all__ = [
     "CacheBenchReport",
@@ -306,7 +306,7 @@ def bench_materialize(
     assert isinstance(hit, Hit) and hit.tier is Tier.T1 and hit.matched_tokens == tokens
     path = hit._path
     t1_pool, t0_pool = cache._pools[Tier.T1], cache._pools[Tier.T0]
-    assert t1_pool is not None and t0_pool is not None
+    assert isinstance(t1_pool, TensorPool) and t0_pool is not None
     t1_ids = [n.block_id for n in path]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 

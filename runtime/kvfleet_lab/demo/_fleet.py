@@ -268,7 +268,7 @@ class LocalFleet:
             "limits": {"max_prompt_tokens": opts.max_prompt_tokens, "max_tokens": 64,
                        "max_body_bytes": 4 << 20},
             "engine": {"num_kv_blocks": opts.num_kv_blocks, "max_batch_size": 16,
-                       "max_waiting": 256, "prefill_chunks_per_step": 8},
+                       "max_waiting": 256, "max_tokens_per_step": 2048},
             "cache": {"enabled": cache_enabled, "num_t0_blocks": opts.num_t0_blocks,
                       "num_t1_blocks": opts.num_t1_blocks},
         }

@@ -1,41 +1,51 @@
 """The prefix-KV cache inside every replica (the design brief §2; seed §4, §7, §8, R3-R5).
 
-Public facade (what the replica engine and, later, the fleet tier code against)::
+Public facade (what the replica engine and the fleet tier code against)::
 
     key = CacheKey(tenant_id, model_id, weights_digest="sha256:<64 hex>", kv_dtype,
                    rope_config_hash, attn_impl_id)          # TP degree is not part of it
-    cache = PrefixCache(CacheConfig(num_t0_blocks=..., num_t1_blocks=...),
+    kv = PagedKV.allocate(model_args, num_blocks, device=device)   # the engine's KV
+    cache = PrefixCache(CacheConfig(num_t0_blocks=num_blocks, num_t1_blocks=...),
                         KVLayout(num_layers, num_kv_heads, head_dim, dtype="float16"),
-                        clock=time.monotonic, device="cuda", registry=prometheus_registry)
+                        clock=time.monotonic, device_kv=kv, registry=prometheus_registry)
 
+    # The engine's path: T0 is `kv` itself, one pool for in-flight sequences and cached prefixes
     hit = cache.lookup(key, token_ids)            # -> Hit | Miss; a Hit holds refs on its blocks
-    if isinstance(hit, Hit):
-        k, v = cache.materialize(hit, tp_degree=4, tp_rank=r)
-        #   [num_layers, num_kv_heads // 4, hit.matched_tokens, head_dim], heads h % 4 == r
-        ...prefill token_ids[hit.matched_tokens:] on top of k, v...
-        cache.release(hit)                        # at request end
-    cache.store(key, token_ids, k_all, v_all)     # after every prefill; -> StoreOutcome
+    shared = cache.share_prefix(hit, kv, n)       # the hit's T0 block ids, shared: no copy
+    table = shared + kv.take(need - len(shared))  # short of room: cached blocks are reclaimed
+    cache.copy_into(hit, kv, table, len(shared), n)   # T1 blocks: one copy per run, then T0
+    ...prefill token_ids[n * 16:] into table...
+    cache.store_blocks(key, token_ids, kv, table) # the prompt's full blocks, indexed in place
+    kv.give_back(table); cache.release(hit)       # at request end
+
+    # Tensors in, tensors out (benches, tests, TP shards):
+    k, v = cache.materialize(hit, tp_degree=4, tp_rank=r)
+    #   [num_layers, num_kv_heads // 4, hit.matched_tokens, head_dim], heads h % 4 == r
+    cache.store(key, token_ids, k_all, v_all)     # -> StoreOutcome; copied by the drain
     cache.drain_store_queue()                     # background thread / asyncio.to_thread
     cache.invalidate(weights_digest) -> int       # POST /cache/invalidate {model_version}
     cache.stats(tenant=None) -> CacheStats        # GET /cache/stats?tenant=
 
-    # Hooks for the fleet tier (T2), which this package does not build:
+    # Hooks for the fleet tier (T2):
     cache.read_blocks(hashes) -> (k, v) | None    # export held blocks, canonical layout
     cache.import_blocks(key, token_ids, k, v)     # insert blocks fetched from a peer
     cache.add_listener(callback)                  # BlockEvent("stored"|"removed", key, hashes)
+    cache.set_eviction_sink(callback)             # EvictedRun: what T1 drops, with its data (T3)
 
-Stored layout, per tier pool: K and V `[num_layers, num_kv_heads, num_blocks, 16, head_dim]`.
-Chained hashes: `block_hashes(key, token_ids)` (blake2b-128, see `_keys.py`). Thread-safety:
-`PrefixCache` takes one lock per call; the store queue is a thread-safe bounded priority queue.
+Layouts: T0 is the engine's `[num_layers, num_blocks, num_kv_heads, 16, head_dim]` (what
+attention reads); T1 and everything that leaves the replica is the canonical TP-agnostic
+`[num_layers, num_kv_heads, num_blocks, 16, head_dim]`. Chained hashes: `block_hashes(key,
+token_ids)` (blake2b-128, see `_keys.py`). Thread-safety: `PrefixCache` takes one lock per call
+(the device pool's, which the engine's allocations take too); the store queue is a thread-safe
+bounded priority queue.
 
 Modules, top to bottom: `_cache` (facade, torch) -> `_manager` (admission, placement, stats) ->
-`_index` (radix index, tiers, refs, what is evictable) -> `_allocator` (free slots); the policy
-beside the index: `_policy` (admission: sightings, ghosts, strictness) and `_ranking` (victim
-order and the duel, the index's `EvictionPolicy`); `_pool` holds the tensors; `_keys`, `_sketch`,
-`_store_queue`, `_stats`, `_metrics` and `_config` are pure. Importing this package does not
-import torch: `PrefixCache`, `Hit`, `Miss` and `TensorPool` load `_cache` on first use. Replays
-(the lab's policy comparison, the fleet simulator) drive the shipped policy through
-`CacheManager.replay`, with no tensors.
+`_index` (radix index, tiers, refs, eviction) -> `_allocator` (free slots; `BlockRefs`, the
+device pool's ref counts shared by sequences and the cache); `_pool` holds the tensors; `_keys`,
+`_sketch`, `_policy`, `_store_queue`, `_stats`, `_metrics` and `_config` are pure. Importing this
+package does not import torch: `PrefixCache`, `Hit`, `Miss`, `PagedBlocks` and `TensorPool` load
+on first use. Replays (the lab's policy comparison, the fleet simulator) drive the shipped policy
+through `CacheManager.replay`, with no tensors.
 """
 
 from __future__ import annotations
@@ -60,8 +70,8 @@ from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
 from kvfleet_runtime.cache._store_queue import StoreQueue
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.cache._cache import Hit, Miss, PrefixCache
-    from kvfleet_runtime.cache._pool import TensorPool
+    from kvfleet_runtime.cache._cache import EvictedRun, Hit, Miss, PrefixCache
+    from kvfleet_runtime.cache._pool import PagedBlocks, TensorPool
 
 __all__ = [
     "BLOCK_SIZE",
@@ -75,9 +85,11 @@ __all__ = [
     "CacheStats",
     "ChainMemo",
     "CountMinSketch",
+    "EvictedRun",
     "Hit",
     "KVLayout",
     "Miss",
+    "PagedBlocks",
     "Placement",
     "PrefixCache",
     "StoreOutcome",
@@ -90,7 +102,14 @@ __all__ = [
     "iter_block_hashes",
 ]
 
-_TORCH_EXPORTS = {"Hit": "_cache", "Miss": "_cache", "PrefixCache": "_cache", "TensorPool": "_pool"}
+_TORCH_EXPORTS = {
+    "EvictedRun": "_cache",
+    "Hit": "_cache",
+    "Miss": "_cache",
+    "PagedBlocks": "_pool",
+    "PrefixCache": "_cache",
+    "TensorPool": "_pool",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,10 +1,20 @@
-"""`PrefixCache`: the facade the replica engine codes against (and, later, the fleet tier T2).
+"""`PrefixCache`: the facade the replica engine codes against (and the fleet tier T2).
 
 Layering, top to bottom (vLLM v1 style): this facade (tensors, locking, the store queue) ->
 `CacheManager` (keys, admission, placement, stats; pure) -> `BlockIndex` (radix index, tiers, ref
-counts, eviction; pure) -> `BlockAllocator` (free slots; pure), with `TensorPool` holding each
-tier's tensors. Thread-safe: every public method takes one lock, so request threads and a drain
-thread (or `asyncio.to_thread(cache.drain_store_queue)`) may call it concurrently.
+counts, eviction; pure) -> the slots of each tier (pure): T0 is the engine's own KV
+(`PagedBlocks`, ref-counted `BlockRefs` shared with the sequences), T1 a host `TensorPool`.
+
+The engine's path (one pool, no copies for T0): `lookup` -> `share_prefix` (the hit's T0 block
+ids, placed in the sequence's table) -> `copy_into` (the hit's T1 blocks, copied into the
+sequence's fresh blocks one run at a time, then filed in T0 where they now are) -> prefill the
+rest -> `store_blocks` (the prompt's full blocks are indexed where they are) -> `release`. When
+the engine lacks room, `PagedBlocks.take` asks this cache to reclaim unreferenced cached blocks,
+in the policy's victim order (demoted to T1 when it admits them, else dropped).
+
+Thread-safe: every public method takes one lock (the device pool's, so the engine's allocations
+and the cache's evictions are serialized), and request threads and a drain thread (or
+`asyncio.to_thread(cache.drain_store_queue)`) may call it concurrently.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client.registry import CollectorRegistry
 
+from kvfleet_runtime.cache._allocator import CachedSlots
 from kvfleet_runtime.cache._config import CacheConfig, KVLayout
 from kvfleet_runtime.cache._index import BlockNode, Tier
 from kvfleet_runtime.cache._keys import BLOCK_SIZE, BlockHash, CacheKey
@@ -27,11 +38,20 @@ from kvfleet_runtime.cache._manager import (
 )
 from kvfleet_runtime.cache._metrics import CacheCollector
 from kvfleet_runtime.cache._policy import Placement
-from kvfleet_runtime.cache._pool import TensorPool, execute_moves, torch_dtype
+from kvfleet_runtime.cache._pool import (
+    PagedBlocks,
+    Pool,
+    TensorPool,
+    copy_runs,
+    execute_moves,
+    read_blocks_into,
+    torch_dtype,
+    write_blocks,
+)
 from kvfleet_runtime.cache._stats import CacheStats
 from kvfleet_runtime.cache._store_queue import StoreQueue
 
-__all__ = ["Hit", "Miss", "PrefixCache"]
+__all__ = ["EvictedRun", "Hit", "Miss", "PrefixCache"]
 
 
 @dataclass(slots=True, eq=False)
@@ -53,15 +73,39 @@ class Miss:
     """No block of the prompt is cached: prefill everything."""
 
 
-@dataclass(slots=True)
-class _Pending:
-    plan: StorePlan
+@dataclass(slots=True, frozen=True)
+class EvictedRun:
+    """Blocks of one key the host tier dropped, parents before children, with their data (a
+    copy, canonical layout `[num_layers, num_kv_heads, len(hashes) * 16, head_dim]`, on the
+    host) and their sighting counts: what an eviction sink (T3) may keep."""
+
+    key: CacheKey
+    block_hashes: tuple[BlockHash, ...]
+    sightings: tuple[int, ...]
     k: torch.Tensor
     v: torch.Tensor
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A queued write: its data is `k`/`v` (canonical tensors), or blocks `src_ids` of the
+    engine's pool `src`, held (one ref each) until the write is done or dropped."""
+
+    plan: StorePlan
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    src: PagedBlocks | None = None
+    src_ids: list[int] = field(default_factory=list)
+
+    def let_go(self) -> None:
+        if self.src is not None:
+            self.src.give_back(self.src_ids)
+            self.src, self.src_ids = None, []
+
+
 class PrefixCache:
-    """Prefix KV cache of one replica: T0 device pool and T1 host pool behind a radix index."""
+    """Prefix KV cache of one replica: T0 (the engine's KV) and a T1 host pool behind a radix
+    index."""
 
     def __init__(
         self,
@@ -72,27 +116,56 @@ class PrefixCache:
         device: str | torch.device = "cpu",
         registry: CollectorRegistry | None = None,
         metrics_prefix: str = "kvfleet_cache",
+        device_kv: PagedBlocks | None = None,
     ) -> None:
+        """`device_kv`: the engine's KV (`PagedKV`), which becomes T0: one pool for in-flight
+        sequences and cached prefixes (`config.num_t0_blocks` must equal its block count).
+        Without it, T0 is a pool of `num_t0_blocks` in the same layout that an engine can adopt
+        (`Engine(..., kv=cache.device_kv)`) or that serves the cache alone."""
         self.config = config
         self.layout = layout
-        self.device = torch.device(device)
         self.dtype = torch_dtype(layout.dtype)
-        self._manager = CacheManager(config, bytes_per_block=layout.bytes_per_block, clock=clock)
+        if device_kv is not None:
+            self._check_device_kv(device_kv, config)
+            self.device = device_kv.k.device
+            t0: PagedBlocks | None = device_kv
+        else:
+            self.device = torch.device(device)
+            t0 = (
+                PagedBlocks.zeros(layout, config.num_t0_blocks, self.device)
+                if config.num_t0_blocks
+                else None
+            )
+        self._manager = CacheManager(
+            config,
+            bytes_per_block=layout.bytes_per_block,
+            clock=clock,
+            t0_slots=CachedSlots(t0.refs) if t0 is not None else None,
+        )
         pin = self.device.type == "cuda" and torch.cuda.is_available()
-        self._pools: tuple[TensorPool | None, TensorPool | None] = (
-            TensorPool(layout, config.num_t0_blocks, self.device, pin_memory=False)
-            if config.num_t0_blocks
-            else None,
+        self._pools: tuple[PagedBlocks | None, TensorPool | None] = (
+            t0,
             TensorPool(layout, config.num_t1_blocks, torch.device("cpu"), pin_memory=pin)
             if config.num_t1_blocks
             else None,
         )
         self._queue: StoreQueue[_Pending] = StoreQueue(config.store_queue_max_entries)
-        self._lock = threading.RLock()
+        # One lock for the device pool's allocator and the cache: an eviction frees a block and
+        # copies it out (a demotion) before anyone can be handed that block.
+        self._lock: threading.RLock = t0.lock if t0 is not None else threading.RLock()
+        if t0 is not None:
+            t0.reclaimer = self._reclaim
         self._listeners: list[Callable[[BlockEvent], None]] = []
+        self._eviction_sink: Callable[[EvictedRun], None] | None = None
+        self._evicted_runs: list[EvictedRun] = []
         self.collector = CacheCollector(self._metrics_snapshot, metrics_prefix)
         if registry is not None:
             registry.register(self.collector)
+
+    @property
+    def device_kv(self) -> PagedBlocks | None:
+        """T0: the device block pool this cache's T0 lives in (the engine's KV), or None."""
+        return self._pools[0]
 
     # -- request path ----------------------------------------------------------------------
 
@@ -132,6 +205,7 @@ class PrefixCache:
             self._check_live(hit)
             path = hit._path
             moves = self._manager.promote(path)
+            self._capture_evicted()
             execute_moves(self._pools, moves)
             shape = (
                 layout.num_layers,
@@ -172,7 +246,90 @@ class PrefixCache:
             dropped = self._queue.push(plan.priority, pending)
             if dropped is not None:
                 self._manager.note_dropped(dropped.plan)
+                dropped.let_go()
         return StoreOutcome.DROPPED if dropped is pending else StoreOutcome.QUEUED
+
+    def share_prefix(self, hit: Hit, kv: PagedBlocks, max_blocks: int) -> list[int]:
+        """The block ids of the hit's leading T0 blocks (at most `max_blocks`), each with one
+        more holder: the caller places them at the head of a sequence's block table and gives
+        them back with `kv.give_back` at its end. No data moves. Empty when `kv` is not this
+        cache's T0 pool (then `copy_into` copies every block)."""
+        with self._lock:
+            self._check_live(hit)
+            if not self._is_t0(kv):
+                return []
+            ids: list[int] = []
+            for node in hit._path[:max_blocks]:
+                if node.tier != Tier.T0:
+                    break
+                ids.append(node.block_id)
+            kv.refs.share(ids)
+            return ids
+
+    def copy_into(
+        self, hit: Hit, kv: PagedBlocks, table: Sequence[int], start: int, stop: int
+    ) -> int:
+        """Copy the hit's blocks [start, stop) into the engine's blocks `table[start:stop]`
+        (the sequence's own, freshly taken), one copy per run of consecutive ids on both sides;
+        returns the number of copies per tensor. Blocks copied from T1 into this cache's T0 pool
+        are then filed in T0 where they now are (a promotion without a second copy)."""
+        if not 0 <= start <= stop <= min(len(hit._path), len(table)):
+            raise ValueError(
+                f"copy_into: need 0 <= start <= stop <= {min(len(hit._path), len(table))}, "
+                f"got {start} and {stop}"
+            )
+        with self._lock:
+            self._check_live(hit)
+            nodes = hit._path[start:stop]
+            dst = list(table[start:stop])
+            num_copies = 0
+            for tier in (Tier.T0, Tier.T1):
+                pos = [i for i, n in enumerate(nodes) if n.tier == tier]
+                pool = self._pools[tier]
+                if pos and pool is not None:
+                    num_copies += copy_runs(
+                        pool, [nodes[i].block_id for i in pos], kv, [dst[i] for i in pos]
+                    )
+            if self._is_t0(kv) and nodes and all(n.tier == Tier.T1 for n in nodes):
+                parent = nodes[0].parent
+                if parent is None or parent.tier == Tier.T0:
+                    self._manager.promote_in_place(nodes, dst)
+        return num_copies
+
+    def store_blocks(
+        self, key: CacheKey, token_ids: Sequence[int], kv: PagedBlocks, table: Sequence[int]
+    ) -> StoreOutcome:
+        """Offer a prefilled prompt whose KV is in the engine's blocks `table` (the full blocks
+        of `token_ids`; the caller never writes them again). When `kv` is this cache's T0, the
+        new blocks are indexed where they are, at once (STORED: no copy; the sequence and the
+        cache then share them). Otherwise (the prefix continues a T1 chain, or another pool) the
+        write is queued like `store`'s, holding the blocks until it is done."""
+        with self._lock:
+            hashes, platform_blocks = self._manager.hashes(key, token_ids)
+            plan = self._manager.plan_store(key, list(hashes), platform_blocks)
+            if not isinstance(plan, StorePlan):
+                return plan
+            if len(table) < len(plan.hashes):
+                raise ValueError(
+                    f"store_blocks: table has {len(table)} blocks, the prompt {len(plan.hashes)}"
+                )
+            ids = list(table[: len(plan.hashes)])
+            commit = self._manager.commit_in_place(plan, ids) if self._is_t0(kv) else None
+            if commit is not None:
+                self._manager.finish_commit(commit)
+                events = self._manager.drain_events()
+                outcome = StoreOutcome.STORED
+            else:
+                kv.share(ids)
+                pending = _Pending(plan, src=kv, src_ids=ids)
+                dropped = self._queue.push(plan.priority, pending)
+                if dropped is not None:
+                    self._manager.note_dropped(dropped.plan)
+                    dropped.let_go()
+                events = []
+                outcome = StoreOutcome.DROPPED if dropped is pending else StoreOutcome.QUEUED
+        self._dispatch(events)
+        return outcome
 
     # -- background ------------------------------------------------------------------------
 
@@ -189,14 +346,18 @@ class PrefixCache:
                 if pending is None:
                     break
                 done += 1
-                written += self._write(pending.plan, pending.k, pending.v)
+                try:
+                    written += self._write(pending)
+                finally:
+                    pending.let_go()
                 events = self._manager.drain_events()
             self._dispatch(events)
         return written
 
-    def _write(self, plan: StorePlan, k: torch.Tensor, v: torch.Tensor) -> int:
-        commit = self._manager.commit(plan)
+    def _write(self, pending: _Pending) -> int:
+        commit = self._manager.commit(pending.plan)
         try:
+            self._capture_evicted()
             execute_moves(self._pools, commit.moves)
             first = commit.first_block
             for tier in (Tier.T0, Tier.T1):
@@ -205,12 +366,36 @@ class PrefixCache:
                     continue
                 pool = self._pools[tier]
                 assert pool is not None
+                ids = [commit.nodes[i].block_id for i in idx]
+                if pending.src is not None:
+                    src_ids = [pending.src_ids[first + i] for i in idx]
+                    copy_runs(pending.src, src_ids, pool, ids)
+                    continue
+                k, v = pending.k, pending.v
+                assert k is not None and v is not None
                 # Nodes of one tier form a contiguous stretch of the chain (tiers are monotone).
                 lo, hi = (first + idx[0]) * BLOCK_SIZE, (first + idx[-1] + 1) * BLOCK_SIZE
-                pool.write([commit.nodes[i].block_id for i in idx], k[:, :, lo:hi], v[:, :, lo:hi])
+                write_blocks(pool, ids, k[:, :, lo:hi], v[:, :, lo:hi])
         finally:
             self._manager.finish_commit(commit)
         return len(commit.nodes)
+
+    def _reclaim(self, num_blocks: int) -> None:
+        """`PagedBlocks.take` found fewer than `num_blocks` free: finish pending writes (they
+        hold blocks), then evict unreferenced cached T0 blocks in victim order until that many
+        are free or nothing more can go (demotions copy to T1 first, under the lock, so no block
+        is handed out before its data left)."""
+        with self._lock:
+            while (pending := self._queue.pop()) is not None:
+                try:
+                    self._write(pending)
+                finally:
+                    pending.let_go()
+            moves = self._manager.reclaim(num_blocks)
+            self._capture_evicted()
+            execute_moves(self._pools, moves)
+            events = self._manager.drain_events()
+        self._dispatch(events)
 
     # -- control plane ---------------------------------------------------------------------
 
@@ -220,7 +405,10 @@ class PrefixCache:
         number of blocks removed from the index."""
         with self._lock:
             removed = self._manager.invalidate(weights_digest)
-            self._queue.remove_if(lambda p: p.plan.key.weights_digest == weights_digest)
+            for pending in self._queue.remove_if(
+                lambda p: p.plan.key.weights_digest == weights_digest
+            ):
+                pending.let_go()
             events = self._manager.drain_events()
         self._dispatch(events)
         return removed
@@ -240,6 +428,29 @@ class PrefixCache:
         blocks written and "removed" events for blocks dropped or invalidated: what a global hint
         index publishes and withdraws. Demotions T0 -> T1 keep a block on the host: no event."""
         self._listeners.append(callback)
+
+    @property
+    def t1_enabled(self) -> bool:
+        return bool(self.config.num_t1_blocks) and self._manager.index.t1_enabled
+
+    def set_t1_enabled(self, enabled: bool) -> int:
+        """T1 on or off, live (the fleet config's `tiers.t1_host`). Off: every T1 block becomes
+        unreachable at once and its slot is freed (at the release of the in-flight hits that
+        hold it, which keep reading correct data meanwhile); stores and demotions stop using T1.
+        Returns the blocks removed. The pool stays allocated, so turning it on again is free."""
+        with self._lock:
+            removed = self._manager.set_t1_enabled(enabled)
+            events = self._manager.drain_events()
+        self._dispatch(events)
+        return removed
+
+    def set_eviction_sink(self, sink: Callable[[EvictedRun], None] | None) -> None:
+        """Hand every block the host tier drops (T1, or T0 without a T1) to `sink`, with a copy
+        of its data, outside the cache lock on the thread that caused the eviction: the next
+        tier's way in (T3). The sink must be quick (queue, don't write). None detaches it."""
+        with self._lock:
+            self._eviction_sink = sink
+            self._manager.evicted = [] if sink is not None else None
 
     def read_blocks(
         self,
@@ -306,7 +517,7 @@ class PrefixCache:
             plan = StorePlan(
                 key, chain, len(resident), platform_blocks, Placement.REUSED, priority=0
             )
-            written = self._write(plan, k, v)
+            written = self._write(_Pending(plan, k, v))
             events = self._manager.drain_events()
         self._dispatch(events)
         return written
@@ -321,11 +532,34 @@ class PrefixCache:
         for tier in (Tier.T0, Tier.T1):
             positions = [i for i, n in enumerate(path) if n.tier == tier]
             if positions:
-                pool = self._pools[tier]
+                pool: Pool | None = self._pools[tier]
                 assert pool is not None
                 ids = [path[i].block_id for i in positions]
-                num_copies += pool.read_into(out_k, out_v, ids, positions, heads)
+                num_copies += read_blocks_into(pool, out_k, out_v, ids, positions, heads)
         return num_copies
+
+    def _is_t0(self, kv: PagedBlocks) -> bool:
+        """`kv` is this cache's T0: the same block pool (one allocator), whatever wraps it."""
+        t0 = self._pools[0]
+        return t0 is not None and kv.refs is t0.refs
+
+    def _check_device_kv(self, kv: PagedBlocks, config: CacheConfig) -> None:
+        layout = self.layout
+        expected = (layout.num_layers, kv.num_blocks, layout.num_kv_heads, BLOCK_SIZE,
+                    layout.head_dim)
+        for name, t in (("k", kv.k), ("v", kv.v)):
+            if tuple(t.shape) != expected or t.dtype != self.dtype:
+                raise ValueError(
+                    f"device_kv: {name} must be {self.dtype} {expected} [layers, blocks, "
+                    f"kv_heads, {BLOCK_SIZE}, head_dim], got {t.dtype} {tuple(t.shape)}"
+                )
+        if config.num_t0_blocks != kv.num_blocks:
+            raise ValueError(
+                f"T0 is the engine's KV: num_t0_blocks must equal its {kv.num_blocks} blocks, "
+                f"got {config.num_t0_blocks}"
+            )
+        if kv.reclaimer is not None:
+            raise ValueError("device_kv already belongs to another PrefixCache")
 
     def _heads(self, tp_degree: int, tp_rank: int) -> slice:
         n = self.layout.num_kv_heads
@@ -353,10 +587,41 @@ class PrefixCache:
             if t.dtype != self.dtype:
                 raise ValueError(f"{what}: {name} must be {self.dtype}, got {t.dtype}")
 
+    def _capture_evicted(self) -> None:
+        """Copy out what the last index operation dropped, before its moves reuse the slots."""
+        evicted = self._manager.drain_evicted()
+        if not evicted or self._eviction_sink is None:
+            return
+        by_key: dict[CacheKey, list[BlockNode]] = {}
+        # Dropped leaf first: reversed, a parent precedes its children (a run reads root first).
+        for node, _ in reversed(evicted):
+            by_key.setdefault(node.namespace.key, []).append(node)
+        tier = evicted[0][1]
+        pool = self._pools[tier]
+        assert pool is not None
+        layout = self.layout
+        for key, nodes in by_key.items():
+            shape = (layout.num_layers, layout.num_kv_heads, len(nodes) * BLOCK_SIZE,
+                     layout.head_dim)
+            k = torch.empty(shape, dtype=self.dtype)
+            v = torch.empty(shape, dtype=self.dtype)
+            read_blocks_into(pool, k, v, [n.block_id for n in nodes], range(len(nodes)),
+                             slice(None))
+            hashes = tuple(n.block_hash for n in nodes)
+            sightings = tuple(self._manager.sketch.estimate_many(hashes))
+            self._evicted_runs.append(EvictedRun(key, hashes, sightings, k, v))
+
     def _dispatch(self, events: list[BlockEvent]) -> None:
         for event in events:
             for callback in self._listeners:
                 callback(event)
+        if self._evicted_runs:
+            with self._lock:
+                runs, self._evicted_runs = self._evicted_runs, []
+                sink = self._eviction_sink
+            if sink is not None:
+                for run in runs:
+                    sink(run)
 
     def _metrics_snapshot(self) -> tuple[CacheStats, dict[str, CacheStats]]:
         with self._lock:

@@ -27,7 +27,7 @@ import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvfleet_runtime.cache._allocator import BlockAllocator
+from kvfleet_runtime.cache._allocator import BlockAllocator, Slots
 from kvfleet_runtime.cache._keys import BlockHash, CacheKey
 from kvfleet_runtime.cache._ranking import EvictionPolicy
 
@@ -98,17 +98,29 @@ class TierCounters:
 class _Plan:
     moves: list[Move] = field(default_factory=list)
     dropped: list[BlockNode] = field(default_factory=list)
+    dropped_from: list[int] = field(default_factory=list)
+    """The tier each `dropped` block left (its slot still holds its data until `moves` run)."""
 
 
 class BlockIndex:
     """Chain hash -> block node, plus per-tier slot accounting, ref counts and eviction."""
 
     def __init__(
-        self, num_blocks: tuple[int, int], policy: EvictionPolicy, *, pin_limit: int = 0
+        self,
+        num_blocks: tuple[int, int],
+        policy: EvictionPolicy,
+        *,
+        pin_limit: int = 0,
+        t0_slots: Slots | None = None,
     ) -> None:
+        """`t0_slots`: T0's slots when T0 is the engine's KV (`CachedSlots`); its blocks are then
+        also held by sequences, and one that a sequence still holds is never a victim."""
         self.policy = policy
         """Victim order and the duel (`set_policy` swaps it)."""
-        self.allocators = (BlockAllocator(num_blocks[0]), BlockAllocator(num_blocks[1]))
+        self.allocators: tuple[Slots, Slots] = (
+            t0_slots if t0_slots is not None else BlockAllocator(num_blocks[0]),
+            BlockAllocator(num_blocks[1]),
+        )
         self.counters = (TierCounters(), TierCounters())
         self.num_pinned = 0
         self.pin_limit = pin_limit
@@ -116,6 +128,8 @@ class BlockIndex:
         self._nodes: dict[BlockHash, BlockNode] = {}
         self._namespaces: dict[CacheKey, Namespace] = {}
         self._tick = 0
+        self.t1_enabled = True
+        """False (the fleet config's `tiers.t1_host` off): no slot of T1 is handed out."""
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -236,6 +250,7 @@ class BlockIndex:
                 parent.num_t0_children -= 1
             self._push(parent)
         plan.dropped.append(node)
+        plan.dropped_from.append(tier)
 
     def _reserve(
         self, tier: int, n: int, candidate_weights: Sequence[int] | None, plan: _Plan
@@ -247,12 +262,17 @@ class BlockIndex:
         is full of referenced blocks or of blocks that outrank the candidate: not enough room is
         not an error."""
         alloc = self.allocators[tier]
+        if tier == Tier.T1 and not self.t1_enabled:
+            return []
         ids = alloc.allocate(min(n, alloc.num_free)) or []
         skipped: list[BlockNode] = []
         while len(ids) < n:
             victim = self._pop_victim(tier)
             if victim is None:
                 break
+            if self.allocators[tier].in_use(victim.block_id):
+                skipped.append(victim)  # a sequence still reads it: evicting frees no room
+                continue
             if candidate_weights is not None and self.policy.outranks(
                 victim, candidate_weights[len(ids)]
             ):
@@ -350,7 +370,8 @@ class BlockIndex:
     def promote(self, path: list[BlockNode]) -> _Plan:
         """Move the T1 suffix of a referenced path into T0, as far as T0 has room."""
         plan = _Plan()
-        t1_nodes = [n for n in path if n.tier == Tier.T1]
+        # Not detached blocks (T1 turned off under an in-flight hit): they leave at release.
+        t1_nodes = [n for n in path if n.tier == Tier.T1 and n.namespace.valid]
         if not t1_nodes or not self.allocators[Tier.T0].num_blocks:
             return plan
         weights = self.policy.candidate_weights([n.block_hash for n in t1_nodes])
@@ -363,6 +384,32 @@ class BlockIndex:
                 node.parent.num_t0_children += 1
             self.counters[Tier.T1].num_promotions += 1
         return plan
+
+    def disable_t1(self) -> list[BlockNode]:
+        """Turn T1 off: no more T1 slots, and every T1 block leaves the index now (unreachable).
+        Unreferenced blocks free their slots now; a block an in-flight hit references keeps its
+        slot (and its data) until that hit's release, as an invalidated block does: it moves to
+        a detached namespace. Returns the blocks removed from the index."""
+        self.t1_enabled = False
+        gone = [n for n in self._nodes.values() if n.tier == Tier.T1]
+        detached: dict[int, Namespace] = {}
+        for node in gone:
+            del self._nodes[node.block_hash]
+            node.namespace.num_blocks -= 1
+            self.counters[Tier.T1].num_evictions += 1
+            parent = node.parent
+            if parent is not None and parent.tier != Tier.T1:  # a T0 parent stays indexed
+                parent.num_children -= 1
+                self._push(parent)
+        for node in gone:
+            if node.ref_count == 0:
+                self._free_slot(node)
+            else:
+                ns = detached.get(id(node.namespace))
+                if ns is None:
+                    ns = detached[id(node.namespace)] = Namespace(node.namespace.key, valid=False)
+                node.namespace = ns
+        return gone
 
     def invalidate(self, weights_digest: str) -> tuple[int, list[BlockNode]]:
         """Make every block of a weights version unreachable; free the unreferenced ones now and
@@ -413,3 +460,104 @@ class BlockIndex:
             used = sum(1 for t, _ in owners if t == tier)
             assert used == self.allocators[tier].num_used, f"{tier.label}: leaked slots"
         assert self.num_pinned == sum(1 for n in live + detached if n.pinned), "pin count drift"
+
+    # -- T0 as the engine's KV -------------------------------------------------------------
+
+    def adopt(
+        self,
+        namespace: Namespace,
+        parent: BlockNode | None,
+        hashes: list[BlockHash],
+        block_ids: Sequence[int],
+        *,
+        pinned: bool,
+    ) -> list[BlockNode]:
+        """Index blocks already computed in T0 slots `block_ids` (the engine's own blocks, held by
+        the sequence): bookkeeping, no data moves. The parent must be in T0 (monotone tiers).
+        The returned nodes are referenced, as from `insert`."""
+        assert parent is None or parent.tier == Tier.T0, "adopt below a T1 block"
+        slots = self.allocators[Tier.T0]
+        adopt = getattr(slots, "adopt", None)
+        assert adopt is not None, "T0 is not the engine's KV"
+        adopt(block_ids)
+        if self.num_pinned + len(hashes) > self.pin_limit:
+            pinned = False
+        self._tick += 1
+        nodes: list[BlockNode] = []
+        for h, block_id in zip(hashes, block_ids, strict=True):
+            assert h not in self._nodes, "adopt of a block that is already indexed"
+            node = BlockNode(h, parent, namespace, Tier.T0, block_id, ref_count=1,
+                             last_tick=self._tick, pinned=pinned)
+            self._nodes[h] = node
+            namespace.num_blocks += 1
+            if parent is not None:
+                parent.num_children += 1
+                parent.num_t0_children += 1
+            nodes.append(node)
+            parent = node
+        if pinned:
+            self.num_pinned += len(nodes)
+        self.counters[Tier.T0].num_stored += len(nodes)
+        return nodes
+
+    def promote_in_place(self, nodes: Sequence[BlockNode], block_ids: Sequence[int]) -> None:
+        """T1 blocks whose data was just copied into user-held T0 slots `block_ids` move to T0
+        there (their T1 slots are freed). `nodes` are referenced and follow the path's T0 part."""
+        slots = self.allocators[Tier.T0]
+        adopt = getattr(slots, "adopt", None)
+        assert adopt is not None, "T0 is not the engine's KV"
+        adopt(block_ids)
+        for node, block_id in zip(nodes, block_ids, strict=True):
+            assert node.tier == Tier.T1 and node.ref_count > 0
+            assert node.parent is None or node.parent.tier == Tier.T0
+            self.allocators[Tier.T1].free([node.block_id])
+            node.tier, node.block_id = Tier.T0, block_id
+            if node.parent is not None:
+                node.parent.num_t0_children += 1
+            self.counters[Tier.T1].num_promotions += 1
+
+    def reclaim(self, num_free: int) -> _Plan:
+        """Evict T0 victims, in the policy's order, until T0 has `num_free` free slots (in-flight
+        work needs them) or nothing more can go: demoted to T1 when T1 admits them, else dropped.
+        Victims a sequence still holds are passed over (evicting them would free nothing)."""
+        plan = _Plan()
+        slots = self.allocators[Tier.T0]
+        skipped: list[BlockNode] = []
+        demoted: list[BlockNode] = []
+        while slots.num_free < num_free:
+            victim = self._pop_victim(Tier.T0)
+            if victim is None:
+                break
+            if slots.in_use(victim.block_id) or not self._evict(victim, plan):
+                skipped.append(victim)
+            elif victim.tier == Tier.T1:
+                demoted.append(victim)
+        for node in skipped:
+            self._push(node)
+        self._order_demotions(demoted, plan)
+        return plan
+
+    def _order_demotions(self, demoted: list[BlockNode], plan: _Plan) -> None:
+        """Victims go leaf first, so a demoted chain would land in T1 slots in reverse order and
+        a later T1 hit would cost one copy per block. The copies have not run yet: hand the same
+        T1 slots out again in chain order (root first, chain by chain), so each chain is one run."""
+        if len(demoted) < 2:
+            return
+
+        def chain_order(node: BlockNode) -> tuple[int, int]:
+            depth, top = 0, node
+            while top.parent is not None:
+                top, depth = top.parent, depth + 1
+            return id(top), depth
+
+        new_ids = sorted(n.block_id for n in demoted)
+        remap: dict[int, int] = {}
+        for node, new_id in zip(sorted(demoted, key=chain_order), new_ids, strict=True):
+            remap[node.block_id] = new_id
+            node.block_id = new_id
+        plan.moves = [
+            Move(m.src_tier, m.src_id, m.dst_tier, remap.get(m.dst_id, m.dst_id))
+            if m.src_tier == Tier.T0 and m.dst_tier == Tier.T1
+            else m
+            for m in plan.moves
+        ]

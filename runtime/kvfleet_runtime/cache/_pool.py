@@ -1,26 +1,48 @@
-"""Tensor pools of one tier, in the canonical TP-agnostic layout, and the run copies between them.
+"""The tensors of each tier, and the run copies between them.
 
-K and V are each `[num_layers, num_kv_heads, num_blocks, BLOCK_SIZE, head_dim]`
-("[layer][kv_head][block][head_dim]" with the 16 tokens of a block inside). A TP-t replica's rank r
-takes heads `h % t == r`, a strided view of the same storage, so TP1/2/4/8 all read the same blocks.
-Every transfer is one `copy_` per contiguous run of blocks, never one per block.
+T0 is the engine's own KV (`PagedBlocks`, the layout attention reads): K and V each
+`[num_layers, num_blocks, num_kv_heads, BLOCK_SIZE, head_dim]`, one pool per device whose blocks
+hold an in-flight sequence's KV, a cached prefix, or both (`BlockRefs` counts who holds each).
+A T0 hit is block ids placed in a sequence's table; storing a prompt is indexing its blocks.
+
+T1 (host) keeps the canonical TP-agnostic layout (`TensorPool`): K and V each `[num_layers,
+num_kv_heads, num_blocks, BLOCK_SIZE, head_dim]` ("[layer][kv_head][block][head_dim]" with the
+16 tokens of a block inside). A TP-t replica's rank r takes heads `h % t == r`, a strided view of
+the same storage, so TP1/2/4/8 all read the same blocks; peers read and send this layout.
+
+Both pools expose a run of blocks as the same canonical-order view `[layers, heads, n, 16, D]`
+(`blocks`), so every transfer between tiers, into the engine's blocks or out to a peer is one
+`copy_` per contiguous run of blocks, never one per block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
-from kvfleet_runtime.cache._allocator import paired_runs
+from kvfleet_runtime.cache._allocator import BlockRefs, paired_runs
 from kvfleet_runtime.cache._config import KVLayout
 from kvfleet_runtime.cache._index import Move
 from kvfleet_runtime.cache._keys import BLOCK_SIZE
 
-__all__ = ["TensorPool", "execute_moves", "torch_dtype"]
+__all__ = [
+    "PagedBlocks",
+    "Pool",
+    "TensorPool",
+    "copy_runs",
+    "execute_moves",
+    "read_blocks_into",
+    "split_blocks",
+    "torch_dtype",
+    "write_blocks",
+]
 
 
-def _split_blocks(t: torch.Tensor) -> torch.Tensor:
+def split_blocks(t: torch.Tensor) -> torch.Tensor:
     """View `[layers, heads, n * 16, head_dim]` as `[layers, heads, n, 16, head_dim]` (splitting
     one dimension is always a view, even of a strided slice)."""
     layers, heads, tokens, head_dim = t.shape
@@ -34,7 +56,78 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+@dataclass(slots=True, eq=False)
+class PagedBlocks:
+    """One device's block pool: the engine's KV, and T0 of the cache bound to it.
+
+    k, v: `[n_layers, num_blocks, n_kv_heads, BLOCK_SIZE, head_dim]`. A sequence owns a block
+    table (a list of block ids); token p lives in block `table[p // 16]`, slot `p % 16`. `lock`
+    serializes the allocator between the engine thread and the cache (a bound cache uses it as
+    its own lock); `reclaimer(n)` is the bound cache's way to free cached blocks when `take`
+    finds fewer than n free."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    refs: BlockRefs
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    reclaimer: Callable[[int], None] | None = None
+
+    @classmethod
+    def zeros(cls, layout: KVLayout, num_blocks: int, device: torch.device) -> PagedBlocks:
+        shape = (layout.num_layers, num_blocks, layout.num_kv_heads, BLOCK_SIZE, layout.head_dim)
+        dtype = torch_dtype(layout.dtype)
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        v = torch.zeros(shape, dtype=dtype, device=device)
+        return cls(k=k, v=v, refs=BlockRefs(num_blocks))
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks new work can have: free ones, plus cached ones no sequence uses (the cache gives
+        them back on demand, in its eviction order)."""
+        return self.refs.num_free + self.refs.num_cache_only
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the cache holds (some may also be in sequences' tables)."""
+        return self.refs.num_cached
+
+    def take(self, n: int) -> list[int] | None:
+        """n blocks for a sequence (one ref each), or None when there is not enough room even
+        after the bound cache reclaimed what it could."""
+        with self.lock:
+            ids = self.refs.allocate(n)
+            if ids is not None or self.reclaimer is None:
+                return ids
+            if self.refs.num_free + self.refs.num_cache_only < n:
+                return None  # not even every cached block would do: evict nothing in vain
+            short = n
+        # Outside the lock: the cache takes it itself and calls its listeners after releasing it.
+        self.reclaimer(short)
+        with self.lock:
+            return self.refs.allocate(n)
+
+    def share(self, blocks: Sequence[int]) -> None:
+        """One more holder of each block (a cached block placed in another sequence's table)."""
+        with self.lock:
+            self.refs.share(blocks)
+
+    def give_back(self, blocks: Sequence[int]) -> None:
+        """Drop one hold on each block; a block nobody holds (cache included) is free again."""
+        with self.lock:
+            self.refs.release(blocks)
+
+    def blocks(self, t: torch.Tensor, lo: int, n: int) -> torch.Tensor:
+        """Blocks [lo, lo + n) of `t` (this pool's k or v) as `[layers, heads, n, 16, D]`."""
+        return t[:, lo : lo + n].transpose(1, 2)
+
+
 class TensorPool:
+    """T1: host blocks in the canonical layout (pinned when CUDA is present)."""
+
     __slots__ = ("device", "k", "layout", "num_blocks", "v")
 
     def __init__(
@@ -48,13 +141,12 @@ class TensorPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.v = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
+    def blocks(self, t: torch.Tensor, lo: int, n: int) -> torch.Tensor:
+        return t[:, :, lo : lo + n]
+
     def write(self, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy `k`/`v` `[layers, heads, len(block_ids) * 16, head_dim]` into `block_ids`."""
-        src_blocks = list(range(len(block_ids)))
-        for src, dst, n in paired_runs(src_blocks, block_ids):
-            lo, hi = src * BLOCK_SIZE, (src + n) * BLOCK_SIZE
-            self.k[:, :, dst : dst + n].copy_(_split_blocks(k[:, :, lo:hi]))
-            self.v[:, :, dst : dst + n].copy_(_split_blocks(v[:, :, lo:hi]))
+        _write(self, block_ids, k, v)
 
     def read_into(
         self,
@@ -66,16 +158,86 @@ class TensorPool:
     ) -> int:
         """Copy blocks into `out_*` viewed as `[layers, heads', blocks, 16, head_dim]`; returns the
         number of copies (runs) made per tensor."""
-        ok = _split_blocks(out_k)
-        ov = _split_blocks(out_v)
-        runs = paired_runs(block_ids, out_blocks)
-        for src, dst, n in runs:
-            ok[:, :, dst : dst + n].copy_(self.k[:, heads, src : src + n])
-            ov[:, :, dst : dst + n].copy_(self.v[:, heads, src : src + n])
-        return len(runs)
+        return _read_into(self, out_k, out_v, block_ids, out_blocks, heads)
 
 
-def execute_moves(pools: Sequence[TensorPool | None], moves: Sequence[Move]) -> int:
+Pool = PagedBlocks | TensorPool
+
+
+def _write(pool: Pool, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    src_blocks = list(range(len(block_ids)))
+    for src, dst, n in paired_runs(src_blocks, block_ids):
+        lo, hi = src * BLOCK_SIZE, (src + n) * BLOCK_SIZE
+        pool.blocks(pool.k, dst, n).copy_(split_blocks(k[:, :, lo:hi]))
+        pool.blocks(pool.v, dst, n).copy_(split_blocks(v[:, :, lo:hi]))
+
+
+def _read_into(
+    pool: Pool,
+    out_k: torch.Tensor,
+    out_v: torch.Tensor,
+    block_ids: Sequence[int],
+    out_blocks: Sequence[int],
+    heads: slice,
+) -> int:
+    ok = split_blocks(out_k)
+    ov = split_blocks(out_v)
+    runs = paired_runs(block_ids, out_blocks)
+    for src, dst, n in runs:
+        ok[:, :, dst : dst + n].copy_(pool.blocks(pool.k, src, n)[:, heads])
+        ov[:, :, dst : dst + n].copy_(pool.blocks(pool.v, src, n)[:, heads])
+    return len(runs)
+
+
+def write_blocks(pool: Pool, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    """Copy canonical `k`/`v` `[layers, heads, len(block_ids) * 16, D]` into the pool's blocks."""
+    _write(pool, block_ids, k, v)
+
+
+def read_blocks_into(
+    pool: Pool,
+    out_k: torch.Tensor,
+    out_v: torch.Tensor,
+    block_ids: Sequence[int],
+    out_blocks: Sequence[int],
+    heads: slice,
+) -> int:
+    """Copy the pool's blocks into canonical `out_*` at `out_blocks`; returns copies per tensor."""
+    return _read_into(pool, out_k, out_v, block_ids, out_blocks, heads)
+
+
+@contextmanager
+def _side_stream(src: Pool, dst: Pool) -> Iterator[bool]:
+    """Host <-> device copies on CUDA run non-blocking on a side stream (pinned host memory), so
+    they overlap the compute queued on the current stream. The host thread then waits for the
+    side stream: a host slot may be freed and rewritten by the CPU right after (a promotion frees
+    its T1 slot) and a demoted block may be read by a peer at once, so neither may race the DMA."""
+    devices = {src.k.device.type, dst.k.device.type}
+    if "cuda" not in devices or devices == {"cuda"} or not torch.cuda.is_available():
+        yield False
+        return
+    device = src.k.device if src.k.device.type == "cuda" else dst.k.device
+    stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield True
+    stream.synchronize()
+    current.wait_stream(stream)
+
+
+def copy_runs(src: Pool, src_ids: Sequence[int], dst: Pool, dst_ids: Sequence[int]) -> int:
+    """Copy blocks `src_ids` of `src` into `dst_ids` of `dst`, one copy per run along which both
+    are consecutive; returns the number of copies per tensor."""
+    runs = paired_runs(src_ids, dst_ids)
+    with _side_stream(src, dst) as non_blocking:
+        for s, d, n in runs:
+            dst.blocks(dst.k, d, n).copy_(src.blocks(src.k, s, n), non_blocking=non_blocking)
+            dst.blocks(dst.v, d, n).copy_(src.blocks(src.v, s, n), non_blocking=non_blocking)
+    return len(runs)
+
+
+def execute_moves(pools: Sequence[Pool | None], moves: Sequence[Move]) -> int:
     """Carry out planned moves in order, batching consecutive moves between the same two tiers
     into runs. Returns the number of copies per tensor."""
     num_copies = 0
@@ -90,9 +252,8 @@ def execute_moves(pools: Sequence[TensorPool | None], moves: Sequence[Move]) -> 
         src_pool, dst_pool = pools[moves[i].src_tier], pools[moves[i].dst_tier]
         assert src_pool is not None and dst_pool is not None, "move into a disabled tier"
         batch = moves[i:j]
-        for src, dst, n in paired_runs([m.src_id for m in batch], [m.dst_id for m in batch]):
-            dst_pool.k[:, :, dst : dst + n].copy_(src_pool.k[:, :, src : src + n])
-            dst_pool.v[:, :, dst : dst + n].copy_(src_pool.v[:, :, src : src + n])
-            num_copies += 1
+        num_copies += copy_runs(
+            src_pool, [m.src_id for m in batch], dst_pool, [m.dst_id for m in batch]
+        )
         i = j
     return num_copies

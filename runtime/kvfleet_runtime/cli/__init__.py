@@ -18,6 +18,7 @@ def main() -> None:
 from kvfleet_runtime.cli import bench as _bench  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_cache as _bench_cache  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_fleet as _bench_fleet  # noqa: E402, F401
+from kvfleet_runtime.cli import bench_nvme as _bench_nvme  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_operator as _bench_operator  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_policies as _bench_policies  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_startup as _bench_startup  # noqa: E402, F401

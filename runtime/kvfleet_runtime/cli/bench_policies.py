@@ -30,9 +30,11 @@ DEFAULT_FRACTIONS = "0.01,0.03,0.1,0.3"
 TRACE_WORKLOAD = "trace"
 
 QUICK_ARGS: dict[str, list[str]] = {
-    "replica": ["--reps", "3", "--requests", "16", "--prompt-tokens", "1000"],
+    "replica": ["--reps", "2", "--prefill-tokens", "512,2000", "--prompt-tokens", "1000",
+                "--concurrency", "1,8"],
     "cache": ["--requests", "1000", "--lookup-reps", "50", "--materialize-reps", "3"],
     "fleet": ["--max-requests", "1000", "--reps", "3", "--router-requests", "200"],
+    "nvme": ["--size-mib", "128", "--reps", "1"],
 }
 """Options `kvfleet bench all` passes to the other benchmarks (those a command lacks are left
 out); a benchmark not named here runs with its own defaults."""

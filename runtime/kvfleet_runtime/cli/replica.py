@@ -53,6 +53,10 @@ def replica(
     device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
     dtype: Annotated[str | None, typer.Option(
         help="Serving dtype: bf16, fp16 or fp32 (default: the checkpoint's).")] = None,
+    deterministic: Annotated[bool | None, typer.Option(
+        "--deterministic/--fast",
+        help="One-block prefill chunks: a cache hit equals a miss bitwise, at a measured price "
+        "(default: the config's engine.deterministic, off).")] = None,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
     """Serve one replica: OpenAI-compatible completions over the prefix cache.
@@ -80,6 +84,8 @@ def replica(
         "model_id": model_id, "device": device, "dtype": dtype,
         "expected_weights_digest": os.environ.get(WEIGHTS_DIGEST_ENV) or None,
     }.items() if v is not None}
+    if deterministic is not None:
+        overrides["engine"] = {"deterministic": deterministic}
     try:
         cfg = load_config(config_path, overrides=overrides)
         rep = build_replica(cfg, config_path=config_path, overrides=overrides)

@@ -1,26 +1,42 @@
 """The engine: continuous batching over the reference model, prefilling only what the cache lacks.
 
-Per request: `lookup` the prompt in the prefix cache (takes refs), `materialize` the hit into the
-request's own paged-KV blocks, prefill the unmatched suffix in 16-token chunks, decode, `store`
-the prompt's full blocks (queued, best effort: the first token is already on its way), `release`
-the hit's refs when the request ends. Every cache failure degrades to recompute.
+Per request: `lookup` the prompt in the prefix cache (takes refs); the hit's T0 blocks go into the
+request's block table as they are (T0 is this engine's own KV: no copy, the blocks are shared and
+never written, since computation resumes at the first unmatched block); fresh blocks for the rest
+(the cache gives back unreferenced cached blocks when the pool is short); the hit's T1 blocks are
+copied into the first fresh ones, one copy per run; prefill the unmatched suffix in block-aligned
+chunks, decode, index the prompt's full blocks in the cache where they are (`store_blocks`, after
+the first token is on its way), give the blocks back and `release` the hit's refs when the
+request ends. Every cache failure degrades to recompute.
 
 Concurrency: one asyncio scheduler task admits requests between steps; each step runs on one
 dedicated worker thread (torch releases the GIL, so the HTTP server stays responsive). All model
-and cache calls happen on that thread, so neither needs to be thread-safe. A step prefills at most
-`prefill_chunks_per_step` chunks, then runs one decode step over every decoding sequence, so a
-long prompt never stalls the token stream of the others for more than a few chunks.
+and cache calls happen on that thread, so neither needs to be thread-safe.
 
-What is stored, and why only that: the prompt's full blocks, which prefill computed in chunks
-aligned to the block grid. KV written by decode is computed one row per sequence and is not
-bitwise equal to what prefill would compute for the same token, so it is never stored; it is
-stored later, by prefill, when a next turn sends it back as part of a prompt.
+A step has a token budget (`max_tokens_per_step`), shared as continuous-batching engines share
+it: every decoding sequence's next token is counted first, the rest goes to prefill chunks (whole
+blocks; a prompt's last chunk may end mid-block), one forward per chunk; then one batched decode
+forward runs for every decoding sequence. So a long prompt stalls the others' token streams by at
+most one budget of prefill per step.
+
+Determinism is a choice (`deterministic`). By default a prompt is prefilled in chunks as large as
+the budget allows: a hit's KV and the logits after it equal recomputation to floating-point
+tolerance (the suffix is computed by other matmul shapes than in a full prefill, and CPU and GPU
+kernels round differently per shape). `deterministic=True` prefills in one-block chunks, so the
+tokens after any block-aligned hit are computed by exactly the calls of a full prefill and a hit
+equals a miss bitwise (same device, same thread count), at the price docs/replica.md states. The
+mode is part of the cache key's attention id: a deterministic replica never takes fast-path KV.
+
+What is stored, and why only that: the prompt's full blocks, which prefill computed. KV written by
+decode is computed one row per sequence (other shapes again), so it is never stored; it is stored
+later, by prefill, when a next turn sends it back as part of a prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -33,7 +49,7 @@ from typing import Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch import Tensor
 
-from kvfleet_runtime.cache import CacheKey, Hit, PrefixCache, Tier
+from kvfleet_runtime.cache import CacheKey, Hit, PrefixCache, StoreOutcome, Tier
 from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams
 from kvfleet_runtime.model import LoadedModel, PagedKV, Transformer
 from kvfleet_runtime.wire import BLOCK_SIZE
@@ -51,6 +67,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+DETERMINISTIC_RULE = f"chunk{BLOCK_SIZE}"
+"""Appended to the cache key's attention id in deterministic mode."""
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -65,11 +84,17 @@ class CacheKeyFields:
     attn_impl_id: str
 
     @classmethod
-    def for_model(cls, loaded: LoadedModel, model_id: str) -> CacheKeyFields:
-        """Everything prefill depends on besides the tokens, derived from the loaded model."""
+    def for_model(cls, loaded: LoadedModel, model_id: str, *,
+                  deterministic: bool = False) -> CacheKeyFields:
+        """Everything prefill depends on besides the tokens, derived from the loaded model.
+
+        `deterministic` (the engine's mode) names the prefill rule in the attention id: KV of
+        one-block chunks is what a deterministic replica can reproduce bit for bit."""
         args = loaded.args  # the KV is written in the serving dtype
-        return cls(model_id, loaded.weights_digest, args.dtype, args.rope_config_hash(),
-                   args.attn_impl_id())
+        attn = args.attn_impl_id()
+        if deterministic:
+            attn = f"{attn}-{DETERMINISTIC_RULE}"
+        return cls(model_id, loaded.weights_digest, args.dtype, args.rope_config_hash(), attn)
 
     def key(self, tenant_id: str) -> CacheKey:
         return CacheKey(tenant_id, self.model_id, self.weights_digest, self.kv_dtype,
@@ -79,16 +104,30 @@ class CacheKeyFields:
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     num_kv_blocks: int = 1024
-    """Working KV of running sequences, in 16-token blocks."""
+    """The device block pool, in 16-token blocks: running sequences' KV and the cache's T0 (one
+    pool; an engine given a pool takes its size from it)."""
     max_batch_size: int = 32
     """Sequences running at once (prefilling or decoding)."""
     max_waiting: int = 256
     """Queued requests beyond which `submit` refuses (the server answers 503)."""
-    prefill_chunks_per_step: int = 8
-    """16-token prefill chunks between two decode steps."""
+    max_tokens_per_step: int = 2048
+    """Token budget of one step: decode tokens (one per decoding sequence) first, then prefill
+    chunks of whole blocks. A multiple of the block size, at least `max_batch_size` + one block
+    so a prompt always makes progress beside a full batch of decoders."""
+    deterministic: bool = False
+    """Prefill in one-block chunks so a hit equals a miss bitwise (module docstring); slower."""
     stop_ids: frozenset[int] = frozenset()
     """A sequence ends ("stop") on any of these, unless its request ignores EOS: the model's
     stop ids, from its tokenizer (`Tokenizer.stop_ids`); empty: only max_tokens ends one."""
+
+    def __post_init__(self) -> None:
+        budget = self.max_tokens_per_step
+        if budget <= 0 or budget % BLOCK_SIZE != 0:
+            raise ValueError(f"max_tokens_per_step {budget} is not a positive multiple of "
+                             f"{BLOCK_SIZE}")
+        if budget < self.max_batch_size + BLOCK_SIZE:
+            raise ValueError(f"max_tokens_per_step {budget} leaves no prefill block beside "
+                             f"max_batch_size {self.max_batch_size} decoding sequences")
 
 
 @dataclass(slots=True, frozen=True)
@@ -161,6 +200,12 @@ class _Sequence:
     hit: Hit | None = None
     hit_cache: PrefixCache | None = None
     """The cache that holds `hit`'s refs (the engine's cache may be switched off meanwhile)."""
+    looked_up: bool = False
+    """The cache was asked once (admission may wait for room and retry without asking again)."""
+    prefix_blocks: int = 0
+    """Leading blocks of the table that come from the hit (shared T0 blocks, then T1 copies)."""
+    shared_blocks: int = 0
+    """Of those, the hit's T0 blocks placed in the table as they are."""
     cached_tokens: int = 0
     cache_tier: str | None = None
     prefill_pos: int = 0
@@ -202,7 +247,8 @@ class _Metrics:
                              registry=registry)
         self.waiting = Gauge(p + "waiting_requests", "Requests queued for admission.",
                              registry=registry)
-        self.free_blocks = Gauge(p + "kv_free_blocks", "Free blocks of the working KV.",
+        self.free_blocks = Gauge(p + "kv_free_blocks", "Blocks of the KV pool new work can "
+                                 "have: free, or cached and used by no sequence.",
                                  registry=registry)
 
 
@@ -215,14 +261,31 @@ class Engine:
         cache: PrefixCache | None,
         config: EngineConfig | None = None,
         registry: CollectorRegistry | None = None,
+        kv: PagedKV | None = None,
     ) -> None:
         """`cache` None runs without a prefix cache (every request prefills everything); the
-        attribute may be switched at run time (the config's `cache.enabled`)."""
+        attribute may be switched at run time (the config's `cache.enabled`).
+
+        `kv`: the device block pool, shared with the cache as its T0 (`PrefixCache(...,
+        device_kv=kv)`); by default the cache's own T0 pool when it has one, else a pool of
+        `config.num_kv_blocks`. The pool's size is the engine's `num_kv_blocks`."""
         self.model = model
         self.key_fields = key_fields
         self.cache = cache
-        self.config = config or EngineConfig()
-        self.kv = PagedKV.allocate(model.args, self.config.num_kv_blocks, device=model.device)
+        config = config or EngineConfig()
+        if kv is None and cache is not None and cache.device_kv is not None:
+            pool = cache.device_kv  # the same tensors, allocator and lock: one pool
+            kv = pool if isinstance(pool, PagedKV) else PagedKV(
+                k=pool.k, v=pool.v, refs=pool.refs, lock=pool.lock, reclaimer=pool.reclaimer)
+        if kv is None:
+            kv = PagedKV.allocate(model.args, config.num_kv_blocks, device=model.device)
+        args = model.args
+        expected = (args.n_layers, kv.num_blocks, args.n_kv_heads, BLOCK_SIZE, args.head_dim)
+        if tuple(kv.k.shape) != expected:
+            raise ValueError(f"the KV pool is {tuple(kv.k.shape)}, the model needs {expected} "
+                             "[layers, blocks, kv_heads, 16, head_dim]")
+        self.kv = kv
+        self.config = dataclasses.replace(config, num_kv_blocks=kv.num_blocks)
         self.metrics = _Metrics(registry or CollectorRegistry())
         self.metrics.free_blocks.set(self.kv.num_free_blocks)
         self._waiting: deque[_Sequence] = deque()
@@ -361,12 +424,23 @@ class Engine:
         self._admit()
         for seq in [s for s in self._running if s.cancelled]:
             self._finish(seq, seq.cancel_reason)
-        budget = self.config.prefill_chunks_per_step
+        # Decode tokens are counted first; what remains of the budget goes to prefill.
+        n_decoding = sum(1 for s in self._running if s.output)
+        budget = self.config.max_tokens_per_step - n_decoding
+        budget = max(BLOCK_SIZE, budget // BLOCK_SIZE * BLOCK_SIZE)
+        plan: list[tuple[_Sequence, int]] = []  # (sequence, tokens to prefill this step)
         for seq in self._running:
-            while budget > 0 and not seq.prefilled:
-                self._prefill_chunk(seq)
-                budget -= 1
-            if seq.prefilled and not seq.output:
+            if budget <= 0:
+                break
+            if not seq.prefilled:
+                n = min(len(seq.prompt) - seq.prefill_pos, budget)
+                plan.append((seq, n))
+                # A prompt's tail may end mid-block; the next chunk still gets whole blocks.
+                budget = (budget - n) // BLOCK_SIZE * BLOCK_SIZE
+        if plan:
+            self._prefill_chunks(plan)
+        for seq in self._running:
+            if seq.prefilled and not seq.output and seq.last_logits is not None:
                 self._first_token(seq)
         decoding = [s for s in self._running if s.output and not s.cancelled]
         if decoding:
@@ -380,22 +454,31 @@ class Engine:
                 if not self._waiting:
                     break
                 seq = self._waiting[0]
-                need = self.blocks_needed(len(seq.prompt), seq.request.params.max_tokens)
-                table = None if seq.cancelled else self.kv.take(need)
-                if table is None and not seq.cancelled:
-                    break  # head of line waits for room
-                self._waiting.popleft()
-                self.metrics.waiting.set(len(self._waiting))
             if seq.cancelled:
+                self._pop_waiting()
+                self._let_go(seq)
                 self._finished_event(seq, "abort")
                 continue
-            assert table is not None
-            seq.table = table
+            if not seq.looked_up:
+                seq.looked_up = True
+                self._restore_prefix(seq)
+            need = self.blocks_needed(len(seq.prompt), seq.request.params.max_tokens)
+            fresh = self.kv.take(need - len(seq.table))
+            if fresh is None:
+                break  # head of line waits for room, keeping its shared prefix
+            self._pop_waiting()
+            seq.table = seq.table + fresh
             self._running.append(seq)
-            self._restore_prefix(seq)
+            self._copy_prefix(seq)
+
+    def _pop_waiting(self) -> None:
+        with self._lock:
+            self._waiting.popleft()
+            self.metrics.waiting.set(len(self._waiting))
 
     def _restore_prefix(self, seq: _Sequence) -> None:
-        """Lookup + materialize into the sequence's blocks; any failure means recompute."""
+        """Lookup, and place the hit's T0 blocks at the head of the table (shared, no copy); any
+        failure means recompute."""
         n = len(seq.prompt)
         self.metrics.prompt_tokens.inc(n)
         cache = self.cache  # one read: the config watcher may switch it between steps
@@ -412,31 +495,54 @@ class Engine:
         if not isinstance(hit, Hit):
             return
         seq.hit, seq.hit_cache = hit, cache
-        usable = min(hit.matched_tokens, usable_max)
-        if usable == 0:
+        usable_blocks = min(hit.matched_tokens, usable_max) // BLOCK_SIZE
+        if usable_blocks == 0:
             return
         try:
-            k, v = cache.materialize(hit)
-            device = self.kv.k.device
-            non_blocking = device.type == "cuda"
-            k = k[:, :, :usable].to(device, non_blocking=non_blocking)
-            v = v[:, :, :usable].to(device, non_blocking=non_blocking)
-            self.kv.scatter(seq.table, k, v)
+            seq.table = cache.share_prefix(hit, self.kv, usable_blocks)
+            seq.shared_blocks = len(seq.table)
         except Exception:
             self.metrics.cache_errors.labels("materialize").inc()
-            log.exception("cache materialize failed; recomputing")
+            log.exception("cache share failed; recomputing")
             return
+        seq.prefix_blocks = usable_blocks
+
+    def _copy_prefix(self, seq: _Sequence) -> None:
+        """Copy the hit's blocks that are not in this pool (T1) into the sequence's first fresh
+        blocks, then resume computation after the hit; a failed copy recomputes them."""
+        if seq.hit is None or seq.hit_cache is None or seq.prefix_blocks == 0:
+            return
+        shared = seq.shared_blocks
+        done = shared
+        if done < seq.prefix_blocks:
+            try:
+                seq.hit_cache.copy_into(seq.hit, self.kv, seq.table, done, seq.prefix_blocks)
+                done = seq.prefix_blocks
+            except Exception:
+                self.metrics.cache_errors.labels("materialize").inc()
+                log.exception("cache copy failed; recomputing the copied part")
+        if done == 0:
+            return
+        usable = done * BLOCK_SIZE
         seq.cached_tokens = usable
         seq.prefill_pos = usable
-        seq.cache_tier = Tier(hit.tier).label
+        seq.cache_tier = Tier(seq.hit.tier).label if done > shared else Tier.T0.label
         self.metrics.cached_tokens.inc(usable)
 
-    def _prefill_chunk(self, seq: _Sequence) -> None:
-        lo = seq.prefill_pos
-        hi = min(len(seq.prompt), (lo // BLOCK_SIZE + 1) * BLOCK_SIZE)
-        seq.last_logits = self.model.prefill(seq.prompt[lo:hi], lo, seq.table, self.kv)
-        seq.prefill_pos = hi
-        self.metrics.prefilled_tokens.inc(hi - lo)
+    def _prefill_chunks(self, plan: list[tuple[_Sequence, int]]) -> None:
+        """Prefill the next `n` prompt tokens of each planned sequence: one packed forward for
+        all of them (fast path), or each in one-block chunks on its own (deterministic)."""
+        chunks = [(seq.prompt[seq.prefill_pos : seq.prefill_pos + n], seq.prefill_pos, seq.table)
+                  for seq, n in plan]
+        if self.config.deterministic:
+            rows = [self.model.prefill(t, lo, table, self.kv, chunk_tokens=BLOCK_SIZE)
+                    for t, lo, table in chunks]
+        else:
+            rows = list(self.model.prefill_packed(chunks, self.kv))
+        for (seq, n), logits in zip(plan, rows, strict=True):
+            seq.prefill_pos += n
+            seq.last_logits = logits if seq.prefilled else None
+            self.metrics.prefilled_tokens.inc(n)
 
     def _first_token(self, seq: _Sequence) -> None:
         assert seq.last_logits is not None
@@ -451,7 +557,8 @@ class Engine:
         self._finish_if_done(seq, token)
 
     def _store_prompt(self, seq: _Sequence) -> None:
-        """Offer the prompt's full blocks to the cache (after the first token is out).
+        """Offer the prompt's full blocks to the cache (after the first token is out): indexed
+        where they are, no copy, and shared with this sequence until it ends.
 
         Offered on hits too: every offer counts a sighting, and sightings decide admission."""
         n_full = (len(seq.prompt) // BLOCK_SIZE) * BLOCK_SIZE
@@ -459,14 +566,14 @@ class Engine:
         if cache is None or n_full == 0:
             return
         try:
-            k, v = self.kv.gather(seq.table, n_full)
-            cache.store(seq.key, seq.prompt[:n_full], k, v)
+            outcome = cache.store_blocks(seq.key, seq.prompt[:n_full], self.kv, seq.table)
         except Exception:
             self.metrics.cache_errors.labels("store").inc()
             log.exception("cache store failed; continuing without it")
             return
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._stores_pending.set)
+        if outcome is StoreOutcome.QUEUED:  # a copy (into T1) waits for the drain task
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._stores_pending.set)
 
     def _decode(self, seqs: list[_Sequence]) -> None:
         tokens = [s.output[-1] for s in seqs]
@@ -507,6 +614,11 @@ class Engine:
     def _finish(self, seq: _Sequence, reason: FinishReason, error: str | None = None) -> None:
         if seq in self._running:
             self._running.remove(seq)
+        self._let_go(seq)
+        self._finished_event(seq, reason, error)
+
+    def _let_go(self, seq: _Sequence) -> None:
+        """Give back the table's blocks (cached ones stay cached) and the hit's refs."""
         self.kv.give_back(seq.table)
         seq.table = []
         if seq.hit is not None and seq.hit_cache is not None:
@@ -516,7 +628,6 @@ class Engine:
                 self.metrics.cache_errors.labels("release").inc()
                 log.exception("cache release failed")
             seq.hit, seq.hit_cache = None, None
-        self._finished_event(seq, reason, error)
 
     def _finished_event(self, seq: _Sequence, reason: FinishReason,
                         error: str | None = None) -> None:

@@ -17,9 +17,12 @@ What it adds to the replica's aiohttp app:
 - `replica.before_submit`: before a request enters the engine, if the prompt's leading blocks are
   not all held here, ask the hint index for the peer with the longest run and import it over T2.
   The engine's own lookup then hits. Any failure: nothing imported, the engine prefills.
-- The fleet config file (if any) is watched (`configwatch`: applied once settled): `tiers.t2_peer`
-  turns fetching on and off, and its replica list resolves peer names to URLs before the index's
-  own registry.
+- The fleet config file (if any) is watched (`configwatch`: applied once settled) and every tier
+  toggle applies live, within one poll, with no restart: `tiers.t2_peer` turns both fetching from
+  peers and serving them (T2 endpoint and held probe) on and off; `tiers.t1_host` off drains T1
+  (`PrefixCache.set_t1_enabled`); `tiers.nvme` / `tiers.nvme_shadow` set the T3 mode
+  (on / shadow / off). Its replica list resolves peer names to URLs before the index's own
+  registry. The load report carries T3's measured read bandwidth for the operator (`nvme`).
 
 The hint index (`hint_index_for`): Redis when `KVFLEET_REDIS_URL` is set; else, when a fleet config
 is configured, the peer probe (`fleet.probe`: each lookup asks the config's other replicas
@@ -55,14 +58,15 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from kvfleet_runtime.cache import BlockEvent
+from kvfleet_runtime.cache import BlockEvent, CacheKey
 from kvfleet_runtime.configwatch import ConfigFileWatcher
 from kvfleet_runtime.fleet.index import EmbeddedHintIndex, HintIndex, RedisHintIndex
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
-from kvfleet_runtime.fleet.transfer import PeerFetcher, peer_routes
+from kvfleet_runtime.fleet.transfer import ExportedRun, PeerFetcher, peer_routes
 from kvfleet_runtime.fleetconfig import FleetConfig, load_fleet_config
+from kvfleet_runtime.nvme import mode_for
 from kvfleet_runtime.wire import (
     BLOCK_SIZE,
     LOAD_PATH,
@@ -210,6 +214,22 @@ def hint_index_kind(index: HintIndex) -> str:
     return "embedded"
 
 
+class _GatedSource:
+    """The T2 source, answering nothing while `tiers.t2_peer` is off (the endpoint says 404:
+    no block held, which a peer treats as a miss)."""
+
+    def __init__(self, source: CacheBlockSource, serving: Callable[[], bool]) -> None:
+        self.source = source
+        self.serving = serving
+
+    async def export(
+        self, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
+    ) -> ExportedRun | None:
+        if not self.serving():
+            return None
+        return await self.source.export(key, token_ids, start_block, max_blocks)
+
+
 class FleetTier:
     """The fleet tier of one replica; built by `attach_fleet`, started with the app."""
 
@@ -225,6 +245,8 @@ class FleetTier:
         self.held = _HeldBlocks()
         self.session: aiohttp.ClientSession | None = None
         self.tier: PeerTier | None = None
+        self.t2_enabled = True
+        """`tiers.t2_peer`: fetch from peers and serve them (both ways at once)."""
         self._watcher: ConfigFileWatcher | None = None
         self.cache.add_listener(self.held.on_event)
         self.cache.add_listener(self._publish)
@@ -247,7 +269,12 @@ class FleetTier:
     async def before_submit(self, tenant_id: str, token_ids: Sequence[int]) -> None:
         """Fetch from a peer what this replica lacks of the prompt's usable prefix."""
         tier = self.tier
-        if tier is None or not tier.enabled or self.replica.engine.cache is None:
+        if (
+            tier is None
+            or not tier.enabled
+            or not self.t2_enabled
+            or self.replica.engine.cache is None
+        ):
             return
         # The engine always computes the last prompt token itself (its logits start decoding).
         usable_blocks = (len(token_ids) - 1) // BLOCK_SIZE
@@ -287,7 +314,30 @@ class FleetTier:
             ),
             tokenizer=self.replica.tokenizer.name,
         )
-        return report.to_dict() | {"name": self.settings.name, "t2": self.t2_report()}
+        nvme = self.replica.nvme
+        return report.to_dict() | {
+            "name": self.settings.name,
+            "t2": self.t2_report(),
+            "tiers": self.tiers_report(),
+            "nvme": nvme.report() if nvme is not None else None,
+        }
+
+    def tiers_report(self) -> dict[str, Any]:
+        """The toggles in force on this replica (what the operator published, as applied)."""
+        cache = self.cache
+        nvme = self.replica.nvme
+        return {
+            "t1_host": cache.t1_enabled,
+            "t2_peer": self.t2_enabled,
+            "nvme": nvme.mode if nvme is not None else "absent",
+            "generation": self.config.generation if self.config is not None else None,
+        }
+
+    def serving_peers(self) -> bool:
+        return self.t2_enabled
+
+    def held_for_peers(self, chain: Sequence[bytes], tenant: str | None = None) -> int:
+        return self.held.leading(chain, tenant) if self.t2_enabled else 0
 
     def t2_report(self) -> dict[str, Any]:
         """What this replica fetched from peers so far (for reports; the router ignores it)."""
@@ -312,8 +362,20 @@ class FleetTier:
         self._peer_urls = {
             r.name: r.url for r in new.replicas if r.ready and r.name != self.settings.name
         }
+        self.apply_tiers(new)
+
+    def apply_tiers(self, config: FleetConfig) -> None:
+        """Every tier toggle of the fleet config, live."""
+        toggles = config.tiers
+        self.t2_enabled = toggles.t2_peer
         if self.tier is not None:
-            self.tier.enabled = new.tiers.t2_peer
+            self.tier.enabled = toggles.t2_peer
+        if toggles.t1_host != self.cache.t1_enabled:
+            removed = self.cache.set_t1_enabled(toggles.t1_host)
+            log.info("T1 %s (%d blocks drained)", "on" if toggles.t1_host else "off", removed)
+        nvme = self.replica.nvme
+        if nvme is not None:
+            nvme.set_mode(mode_for(toggles.nvme, toggles.nvme_shadow))
 
     async def _background(self) -> None:
         loop = asyncio.get_running_loop()
@@ -359,11 +421,12 @@ class FleetTier:
 def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings) -> FleetTier:
     """Add the fleet tier's routes, listeners and background tasks to a replica's app."""
     fleet = FleetTier(replica, settings)
+    source = CacheBlockSource(fleet.cache, held=fleet.held.leading)
     app.add_routes(
         peer_routes(
-            CacheBlockSource(fleet.cache, held=fleet.held.leading),
+            _GatedSource(source, fleet.serving_peers),
             settings.secret,
-            held=fleet.held.leading,
+            held=fleet.held_for_peers,
         )
     )
 

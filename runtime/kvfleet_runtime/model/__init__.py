@@ -18,6 +18,7 @@ from kvfleet_runtime.model.checkpoint import (
     weights_digest,
 )
 from kvfleet_runtime.model.model import (
+    PREFILL_CHUNK_TOKENS,
     PRESETS,
     ModelArgs,
     PagedKV,
@@ -25,6 +26,7 @@ from kvfleet_runtime.model.model import (
 )
 
 __all__ = [
+    "PREFILL_CHUNK_TOKENS",
     "PRESETS",
     "CheckpointReport",
     "LoadedModel",

@@ -3,16 +3,27 @@
 One readable file in the manner of gpt-fast: a `ModelArgs` dataclass with presets, small modules,
 and prefill and decode as separate functions over a paged KV (`PagedKV`, blocks of 16 tokens).
 
-Why prefill runs in chunks of exactly one block, aligned to absolute positions: the prefix cache
-replaces the KV of the first `m` tokens (m a multiple of 16) by stored bytes and prefills only the
-rest. On CPU, torch's matmul gives bit-different rows for the same input row depending on how
-many rows the call has (a [5, D] call and a [2000, D] call disagree in the last bits). If prefill
-computed all tokens in one call, a suffix prefill would not reproduce the full prefill's KV and a
-cache hit could change the answer. With chunks aligned to the 16-token grid, the tokens after a
-block-aligned hit are computed by exactly the same calls, on the same shapes and the same inputs,
-as in a full prefill, so the KV and the logits are bitwise equal by construction (same process,
-same device, same thread count). Decode computes one row per sequence, so KV written by decode is
-never stored in the cache (see the engine).
+Prefill runs in chunks of whole blocks as large as the caller's budget (`chunk_tokens`, the
+engine's token budget per step): per layer per chunk, one indexed write of the chunk's K/V into
+its blocks, one gather of the sequence's KV over its block table and one attention call (torch
+SDPA, or transformers' eager arithmetic); a chunk that starts the sequence is plain causal, a
+later one attends to the prefix unmasked and to itself causally (merged by log-sum-exp on CPU, an
+offset causal mask elsewhere). The chunks of several sequences can share one forward
+(`prefill_packed`). Decode is one forward per step for the batch: one indexed write of the new
+rows, one padded gather of every sequence's KV, one attention call with a length mask.
+
+Determinism is the caller's choice. The prefix cache replaces the KV of the first `m` tokens (m a
+multiple of 16) by stored bytes and prefills only the rest. CPU and GPU kernels round a row
+differently depending on the call's shape (on this project's CPU, torch's matmul gives other
+bits for a row in a 1-, 2- or 5-row call than in a 4,096-row one, and a softmax or `probs @ v`
+over T keys sums in an order that depends on T), so a suffix prefilled in other chunks than the
+full prefill used agrees with it to float tolerance (about 1e-6 in float32 logits), not bitwise.
+`chunk_tokens=BLOCK_SIZE` makes every block boundary a chunk boundary: the tokens after any
+block-aligned hit are then computed by exactly the calls of a full prefill, on the same shapes and
+inputs, so KV and logits are bitwise equal by construction (same process, device, thread count).
+No coarser aligned rule has that property for hits that may end at any block: a C-token grid is
+bitwise only if hits are cut to multiples of C. Decode computes one row per sequence, so KV
+written by decode is never stored in the cache (see the engine).
 
 Weight names follow Hugging Face's Llama (`q_proj`, `gate_proj`, ...), and RoPE rotates halves
 (`rotate_half`), so Llama-format checkpoints load without permuting q/k. The architectures it
@@ -24,9 +35,10 @@ float32, softmax in float32, RoPE tables in float32), so float32 logits agree to
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,11 +46,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvfleet_runtime.architectures import ATTN_IMPLS, PRESETS, ModelArgs
+from kvfleet_runtime.cache._allocator import BlockRefs
+from kvfleet_runtime.cache._pool import PagedBlocks
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
-    "ATTN_IMPLS", "PRESETS", "ModelArgs", "PagedKV", "Transformer", "apply_rope", "rope_inv_freq",
+    "ATTN_IMPLS", "PREFILL_CHUNK_TOKENS", "PRESETS", "ModelArgs", "PagedKV", "Transformer",
+    "apply_rope", "rope_inv_freq",
 ]
+
+PREFILL_CHUNK_TOKENS = 2048
+"""`Transformer.prefill`'s chunk when the caller names none: long enough that the matmuls run at
+full speed, short enough that a chunk's attention scores ([Hq, chunk, T] in the eager path) fit."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -48,17 +67,17 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-@dataclass(slots=True)
-class PagedKV:
-    """The engine's working KV: per layer, `num_blocks` blocks of `BLOCK_SIZE` tokens.
+@dataclass(slots=True, eq=False)
+class PagedKV(PagedBlocks):
+    """The engine's working KV: per layer, `num_blocks` blocks of `BLOCK_SIZE` tokens, and T0 of
+    the prefix cache bound to it (one pool per device, see `kvfleet_runtime.cache`).
 
     k, v: [n_layers, num_blocks, n_kv_heads, BLOCK_SIZE, head_dim]. A sequence owns a block table
     (a list of block ids); token at position p lives in block `table[p // 16]`, slot `p % 16`.
+    Blocks are ref-counted (`take`, `share`, `give_back`): a cached prefix block may sit in
+    several tables at once, and nobody writes it (computation resumes at the first unmatched
+    block).
     """
-
-    k: Tensor
-    v: Tensor
-    free_blocks: list[int] = field(default_factory=list)
 
     @classmethod
     def allocate(cls, args: ModelArgs, num_blocks: int, *, device: torch.device,
@@ -68,24 +87,7 @@ class PagedKV:
         shape = (args.n_layers, num_blocks, args.n_kv_heads, BLOCK_SIZE, args.head_dim)
         k = torch.zeros(shape, dtype=dtype, device=device)
         v = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(k=k, v=v, free_blocks=list(range(num_blocks - 1, -1, -1)))
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.k.shape[1])
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    def take(self, n: int) -> list[int] | None:
-        """Hand out n free blocks, or None when there is not enough room."""
-        if n > len(self.free_blocks):
-            return None
-        return [self.free_blocks.pop() for _ in range(n)]
-
-    def give_back(self, blocks: Sequence[int]) -> None:
-        self.free_blocks.extend(reversed(blocks))
+        return cls(k=k, v=v, refs=BlockRefs(num_blocks))
 
     def gather(self, table: Sequence[int], n_tokens: int) -> tuple[Tensor, Tensor]:
         """K, V of a sequence's first n_tokens: [n_layers, n_kv_heads, n_tokens, head_dim]."""
@@ -234,23 +236,80 @@ class Attention(nn.Module):
         With a sliding window W, a query at p sees keys (p - W, p] (transformers' rule)."""
         a = self.args
         n_q, n_k = q.shape[1], k.shape[1]
-        group = a.n_heads // a.n_kv_heads
+        if a.attn_impl == "sdpa" and self.window is None and n_k == q_start + n_q:
+            if q_start == 0:  # a chunk that starts the sequence: plain causal, the fastest case
+                out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                                     enable_gqa=True)[0]
+                return out.transpose(0, 1).reshape(n_q, a.n_heads * a.head_dim)
+            if q.device.type == "cpu" and _CPU_FLASH is not None and n_q >= _SPLIT_MIN_QUERIES:
+                out = _prefix_then_causal(q, k, v, q_start)
+                return out.transpose(0, 1).reshape(n_q, a.n_heads * a.head_dim)
         q_pos = torch.arange(q_start, q_start + n_q, device=q.device)
         k_pos = torch.arange(n_k, device=q.device)[None, :]
-        allowed = k_pos <= q_pos[:, None]  # [S, T]
+        allowed = k_pos <= q_pos[:, None]  # [S, T]: the causal mask offset by the chunk's start
         if self.window is not None:
             allowed = allowed & (k_pos > q_pos[:, None] - self.window)
         if a.attn_impl == "sdpa":
-            k_rep = k.repeat_interleave(group, dim=0)  # [Hq, T, D]
-            v_rep = v.repeat_interleave(group, dim=0)
-            out = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=allowed)
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed,
+                                                 enable_gqa=True)[0]
         else:
+            group = a.n_heads // a.n_kv_heads
             qg = q.view(a.n_kv_heads, group, n_q, a.head_dim)  # [Hkv, G, S, D]
             scores = (qg @ k.transpose(-1, -2)[:, None]) * a.head_dim**-0.5  # [Hkv, G, S, T]
             scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = (probs @ v[:, None]).view(a.n_heads, n_q, a.head_dim)
         return out.transpose(0, 1).reshape(n_q, a.n_heads * a.head_dim)
+
+    def attend_batch(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+        """One query per sequence: q [B, Hq, D] over k, v [B, Hkv, T, D] where `allowed`
+        [B, T] is True: -> [B, Hq*D]."""
+        a = self.args
+        b, n_k = q.shape[0], k.shape[2]
+        if a.attn_impl == "sdpa":
+            out = F.scaled_dot_product_attention(q[:, :, None], k, v,
+                                                 attn_mask=allowed[:, None, None, :],
+                                                 enable_gqa=True)  # [B, Hq, 1, D]
+        else:
+            group = a.n_heads // a.n_kv_heads
+            qg = q.view(b, a.n_kv_heads, group, 1, a.head_dim)  # [B, Hkv, G, 1, D]
+            scores = (qg @ k.transpose(-1, -2)[:, :, None]) * a.head_dim**-0.5  # [B,Hkv,G,1,T]
+            scores = scores.masked_fill(~allowed.view(b, 1, 1, 1, n_k), float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = probs @ v[:, :, None]  # [B, Hkv, G, 1, D]
+        return out.reshape(b, a.n_heads * a.head_dim)
+
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""SDPA's CPU flash kernel, called directly because it also returns the log-sum-exp."""
+
+_SPLIT_MIN_QUERIES = 512
+"""Below this many queries a masked call is cheaper than the split (which copies the prefix's
+K/V per query head). Measured on the small preset over 2,000 prefix keys, split vs masked: 16
+queries 1.4 vs 0.8 ms, 256: 19.0 vs 17.0 ms, 512: 34.4 vs 40.9 ms."""
+
+
+def _prefix_then_causal(q: Tensor, k: Tensor, v: Tensor, q_start: int) -> Tensor:
+    """A later chunk's causal attention (CPU): q [Hq, S, D] at [q_start, q_start + S) over keys
+    [0, q_start + S) -> [Hq, S, D].
+
+    A mask offset by the chunk's start makes the CPU kernel visit every masked pair (measured
+    1.7x slower than this at 2,000 queries over 8,000 keys); instead the chunk attends to the
+    prefix unmasked and to itself causally, and the two softmaxes are merged by their
+    log-sum-exps: the same function, each half on the kernel's fast path."""
+    assert _CPU_FLASH is not None
+    group = q.shape[0] // k.shape[0]
+    k_rep = k.repeat_interleave(group, dim=0)[None]  # [1, Hq, T, D]: this kernel has no GQA
+    v_rep = v.repeat_interleave(group, dim=0)[None]
+    qb = q[None]
+    out_prefix, lse_prefix = _CPU_FLASH(qb, k_rep[:, :, :q_start], v_rep[:, :, :q_start])
+    out_self, lse_self = _CPU_FLASH(qb, k_rep[:, :, q_start:], v_rep[:, :, q_start:],
+                                    is_causal=True)
+    top = torch.maximum(lse_prefix, lse_self)
+    w_prefix = torch.exp(lse_prefix - top)[..., None]  # [1, Hq, S, 1]
+    w_self = torch.exp(lse_self - top)[..., None]
+    out: Tensor = ((out_prefix * w_prefix + out_self * w_self) / (w_prefix + w_self))[0]
+    return out.to(q.dtype)
 
 
 class FeedForward(nn.Module):
@@ -316,77 +375,136 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, tokens: Sequence[int], start_pos: int, table: Sequence[int],
-                kv: PagedKV) -> Tensor:
+                kv: PagedKV, *, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> Tensor:
         """Compute KV for tokens at positions [start_pos, start_pos + S), return last logits [V].
 
         KV of positions [0, start_pos) must already be in the table's blocks (cached or computed).
-        `start_pos` must sit on a block boundary; chunks are the 16-token blocks themselves.
+        `start_pos` must sit on a block boundary. The tokens are computed in chunks of
+        `chunk_tokens` (a multiple of the block size): each chunk is one pass through the layers,
+        and per layer one write of its KV, one gather of the sequence's KV and one attention
+        call. `chunk_tokens=BLOCK_SIZE` is the deterministic rule (module docstring).
         """
-        if start_pos % BLOCK_SIZE != 0:
-            raise ValueError(f"start_pos {start_pos} is not a multiple of {BLOCK_SIZE}")
-        if not tokens:
-            raise ValueError("prefill needs at least one token")
-        if start_pos + len(tokens) > self.args.max_seq_len:
-            raise ValueError(
-                f"{start_pos + len(tokens)} positions exceed max_seq_len {self.args.max_seq_len}"
-            )
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        if chunk_tokens <= 0 or chunk_tokens % BLOCK_SIZE != 0:
+            raise ValueError(f"chunk_tokens {chunk_tokens} is not a positive multiple of "
+                             f"{BLOCK_SIZE}")
         logits = None
-        for lo in range(0, len(tokens), BLOCK_SIZE):
-            chunk = ids[lo : lo + BLOCK_SIZE]
-            logits = self._prefill_chunk(chunk, start_pos + lo, table, kv)
+        for lo in range(0, max(len(tokens), 1), chunk_tokens):
+            logits = self.prefill_packed(
+                [(tokens[lo : lo + chunk_tokens], start_pos + lo, table)], kv)[0]
         assert logits is not None
         return logits
 
-    def _prefill_chunk(self, chunk: Tensor, pos: int, table: Sequence[int], kv: PagedKV) -> Tensor:
-        # chunk: [S] tokens at positions [pos, pos + S), all inside block table[pos // 16]
-        n = int(chunk.shape[0])
-        block, slot = table[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-        cos, sin = self.rope_cos[pos : pos + n], self.rope_sin[pos : pos + n]
-        x = self.embed_tokens(chunk)  # [S, dim]
+    @torch.inference_mode()
+    def prefill_packed(self, chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+                       kv: PagedKV) -> Tensor:
+        """One forward over the prompt chunks of several sequences: (tokens, start_pos, table)
+        each, as in `prefill`; returns each chunk's last logits [N, V].
+
+        The chunks' rows are packed into one batch for every matmul and one indexed KV write
+        per layer; attention stays per chunk (one call each, over its own sequence's KV), since
+        the sequences' lengths differ. A chunk's rows then meet other matmul shapes than they
+        would alone, which is why deterministic mode never packs."""
+        if not chunks:
+            raise ValueError("prefill needs at least one chunk")
+        device = self.device
+        ids: list[int] = []
+        positions: list[Tensor] = []
+        seq_blocks: list[Tensor] = []
+        ends: list[int] = []
+        for tokens, start, table in chunks:
+            end = start + len(tokens)
+            if start % BLOCK_SIZE != 0:
+                raise ValueError(f"start_pos {start} is not a multiple of {BLOCK_SIZE}")
+            if not tokens:
+                raise ValueError("prefill needs at least one token")
+            if end > self.args.max_seq_len:
+                raise ValueError(f"{end} positions exceed max_seq_len {self.args.max_seq_len}")
+            n_blocks = -(-end // BLOCK_SIZE)
+            if len(table) < n_blocks:
+                raise ValueError(f"block table has {len(table)} blocks, positions up to {end} "
+                                 f"need {n_blocks}")
+            ids.extend(tokens)
+            positions.append(torch.arange(start, end))
+            seq_blocks.append(torch.tensor(list(table[:n_blocks]), dtype=torch.long))
+            ends.append(end)
+        pos = torch.cat(positions).to(device)  # [R]: every packed row's position
+        write_blocks = torch.cat([blk[p // BLOCK_SIZE] for blk, p in zip(
+            seq_blocks, positions, strict=True)]).to(device)  # [R]: where each row's KV goes
+        write_slots = pos % BLOCK_SIZE
+        seq_blocks = [blk.to(device) for blk in seq_blocks]
+        bounds = [0]
+        for p in positions:
+            bounds.append(bounds[-1] + len(p))
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [R, D]
+        x = self.embed_tokens(torch.tensor(ids, dtype=torch.long, device=device))  # [R, dim]
         for i, layer in enumerate(self.blocks()):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
-            kv.k[i, block, :, slot : slot + n] = k
-            kv.v[i, block, :, slot : slot + n] = v
-            k_all, v_all = _layer_kv(kv, i, table, pos + n)  # [Hkv, pos + S, D]
-            x = x + attn.o_proj(attn.attend(q, k_all, v_all, pos))
+            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)  # [H, R, D]
+            # One indexed copy per tensor: row j -> block write_blocks[j], slot write_slots[j].
+            kv.k[i, write_blocks, :, write_slots] = k.transpose(0, 1).to(kv.k.dtype)
+            kv.v[i, write_blocks, :, write_slots] = v.transpose(0, 1).to(kv.v.dtype)
+            outs = []
+            for c, (start, end) in enumerate(itertools.pairwise(bounds)):
+                k_all, v_all = _gather_layer(kv, i, seq_blocks[c], ends[c])  # [Hkv, T, D]
+                outs.append(attn.attend(q[:, start:end], k_all, v_all, ends[c] - (end - start)))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+            x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits: Tensor = self.lm_head(self.norm(x[-1:]))[0]
+        last = torch.tensor([b - 1 for b in bounds[1:]], device=device)
+        logits: Tensor = self.lm_head(self.norm(x[last]))
         return logits
 
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                tables: Sequence[Sequence[int]], kv: PagedKV) -> Tensor:
-        """One step for a batch: token b sits at positions[b]; returns logits [B, V]."""
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
-        pos = torch.tensor(list(positions), dtype=torch.long, device=self.device)
+        """One step for a batch: token b sits at positions[b]; returns logits [B, V].
+
+        One forward for the whole batch: per layer one indexed write of the B new KV rows, one
+        gather of every sequence's KV (block tables padded to the longest, padding masked out)
+        and one attention call."""
+        device = self.device
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=device)
+        pos = torch.tensor(list(positions), dtype=torch.long, device=device)
+        n_blocks = max(p // BLOCK_SIZE + 1 for p in positions)
+        # Pad each table with its own first block: real, finite KV, masked out below.
+        padded = [list(t[: n_blocks]) + [t[0]] * (n_blocks - len(t[: n_blocks])) for t in tables]
+        table = torch.tensor(padded, dtype=torch.long, device=device)  # [B, nb]
+        write_blocks = table.gather(1, (pos // BLOCK_SIZE)[:, None])[:, 0]  # [B]
+        write_slots = pos % BLOCK_SIZE
+        k_pos = torch.arange(n_blocks * BLOCK_SIZE, device=device)[None, :]  # [1, T]
+        visible = k_pos <= pos[:, None]  # [B, T]: the sequence's own tokens, not the padding
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [B, D]
         x = self.embed_tokens(ids)  # [B, dim]
         for i, layer in enumerate(self.blocks()):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)  # [H, B, D]
-            outs = []
-            for b, p in enumerate(positions):
-                kv.k[i, tables[b][p // BLOCK_SIZE], :, p % BLOCK_SIZE] = k[:, b]
-                kv.v[i, tables[b][p // BLOCK_SIZE], :, p % BLOCK_SIZE] = v[:, b]
-                k_all, v_all = _layer_kv(kv, i, tables[b], p + 1)
-                outs.append(attn.attend(q[:, b : b + 1], k_all, v_all, p))
-            x = x + attn.o_proj(torch.cat(outs, dim=0))
+            kv.k[i, write_blocks, :, write_slots] = k.transpose(0, 1).to(kv.k.dtype)
+            kv.v[i, write_blocks, :, write_slots] = v.transpose(0, 1).to(kv.v.dtype)
+            k_all = _gather_batch(kv.k[i], table)  # [B, Hkv, T, D]
+            v_all = _gather_batch(kv.v[i], table)
+            allowed = visible
+            if attn.window is not None:
+                allowed = allowed & (k_pos > pos[:, None] - attn.window)
+            x = x + attn.o_proj(attn.attend_batch(q.transpose(0, 1), k_all, v_all, allowed))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits: Tensor = self.lm_head(self.norm(x))
         return logits
 
 
-def _layer_kv(
-    kv: PagedKV, layer: int, table: Sequence[int], n_tokens: int
-) -> tuple[Tensor, Tensor]:
-    # -> k, v: [Hkv, n_tokens, D], gathered from the sequence's blocks
-    n_blocks = -(-n_tokens // BLOCK_SIZE)
-    idx = torch.tensor(list(table[:n_blocks]), dtype=torch.long, device=kv.k.device)
-    k = kv.k[layer].index_select(0, idx)  # [nb, Hkv, 16, D]
-    v = kv.v[layer].index_select(0, idx)
+def _gather_layer(kv: PagedKV, layer: int, blocks: Tensor, n_tokens: int
+                  ) -> tuple[Tensor, Tensor]:
+    # -> k, v: [Hkv, n_tokens, D], gathered from the sequence's blocks by one index_select each
+    k = kv.k[layer].index_select(0, blocks)  # [nb, Hkv, 16, D]
+    v = kv.v[layer].index_select(0, blocks)
     nb, h, _, d = k.shape
     k = k.transpose(0, 1).reshape(h, nb * BLOCK_SIZE, d)[:, :n_tokens]
     v = v.transpose(0, 1).reshape(h, nb * BLOCK_SIZE, d)[:, :n_tokens]
     return k, v
+
+
+def _gather_batch(pool: Tensor, table: Tensor) -> Tensor:
+    # pool: [num_blocks, Hkv, 16, D]; table: [B, nb] -> [B, Hkv, nb * 16, D]
+    b, nb = table.shape
+    blocks = pool.index_select(0, table.reshape(-1))  # [B * nb, Hkv, 16, D]
+    _, h, _, d = blocks.shape
+    return blocks.view(b, nb, h, BLOCK_SIZE, d).transpose(1, 2).reshape(b, h, nb * BLOCK_SIZE, d)

@@ -60,9 +60,16 @@ from kvfleet_runtime.engine import (
     Engine,
     EngineConfig,
 )
-from kvfleet_runtime.model import LoadedModel, default_device, load_checkpoint
+from kvfleet_runtime.model import LoadedModel, PagedKV, default_device, load_checkpoint
+from kvfleet_runtime.nvme import NvmeConfig, NvmeStore, NvmeTier
 from kvfleet_runtime.server._auth import ReplicaAuth, auth_middleware
-from kvfleet_runtime.server._config import Limits, ReplicaConfig, load_config, restart_fields
+from kvfleet_runtime.server._config import (
+    CacheSettings,
+    Limits,
+    ReplicaConfig,
+    load_config,
+    restart_fields,
+)
 from kvfleet_runtime.server._openai import chat_completions, completions
 from kvfleet_runtime.server._schemas import (
     TENANT_PATTERN,
@@ -104,6 +111,9 @@ class Replica:
     reload that passes through another value (a half-written file) reports only real drift."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     reloads: Counter | None = None
+    nvme: NvmeTier | None = None
+    """T3, when `cache.nvme_path` and `cache.nvme_capacity_bytes` are set and the path can hold
+    it; its mode follows `cache.nvme_mode`, or the fleet config's toggles when there is one."""
     before_submit: Callable[[str, list[int]], Awaitable[None]] | None = None
     """Set by the fleet tier (`kvfleet_runtime.fleet.wiring`): fetch the prompt's prefix from a
     peer before the engine looks it up. Never raises; on any failure the engine prefills."""
@@ -134,32 +144,60 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
     registry = registry or CollectorRegistry()
     args = loaded.args
     cache_cfg = config.cache
+    e = config.engine
+    # One block pool per device: the engine's KV is the cache's T0 (cached prefixes and
+    # in-flight sequences compete for the same blocks; num_t0_blocks 0 turns T0 off).
+    kv = PagedKV.allocate(args, e.num_kv_blocks, device=device)
     cache = PrefixCache(
-        CacheConfig(num_t0_blocks=cache_cfg.num_t0_blocks, num_t1_blocks=cache_cfg.num_t1_blocks,
+        CacheConfig(num_t0_blocks=e.num_kv_blocks if cache_cfg.num_t0_blocks else 0,
+                    num_t1_blocks=cache_cfg.num_t1_blocks,
                     admit_min_sightings=cache_cfg.admit_min_sightings,
                     store_queue_max_entries=cache_cfg.store_queue_max_entries),
         KVLayout(args.n_layers, args.n_kv_heads, args.head_dim, dtype=args.dtype),
         clock=time.monotonic,
         device=device,
         registry=registry,
+        device_kv=kv if cache_cfg.num_t0_blocks else None,
     )
-    e = config.engine
     engine = Engine(
         loaded.model,
-        CacheKeyFields.for_model(loaded, model_id),
+        CacheKeyFields.for_model(loaded, model_id, deterministic=config.engine.deterministic),
         cache=cache if cache_cfg.enabled else None,
         config=EngineConfig(num_kv_blocks=e.num_kv_blocks, max_batch_size=e.max_batch_size,
                             max_waiting=e.max_waiting,
-                            prefill_chunks_per_step=e.prefill_chunks_per_step,
+                            max_tokens_per_step=e.max_tokens_per_step,
+                            deterministic=e.deterministic,
                             stop_ids=tokenizer.stop_ids),
         registry=registry,
+        kv=kv,
     )
+    nvme = _build_nvme(cache, cache_cfg, registry)
     return Replica(config=config, boot_config=config, loaded=loaded, model_id=model_id,
-                   tokenizer=tokenizer,
+                   tokenizer=tokenizer, nvme=nvme,
                    engine=engine, cache=cache, registry=registry, config_path=config_path,
                    overrides=dict(overrides or {}),
                    reloads=Counter("kvfleet_replica_config_reloads", "Config file reloads.",
                                    ["result"], registry=registry))
+
+
+def _build_nvme(cache: PrefixCache, settings: CacheSettings,
+                registry: CollectorRegistry) -> NvmeTier | None:
+    """T3 on the configured path, or None (not configured, or the path cannot hold it: the
+    reason is logged and the replica serves without T3, which only costs recompute)."""
+    if not settings.nvme_path or not settings.nvme_capacity_bytes:
+        return None
+    block = cache.layout.bytes_per_block
+    if settings.nvme_capacity_bytes < block:
+        raise ValueError(f"cache.nvme_capacity_bytes {settings.nvme_capacity_bytes} is smaller "
+                         f"than one KV block of this model ({block} bytes)")
+    store = NvmeStore.open(NvmeConfig(Path(settings.nvme_path), settings.nvme_capacity_bytes,
+                                      block))
+    if store is None:
+        return None
+    tier = NvmeTier(cache, store, mode=settings.nvme_mode,
+                    min_sightings=settings.nvme_min_sightings, registry=registry)
+    tier.start()
+    return tier
 
 
 # ---- config reload ---------------------------------------------------------------------------
@@ -170,8 +208,10 @@ def apply_config(replica: Replica, new: ReplicaConfig) -> list[str]:
     e = new.engine
     replica.engine.config = dataclasses.replace(
         replica.engine.config, max_batch_size=e.max_batch_size, max_waiting=e.max_waiting,
-        prefill_chunks_per_step=e.prefill_chunks_per_step)
+        max_tokens_per_step=e.max_tokens_per_step)
     replica.engine.cache = replica.cache if new.cache.enabled else None
+    if replica.nvme is not None and new.cache.nvme_mode != replica.config.cache.nvme_mode:
+        replica.nvme.set_mode(new.cache.nvme_mode)
     replica.config = new
     replica.restart_pending = pending
     return pending
@@ -367,6 +407,8 @@ def create_app(replica: Replica, *, watch: bool = True,
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         await replica.engine.stop()
+        if replica.nvme is not None:
+            await asyncio.to_thread(replica.nvme.close)
 
     app.cleanup_ctx.append(lifecycle)
     return app

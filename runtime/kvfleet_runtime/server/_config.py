@@ -2,8 +2,9 @@
 
 Precedence, lowest first: defaults, the file, `KVFLEET_REPLICA_*` environment variables (nested
 fields with `__`: `KVFLEET_REPLICA_LIMITS__MAX_TOKENS=64`), then command-line flags. The file is
-watched; a change to a live field (limits, batching, `cache.enabled`) applies without a restart,
-a change to anything else is reported as needing one, and a broken file keeps the last good config.
+watched; a change to a live field (limits, batching, `cache.enabled`, `cache.nvme_mode`) applies
+without a restart, a change to anything else is reported as needing one, and a broken file keeps
+the last good config.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
     "CONFIG_ENV",
@@ -53,18 +56,42 @@ class EngineSettings(_Strict):
     num_kv_blocks: int = Field(default=1024, ge=1)
     max_batch_size: int = Field(default=32, ge=1)
     max_waiting: int = Field(default=256, ge=1)
-    prefill_chunks_per_step: int = Field(default=8, ge=1)
+    max_tokens_per_step: int = Field(default=2048, ge=BLOCK_SIZE, multiple_of=BLOCK_SIZE)
+    """Token budget of one engine step, shared by decode (one token per running sequence) and
+    block-aligned prefill chunks; larger prefills long prompts faster, smaller keeps the other
+    sequences' token streams smoother."""
+    deterministic: bool = False
+    """One-block prefill chunks: a cache hit equals a miss bitwise (same device and threads), at
+    the price docs/replica.md measures; changes the cache key's attention id."""
+
+    @model_validator(mode="after")
+    def _budget_leaves_prefill_room(self) -> EngineSettings:
+        if self.max_tokens_per_step < self.max_batch_size + BLOCK_SIZE:
+            raise ValueError(f"max_tokens_per_step {self.max_tokens_per_step} must be at least "
+                             f"max_batch_size {self.max_batch_size} + {BLOCK_SIZE}")
+        return self
 
 
 class CacheSettings(_Strict):
     enabled: bool = True
     """Off: every request is a miss and nothing is stored (live: the pools stay allocated)."""
     num_t0_blocks: int = Field(default=512, ge=0)
+    """0 turns T0 off; otherwise T0 is the engine's KV itself (`engine.num_kv_blocks` blocks shared
+    by in-flight sequences and cached prefixes), whatever the number."""
     num_t1_blocks: int = Field(default=2048, ge=0)
     admit_min_sightings: int = Field(default=1, ge=1)
     """The shipped policy's default (`CacheConfig`): store on first sighting, stricter while the
     cache thrashes."""
     store_queue_max_entries: int = Field(default=64, ge=1)
+    nvme_path: str = ""
+    """T3: a directory on local NVMe (the chart mounts an emptyDir or a local PV); empty: no T3."""
+    nvme_capacity_bytes: int = Field(default=0, ge=0)
+    """Size of the T3 file; the chart's volume size bounds it. 0 with a path: no T3."""
+    nvme_mode: Literal["off", "shadow", "on"] = "off"
+    """Live. "shadow" writes and reads back without serving (measures); "on" serves. A fleet
+    config, when the replica has one, decides instead (`tiers.nvme`, `tiers.nvme_shadow`)."""
+    nvme_min_sightings: int = Field(default=2, ge=1)
+    """T3 keeps only evicted blocks seen at least this often."""
 
 
 class ReplicaConfig(_Strict):
@@ -92,8 +119,8 @@ class ReplicaConfig(_Strict):
 
 
 LIVE_FIELDS = frozenset({
-    "limits", "engine.max_batch_size", "engine.max_waiting", "engine.prefill_chunks_per_step",
-    "cache.enabled", "config_poll_interval_s",
+    "limits", "engine.max_batch_size", "engine.max_waiting", "engine.max_tokens_per_step",
+    "cache.enabled", "cache.nvme_mode", "config_poll_interval_s",
 })
 
 

@@ -40,6 +40,7 @@ from kvfleet_runtime.engine import (
     SamplingParams,
     TokenEvent,
 )
+from kvfleet_runtime.server._tiers import fill_from_nvme
 from kvfleet_runtime.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
@@ -130,6 +131,11 @@ async def _submit(replica: Replica, tenant: str, prompts: list[_Prompt],
             engine.check(row[0])  # bad token ids never reach the fleet hook
         except ValueError as exc:
             raise ApiError(400, str(exc), param="prompt", code="invalid_value") from exc
+    for p in prompts:
+        try:
+            await fill_from_nvme(replica, tenant, p.token_ids)
+        except Exception:  # a cache-side failure never fails the request: recompute
+            log.exception("T3 fill failed; the engine prefills instead")
     if replica.before_submit is not None:
         for p in prompts:
             try:

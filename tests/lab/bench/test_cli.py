@@ -113,5 +113,6 @@ def test_all_runs_each_benchmark_and_reports_failures(
     assert names[0] == "policies" and "fleet" in names and "replica" in names
     assert "cache" not in names
     replica = next(r for r in ran if r[:2] == ["bench", "replica"])
-    assert replica[2:] == ["--reps", "3", "--requests", "16", "--prompt-tokens", "1000"]
+    assert replica[2:] == ["--reps", "2", "--prefill-tokens", "512,2000", "--prompt-tokens", "1000",
+                           "--concurrency", "1,8"]
     assert "exit 1" in result.output

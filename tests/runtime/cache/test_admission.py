@@ -192,9 +192,14 @@ def test_sketch_counts_structured_ids_exactly(label: Callable[[int], bytes]) -> 
 
 
 def test_one_store_writes_at_most_its_share_of_the_cache_and_the_prefix_grows() -> None:
-    # 8 blocks, a store may write a quarter of them (2) or the free room, whichever is more.
+    # 8 blocks, a store may write a quarter of them (2) or the free room, whichever is more,
+    # under a ranking that counts reuse (the cap protects counted prefixes).
     config = CacheConfig(
-        num_t0_blocks=8, store_max_fraction=0.25, store_min_blocks=1, admit_min_sightings=2
+        num_t0_blocks=8,
+        store_max_fraction=0.25,
+        store_min_blocks=1,
+        admit_min_sightings=2,
+        eviction_rankings=(3,),
     )
     manager = CacheManager(config, bytes_per_block=1, clock=lambda: 0.0)
     assert manager.store_max_blocks == 2
@@ -220,6 +225,29 @@ def test_one_store_writes_at_most_its_share_of_the_cache_and_the_prefix_grows() 
     assert manager.plan_store(key, chain) is StoreOutcome.RESIDENT
     assert len(manager.index.match(other)) == 3
     assert manager.stats().totals.num_admissions_refused == 6 + 5  # first sightings only
+
+
+def test_under_plain_recency_a_store_is_not_cut_by_the_cap() -> None:
+    # The same cache as above, ranked by recency (vLLM's order): a prompt that does not fit the
+    # free room is stored whole, evicting the least recent blocks, as vLLM would.
+    config = CacheConfig(
+        num_t0_blocks=8, store_max_fraction=0.25, store_min_blocks=1, eviction_rankings=(1,)
+    )
+    manager = CacheManager(config, bytes_per_block=1, clock=lambda: 0.0)
+    key = make_key()
+    other = [bytes([i]) * 16 for i in range(100, 106)]
+    manager.finish_commit(manager.commit(_plan(manager.plan_store(key, other))))
+    chain = [bytes([i]) * 16 for i in range(1, 6)]
+    plan = _plan(manager.plan_store(key, chain))
+    assert (plan.start_block, len(plan.hashes)) == (0, 5)  # 2 free, cap 2: stored whole anyway
+    manager.finish_commit(manager.commit(plan))
+    assert len(manager.index.match(chain)) == 5 and len(manager.index.match(other)) == 3
+    manager.index.check_invariants()
+
+
+def _plan(plan: StorePlan | StoreOutcome) -> StorePlan:
+    assert isinstance(plan, StorePlan), plan
+    return plan
 
 
 def test_store_cap_floor_keeps_small_caches_storing_whole_prompts() -> None:

@@ -21,10 +21,10 @@ from kvfleet_runtime.cache import (
     Miss,
     PrefixCache,
     StoreOutcome,
-    TensorPool,
     Tier,
     block_hashes,
 )
+from kvfleet_runtime.cache import _cache as cache_module
 from tests.runtime.cache.conftest import DIGEST_A, DIGEST_B, FakeClock, make_key
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=8, head_dim=4, dtype="float32")
@@ -149,14 +149,14 @@ def test_t1_hit_is_promoted_and_materialized_with_one_copy_per_run(
     hit = cache.lookup(key, prompt)
     assert isinstance(hit, Hit) and hit.tier is Tier.T1
     copies: list[int] = []
-    original = TensorPool.read_into
+    original = cache_module.read_blocks_into
 
     def spy(*args: object, **kw: object) -> int:
         n = original(*args, **kw)  # type: ignore[arg-type]
         copies.append(n)
         return n
 
-    monkeypatch.setattr(TensorPool, "read_into", spy)
+    monkeypatch.setattr(cache_module, "read_blocks_into", spy)
     mk, _ = cache.materialize(hit)
     assert copies == [1]  # four blocks promoted into one run of T0, gathered with one copy
     assert torch.equal(mk, k)

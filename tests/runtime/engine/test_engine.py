@@ -16,6 +16,7 @@ from kvfleet_runtime.cache import CacheConfig, Hit, KVLayout, PrefixCache
 from kvfleet_runtime.engine import (
     CacheKeyFields,
     Engine,
+    EngineConfig,
     EngineOverloaded,
     GenerationRequest,
     SamplingParams,
@@ -50,9 +51,10 @@ async def with_engine(engine: Engine, body):  # type: ignore[no-untyped-def]
         await engine.stop()
 
 
-def test_cached_kv_equals_recomputed_kv_bitwise(loaded: LoadedModel) -> None:
-    """Prefill -> store -> lookup -> materialize gives the recomputed bytes, and a suffix prefill
-    on top of them reproduces the full prefill's KV and logits bitwise (CPU float32)."""
+def test_deterministic_cached_kv_equals_recomputed_kv_bitwise(loaded: LoadedModel) -> None:
+    """Deterministic mode (one-block chunks): prefill -> store -> lookup -> materialize gives the
+    recomputed bytes, and a suffix prefill on top of them reproduces the full prefill's KV and
+    logits bitwise (CPU float32)."""
     model, cache = loaded.model, make_cache(loaded)
     key = CacheKeyFields.for_model(loaded, "tiny").key("acme")
     prompt = tokens(75, seed=3)
@@ -61,7 +63,7 @@ def test_cached_kv_equals_recomputed_kv_bitwise(loaded: LoadedModel) -> None:
         kv = PagedKV.allocate(model.args, 8, device=torch.device("cpu"))
         table = kv.take(8)
         assert table is not None
-        logits = model.prefill(prompt, 0, table, kv)
+        logits = model.prefill(prompt, 0, table, kv, chunk_tokens=BLOCK_SIZE)
         k, v = kv.gather(table, len(prompt))
         return k, v, logits
 
@@ -79,7 +81,7 @@ def test_cached_kv_equals_recomputed_kv_bitwise(loaded: LoadedModel) -> None:
     table = kv.take(8)
     assert table is not None
     kv.scatter(table, ck, cv)
-    logits3 = model.prefill(prompt[n_full:], n_full, table, kv)
+    logits3 = model.prefill(prompt[n_full:], n_full, table, kv, chunk_tokens=BLOCK_SIZE)
     k3, v3 = kv.gather(table, len(prompt))
     assert torch.equal(k3, k2) and torch.equal(v3, v2) and torch.equal(logits3, logits2)
     assert torch.equal(logits1, logits2)
@@ -93,7 +95,7 @@ def test_cached_kv_equals_recomputed_kv_bitwise(loaded: LoadedModel) -> None:
     shared_blocks=st.integers(min_value=1, max_value=4),
     tier=st.sampled_from(["t0", "t1"]),
 )
-def test_greedy_output_is_identical_for_full_hit_partial_hit_and_miss(
+def test_deterministic_greedy_output_is_identical_for_full_hit_partial_hit_and_miss(
     loaded: LoadedModel, n: int, seed: int, shared_blocks: int, tier: str
 ) -> None:
     prompt = tokens(n, seed)
@@ -116,9 +118,80 @@ def test_greedy_output_is_identical_for_full_hit_partial_hit_and_miss(
 
     # T1 only: every hit is copied from the host pool; T0 only: from the device pool.
     cache = make_cache(loaded, t0=256, t1=0) if tier == "t0" else make_cache(loaded, t0=0, t1=256)
-    engine = Engine(loaded.model, CacheKeyFields.for_model(loaded, "tiny"), cache=cache)
+    engine = Engine(loaded.model, CacheKeyFields.for_model(loaded, "tiny", deterministic=True),
+                    cache=cache, config=EngineConfig(deterministic=True))
     asyncio.run(with_engine(engine, body))
     assert cache.stats().tiers[0 if tier == "t0" else 1].num_blocks_used > 0
+
+
+FAST_PROMPTS = [(n, seed) for n, seed in ((17, 1), (40, 2), (75, 3), (150, 4), (333, 5))]
+"""The fixed prompt set on which the fast path's hits must give the miss's greedy tokens."""
+
+
+@pytest.mark.parametrize("tier", ["t0", "t1"])
+@pytest.mark.parametrize("budget", [64, 2048])
+async def test_fast_mode_greedy_output_equals_the_miss_on_a_fixed_prompt_set(
+    loaded: LoadedModel, tier: str, budget: int
+) -> None:
+    # Budget 64: a miss prefills 64-token chunks from 0 while a hit prefills from the hit's end,
+    # so hit and miss compute the suffix with other shapes; 2048: the suffix in one call.
+    cache = make_cache(loaded, t0=256, t1=0) if tier == "t0" else make_cache(loaded, t0=0, t1=256)
+    engine = Engine(loaded.model, CacheKeyFields.for_model(loaded, "tiny"), cache=cache,
+                    config=EngineConfig(max_tokens_per_step=budget))
+
+    async def body(engine: Engine) -> None:
+        for n, seed in FAST_PROMPTS:
+            prompt = tokens(n, seed)
+            params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+            miss, cached = await run(engine, f"t{n}", prompt, params)
+            hit, cached_again = await run(engine, f"t{n}", prompt, params)
+            assert (cached, cached_again) == (0, (n - 1) // BLOCK_SIZE * BLOCK_SIZE)
+            assert hit == miss, n
+
+    await with_engine(engine, body)
+
+
+class ChunkRecorder(Engine):
+    """Records each planned prefill chunk's (start, tokens) and how many sequences were
+    decoding beside it."""
+
+    chunks: list[tuple[int, int, int]]
+
+    def _prefill_chunks(self, plan):  # type: ignore[no-untyped-def]
+        decoding = sum(1 for s in self._running if s.output)
+        self.chunks.extend((seq.prefill_pos, n, decoding) for seq, n in plan)
+        super()._prefill_chunks(plan)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+async def test_a_step_spends_its_token_budget_on_decode_first_then_aligned_prefill_chunks(
+    loaded: LoadedModel, deterministic: bool
+) -> None:
+    engine = ChunkRecorder(loaded.model, CacheKeyFields.for_model(loaded, "tiny"), cache=None,
+                           config=EngineConfig(num_kv_blocks=64, max_batch_size=4,
+                                               max_tokens_per_step=64,
+                                               deterministic=deterministic))
+    engine.chunks = []
+
+    async def body(engine: Engine) -> None:
+        decoding = engine.submit(GenerationRequest(
+            "a", tokens(10, 1), SamplingParams(max_tokens=100, ignore_eos=True)))
+        events = decoding.__aiter__()
+        await events.__anext__()  # `a` decodes from here on
+        out, fin = await engine.generate(GenerationRequest(
+            "b", tokens(200, 2), SamplingParams(max_tokens=1, ignore_eos=True)))
+        assert fin.prompt_tokens == 200 and len(out) == 1
+        decoding.cancel()
+        async for _ in events:
+            pass
+
+    await with_engine(engine, body)
+    b_chunks = [(lo, n, dec) for lo, n, dec in engine.chunks if lo or n > 10]
+    # 64 tokens a step, one of them `a`'s decode token: 48-token prefill chunks (whole blocks),
+    # then the prompt's 8-token tail.
+    assert [(lo, n) for lo, n, _ in b_chunks] == [(0, 48), (48, 48), (96, 48), (144, 48),
+                                                  (192, 8)]
+    assert all(dec == 1 for _, _, dec in b_chunks)
 
 
 def _replace(fields: CacheKeyFields, **change: str) -> CacheKeyFields:
@@ -177,6 +250,16 @@ def test_key_fields_come_from_the_model(
     assert theta.rope_config_hash != base.rope_config_hash
     assert reseeded.weights_digest != base.weights_digest
     assert theta.weights_digest == base.weights_digest  # same tensors, only the config differs
+    det = CacheKeyFields.for_model(loaded, "tiny", deterministic=True)
+    assert det.attn_impl_id == base.attn_impl_id + "-chunk16"
+    assert dataclasses.replace(det, attn_impl_id=base.attn_impl_id) == base
+
+
+def test_engine_config_refuses_a_budget_off_the_block_grid_or_without_prefill_room() -> None:
+    with pytest.raises(ValueError, match="max_tokens_per_step 100 is not a positive multiple"):
+        EngineConfig(max_tokens_per_step=100)
+    with pytest.raises(ValueError, match="max_tokens_per_step 32 leaves no prefill block"):
+        EngineConfig(max_tokens_per_step=32, max_batch_size=32)
 
 
 async def test_a_one_token_request_still_stores_its_prompt(
@@ -221,10 +304,15 @@ class CountingCache(PrefixCache):
             self.num_held += 1
         return hit
 
-    def materialize(self, hit, *, tp_degree=1, tp_rank=0):  # type: ignore[no-untyped-def]
+    def share_prefix(self, hit, kv, max_blocks):  # type: ignore[no-untyped-def]
+        if self.fail_materialize:
+            raise RuntimeError("simulated failure placing the hit")
+        return super().share_prefix(hit, kv, max_blocks)
+
+    def copy_into(self, hit, kv, table, start, stop):  # type: ignore[no-untyped-def]
         if self.fail_materialize:
             raise RuntimeError("simulated T1 copy failure")
-        return super().materialize(hit, tp_degree=tp_degree, tp_rank=tp_rank)
+        return super().copy_into(hit, kv, table, start, stop)
 
     def release(self, hit):  # type: ignore[no-untyped-def]
         self.num_held -= 1
@@ -383,8 +471,10 @@ def test_submit_refuses_impossible_requests_and_overload(make_engine: EngineFact
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_hit_equals_miss_on_cuda_with_a_pinned_t1(tiny_dir: Path) -> None:
-    """The same guarantee on a GPU: T0 in device memory, T1 pinned on the host."""
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_hit_equals_miss_on_cuda_with_a_pinned_t1(tiny_dir: Path, deterministic: bool) -> None:
+    """The same guarantee on a GPU: T0 in device memory, T1 pinned on the host (and the fast
+    path's: the same greedy tokens on this fixed prompt)."""
     loaded = load_checkpoint(tiny_dir, device=torch.device("cuda"))
     prompt = tokens(90, seed=77)
     for t0, t1 in ((256, 0), (0, 256)):
@@ -393,7 +483,9 @@ def test_hit_equals_miss_on_cuda_with_a_pinned_t1(tiny_dir: Path) -> None:
                                         admit_min_sightings=1),
                             KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype="float32"),
                             clock=lambda: 0.0, device="cuda")
-        engine = Engine(loaded.model, CacheKeyFields.for_model(loaded, "tiny"), cache=cache)
+        engine = Engine(loaded.model,
+                        CacheKeyFields.for_model(loaded, "tiny", deterministic=deterministic),
+                        cache=cache, config=EngineConfig(deterministic=deterministic))
 
         async def body(engine: Engine) -> None:
             miss, cached = await run(engine, "acme", prompt)

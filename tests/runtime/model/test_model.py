@@ -19,6 +19,7 @@ from kvfleet_runtime.model import (
 )
 from kvfleet_runtime.model.model import apply_rope
 from kvfleet_runtime.tokenizer import ByteTokenizer
+from kvfleet_runtime.wire import BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -95,27 +96,129 @@ def test_decode_batch_of_sequences_at_different_positions(model: Transformer) ->
     torch.testing.assert_close(logits[1], dense_forward(model, b)[-1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
-@pytest.mark.parametrize(("n", "cut"), [(17, 16), (64, 32), (70, 48), (33, 0)])
-def test_suffix_prefill_after_restored_prefix_is_bitwise_equal(
-    tiny_dir: Path, attn_impl: str, n: int, cut: int
-) -> None:
-    # The cache-hit path: KV of [0, cut) is copied in from elsewhere, only [cut, n) is computed.
-    model = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl=attn_impl).model
-    tokens = prompt(n, seed=n)
-    kv_full, t_full = fresh_kv(model)
-    logits_full = model.prefill(tokens, 0, t_full, kv_full)
-    k_full, v_full = kv_full.gather(t_full, n)
+FAST_KV_TOL = 1e-5
+"""The fast path's promise (float32): a hit's KV and logits equal recomputation within this."""
 
+
+def _full_and_hit(model: Transformer, tokens: list[int], cut: int, chunk: int
+                  ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(k, v, logits) of a full prefill and of a hit: KV of [0, cut) copied in, [cut, n) computed,
+    both in chunks of `chunk` tokens."""
+    n = len(tokens)
+    kv_full, t_full = fresh_kv(model)
+    logits_full = model.prefill(tokens, 0, t_full, kv_full, chunk_tokens=chunk)
+    k_full, v_full = kv_full.gather(t_full, n)
     kv_hit = PagedKV.allocate(model.args, 16, device=torch.device("cpu"))
     t_hit = kv_hit.take(16)
     assert t_hit is not None
     if cut:
         kv_hit.scatter(t_hit, k_full[:, :, :cut].clone(), v_full[:, :, :cut].clone())
-    logits_hit = model.prefill(tokens[cut:], cut, t_hit, kv_hit)
+    logits_hit = model.prefill(tokens[cut:], cut, t_hit, kv_hit, chunk_tokens=chunk)
     k_hit, v_hit = kv_hit.gather(t_hit, n)
-    assert torch.equal(k_hit, k_full) and torch.equal(v_hit, v_full)
-    assert torch.equal(logits_hit, logits_full)
+    return (k_full, v_full, logits_full), (k_hit, v_hit, logits_hit)
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+@pytest.mark.parametrize(("n", "cut"), [(17, 16), (64, 32), (70, 48), (33, 0)])
+def test_deterministic_suffix_prefill_after_restored_prefix_is_bitwise_equal(
+    tiny_dir: Path, attn_impl: str, n: int, cut: int
+) -> None:
+    # The cache-hit path in deterministic mode (one-block chunks): KV of [0, cut) is copied in
+    # from elsewhere, only [cut, n) is computed, by the very calls of the full prefill.
+    model = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl=attn_impl).model
+    full, hit = _full_and_hit(model, prompt(n, seed=n), cut, BLOCK_SIZE)
+    for a, b in zip(full, hit, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+@pytest.mark.parametrize(("n", "cut", "chunk"),
+                         [(17, 16, 2048), (64, 32, 2048), (70, 48, 32), (200, 112, 64),
+                          (200, 0, 48)])
+def test_fast_suffix_prefill_after_restored_prefix_is_within_tolerance(
+    tiny_dir: Path, attn_impl: str, n: int, cut: int, chunk: int
+) -> None:
+    # The fast path: the suffix is computed by other calls (other row counts) than in the full
+    # prefill, so the bits may differ; the values may not, beyond FAST_KV_TOL.
+    model = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl=attn_impl).model
+    full, hit = _full_and_hit(model, prompt(n, seed=n), cut, chunk)
+    for a, b in zip(full, hit, strict=True):
+        torch.testing.assert_close(b, a, rtol=FAST_KV_TOL, atol=FAST_KV_TOL)
+    # and the cached part is the full prefill's bytes themselves (copied, not recomputed)
+    assert torch.equal(hit[0][:, :, :cut], full[0][:, :, :cut])
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("chunk", [16, 48, 2048])
+def test_chunked_prefill_matches_dense_reference_at_any_chunk(
+    tiny_dir: Path, attn_impl: str, chunk: int
+) -> None:
+    model = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl=attn_impl).model
+    tokens = prompt(150, seed=4)
+    kv, table = fresh_kv(model)
+    logits = model.prefill(tokens, 0, table, kv, chunk_tokens=chunk)
+    torch.testing.assert_close(logits, dense_forward(model, tokens)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_long_later_chunks_take_the_split_attention_and_match_the_reference(
+    tiny_dir: Path
+) -> None:
+    # Chunks of >= 512 queries after the first attend to the prefix and to themselves apart,
+    # merged by log-sum-exp (CPU); the result is the same function as one masked call.
+    model = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl="sdpa").model
+    tokens = prompt(1100, seed=5)
+    kv = PagedKV.allocate(model.args, 70, device=torch.device("cpu"))
+    table = kv.take(70)
+    assert table is not None
+    logits = model.prefill(tokens, 0, table[::-1], kv, chunk_tokens=512)
+    torch.testing.assert_close(logits, dense_forward(model, tokens)[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+def test_packed_prefill_of_several_sequences_equals_each_alone(
+    tiny_dir: Path, attn_impl: str
+) -> None:
+    # A fresh prompt, a later chunk of a second one (its first 32 tokens already in place) and
+    # a one-token chunk, in one forward.
+    model = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl=attn_impl).model
+    kv = PagedKV.allocate(model.args, 24, device=torch.device("cpu"))
+    a, b, c = prompt(70, seed=21), prompt(90, seed=22), prompt(17, seed=23)
+    ta, tb, tc = (kv.take(n) for n in (5, 6, 2))
+    assert ta is not None and tb is not None and tc is not None
+    model.prefill(b[:32], 0, tb, kv)
+    model.prefill(c[:16], 0, tc, kv)
+    packed = model.prefill_packed([(a, 0, ta), (b[32:], 32, tb), (c[16:], 16, tc)], kv)
+    k_packed, v_packed = kv.gather(tb, 90)
+    alone = [model.prefill(a, 0, ta, kv), model.prefill(b[32:], 32, tb, kv),
+             model.prefill(c[16:], 16, tc, kv)]
+    k_alone, v_alone = kv.gather(tb, 90)
+    torch.testing.assert_close(packed, torch.stack(alone), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_packed, k_alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_packed, v_alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[1], dense_forward(model, b)[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+def test_batched_decode_equals_one_sequence_at_a_time(tiny_dir: Path, attn_impl: str) -> None:
+    # Sequences of different lengths in one padded batch: each row as if decoded alone.
+    model = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl=attn_impl).model
+    lengths = [1, 16, 17, 40, 95]
+    kv = PagedKV.allocate(model.args, 32, device=torch.device("cpu"))
+    tables, prompts = [], []
+    for i, n in enumerate(lengths):
+        taken = kv.take(n // BLOCK_SIZE + 1)
+        assert taken is not None
+        t = taken[::-1]  # a non-identity table, so paging bugs show
+        p = prompt(n + 1, seed=10 + i)
+        if n:
+            model.prefill(p[:n], 0, t, kv)
+        tables.append(t)
+        prompts.append(p)
+    batch = model.decode([p[-1] for p in prompts], lengths, tables, kv)
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(batch[b], dense_forward(model, p)[-1], rtol=1e-4, atol=1e-4)
+        alone = model.decode([p[-1]], [lengths[b]], [tables[b]], kv)[0]
+        torch.testing.assert_close(batch[b], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_prefill_rejects_unaligned_start_and_overlong(model: Transformer) -> None:
@@ -124,6 +227,10 @@ def test_prefill_rejects_unaligned_start_and_overlong(model: Transformer) -> Non
         model.prefill([1, 2], 5, table, kv)
     with pytest.raises(ValueError, match="max_seq_len"):
         model.prefill([1], model.args.max_seq_len, table, kv)
+    with pytest.raises(ValueError, match="chunk_tokens 24"):
+        model.prefill([1, 2], 0, table, kv, chunk_tokens=24)
+    with pytest.raises(ValueError, match="block table has 1 blocks"):
+        model.prefill(list(range(20)), 0, table[:1], kv)
 
 
 def test_checkpoint_generation_is_deterministic_and_digest_is_file_sha256(tmp_path: Path) -> None:
@@ -189,3 +296,29 @@ def test_byte_tokenizer_round_trip_and_streaming() -> None:
     assert tok.decode(ids) == "héllo ✓"
     dec = tok.stream_decoder()
     assert "".join(dec.push(i) for i in ids) + dec.flush() == "héllo ✓"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+def test_cuda_chunked_prefill_and_batched_decode_match_the_cpu(
+    tiny_dir: Path, attn_impl: str
+) -> None:
+    """The device kernels (SDPA's flash / memory-efficient paths, indexed copies on the GPU)
+    compute what the CPU does, to float32 tolerance (1e-3: other kernels, other rounding)."""
+    cpu = load_checkpoint(tiny_dir, device=torch.device("cpu"), attn_impl=attn_impl).model
+    gpu = load_checkpoint(tiny_dir, device=torch.device("cuda"), attn_impl=attn_impl).model
+    lengths = [20, 150]
+    logits = []
+    for model in (cpu, gpu):
+        kv = PagedKV.allocate(model.args, 32, device=model.device)
+        tables = [kv.take(n // BLOCK_SIZE + 1) for n in lengths]
+        prompts = [prompt(n + 1, seed=30 + n) for n in lengths]
+        out = []
+        for t, p, n in zip(tables, prompts, lengths, strict=True):
+            assert t is not None
+            out.append(model.prefill(p[:n], 0, t, kv, chunk_tokens=64).cpu())
+        out.append(model.decode([p[-1] for p in prompts], lengths, tables, kv).cpu())
+        logits.append(out)
+    for c, g in zip(*logits, strict=True):
+        torch.testing.assert_close(g, c, rtol=1e-3, atol=1e-3)

@@ -259,9 +259,11 @@ def test_config_file_is_reloaded_on_change(running: RunningReplica) -> None:
         changed = json.loads(json.dumps(TEST_CONFIG))
         changed["limits"]["max_tokens"] = 4
         changed["engine"]["num_kv_blocks"] = 999  # needs a restart: reported, not applied
+        changed["engine"]["max_tokens_per_step"] = 256  # live: the engine's next step uses it
         _rewrite_config(running, yaml.safe_dump(changed))
         _wait_for(lambda: replica.config.limits.max_tokens == 4)
         assert replica.restart_pending == ["engine.num_kv_blocks"]
+        assert replica.engine.config.max_tokens_per_step == 256
         resp = post(running, {"prompt": [1], "max_tokens": 5})
         assert resp.status_code == 400 and "limit of 4" in resp.text
 

@@ -35,6 +35,10 @@ def test_json_file_works_too(tmp_path: Path) -> None:
         ("- a list\n", {}, "must hold a mapping"),
         ("a: [unclosed\n", {}, "cannot read config file"),
         ("", {"KVFLEET_REPLICA_ENGINE__MAX_BATCH_SIZE": "0"}, "engine.max_batch_size"),
+        ("engine: {max_tokens_per_step: 100}\n", {},
+         "engine.max_tokens_per_step: Input should be a multiple of 16"),
+        ("engine: {max_tokens_per_step: 32, max_batch_size: 32}\n", {},
+         "max_tokens_per_step 32 must be at least max_batch_size 32 + 16"),
     ],
 )
 def test_bad_config_names_the_problem(tmp_path: Path, text: str, env: dict[str, str],
@@ -49,7 +53,11 @@ def test_bad_config_names_the_problem(tmp_path: Path, text: str, env: dict[str, 
 def test_restart_fields_lists_only_non_live_changes() -> None:
     old = ReplicaConfig()
     new = ReplicaConfig.model_validate({
-        "port": 1, "limits": {"max_tokens": 5}, "engine": {"num_kv_blocks": 7, "max_batch_size": 2},
+        "port": 1, "limits": {"max_tokens": 5}, "engine": {"num_kv_blocks": 7, "max_batch_size": 2,
+                                                           "max_tokens_per_step": 512,
+                                                           "deterministic": True},
         "cache": {"enabled": False, "num_t0_blocks": 3},
     })
-    assert restart_fields(old, new) == ["port", "engine.num_kv_blocks", "cache.num_t0_blocks"]
+    # the budget applies live; determinism changes the cache key, so it waits for a restart
+    assert restart_fields(old, new) == ["port", "engine.num_kv_blocks", "engine.deterministic",
+                                        "cache.num_t0_blocks"]

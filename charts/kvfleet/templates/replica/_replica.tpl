@@ -46,6 +46,16 @@ operator's token. */}}
 - name: KVFLEET_FLEET_CONFIG
   value: {{ printf "%s/fleet.yaml" .Values.fleetConfig.mountPath | quote }}
 {{ include "kvfleet.redisUrlEnv" . }}
+{{- with .Values.replica.nvme }}
+{{- if .enabled }}
+{{- /* T3 (kvfleet_runtime/nvme): the store file lives on the mounted volume, bounded by its
+size; the fleet config's tiers.nvme / tiers.nvme_shadow decide what the replica does with it. */}}
+- name: KVFLEET_REPLICA_CACHE__NVME_PATH
+  value: {{ .mountPath | quote }}
+- name: KVFLEET_REPLICA_CACHE__NVME_CAPACITY_BYTES
+  value: {{ mul (int .sizeGiB) 1073741824 | quote }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* `replica.engine: vllm`: the `vllm serve` command line with kvfleet's KV connector

@@ -1,0 +1,37 @@
+"""The replica's local tier hooks on the request path (T3): before a request enters the engine,
+what NVMe holds beyond the locally cached prefix is imported (or, in shadow mode, read back and
+discarded). The fleet tier's T2 hook (`Replica.before_submit`) runs after it, for what is still
+missing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvfleet_runtime.wire import BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from kvfleet_runtime.server._app import Replica
+
+__all__ = ["fill_from_nvme", "usable_prompt"]
+
+
+def usable_prompt(token_ids: Sequence[int]) -> list[int]:
+    """The whole blocks of a prompt a tier may supply: the engine computes the last prompt token
+    itself (its logits start decoding), so a block ending on it is not usable."""
+    usable_blocks = max((len(token_ids) - 1) // BLOCK_SIZE, 0)
+    return list(token_ids[: usable_blocks * BLOCK_SIZE])
+
+
+async def fill_from_nvme(replica: Replica, tenant: str, token_ids: Sequence[int]) -> int:
+    """Blocks imported from T3 for this prompt (0 in shadow mode, when off, or on any failure:
+    the engine then prefills)."""
+    tier = replica.nvme
+    if tier is None or tier.mode == "off" or replica.engine.cache is None:
+        return 0
+    prompt = usable_prompt(token_ids)
+    if not prompt:
+        return 0
+    key = replica.engine.key_fields.key(tenant)
+    return await asyncio.to_thread(tier.fill, key, prompt)

@@ -1,0 +1,168 @@
+"""T3 attached to a real PrefixCache on tiny pools and a real file: what T1 evicts and the policy
+values goes to NVMe; a later miss is served from it with exactly the stored KV ("on"), or read and
+discarded with the bandwidth recorded ("shadow"); "off" writes and serves nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvfleet_runtime.cache import CacheConfig, CacheKey, Hit, KVLayout, Miss, PrefixCache
+from kvfleet_runtime.nvme import STORE_FILENAME, NvmeConfig, NvmeStore, NvmeTier
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=8, head_dim=4, dtype="float32")  # 8 KiB blocks
+KEY = CacheKey("tenant-a", "tiny", "sha256:" + "a" * 64, "float32", "rope-1", "sdpa-v1")
+A = list(range(128))  # 8 blocks
+B = list(range(1000, 1128))
+
+
+def kv(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (LAYOUT.num_layers, LAYOUT.num_kv_heads, num_tokens, LAYOUT.head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+KA, VA = kv(128, 1)
+KB, VB = kv(128, 2)
+
+
+def store_twice(cache: PrefixCache, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    for _ in range(2):
+        cache.store(KEY, tokens, k, v)
+        cache.drain_store_queue()
+
+
+@pytest.fixture
+def cache() -> PrefixCache:
+    # 4 + 4 blocks: storing B (8 blocks) after A pushes A's first half out of T1.
+    return PrefixCache(CacheConfig(num_t0_blocks=4, num_t1_blocks=4), LAYOUT, clock=lambda: 0.0)
+
+
+def make_tier(cache: PrefixCache, path: Path, **kw: object) -> NvmeTier:
+    store = NvmeStore.open(NvmeConfig(path, 64 * LAYOUT.bytes_per_block, LAYOUT.bytes_per_block))
+    assert store is not None
+    tier = NvmeTier(cache, store, **kw)  # type: ignore[arg-type]
+    tier.start()
+    return tier
+
+
+@pytest.fixture
+def tier(cache: PrefixCache, tmp_path: Path) -> Iterator[NvmeTier]:
+    t = make_tier(cache, tmp_path, mode="on")
+    yield t
+    t.close()
+
+
+def evict_a(cache: PrefixCache, tier: NvmeTier) -> None:
+    store_twice(cache, A, KA, VA)
+    store_twice(cache, B, KB, VB)
+    tier.flush()
+
+
+def test_t1_evictions_the_policy_values_are_served_back_exactly(
+    cache: PrefixCache, tier: NvmeTier
+) -> None:
+    evict_a(cache, tier)
+    assert tier.stats.num_blocks_offered == 4 and tier.stats.num_blocks_refused == 0
+    assert len(tier.store) == 4
+    assert isinstance(cache.lookup(KEY, A), Miss)
+    assert tier.fill(KEY, A) == 4
+    hit = cache.lookup(KEY, A)
+    assert isinstance(hit, Hit) and hit.matched_tokens == 64
+    k, v = cache.materialize(hit)
+    assert torch.equal(k, KA[:, :, :64]) and torch.equal(v, VA[:, :, :64])
+    cache.release(hit)
+    assert tier.stats.num_blocks_served == 4
+    assert sum(tier.store.bandwidth.counts[1]) == 1
+
+
+def test_fill_continues_a_locally_held_prefix(cache: PrefixCache, tier: NvmeTier) -> None:
+    evict_a(cache, tier)
+    # Blocks 0-1 come back from T3 first (a shorter prompt), then the full prompt needs 2-3.
+    assert tier.fill(KEY, A[:32]) == 2
+    assert tier.fill(KEY, A) == 2
+    hit = cache.lookup(KEY, A)
+    assert isinstance(hit, Hit) and hit.matched_tokens == 64
+    k, _ = cache.materialize(hit)
+    assert torch.equal(k, KA[:, :, :64])
+    cache.release(hit)
+
+
+def test_shadow_reads_back_and_discards(cache: PrefixCache, tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    tier = make_tier(cache, tmp_path, mode="shadow", registry=registry)
+    try:
+        evict_a(cache, tier)
+        assert len(tier.store) == 4  # written as "on" would
+        assert tier.fill(KEY, A) == 0  # read back, discarded
+        assert tier.stats.num_blocks_shadow_read == 4 and tier.stats.num_blocks_served == 0
+        assert isinstance(cache.lookup(KEY, A), Miss)  # nothing imported
+        assert tier.store.bandwidth.per_read_gb_s(1) is not None
+        report = tier.report()
+        assert report["mode"] == "shadow"
+        assert report["read_bandwidth"]["1"]["num_reads"] == 1  # type: ignore[index]
+        text = generate_latest(registry).decode()
+        assert 'kvfleet_nvme_read_bandwidth_gb_s_count{concurrency="1"} 1.0' in text
+        assert 'kvfleet_nvme_mode{mode="shadow"} 1.0' in text
+        assert "kvfleet_nvme_blocks_shadow_read_total 4.0" in text
+    finally:
+        tier.close()
+
+
+def test_off_writes_nothing_and_turning_off_forgets(cache: PrefixCache, tier: NvmeTier) -> None:
+    evict_a(cache, tier)
+    tier.set_mode("off")
+    assert len(tier.store) == 0
+    assert tier.fill(KEY, A) == 0
+    c, d = list(range(2000, 2128)), list(range(3000, 3128))
+    store_twice(cache, c, KA, VA)  # evicts B's blocks: not offered while off
+    tier.flush()
+    assert len(tier.store) == 0 and tier.stats.num_blocks_offered == 4
+    tier.set_mode("on")
+    store_twice(cache, d, KB, VB)  # evicts C's blocks: offered again
+    tier.flush()
+    assert tier.stats.num_blocks_offered > 4 and len(tier.store) > 0
+
+
+def test_one_shot_blocks_are_not_worth_an_nvme_write(cache: PrefixCache, tmp_path: Path) -> None:
+    tier = make_tier(cache, tmp_path, mode="on", min_sightings=3)
+    try:
+        evict_a(cache, tier)  # A was seen twice: below 3
+        assert tier.stats.num_blocks_offered == 4 and tier.stats.num_blocks_refused == 4
+        assert len(tier.store) == 0
+    finally:
+        tier.close()
+
+
+def test_a_full_write_queue_drops_instead_of_blocking(cache: PrefixCache, tmp_path: Path) -> None:
+    tier = make_tier(cache, tmp_path, mode="on", max_pending_bytes=LAYOUT.bytes_per_block)
+    tier.close()  # no writer: the queue only fills
+    tier = NvmeTier(cache, tier.store, mode="on", max_pending_bytes=LAYOUT.bytes_per_block)
+    evict_a(cache, tier)  # one stretch of 4 blocks > the 1-block budget
+    assert tier.stats.num_blocks_dropped == 4
+
+
+def test_a_corrupt_t3_block_is_recomputed_never_served(
+    cache: PrefixCache, tier: NvmeTier, tmp_path: Path
+) -> None:
+    evict_a(cache, tier)
+    with open(tmp_path / STORE_FILENAME, "r+b") as f:  # flip a byte in every slot
+        for slot in range(4):
+            f.seek(slot * LAYOUT.bytes_per_block + 10)
+            f.write(b"\xff\xfe")
+    assert tier.fill(KEY, A) == 0
+    assert isinstance(cache.lookup(KEY, A), Miss)
+    assert tier.store.stats.num_corrupt == 1
+
+
+def test_the_store_must_match_the_cache_layout(cache: PrefixCache, tmp_path: Path) -> None:
+    store = NvmeStore.open(NvmeConfig(tmp_path, 1 << 20, 4096))
+    assert store is not None
+    with pytest.raises(ValueError, match="block_bytes 4096 is not the cache's 8192"):
+        NvmeTier(cache, store)
+    with pytest.raises(ValueError, match=r"NVMe mode must be one of .* got 'fast'"):
+        NvmeTier(cache, store, mode="fast")  # type: ignore[arg-type]
