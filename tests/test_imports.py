@@ -198,8 +198,14 @@ def test_operator_imports_only_the_runtimes_pure_core() -> None:
     assert sorted(n for n in used if not n.startswith(allowed)) == []
 
 
+# kvfleet_lab.vllm measures the connector (`kvfleet bench vllm-connector`) and runs only in
+# vLLM's environment; it imports the connector and vllm inside functions, never at import time.
+CONNECTOR_BENCH = "kvfleet_lab.vllm"
+
+
 @pytest.mark.parametrize(
-    "module", [m for m in _sources() if not m.startswith("kvfleet_vllm")]
+    "module",
+    [m for m in _sources() if not m.startswith(("kvfleet_vllm", CONNECTOR_BENCH))],
 )
 def test_nothing_depends_on_the_vllm_connector(module: str) -> None:
     # vllm pins its own torch: the connector lives in vLLM's environment, and the replica, the
@@ -216,7 +222,15 @@ def test_only_the_connector_module_imports_vllm() -> None:
         if any(n.split(".")[0] == "vllm" for n in _imports(m, top_level_only=False))
     )
     # (the lab's BlockPool replay is the other one: it runs vLLM's own block pool as the baseline)
-    assert users == ["kvfleet_lab.cache.vllm_pool", "kvfleet_vllm.connector"]
+    assert users == ["kvfleet_lab.cache.vllm_pool", "kvfleet_lab.vllm.bench",
+                     "kvfleet_vllm.connector"]
+
+
+def test_the_connector_bench_imports_vllm_only_when_it_runs() -> None:
+    module = f"{CONNECTOR_BENCH}.bench"
+    top = sorted(n for n in _imports(module, top_level_only=True)
+                 if n.split(".")[0] in ("vllm", "kvfleet_vllm", "torch"))
+    assert top == []
 
 
 def test_no_router_fleet_cycle() -> None:
