@@ -272,11 +272,7 @@ class CacheManager:
         else:
             tier, pinned = Tier.T0, False
         commit = Commit([], start)
-        segments = []
-        if start < plan.platform_blocks:
-            segments.append((platform_key(plan.key), start, plan.platform_blocks))
-        segments.append((plan.key, max(start, plan.platform_blocks), len(plan.hashes)))
-        for key, lo, hi in segments:
+        for key, lo, hi in _segments(plan, start):
             if lo >= hi:
                 continue
             nodes, moves = index.insert(
@@ -308,11 +304,7 @@ class CacheManager:
             return None
         pinned = plan.placement is Placement.PINNED
         commit = Commit([], start, adopted=True)
-        segments = []
-        if start < plan.platform_blocks:
-            segments.append((platform_key(plan.key), start, plan.platform_blocks))
-        segments.append((plan.key, max(start, plan.platform_blocks), len(plan.hashes)))
-        for key, lo, hi in segments:
+        for key, lo, hi in _segments(plan, start):
             if lo >= hi:
                 continue
             nodes = index.adopt(
@@ -480,3 +472,13 @@ def _ranking_label(max_frequency: int | None) -> str:
     if max_frequency is None:
         return "count"
     return "recency" if max_frequency == 1 else f"count<={max_frequency}"
+
+
+def _segments(plan: StorePlan, start: int) -> list[tuple[CacheKey, int, int]]:
+    """The plan's blocks from `start` on, split by namespace: the shared platform prefix (stored
+    under the platform tenant) first, then the tenant's own blocks."""
+    segments = []
+    if start < plan.platform_blocks:
+        segments.append((platform_key(plan.key), start, plan.platform_blocks))
+    segments.append((plan.key, max(start, plan.platform_blocks), len(plan.hashes)))
+    return segments

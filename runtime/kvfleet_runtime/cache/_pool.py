@@ -146,7 +146,7 @@ class TensorPool:
 
     def write(self, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy `k`/`v` `[layers, heads, len(block_ids) * 16, head_dim]` into `block_ids`."""
-        _write(self, block_ids, k, v)
+        write_blocks(self, block_ids, k, v)
 
     def read_into(
         self,
@@ -158,40 +158,19 @@ class TensorPool:
     ) -> int:
         """Copy blocks into `out_*` viewed as `[layers, heads', blocks, 16, head_dim]`; returns the
         number of copies (runs) made per tensor."""
-        return _read_into(self, out_k, out_v, block_ids, out_blocks, heads)
+        return read_blocks_into(self, out_k, out_v, block_ids, out_blocks, heads)
 
 
 Pool = PagedBlocks | TensorPool
 
 
-def _write(pool: Pool, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+def write_blocks(pool: Pool, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    """Copy canonical `k`/`v` `[layers, heads, len(block_ids) * 16, D]` into the pool's blocks."""
     src_blocks = list(range(len(block_ids)))
     for src, dst, n in paired_runs(src_blocks, block_ids):
         lo, hi = src * BLOCK_SIZE, (src + n) * BLOCK_SIZE
         pool.blocks(pool.k, dst, n).copy_(split_blocks(k[:, :, lo:hi]))
         pool.blocks(pool.v, dst, n).copy_(split_blocks(v[:, :, lo:hi]))
-
-
-def _read_into(
-    pool: Pool,
-    out_k: torch.Tensor,
-    out_v: torch.Tensor,
-    block_ids: Sequence[int],
-    out_blocks: Sequence[int],
-    heads: slice,
-) -> int:
-    ok = split_blocks(out_k)
-    ov = split_blocks(out_v)
-    runs = paired_runs(block_ids, out_blocks)
-    for src, dst, n in runs:
-        ok[:, :, dst : dst + n].copy_(pool.blocks(pool.k, src, n)[:, heads])
-        ov[:, :, dst : dst + n].copy_(pool.blocks(pool.v, src, n)[:, heads])
-    return len(runs)
-
-
-def write_blocks(pool: Pool, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-    """Copy canonical `k`/`v` `[layers, heads, len(block_ids) * 16, D]` into the pool's blocks."""
-    _write(pool, block_ids, k, v)
 
 
 def read_blocks_into(
@@ -203,7 +182,13 @@ def read_blocks_into(
     heads: slice,
 ) -> int:
     """Copy the pool's blocks into canonical `out_*` at `out_blocks`; returns copies per tensor."""
-    return _read_into(pool, out_k, out_v, block_ids, out_blocks, heads)
+    ok = split_blocks(out_k)
+    ov = split_blocks(out_v)
+    runs = paired_runs(block_ids, out_blocks)
+    for src, dst, n in runs:
+        ok[:, :, dst : dst + n].copy_(pool.blocks(pool.k, src, n)[:, heads])
+        ov[:, :, dst : dst + n].copy_(pool.blocks(pool.v, src, n)[:, heads])
+    return len(runs)
 
 
 @contextmanager
