@@ -42,7 +42,7 @@ from kvfleet_runtime.cache import (
     EvictedRun,
     PrefixCache,
 )
-from kvfleet_runtime.nvme._store import MODES, NvmeMode, NvmeStore, aligned_buffer
+from kvfleet_runtime.nvme._store import MODES, NvmeMode, NvmeStore, _runs, aligned_buffer
 
 __all__ = ["NvmeCollector", "NvmeTier", "NvmeTierStats"]
 
@@ -173,7 +173,7 @@ class NvmeTier:
             return
         data = _block_major(run.k, run.v)
         per_block = data.shape[1]
-        for lo, hi in _stretches(keep):
+        for lo, hi in _runs(keep):
             size = (hi - lo) * per_block
             with self._lock:
                 if self._pending_bytes + size > self.max_pending_bytes:
@@ -291,15 +291,6 @@ def _block_major(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     data = torch.stack([kb, vb], dim=1).contiguous()  # [n, 2, L, H, 16, D]
     return data.view(torch.uint8).reshape(n, -1)
 
-
-def _stretches(indices: Sequence[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
 
 
 class NvmeCollector(Collector):
