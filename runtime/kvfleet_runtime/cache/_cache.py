@@ -290,7 +290,8 @@ class PrefixCache:
                     num_copies += copy_runs(
                         pool, [nodes[i].block_id for i in pos], kv, [dst[i] for i in pos]
                     )
-            if self._is_t0(kv) and nodes and all(n.tier == Tier.T1 for n in nodes):
+            if (self._is_t0(kv) and self._manager.index.t0_enabled and nodes
+                    and all(n.tier == Tier.T1 for n in nodes)):
                 parent = nodes[0].parent
                 if parent is None or parent.tier == Tier.T0:
                     self._manager.promote_in_place(nodes, dst)
@@ -443,6 +444,29 @@ class PrefixCache:
             events = self._manager.drain_events()
         self._dispatch(events)
         return removed
+
+    @property
+    def t0_enabled(self) -> bool:
+        """T0 is here and on (the fleet config's `tiers.t0_device`)."""
+        return self._pools[0] is not None and self._manager.index.t0_enabled
+
+    def set_t0_enabled(self, enabled: bool) -> tuple[int, int]:
+        """T0 on or off, live (the fleet config's `tiers.t0_device`). Off: stores are no longer
+        indexed in place (a prompt's blocks are offered to T1 by copy, as without a T0, or not at
+        all when T1 is off too), lookups no longer hit T0, and every cached T0 block leaves T0
+        at once: demoted to T1 by copy when T1 is on and its policy takes it, else unreachable
+        and freed (a sequence that still holds one in its table keeps reading it until it
+        ends). On: stores are indexed in place again. Returns (blocks demoted to T1, blocks
+        removed from the index). The engine's pool is untouched: T0 off only means the cache
+        keeps none of it."""
+        with self._lock:
+            demoted, removed, moves = self._manager.set_t0_enabled(enabled)
+            # Copy out before the lock is released: the freed T0 slots may be taken right after.
+            self._capture_evicted()
+            execute_moves(self._pools, moves)
+            events = self._manager.drain_events()
+        self._dispatch(events)
+        return demoted, removed
 
     def set_eviction_sink(self, sink: Callable[[EvictedRun], None] | None) -> None:
         """Hand every block the host tier drops (T1, or T0 without a T1) to `sink`, with a copy

@@ -130,6 +130,9 @@ class BlockIndex:
         self._tick = 0
         self.t1_enabled = True
         """False (the fleet config's `tiers.t1_host` off): no slot of T1 is handed out."""
+        self.t0_enabled = True
+        """False (the fleet config's `tiers.t0_device` off): no slot of T0 is handed to the
+        cache (no store in place, no promotion), so nothing is filed in T0."""
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -262,7 +265,7 @@ class BlockIndex:
         is full of referenced blocks or of blocks that outrank the candidate: not enough room is
         not an error."""
         alloc = self.allocators[tier]
-        if tier == Tier.T1 and not self.t1_enabled:
+        if not (self.t1_enabled if tier == Tier.T1 else self.t0_enabled):
             return []
         ids = alloc.allocate(min(n, alloc.num_free)) or []
         skipped: list[BlockNode] = []
@@ -372,7 +375,7 @@ class BlockIndex:
         plan = _Plan()
         # Not detached blocks (T1 turned off under an in-flight hit): they leave at release.
         t1_nodes = [n for n in path if n.tier == Tier.T1 and n.namespace.valid]
-        if not t1_nodes or not self.allocators[Tier.T0].num_blocks:
+        if not t1_nodes or not self.allocators[Tier.T0].num_blocks or not self.t0_enabled:
             return plan
         weights = self.policy.candidate_weights([n.block_hash for n in t1_nodes])
         ids = self._reserve(Tier.T0, len(t1_nodes), weights, plan)
@@ -410,6 +413,109 @@ class BlockIndex:
                     ns = detached[id(node.namespace)] = Namespace(node.namespace.key, valid=False)
                 node.namespace = ns
         return gone
+
+    def disable_t0(self) -> tuple[_Plan, list[BlockNode]]:
+        """Turn T0 off: no more T0 slots for the cache, and every T0 block leaves T0 now.
+
+        Root first, a T0 block is demoted to T1 by copy when T1 is on and takes it (it must win
+        T1's duel as a candidate of its own weight, as an eviction's demotion does); otherwise it
+        leaves the index together with everything below it (its descendants are unreachable
+        without it). Referenced blocks are treated alike: a demoted one's in-flight hit reads it
+        from T1 (the sequence keeps its own ref on the T0 slot); a removed one keeps its slot and
+        data until that hit's release, in a detached namespace (as in `disable_t1`), and
+        unreferenced removed blocks free their slots now.
+
+        Returns the plan (the demotion copies, and the T1 blocks evicted to make room for them:
+        carry out its moves before anyone may take a T0 slot) and the blocks removed."""
+        self.t0_enabled = False
+        plan = _Plan()
+        children: dict[int, list[BlockNode]] = {}
+        for node in self._nodes.values():
+            if node.parent is not None:
+                children.setdefault(id(node.parent), []).append(node)
+        depth: dict[int, int] = {}
+
+        def depth_of(node: BlockNode) -> int:
+            above: list[BlockNode] = []
+            top: BlockNode | None = node
+            while top is not None and id(top) not in depth:
+                above.append(top)
+                top = top.parent
+            d = -1 if top is None else depth[id(top)]
+            for n in reversed(above):  # chains run to thousands of blocks: no recursion
+                d += 1
+                depth[id(n)] = d
+            return depth[id(node)]
+
+        t0 = sorted((n for n in self._nodes.values() if n.tier == Tier.T0), key=depth_of)
+        demoted: list[BlockNode] = []
+        gone: list[BlockNode] = []
+        for node in t0:
+            if self._nodes.get(node.block_hash) is not node:
+                continue  # it left with an ancestor
+            if self._demote_for_drain(node, plan):
+                demoted.append(node)
+            else:
+                self._unindex_subtree(node, children, gone)
+        for node in demoted:  # the drain's own hold (see `_demote_for_drain`)
+            node.ref_count -= 1
+        for node in demoted:
+            self._push(node)
+        self._order_demotions(demoted, plan)
+        return plan, gone
+
+    def _demote_for_drain(self, node: BlockNode, plan: _Plan) -> bool:
+        """Demote one T0 block to T1 for `disable_t0`, if T1 takes it. The block keeps one extra
+        ref until the drain ends, so that a later demotion of the same drain never evicts it from
+        T1 before its copy has run."""
+        if not self.t1_enabled or not self.allocators[Tier.T1].num_blocks:
+            return False
+        weights = self.policy.candidate_weights([node.block_hash])
+        node.ref_count += 1
+        got = self._reserve(Tier.T1, 1, weights, plan)
+        if not got:
+            node.ref_count -= 1
+            return False
+        plan.moves.append(Move(Tier.T0, node.block_id, Tier.T1, got[0]))
+        self.allocators[Tier.T0].free([node.block_id])
+        if node.pinned:
+            self.num_pinned -= 1
+            node.pinned = False
+        node.tier, node.block_id = Tier.T1, got[0]
+        self.counters[Tier.T0].num_demotions += 1
+        if node.parent is not None:
+            node.parent.num_t0_children -= 1
+        return True
+
+    def _unindex_subtree(
+        self, top: BlockNode, children: dict[int, list[BlockNode]], gone: list[BlockNode]
+    ) -> None:
+        """Remove `top` and every indexed block below it from the index (unreachable now);
+        unreferenced ones free their slots, referenced ones move to a detached namespace."""
+        parent = top.parent
+        if parent is not None:
+            parent.num_children -= 1
+            if top.tier == Tier.T0:
+                parent.num_t0_children -= 1
+            self._push(parent)
+        stack = [top]
+        detached: dict[int, Namespace] = {}
+        while stack:
+            node = stack.pop()
+            if self._nodes.get(node.block_hash) is not node:
+                continue
+            stack.extend(children.get(id(node), ()))
+            del self._nodes[node.block_hash]
+            node.namespace.num_blocks -= 1
+            self.counters[node.tier].num_evictions += 1
+            gone.append(node)
+            if node.ref_count == 0:
+                self._free_slot(node)
+            else:
+                ns = detached.get(id(node.namespace))
+                if ns is None:
+                    ns = detached[id(node.namespace)] = Namespace(node.namespace.key, valid=False)
+                node.namespace = ns
 
     def invalidate(self, weights_digest: str) -> tuple[int, list[BlockNode]]:
         """Make every block of a weights version unreachable; free the unreferenced ones now and

@@ -265,7 +265,8 @@ class CacheManager:
         resident = index.match(plan.hashes)
         start = len(resident)
         parent = resident[-1] if resident else None
-        if plan.placement is Placement.PINNED and index.allocators[Tier.T0].num_blocks:
+        if (plan.placement is Placement.PINNED and index.allocators[Tier.T0].num_blocks
+                and index.t0_enabled):
             tier, pinned = Tier.T0, True
         elif index.allocators[Tier.T1].num_blocks and index.t1_enabled:
             tier, pinned = Tier.T1, False
@@ -294,6 +295,8 @@ class CacheManager:
         T0 block holding chain block i. None when they cannot be indexed in place (the resident
         prefix ends in T1, or a block is already cached): then `commit` copies them instead."""
         index = self.index
+        if not index.t0_enabled:
+            return None  # T0 off: the prompt is offered to T1 by copy, as without a T0
         resident = index.match(plan.hashes)
         start = len(resident)
         parent = resident[-1] if resident else None
@@ -406,6 +409,27 @@ class CacheManager:
         for key, hashes in by_key.items():
             self.events.append(BlockEvent("removed", key, tuple(hashes)))
         return len(gone)
+
+    def set_t0_enabled(self, enabled: bool) -> tuple[int, int, list[Move]]:
+        """The fleet config's T0 toggle. Off drains T0 (see `BlockIndex.disable_t0`): blocks
+        demoted to T1 stay reachable (no event), removed ones are withdrawn from the hint index.
+        On files new blocks in T0 again. Returns (blocks demoted, blocks removed, the moves to
+        carry out: the demotion copies)."""
+        if enabled:
+            self.index.t0_enabled = True
+            return 0, 0, []
+        if not self.index.t0_enabled:
+            return 0, 0, []
+        plan, gone = self.index.disable_t0()
+        self._after(plan)  # T1 blocks evicted to make room for the demotions
+        by_key: dict[CacheKey, list[BlockHash]] = {}
+        for node in gone:
+            by_key.setdefault(node.namespace.key, []).append(node.block_hash)
+            self._tenant(node.namespace.key.tenant_id).num_evictions += 1
+        for key, hashes in by_key.items():
+            self.events.append(BlockEvent("removed", key, tuple(hashes)))
+        num_demoted = sum(1 for m in plan.moves if m.src_tier == Tier.T0)
+        return num_demoted, len(gone), plan.moves
 
     def drain_evicted(self) -> list[tuple[BlockNode, Tier]]:
         if not self.evicted:
