@@ -94,6 +94,24 @@ def load_fleet_config(path: Path) -> FleetConfig:
     return parse_fleet_config(text, str(path))
 
 
+def check_successor(
+    previous: FleetConfig | None, new: FleetConfig, source: str = "<fleet config>"
+) -> FleetConfig:
+    """`new`, unless it lacks the `generation` that the config in force had: the operator always
+    writes one, so a file without it after one with it is a truncated write that still parsed
+    (ValueError naming the source). Generations may go down: a recreated policy restarts at 1."""
+    if (
+        previous is not None
+        and "generation" in previous.model_fields_set
+        and "generation" not in new.model_fields_set
+    ):
+        raise ValueError(
+            f"{source}: no `generation` (the config in force has generation "
+            f"{previous.generation}): refusing what looks like a truncated write"
+        )
+    return new
+
+
 def dump_fleet_config(config: FleetConfig) -> str:
     """Canonical text (sorted JSON, which is also YAML): equal configs give equal bytes, so the
     operator's ConfigMap update is a no-op when nothing changed."""

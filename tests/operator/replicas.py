@@ -185,10 +185,10 @@ class ReplicaFarm:
         )
         if namespace in self.broken and "-canary-" in name:
             # A cache that cannot hold one system prompt: its hit rate never recovers. T0 is the
-            # engine's own KV (sized by engine.num_kv_blocks, any non-zero num_t0_blocks only
-            # turns it on), so T0 is off and the one-block T1 is the whole cache.
+            # engine's own KV (sized by engine.num_kv_blocks), so T0 is off and the one-block T1
+            # is the whole cache.
             env.update(
-                KVFLEET_REPLICA_CACHE__NUM_T0_BLOCKS="0", KVFLEET_REPLICA_CACHE__NUM_T1_BLOCKS="1"
+                KVFLEET_REPLICA_CACHE__T0_ENABLED="false", KVFLEET_REPLICA_CACHE__NUM_T1_BLOCKS="1"
             )
         log = (self.work_dir / f"{namespace}.{name}.log").open("wb")
         proc = subprocess.Popen(

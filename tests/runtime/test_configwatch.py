@@ -1,49 +1,110 @@
-"""The one config-file watcher: a change is reported once the file has held still for one poll."""
+"""The one config-file watcher: a change is handed out at the first poll that sees it whole (read
+twice, a settle delay apart, within that poll), never while a writer is at work, never empty; a
+rejected file keeps the config in force and is handed out again until it changes; a missing file
+keeps the config in force. The writer at work is the settle sleep itself (monkeypatched): a real
+writer thread would make the test depend on scheduling."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from kvfleet_runtime import configwatch
 from kvfleet_runtime.configwatch import ConfigFileWatcher
+from kvfleet_runtime.fleetconfig import check_successor, parse_fleet_config
 
 
-def test_a_change_is_reported_on_the_poll_after_it_settles(tmp_path: Path) -> None:
+def test_a_change_is_handed_out_at_the_first_poll_that_sees_it(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("a: 1\n")
     watcher = ConfigFileWatcher(path)
-    assert [watcher.poll(), watcher.poll()] == [False, False]  # what it started from: applied
+    assert [watcher.poll(), watcher.poll()] == [None, None]  # what it started from: applied
     path.write_text("a: 2\n")
-    assert watcher.poll() is False  # seen once: it may be half-written
-    assert watcher.poll() is True  # unchanged for one poll: apply it
-    assert watcher.poll() is False  # and only once
+    assert watcher.poll() == b"a: 2\n"  # this poll: no waiting for a second one
+    watcher.accept(b"a: 2\n")
+    assert (watcher.num_polls, watcher.applied_at_poll) == (3, 3)
+    assert watcher.poll() is None  # and only once
 
 
-def test_a_file_still_being_written_is_never_reported(tmp_path: Path) -> None:
+def test_content_that_changes_between_the_two_reads_is_not_handed_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("a: 1\n")
     watcher = ConfigFileWatcher(path)
-    seen = []
-    for partial in ("", "a:", "a: 3", "a: 3\nb:", "a: 3\nb: 4\n"):
-        path.write_text(partial)
-        seen.append(watcher.poll())
-    assert seen == [False] * 5
-    assert watcher.poll() is True  # the last content, settled
+    writes = iter(["a: 3\nb:", "a: 3\nb: 4\n"])
+
+    def writer_at_work(seconds: float) -> None:  # the settle sleep: the writer goes on
+        assert seconds == configwatch.DEFAULT_SETTLE_S
+        path.write_text(next(writes))
+
+    monkeypatch.setattr(configwatch.time, "sleep", writer_at_work)
+    path.write_text("a:")  # the write has begun
+    assert watcher.poll() is None  # "a:" then "a: 3\nb:": still being written
+    assert watcher.poll() is None  # "a: 3\nb:" then the whole file: still changed
+    assert watcher.num_unsettled == 2
+    monkeypatch.setattr(configwatch.time, "sleep", lambda seconds: None)
+    assert watcher.poll() == b"a: 3\nb: 4\n"  # the writer is done: read the same twice
 
 
-def test_a_change_that_reverts_before_settling_is_not_reported(tmp_path: Path) -> None:
+def test_an_empty_file_is_never_handed_out(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("a: 1\n")
     watcher = ConfigFileWatcher(path)
-    path.write_text("")  # truncated ...
-    assert watcher.poll() is False
-    path.write_text("a: 1\n")  # ... and rewritten with the same content
-    assert [watcher.poll(), watcher.poll()] == [False, False]
+    for empty in ("", "\n", "   \n\t"):  # truncated, about to be written: YAML says "defaults"
+        path.write_text(empty)
+        assert watcher.poll() is None
+    path.write_text("a: 2\n")
+    assert watcher.poll() == b"a: 2\n"
 
 
-def test_removal_and_return_are_changes(tmp_path: Path) -> None:
+def test_a_rejected_file_stays_rejected_until_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("a: 1\n")
+    watcher = ConfigFileWatcher(path)
+    path.write_text("a: [unclosed\n")
+    bad = watcher.poll()
+    assert bad == b"a: [unclosed\n" and watcher.repeated is False
+    watcher.reject(bad)
+    again = watcher.poll()  # retried at the next poll ...
+    assert again == bad and watcher.repeated is True  # ... and known to be reported already
+    watcher.reject(again)
+    assert watcher.applied_at_poll == 0  # the config in force is still the first one
+    path.write_text("a: 1\n")  # back to what is in force: nothing to do
+    assert watcher.poll() is None
+    path.write_text("a: 5\n")
+    assert watcher.poll() == b"a: 5\n" and watcher.repeated is False
+
+
+def test_removal_keeps_the_config_and_a_return_applies_only_new_content(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     watcher = ConfigFileWatcher(path)  # absent at start
+    assert watcher.poll() is None
     path.write_text("a: 1\n")
-    assert [watcher.poll(), watcher.poll()] == [False, True]
+    content = watcher.poll()
+    assert content == b"a: 1\n"
+    watcher.accept(content)
     path.unlink()
-    assert [watcher.poll(), watcher.poll()] == [False, True]
+    assert [watcher.poll(), watcher.poll()] == [None, None]  # the config in force stays
+    path.write_text("a: 1\n")
+    assert watcher.poll() is None  # back with what is in force
+    path.unlink()
+    path.write_text("a: 2\n")
+    assert watcher.poll() == b"a: 2\n"
+
+
+def test_the_settle_delay_must_not_be_negative(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="settle_s must be >= 0, got -1"):
+        ConfigFileWatcher(tmp_path / "x", settle_s=-1)
+
+
+def test_a_fleet_config_that_drops_the_generation_in_force_is_refused() -> None:
+    current = parse_fleet_config('{"generation": 4, "tiers": {"t1_host": false}}')
+    cut_short = parse_fleet_config("tiers:\n  t1_host: false\n")  # "generation: 4" was next
+    with pytest.raises(ValueError, match="no `generation` .*has generation 4.* truncated"):
+        check_successor(current, cut_short, "fleet.yaml")
+    # Lower generations pass (a recreated policy starts again), and so does the first config.
+    assert check_successor(current, parse_fleet_config('{"generation": 1}')).generation == 1
+    assert check_successor(None, cut_short) is cut_short
+    assert check_successor(parse_fleet_config("{}"), cut_short) is cut_short

@@ -98,7 +98,6 @@ class FleetOptions:
     num_replicas: int = 3
     redis_url: str | None = None
     num_kv_blocks: int = 512
-    num_t0_blocks: int = 256
     num_t1_blocks: int = 1024
     max_prompt_tokens: int = 4000
     cpu_threads: int = 1
@@ -269,7 +268,7 @@ class LocalFleet:
                        "max_body_bytes": 4 << 20},
             "engine": {"num_kv_blocks": opts.num_kv_blocks, "max_batch_size": 16,
                        "max_waiting": 256, "max_tokens_per_step": 2048},
-            "cache": {"enabled": cache_enabled, "num_t0_blocks": opts.num_t0_blocks,
+            "cache": {"enabled": cache_enabled, "t0_enabled": True,
                       "num_t1_blocks": opts.num_t1_blocks},
         }
         path = self._configs[name]

@@ -128,7 +128,7 @@ def _vmhwm_bytes(pid: int) -> int:
 def _kvfleet_once(model_dir: Path, threads: int, timeout_s: float) -> tuple[float, int, int]:
     port = _free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")},
-           "KVFLEET_REPLICA_CACHE__NUM_T0_BLOCKS": "16",
+           "KVFLEET_REPLICA_CACHE__T0_ENABLED": "true",
            "KVFLEET_REPLICA_CACHE__NUM_T1_BLOCKS": "0",
            "KVFLEET_REPLICA_ENGINE__NUM_KV_BLOCKS": "16",
            "KVFLEET_REPLICA_CPU_THREADS": str(threads)}

@@ -17,12 +17,16 @@ What it adds to the replica's aiohttp app:
 - `replica.before_submit`: before a request enters the engine, if the prompt's leading blocks are
   not all held here, ask the hint index for the peer with the longest run and import it over T2.
   The engine's own lookup then hits. Any failure: nothing imported, the engine prefills.
-- The fleet config file (if any) is watched (`configwatch`: applied once settled) and every tier
-  toggle applies live, within one poll, with no restart: `tiers.t2_peer` turns both fetching from
-  peers and serving them (T2 endpoint and held probe) on and off; `tiers.t1_host` off drains T1
-  (`PrefixCache.set_t1_enabled`); `tiers.nvme` / `tiers.nvme_shadow` set the T3 mode
-  (on / shadow / off). Its replica list resolves peer names to URLs before the index's own
-  registry. The load report carries T3's measured read bandwidth for the operator (`nvme`).
+- The fleet config file (if any) is watched (`configwatch`: applied at the first poll that sees
+  it, never half-written) and every tier toggle applies live, within that poll, with no restart:
+  `tiers.t0_device` off stops caching in the engine's KV and drains T0 into T1
+  (`Replica.sync_t0`, `PrefixCache.set_t0_enabled`; on only where `cache.t0_enabled` is too);
+  `tiers.t2_peer` turns both fetching from peers and serving them (T2 endpoint and held probe)
+  on and off; `tiers.t1_host` off drains T1 (`PrefixCache.set_t1_enabled`); `tiers.nvme` /
+  `tiers.nvme_shadow` set the T3 mode (on / shadow / off). The load report's `tiers` says what
+  is in force, with the config's generation and the poll that applied it. The config's replica
+  list resolves peer names to URLs before the index's own registry. The load report carries T3's
+  measured read bandwidth for the operator (`nvme`).
 
 The hint index (`hint_index_for`): Redis when `KVFLEET_REDIS_URL` is set; else, when a fleet config
 is configured, the peer probe (`fleet.probe`: each lookup asks the config's other replicas
@@ -65,7 +69,12 @@ from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintInd
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
 from kvfleet_runtime.fleet.transfer import ExportedRun, PeerFetcher, peer_routes
-from kvfleet_runtime.fleetconfig import FleetConfig, load_fleet_config
+from kvfleet_runtime.fleetconfig import (
+    FleetConfig,
+    check_successor,
+    load_fleet_config,
+    parse_fleet_config,
+)
 from kvfleet_runtime.nvme import mode_for
 from kvfleet_runtime.wire import (
     BLOCK_SIZE,
@@ -326,11 +335,17 @@ class FleetTier:
         """The toggles in force on this replica (what the operator published, as applied)."""
         cache = self.cache
         nvme = self.replica.nvme
+        watcher = self._watcher
         return {
+            "t0_device": cache.t0_enabled,
             "t1_host": cache.t1_enabled,
             "t2_peer": self.t2_enabled,
             "nvme": nvme.mode if nvme is not None else "absent",
             "generation": self.config.generation if self.config is not None else None,
+            # Polls of the fleet config file, and the one whose content is in force (0: the
+            # file as it was at start): a change applies at the first poll that sees it.
+            "config_polls": watcher.num_polls if watcher is not None else 0,
+            "applied_at_poll": watcher.applied_at_poll if watcher is not None else 0,
         }
 
     def serving_peers(self) -> bool:
@@ -349,20 +364,35 @@ class FleetTier:
             "bytes_fetched": stats.bytes_fetched if stats is not None else 0,
         }
 
-    def _reload_config(self) -> None:
+    def _reload_config(self, content: bytes | None = None) -> None:
+        """Load the fleet config (`content`: what the watcher read, else the file) and apply it;
+        a config that does not parse keeps the last good one. Runs in a worker thread after the
+        start (a T0 drain copies)."""
         path = self.settings.fleet_config
         if path is None:
             return
+        watcher = self._watcher
         try:
-            new = load_fleet_config(path)
+            if content is None:
+                new = load_fleet_config(path)
+            else:
+                new = parse_fleet_config(content.decode("utf-8", errors="replace"), str(path))
+            new = check_successor(self.config, new, str(path))
         except ValueError as exc:
-            log.error("fleet config rejected, keeping the last good one: %s", exc)
+            repeated = False
+            if content is not None and watcher is not None:
+                watcher.reject(content)
+                repeated = watcher.repeated
+            log.log(logging.DEBUG if repeated else logging.ERROR,
+                    "fleet config rejected, keeping the last good one: %s", exc)
             return
         self.config = new
         self._peer_urls = {
             r.name: r.url for r in new.replicas if r.ready and r.name != self.settings.name
         }
         self.apply_tiers(new)
+        if content is not None and watcher is not None:
+            watcher.accept(content)
 
     def apply_tiers(self, config: FleetConfig) -> None:
         """Every tier toggle of the fleet config, live."""
@@ -373,6 +403,9 @@ class FleetTier:
         if toggles.t1_host != self.cache.t1_enabled:
             removed = self.cache.set_t1_enabled(toggles.t1_host)
             log.info("T1 %s (%d blocks drained)", "on" if toggles.t1_host else "off", removed)
+        # After T1: T0 off demotes into T1 only when T1 is (now) on.
+        self.replica.t0_device = toggles.t0_device
+        self.replica.sync_t0()
         nvme = self.replica.nvme
         if nvme is not None:
             nvme.set_mode(mode_for(toggles.nvme, toggles.nvme_shadow))
@@ -385,8 +418,10 @@ class FleetTier:
             if now >= next_register:
                 next_register = now + self.settings.register_every_s
                 await self.index.register_host(self.settings.name, self.settings.peer_url)
-            if self._watcher is not None and self._watcher.poll():
-                self._reload_config()
+            if self._watcher is not None:
+                content = await asyncio.to_thread(self._watcher.poll)
+                if content is not None:
+                    await asyncio.to_thread(self._reload_config, content)
             await asyncio.sleep(self.settings.config_poll_s)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:

@@ -19,7 +19,13 @@ from pathlib import Path
 import aiohttp
 
 from kvfleet_runtime.configwatch import ConfigFileWatcher
-from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, load_fleet_config
+from kvfleet_runtime.fleetconfig import (
+    FleetConfig,
+    ReplicaEndpoint,
+    check_successor,
+    load_fleet_config,
+    parse_fleet_config,
+)
 from kvfleet_runtime.routing import ReplicaLoad, home_sets
 from kvfleet_runtime.wire import LOAD_PATH, LoadReport, parse_load_report
 
@@ -64,19 +70,34 @@ class FleetView:
 
     # -- config ------------------------------------------------------------------------------
 
-    def reload_config(self) -> bool:
-        """Re-read the config file; on a parse error keep the last good config. True if applied."""
+    def reload_config(self, content: bytes | None = None) -> bool:
+        """Load the config (`content`: what the watcher read, else the file); on a parse error,
+        or a config that drops the generation in force (`check_successor`), keep the last good
+        config. True if applied."""
         if self.config_path is None:
             return False
+        watcher = self._watcher
         try:
-            new = load_fleet_config(self.config_path)
+            if content is None:
+                new = load_fleet_config(self.config_path)
+            else:
+                text = content.decode("utf-8", errors="replace")
+                new = parse_fleet_config(text, str(self.config_path))
+            new = check_successor(self.config, new, str(self.config_path))
         except ValueError as exc:
             self.config_errors += 1
-            log.error("fleet config rejected, keeping the last good one: %s", exc)
+            repeated = False
+            if content is not None and watcher is not None:
+                watcher.reject(content)
+                repeated = watcher.repeated
+            log.log(logging.DEBUG if repeated else logging.ERROR,
+                    "fleet config rejected, keeping the last good one: %s", exc)
             return False
         if new != self.config:
             self.config = new
             self._apply()
+        if content is not None and watcher is not None:
+            watcher.accept(content)
         return True
 
     def _endpoints(self) -> dict[str, str]:
@@ -195,15 +216,16 @@ class FleetView:
         self, session: aiohttp.ClientSession, *, poll_interval_s: float, config_poll_s: float
     ) -> None:
         """Poll loads every `poll_interval_s` and the config file every `config_poll_s` (a change
-        applies once the file has settled for one more poll)."""
+        applies at the first poll that sees it whole: `configwatch`)."""
         loop = asyncio.get_running_loop()
         next_config = next_load = loop.time()
         while True:
             now = loop.time()
             if self._watcher is not None and now >= next_config:
                 next_config = now + config_poll_s
-                if self._watcher.poll():
-                    self.reload_config()
+                content = await asyncio.to_thread(self._watcher.poll)
+                if content is not None:
+                    self.reload_config(content)
             if now >= next_load:
                 next_load = now + poll_interval_s
                 with contextlib.suppress(Exception):

@@ -114,9 +114,32 @@ class Replica:
     nvme: NvmeTier | None = None
     """T3, when `cache.nvme_path` and `cache.nvme_capacity_bytes` are set and the path can hold
     it; its mode follows `cache.nvme_mode`, or the fleet config's toggles when there is one."""
+    t0_device: bool = True
+    """The fleet config's `tiers.t0_device` (True without a fleet config); T0 is on when this and
+    `config.cache.t0_enabled` both are (`sync_t0`)."""
+    config_polls: int = 0
+    """Polls of the config file so far (0 without one)."""
+    config_applied_at_poll: int = 0
+    """The poll at which the config in force was applied (0: the one it started with)."""
     before_submit: Callable[[str, list[int]], Awaitable[None]] | None = None
     """Set by the fleet tier (`kvfleet_runtime.fleet.wiring`): fetch the prompt's prefix from a
     peer before the engine looks it up. Never raises; on any failure the engine prefills."""
+
+    def sync_t0(self) -> None:
+        """Turn T0 on or off to match `cache.t0_enabled` and the fleet's `tiers.t0_device` (both
+        must say on). Off drains T0 (`PrefixCache.set_t0_enabled`: a copy of every cached T0
+        block to T1), so callers on the event loop run this in a worker thread."""
+        cache = self.cache
+        if cache is None or cache.device_kv is None:
+            return
+        wanted = self.config.cache.t0_enabled and self.t0_device
+        if wanted == cache.t0_enabled:
+            return
+        demoted, removed = cache.set_t0_enabled(wanted)
+        if wanted:
+            log.info("T0 on: prompts are cached in the engine's KV again")
+        else:
+            log.info("T0 off: %d blocks demoted to T1, %d dropped", demoted, removed)
 
 
 def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
@@ -146,10 +169,11 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
     cache_cfg = config.cache
     e = config.engine
     # One block pool per device: the engine's KV is the cache's T0 (cached prefixes and
-    # in-flight sequences compete for the same blocks; num_t0_blocks 0 turns T0 off).
+    # in-flight sequences compete for the same blocks). Always bound, so that T0 can be turned
+    # on and off live (`cache.t0_enabled`, the fleet config's `tiers.t0_device`).
     kv = PagedKV.allocate(args, e.num_kv_blocks, device=device)
     cache = PrefixCache(
-        CacheConfig(num_t0_blocks=e.num_kv_blocks if cache_cfg.num_t0_blocks else 0,
+        CacheConfig(num_t0_blocks=e.num_kv_blocks,
                     num_t1_blocks=cache_cfg.num_t1_blocks,
                     admit_min_sightings=cache_cfg.admit_min_sightings,
                     store_queue_max_entries=cache_cfg.store_queue_max_entries),
@@ -157,8 +181,10 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
         clock=time.monotonic,
         device=device,
         registry=registry,
-        device_kv=kv if cache_cfg.num_t0_blocks else None,
+        device_kv=kv,
     )
+    if not cache_cfg.t0_enabled:
+        cache.set_t0_enabled(False)
     engine = Engine(
         loaded.model,
         CacheKeyFields.for_model(loaded, model_id, deterministic=config.engine.deterministic),
@@ -203,7 +229,8 @@ def _build_nvme(cache: PrefixCache, settings: CacheSettings,
 # ---- config reload ---------------------------------------------------------------------------
 
 def apply_config(replica: Replica, new: ReplicaConfig) -> list[str]:
-    """Apply the live fields of `new`; returns the changed fields that need a restart."""
+    """Apply the live fields of `new`; returns the changed fields that need a restart. May copy
+    (T0 off drains it): run it off the event loop."""
     pending = restart_fields(replica.boot_config or replica.config, new)
     e = new.engine
     replica.engine.config = dataclasses.replace(
@@ -213,27 +240,34 @@ def apply_config(replica: Replica, new: ReplicaConfig) -> list[str]:
     if replica.nvme is not None and new.cache.nvme_mode != replica.config.cache.nvme_mode:
         replica.nvme.set_mode(new.cache.nvme_mode)
     replica.config = new
+    replica.sync_t0()
     replica.restart_pending = pending
     return pending
 
 
 async def watch_config(replica: Replica) -> None:
-    """Poll the config file; apply a changed, valid file; keep the last good config otherwise."""
+    """Poll the config file; apply a changed, valid file at the first poll that sees it; keep
+    the last good config otherwise (`configwatch`: a half-written file is never applied)."""
     path = replica.config_path
-    assert path is not None
-    watcher = ConfigFileWatcher(path)  # settle-then-apply: a half-written file is never parsed
+    assert path is not None and replica.reloads is not None
+    watcher = ConfigFileWatcher(path)
     while True:
         await asyncio.sleep(replica.config.config_poll_interval_s)
-        if not watcher.poll():
+        content = await asyncio.to_thread(watcher.poll)
+        replica.config_polls = watcher.num_polls
+        if content is None:
             continue
-        assert replica.reloads is not None
         try:
-            new = load_config(path, overrides=replica.overrides)
+            new = load_config(path, overrides=replica.overrides, content=content)
         except ValueError as exc:
+            watcher.reject(content)
             replica.reloads.labels("rejected").inc()
-            log.error("config reload rejected, keeping the last good config: %s", exc)
+            log.log(logging.DEBUG if watcher.repeated else logging.ERROR,
+                    "config reload rejected, keeping the last good config: %s", exc)
             continue
-        pending = apply_config(replica, new)
+        pending = await asyncio.to_thread(apply_config, replica, new)
+        watcher.accept(content)
+        replica.config_applied_at_poll = watcher.applied_at_poll
         replica.reloads.labels("applied").inc()
         log.info("config reloaded from %s%s", path,
                  f"; needs a restart to apply: {', '.join(pending)}" if pending else "")
@@ -339,6 +373,8 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
         data["totals"]["token_hit_rate"] = stats.totals.token_hit_rate
         data["totals"]["request_hit_rate"] = stats.totals.request_hit_rate
         data["enabled"] = enabled
+        data["t0_enabled"] = cache.t0_enabled
+        data["t1_enabled"] = cache.t1_enabled
         return web.json_response(data)
 
     async def invalidate(request: web.Request) -> web.StreamResponse:
@@ -362,7 +398,9 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
     async def readyz(request: web.Request) -> web.StreamResponse:
         body = {"status": "ready" if replica.ready else "not_ready", "model": replica.model_id,
                 "weights_digest": replica.loaded.weights_digest,
-                "restart_pending": replica.restart_pending}
+                "restart_pending": replica.restart_pending,
+                "config_polls": replica.config_polls,
+                "config_applied_at_poll": replica.config_applied_at_poll}
         return web.json_response(body, status=200 if replica.ready else 503)
 
     async def openapi(request: web.Request) -> web.StreamResponse:

@@ -2,9 +2,10 @@
 
 Precedence, lowest first: defaults, the file, `KVFLEET_REPLICA_*` environment variables (nested
 fields with `__`: `KVFLEET_REPLICA_LIMITS__MAX_TOKENS=64`), then command-line flags. The file is
-watched; a change to a live field (limits, batching, `cache.enabled`, `cache.nvme_mode`) applies
-without a restart, a change to anything else is reported as needing one, and a broken file keeps
-the last good config.
+watched; a change to a live field (limits, batching, `cache.enabled`, `cache.t0_enabled`,
+`cache.nvme_mode`) applies without a restart, a change to anything else is reported as needing
+one, and a broken file keeps the last good config. A key that was renamed is refused with its new
+name (`RENAMED_FIELDS`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "CONFIG_ENV",
     "ENV_PREFIX",
     "LIVE_FIELDS",
+    "RENAMED_FIELDS",
     "CacheSettings",
     "EngineSettings",
     "Limits",
@@ -75,9 +77,11 @@ class EngineSettings(_Strict):
 class CacheSettings(_Strict):
     enabled: bool = True
     """Off: every request is a miss and nothing is stored (live: the pools stay allocated)."""
-    num_t0_blocks: int = Field(default=512, ge=0)
-    """0 turns T0 off; otherwise T0 is the engine's KV itself (`engine.num_kv_blocks` blocks shared
-    by in-flight sequences and cached prefixes), whatever the number."""
+    t0_enabled: bool = True
+    """Live. T0 is the engine's KV itself (`engine.num_kv_blocks` blocks shared by in-flight
+    sequences and cached prefixes): on, a prompt's blocks are cached where they are; off, the
+    cache keeps none of them (stores go to T1 by copy). A fleet config's `tiers.t0_device` can
+    turn it off too: T0 is used only when both say on."""
     num_t1_blocks: int = Field(default=2048, ge=0)
     admit_min_sightings: int = Field(default=1, ge=1)
     """The shipped policy's default (`CacheConfig`): store on first sighting, stricter while the
@@ -120,8 +124,14 @@ class ReplicaConfig(_Strict):
 
 LIVE_FIELDS = frozenset({
     "limits", "engine.max_batch_size", "engine.max_waiting", "engine.max_tokens_per_step",
-    "cache.enabled", "cache.nvme_mode", "config_poll_interval_s",
+    "cache.enabled", "cache.t0_enabled", "cache.nvme_mode", "config_poll_interval_s",
 })
+
+RENAMED_FIELDS: dict[str, tuple[str, str]] = {
+    "cache.num_t0_blocks": ("cache.t0_enabled", "true or false: T0 is the engine's KV, its size "
+                                                "is engine.num_kv_blocks"),
+}
+"""Keys a config may still carry from an older release -> what replaced them."""
 
 
 def restart_fields(old: ReplicaConfig, new: ReplicaConfig) -> list[str]:
@@ -172,24 +182,44 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _check_renamed(source: Mapping[str, Any], where: str) -> None:
+    """A key an older release knew: a clear error naming its replacement (not pydantic's
+    "extra inputs are not permitted")."""
+    for old, (new, hint) in RENAMED_FIELDS.items():
+        section, name = old.split(".")
+        sub = source.get(section)
+        if isinstance(sub, Mapping) and name in sub:
+            env_old = ENV_PREFIX + old.upper().replace(".", "__")
+            env_new = ENV_PREFIX + new.upper().replace(".", "__")
+            raise ValueError(f"invalid replica config: {old} ({where}) was replaced by {new} "
+                             f"({hint}); in the environment, {env_old} by {env_new}")
+
+
 def load_config(
     path: Path | None = None,
     *,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    content: bytes | str | None = None,
 ) -> ReplicaConfig:
-    """Build the config; raises ValueError naming the bad file, field or value."""
+    """Build the config; raises ValueError naming the bad file, field or value. `content`: the
+    file's text as already read (the config watcher's), parsed instead of reading `path`."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            text = Path(path).read_bytes() if content is None else content
+            loaded = yaml.safe_load(text) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise ValueError(f"cannot read config file {path}: {exc}") from exc
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {path} must hold a mapping, got {type(loaded).__name__}")
         data = loaded
-    data = _merge(data, _env_overrides(os.environ if environ is None else environ))
+        _check_renamed(data, f"in {path}")
+    env = _env_overrides(os.environ if environ is None else environ)
+    _check_renamed(env, "from the environment")
+    data = _merge(data, env)
     data = _merge(data, overrides or {})
+    _check_renamed(overrides or {}, "in the overrides")
     try:
         return ReplicaConfig.model_validate(data)
     except ValidationError as exc:

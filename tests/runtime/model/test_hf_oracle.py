@@ -373,7 +373,7 @@ def test_replica_serves_in_the_chosen_dtype(cases: dict[str, Case], tmp_path: Pa
     (served / "config.json").write_text(json.dumps(config_json))
     config = load_config(None, environ={}, overrides={
         "model_dir": str(served), "device": "cpu", "dtype": "bf16",
-        "engine": {"num_kv_blocks": 8}, "cache": {"num_t0_blocks": 8, "num_t1_blocks": 8}})
+        "engine": {"num_kv_blocks": 8}, "cache": {"t0_enabled": True, "num_t1_blocks": 8}})
     replica = build_replica(config)
     assert replica.loaded.model.lm_head.weight.dtype == torch.bfloat16
     assert replica.engine.kv.k.dtype == torch.bfloat16

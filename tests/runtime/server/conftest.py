@@ -31,7 +31,7 @@ TEST_CONFIG: dict[str, Any] = {
     "config_poll_interval_s": 0.1,
     "limits": {"max_prompt_tokens": 256, "max_tokens": 32, "max_body_bytes": 65536},
     "engine": {"num_kv_blocks": 512, "max_batch_size": 16, "max_waiting": 512},
-    "cache": {"num_t0_blocks": 256, "num_t1_blocks": 512, "admit_min_sightings": 2},
+    "cache": {"t0_enabled": True, "num_t1_blocks": 512, "admit_min_sightings": 2},
 }
 
 

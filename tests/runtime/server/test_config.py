@@ -56,8 +56,8 @@ def test_restart_fields_lists_only_non_live_changes() -> None:
         "port": 1, "limits": {"max_tokens": 5}, "engine": {"num_kv_blocks": 7, "max_batch_size": 2,
                                                            "max_tokens_per_step": 512,
                                                            "deterministic": True},
-        "cache": {"enabled": False, "num_t0_blocks": 3},
+        "cache": {"enabled": False, "t0_enabled": False, "num_t1_blocks": 3},
     })
-    # the budget applies live; determinism changes the cache key, so it waits for a restart
+    # the budget and T0 apply live; determinism changes the cache key, so it waits for a restart
     assert restart_fields(old, new) == ["port", "engine.num_kv_blocks", "engine.deterministic",
-                                        "cache.num_t0_blocks"]
+                                        "cache.num_t1_blocks"]

@@ -6,11 +6,10 @@ stores in place again."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvfleet_runtime.cache import BlockEvent, Hit, Miss, StoreOutcome, Tier
-import pytest
-
 from tests.runtime.cache.conftest import FakeClock, make_key
 from tests.runtime.cache.test_t0_pool import bound, compute, pool, prompt, run_sequence
 

@@ -117,7 +117,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 "KVFLEET_HINT_LOOKUP_BUDGET_S": "2.0",
                 # T0 is the engine's own KV: with it off every stored prompt lands in T1, the
                 # tier these toggles drain, serve to peers and evict into T3.
-                "KVFLEET_REPLICA_CACHE__NUM_T0_BLOCKS": "0",
+                "KVFLEET_REPLICA_CACHE__T0_ENABLED": "false",
             }
             if name == "r0":  # a small T1, so that a few prompts push one out of T1 into T3
                 env |= {
