@@ -102,7 +102,7 @@ def test_the_settle_delay_must_not_be_negative(tmp_path: Path) -> None:
 def test_a_fleet_config_that_drops_the_generation_in_force_is_refused() -> None:
     current = parse_fleet_config('{"generation": 4, "tiers": {"t1_host": false}}')
     cut_short = parse_fleet_config("tiers:\n  t1_host: false\n")  # "generation: 4" was next
-    with pytest.raises(ValueError, match="no `generation` .*has generation 4.* truncated"):
+    with pytest.raises(ValueError, match=r"no `generation` .*has generation 4.* truncated"):
         check_successor(current, cut_short, "fleet.yaml")
     # Lower generations pass (a recreated policy starts again), and so does the first config.
     assert check_successor(current, parse_fleet_config('{"generation": 1}')).generation == 1

@@ -61,3 +61,35 @@ def test_restart_fields_lists_only_non_live_changes() -> None:
     # the budget and T0 apply live; determinism changes the cache key, so it waits for a restart
     assert restart_fields(old, new) == ["port", "engine.num_kv_blocks", "engine.deterministic",
                                         "cache.num_t1_blocks"]
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "where"),
+    [
+        ("cache: {num_t0_blocks: 512}\n", {}, "in "),
+        ("", {"KVFLEET_REPLICA_CACHE__NUM_T0_BLOCKS": "0"}, "from the environment"),
+    ],
+)
+def test_the_old_t0_key_is_refused_naming_its_replacement(
+    tmp_path: Path, text: str, env: dict[str, str], where: str
+) -> None:
+    path = tmp_path / "replica.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_config(path, environ=env)
+    message = str(err.value)
+    assert f"cache.num_t0_blocks ({where}" in message
+    assert "was replaced by cache.t0_enabled (true or false" in message
+    assert "KVFLEET_REPLICA_CACHE__NUM_T0_BLOCKS by KVFLEET_REPLICA_CACHE__T0_ENABLED" in message
+    with pytest.raises(ValueError, match=r"cache\.num_t0_blocks \(in the overrides\)"):
+        load_config(None, environ={}, overrides={"cache": {"num_t0_blocks": 1}})
+
+
+def test_t0_enabled_is_a_live_boolean(tmp_path: Path) -> None:
+    path = tmp_path / "replica.yaml"
+    path.write_text("cache: {t0_enabled: false}\n")
+    cfg = load_config(path, environ={"KVFLEET_REPLICA_CACHE__T0_ENABLED": "true"})
+    assert cfg.cache.t0_enabled is True  # the environment wins over the file
+    assert ReplicaConfig().cache.t0_enabled is True
+    assert restart_fields(ReplicaConfig(), cfg.model_copy(
+        update={"cache": cfg.cache.model_copy(update={"t0_enabled": False})})) == []
