@@ -1,6 +1,6 @@
 """Property tests: random interleavings of lookup / materialize / store / drain / release /
-invalidate never free a referenced block, never leak or double-count one, never return KV whose
-chain does not match the query, and never cross tenants."""
+invalidate / T0 and T1 on and off never free a referenced block, never leak or double-count one,
+never return KV whose chain does not match the query, and never cross tenants."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from kvfleet_runtime.cache import (
     Hit,
     KVLayout,
     PrefixCache,
+    Tier,
     block_hashes,
 )
 from kvfleet_runtime.cache._index import _GONE
@@ -103,6 +104,15 @@ class CacheMachine(RuleBasedStateMachine):
     def invalidate(self, digest: str) -> None:
         self.cache.invalidate(digest)
 
+    @rule(on=st.booleans())
+    def toggle_t0(self, on: bool) -> None:
+        # The fleet config's tiers.t0_device: off demotes T0 into T1 or drops it, under held hits.
+        self.cache.set_t0_enabled(on)
+
+    @rule(on=st.booleans())
+    def toggle_t1(self, on: bool) -> None:
+        self.cache.set_t1_enabled(on)
+
     @rule(seconds=st.floats(0.0, 3.0))
     def tick(self, seconds: float) -> None:
         self.clock.advance(seconds)
@@ -115,6 +125,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache._manager.index.check_invariants(held_nodes)
         stats = self.cache.stats()
         assert sum(t.num_blocks_used for t in stats.tiers) >= stats.num_indexed_blocks
+        index = self.cache._manager.index
+        if not self.cache.t0_enabled:  # T0 off: nothing reachable lives in T0
+            assert all(n.tier != Tier.T0 for n in index.nodes())
+        if not self.cache.t1_enabled:
+            assert all(n.tier != Tier.T1 for n in index.nodes())
 
 
 TestCacheMachine = CacheMachine.TestCase

@@ -6,12 +6,24 @@ stores in place again."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvfleet_runtime.cache import BlockEvent, Hit, Miss, StoreOutcome, Tier
+from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent, Hit, Miss, StoreOutcome, Tier
 from tests.runtime.cache.conftest import FakeClock, make_key
-from tests.runtime.cache.test_t0_pool import bound, compute, pool, prompt, run_sequence
+from tests.runtime.cache.test_t0_pool import (
+    _expected,
+    _fill,
+    bound,
+    compute,
+    pool,
+    prompt,
+    run_sequence,
+)
 
 
 @pytest.fixture
@@ -185,3 +197,77 @@ def test_t0_off_on_a_cache_that_serves_alone_demotes_through_the_same_path(
     cache.release(hit)
     assert used(cache) == (0, 2)
     cache._manager.index.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["start", "finish", "t0", "drain"]), st.integers(0, 5),
+                          st.lists(st.integers(0, 2), min_size=1, max_size=3), st.booleans()),
+                min_size=1, max_size=40))
+def test_t0_toggling_under_running_sequences_never_shows_wrong_data_or_leaks_a_block(
+    ops: list[tuple[str, int, list[int], bool]],
+) -> None:
+    """As the shared-pool property test (tests/runtime/cache/test_t0_pool.py), with T0 turned on
+    and off at random between sequence starts and finishes on a 10-block pool with a 4-block T1:
+    a running sequence's blocks keep its own KV, whatever the cache hands out is the KV of exactly
+    those tokens, nothing lives in T0 while it is off, and every block comes back at the end."""
+    kv = pool(10)
+    cache = bound(kv, FakeClock(), t1=4)
+    key = make_key()
+    running: list[tuple[list[int], list[int], Hit | None]] = []
+    for op, pick, pattern, on in ops:
+        if op == "start":
+            tokens = [t * 100 + i for t in pattern for i in range(BLOCK_SIZE)] + [9, 9]
+            n_blocks = len(pattern)
+            hit = cache.lookup(key, tokens)
+            held = hit if isinstance(hit, Hit) else None
+            usable = min(len(held.blocks), n_blocks) if held else 0
+            shared = cache.share_prefix(held, kv, usable) if held else []
+            fresh = kv.take(n_blocks + 1 - len(shared))
+            if fresh is None:
+                kv.give_back(shared)
+                if held:
+                    cache.release(held)
+                continue
+            table = shared + fresh
+            if held:
+                cache.copy_into(held, kv, table, len(shared), usable)
+            for b in range(usable):
+                assert kv.k[0, table[b], 0, 0, 0].item() == _expected(tokens, b)
+            for b in range(usable, n_blocks + 1):
+                assert kv.refs.ref_count(table[b]) == 1 and not kv.refs.is_cached(table[b])
+                _fill(kv, table[b], _expected(tokens, b))
+            cache.store_blocks(key, tokens[: n_blocks * BLOCK_SIZE], kv, table)
+            running.append((tokens, table, held))
+        elif op == "finish" and running:
+            tokens, table, held = running.pop(pick % len(running))
+            kv.give_back(table)
+            if held:
+                cache.release(held)
+        elif op == "t0":
+            cache.set_t0_enabled(on)
+        elif op == "drain":
+            cache.drain_store_queue()
+        for tokens, table, _ in running:
+            for b, block_id in enumerate(table):
+                assert kv.refs.ref_count(block_id) >= 1
+                assert kv.k[0, block_id, 0, 0, 0].item() == _expected(tokens, b)
+        if not cache.t0_enabled:
+            assert all(n.tier != Tier.T0 for n in cache._manager.index.nodes())
+        cache._manager.index.check_invariants([n for _, _, h in running if h for n in h._path])
+    for _, table, held in running:
+        kv.give_back(table)
+        if held:
+            cache.release(held)
+    cache.drain_store_queue()
+    for pattern in itertools.chain.from_iterable(
+        itertools.product(range(3), repeat=n) for n in (1, 2, 3)
+    ):
+        tokens = [t * 100 + i for t in pattern for i in range(BLOCK_SIZE)]
+        for b, h in enumerate(cache.block_hashes(key, tokens)):
+            got = cache.read_blocks([h])
+            if got is not None:
+                assert got[0][0, 0, 0, 0].item() == _expected(tokens, b)
+                assert got[1][0, 0, 0, 0].item() == -_expected(tokens, b)
+    assert kv.num_free_blocks == kv.num_blocks
+    cache.set_t0_enabled(False)
+    assert (kv.refs.num_free, kv.num_cached_blocks) == (10, 0)  # every block back to the engine
