@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import re
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -124,6 +125,9 @@ class Replica:
     before_submit: Callable[[str, list[int]], Awaitable[None]] | None = None
     """Set by the fleet tier (`kvfleet_runtime.fleet.wiring`): fetch the prompt's prefix from a
     peer before the engine looks it up. Never raises; on any failure the engine prefills."""
+    _t0_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    """Serializes `sync_t0`: the replica config and the fleet config are applied on different
+    worker threads, and the second to run must see both inputs."""
 
     def sync_t0(self) -> None:
         """Turn T0 on or off to match `cache.t0_enabled` and the fleet's `tiers.t0_device` (both
@@ -132,10 +136,11 @@ class Replica:
         cache = self.cache
         if cache is None or cache.device_kv is None:
             return
-        wanted = self.config.cache.t0_enabled and self.t0_device
-        if wanted == cache.t0_enabled:
-            return
-        demoted, removed = cache.set_t0_enabled(wanted)
+        with self._t0_lock:
+            wanted = self.config.cache.t0_enabled and self.t0_device
+            if wanted == cache.t0_enabled:
+                return
+            demoted, removed = cache.set_t0_enabled(wanted)
         if wanted:
             log.info("T0 on: prompts are cached in the engine's KV again")
         else:
