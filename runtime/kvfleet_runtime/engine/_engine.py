@@ -7,7 +7,11 @@ never written, since computation resumes at the first unmatched block); fresh bl
 copied into the first fresh ones, one copy per run; prefill the unmatched suffix in block-aligned
 chunks, decode, index the prompt's full blocks in the cache where they are (`store_blocks`, after
 the first token is on its way), give the blocks back and `release` the hit's refs when the
-request ends. Every cache failure degrades to recompute.
+request ends. Every cache failure degrades to recompute. With T0 turned off (the cache's
+`set_t0_enabled(False)`, the fleet config's `tiers.t0_device`), the same calls need no other path
+here: a hit has no T0 blocks to share, so all of it is copied from T1, and `store_blocks` queues a
+copy into T1 (QUEUED, for the drain task) instead of indexing the blocks in place; a sequence
+already running on shared T0 blocks keeps them until it ends.
 
 Concurrency: one asyncio scheduler task admits requests between steps; each step runs on one
 dedicated worker thread (torch releases the GIL, so the HTTP server stays responsive). All model
