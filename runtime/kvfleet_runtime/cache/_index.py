@@ -100,6 +100,12 @@ class _Plan:
     dropped: list[BlockNode] = field(default_factory=list)
     dropped_from: list[int] = field(default_factory=list)
     """The tier each `dropped` block left (its slot still holds its data until `moves` run)."""
+    held: list[BlockNode] = field(default_factory=list)
+    """Blocks demoted T0 -> T1 by this plan, each holding one extra ref until the plan is
+    complete (`BlockIndex.release_held`): a later eviction of the same plan must not drop one
+    from T1 before its copy has run. Its T1 slot would be read for the eviction sink (T3) before
+    the data is there, and handed to a second block (two moves into one slot, and two blocks
+    holding it once `_order_demotions` renumbers them)."""
 
 
 class BlockIndex:
@@ -311,7 +317,8 @@ class BlockIndex:
                 if victim.parent is not None:
                     victim.parent.num_t0_children -= 1
                     self._push(victim.parent)
-                self._push(victim)
+                victim.ref_count += 1  # until the plan is complete (`_Plan.held`)
+                plan.held.append(victim)
                 return True
         if victim.num_children:
             return False
@@ -328,11 +335,15 @@ class BlockIndex:
         *,
         tier: Tier,
         pinned: bool,
+        held: list[BlockNode] | None = None,
     ) -> tuple[list[BlockNode], _Plan]:
         """Index new blocks below `parent` (the chain's resident prefix), as many as fit.
 
         The returned nodes are referenced (the caller writes their data, then releases them), so
-        the blocks cannot be evicted before their data is there."""
+        the blocks cannot be evicted before their data is there. `held`: a caller that plans
+        more before it carries out the moves (a write in segments) collects the demoted blocks
+        there and releases them with `release_held` once its last step is planned; without it,
+        they are released when this insert is planned."""
         plan = _Plan()
         if parent is not None:
             tier = max(tier, Tier(parent.tier))  # monotone tiers along a chain
@@ -368,7 +379,20 @@ class BlockIndex:
         if pinned:
             self.num_pinned += len(nodes)
         self.counters[tier].num_stored += len(nodes)
+        if held is None:
+            self.release_held(plan.held)
+        else:
+            held.extend(plan.held)
+        plan.held = []
         return nodes, plan
+
+    def release_held(self, nodes: list[BlockNode]) -> None:
+        """End the holds of demoted blocks (`_Plan.held`): they are evictable in T1 again."""
+        for node in nodes:
+            node.ref_count -= 1
+        for node in nodes:
+            self._push(node)
+        nodes.clear()
 
     def promote(self, path: list[BlockNode]) -> _Plan:
         """Move the T1 suffix of a referenced path into T0, as far as T0 has room."""
@@ -386,6 +410,7 @@ class BlockIndex:
             if node.parent is not None:
                 node.parent.num_t0_children += 1
             self.counters[Tier.T1].num_promotions += 1
+        self.release_held(plan.held)
         return plan
 
     def disable_t1(self) -> list[BlockNode]:
@@ -457,17 +482,13 @@ class BlockIndex:
                 demoted.append(node)
             else:
                 self._unindex_subtree(node, children, gone)
-        for node in demoted:  # the drain's own hold (see `_demote_for_drain`)
-            node.ref_count -= 1
-        for node in demoted:
-            self._push(node)
         self._order_demotions(demoted, plan)
+        self.release_held(plan.held)
         return plan, gone
 
     def _demote_for_drain(self, node: BlockNode, plan: _Plan) -> bool:
-        """Demote one T0 block to T1 for `disable_t0`, if T1 takes it. The block keeps one extra
-        ref until the drain ends, so that a later demotion of the same drain never evicts it from
-        T1 before its copy has run."""
+        """Demote one T0 block to T1 for `disable_t0`, if T1 takes it (held until the drain is
+        planned, `_Plan.held`)."""
         if not self.t1_enabled or not self.allocators[Tier.T1].num_blocks:
             return False
         weights = self.policy.candidate_weights([node.block_hash])
@@ -477,6 +498,7 @@ class BlockIndex:
             node.ref_count -= 1
             return False
         plan.moves.append(Move(Tier.T0, node.block_id, Tier.T1, got[0]))
+        plan.held.append(node)  # keeps the ref taken above
         self.allocators[Tier.T0].free([node.block_id])
         if node.pinned:
             self.num_pinned -= 1
@@ -641,6 +663,7 @@ class BlockIndex:
         for node in skipped:
             self._push(node)
         self._order_demotions(demoted, plan)
+        self.release_held(plan.held)
         return plan
 
     def _order_demotions(self, demoted: list[BlockNode], plan: _Plan) -> None:

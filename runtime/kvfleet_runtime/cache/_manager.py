@@ -273,11 +273,15 @@ class CacheManager:
         else:
             tier, pinned = Tier.T0, False
         commit = Commit([], start)
+        # Blocks a segment demotes stay held until the last segment is planned: the next
+        # segment's evictions must not drop one before the moves have copied it.
+        held: list[BlockNode] = []
         for key, lo, hi in _segments(plan, start):
             if lo >= hi:
                 continue
             nodes, moves = index.insert(
-                index.namespace(key), parent, plan.hashes[lo:hi], tier=tier, pinned=pinned
+                index.namespace(key), parent, plan.hashes[lo:hi], tier=tier, pinned=pinned,
+                held=held,
             )
             self._after(moves)
             commit.moves.extend(moves.moves)
@@ -287,6 +291,7 @@ class CacheManager:
                 parent = nodes[-1]
             if len(nodes) < hi - lo:
                 break
+        index.release_held(held)
         self._tenant(plan.key.tenant_id).num_blocks_stored += len(commit.nodes)
         return commit
 

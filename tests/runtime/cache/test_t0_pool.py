@@ -351,3 +351,31 @@ def test_sequences_and_the_cache_sharing_one_pool_never_see_wrong_data(
                 assert got[0][0, 0, 0, 0].item() == _expected(tokens, b)
                 assert got[1][0, 0, 0, 0].item() == -_expected(tokens, b)
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_block_demoted_by_a_reclaim_is_not_evicted_by_the_same_reclaim(
+    clock: FakeClock,
+) -> None:
+    """Reclaiming two blocks into a one-block T1: the first victim is demoted into T1's only
+    slot; the second must not evict it from there before the demotion's copy has run (the
+    eviction sink would get that slot's old bytes under the first block's hash, and both
+    demotions would target one slot). Found by the property test below."""
+    kv = pool(4)
+    cache = bound(kv, clock, t1=1)
+    runs: list[tuple[tuple[bytes, ...], torch.Tensor]] = []
+    cache.set_eviction_sink(lambda run: runs.append((run.block_hashes, run.k.clone())))
+    a, b = prompt(1, 1), prompt(1, 2)
+    run_sequence(cache, kv, a, 1)
+    run_sequence(cache, kv, b, 2)
+    data = {h: kv.k[:, block].clone() for h, block in
+            ((cache.block_hashes(make_key(), a)[0], 0), (cache.block_hashes(make_key(), b)[0], 1))}
+    table = kv.take(4)  # the whole pool: both cached blocks must go
+    assert table == [0, 1, 2, 3]
+    for hashes, k in runs:  # whatever reached the sink is the KV of exactly that block
+        assert torch.equal(k, data[hashes[0]])  # canonical [layers, heads, 16, D] = kv.k[:, b]
+    kept = [h for h in data if cache.read_blocks([h]) is not None]
+    assert len(kept) == 1  # one demoted into T1's slot, the other dropped
+    got = cache.read_blocks(kept)
+    assert got is not None and torch.equal(got[0], data[kept[0]])
+    kv.give_back(table)
+    cache._manager.index.check_invariants()
