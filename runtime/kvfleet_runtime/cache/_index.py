@@ -12,7 +12,9 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
 - tiers are monotone along a chain: a T0 block never hangs below a T1 block, so a hit is a T0
   prefix followed by a T1 suffix;
 - only leaves are dropped: an interior block is never evicted before its descendants;
-- every slot of every tier is either free or held by exactly one block.
+- every slot of every tier is either free or held by exactly one block;
+- a block demoted T0 -> T1 by an operation is not evicted by the same operation (its copy has
+  not run yet: `_Plan.held`).
 
 The index decides what is evictable (unreferenced, valid, a leaf of its tier) and carries out
 evictions, demotions and promotions; which evictable block goes first, and whether a newcomer may
