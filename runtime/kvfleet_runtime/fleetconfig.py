@@ -50,6 +50,10 @@ class ReplicaEndpoint(_Strict):
     url: Annotated[str, Field(pattern=r"^https?://")]
     weights_digest: str | None = None
     ready: bool = True
+    engine: Literal["kvfleet", "vllm"] = "kvfleet"
+    """What serves it (`wire.ENGINES`; the operator copies the pod's `kvfleet.dev/engine`
+    annotation, which the chart sets from `replica.engine`): the router sets `cache_salt` in
+    what it sends a `vllm` replica and probes its `/health`."""
 
 
 class FleetConfig(_Strict):

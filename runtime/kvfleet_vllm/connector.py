@@ -40,9 +40,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvfleet_runtime.auth import SaltRefused
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, CacheStats, KVLayout
 from kvfleet_vllm._copy import HostPool, RankHeads, load_blocks, save_blocks, view_positions
-from kvfleet_vllm._keys import ModelKey, model_key, tenant_of
+from kvfleet_vllm._keys import ModelKey, TenantSalts, model_key
 from kvfleet_vllm._options import DEFAULT_HOST_POOL_PATH, EXTRA_KEYS, PREFIX
 from kvfleet_vllm._plan import ConnectorIndex, LoadPlan, SavePlan
 
@@ -174,7 +175,7 @@ class KvfleetConnector(KVConnectorBase_V1):
         if num_slots <= 0:
             raise ValueError(f"{_PREFIX}num_host_blocks must be > 0, got {num_slots}")
         pool_path = Path(str(extra.get(_PREFIX + "host_pool_path", DEFAULT_HOST_POOL_PATH)))
-        self._default_tenant = str(extra.get(_PREFIX + "default_tenant", "default"))
+        self.salts = TenantSalts.from_extra(extra, _PREFIX)
         # scheduler side
         self.index: ConnectorIndex | None = None
         self._model_key: ModelKey | None = None
@@ -234,11 +235,8 @@ class KvfleetConnector(KVConnectorBase_V1):
         if (request.lora_request is not None or request.mm_features
                 or request.prompt_embeds is not None or request.prompt_token_ids is None):
             return None
-        try:
-            return self.model_key.key(tenant_of(request.cache_salt, self._default_tenant))
-        except ValueError as exc:
-            logger.warning("kvfleet connector skips request %s: %s", request.request_id, exc)
-            return None
+        tenant = self.salts.tenant(request.request_id, request.cache_salt)
+        return None if isinstance(tenant, SaltRefused) else self.model_key.key(tenant)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

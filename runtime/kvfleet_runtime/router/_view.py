@@ -3,8 +3,8 @@ last load reports, and its own requests in flight.
 
 Replica load protocol: `GET {replica}{LOAD_PATH}` answers a load report (its schema:
 `kvfleet_runtime.wire`). A replica without that route (404) is judged by `GET /readyz` alone
-(load unknown = 0). A replica that does not answer within the poll timeout is not ready until it
-answers again.
+(load unknown = 0); a vLLM replica (the fleet config's `engine`) by vLLM's `GET /health`. A
+replica that does not answer within the poll timeout is not ready until it answers again.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 class _Replica:
     name: str
     url: str
+    engine: str = "kvfleet"
     report: LoadReport | None = None
     inflight: int = 0
     inflight_tokens: int = 0
@@ -79,20 +80,21 @@ class FleetView:
             self._apply()
         return True
 
-    def _endpoints(self) -> dict[str, str]:
+    def _endpoints(self) -> dict[str, tuple[str, str]]:
+        """name -> (url, engine); replicas given by flags are kvfleet replicas."""
         if self.config is not None and self.config.replicas:
-            return {r.name: r.url for r in self.config.replicas if _usable(r)}
-        return dict(self.static_replicas)
+            return {r.name: (r.url, r.engine) for r in self.config.replicas if _usable(r)}
+        return {name: (url, "kvfleet") for name, url in self.static_replicas.items()}
 
     def _apply(self) -> None:
         endpoints = self._endpoints()
         for name in list(self.replicas):
             if name not in endpoints:
                 del self.replicas[name]
-        for name, url in endpoints.items():
+        for name, (url, engine) in endpoints.items():
             current = self.replicas.get(name)
-            if current is None or current.url != url:
-                self.replicas[name] = _Replica(name, url.rstrip("/"))
+            if current is None or current.url != url.rstrip("/") or current.engine != engine:
+                self.replicas[name] = _Replica(name, url.rstrip("/"), engine)
         if self.on_change is not None:
             self.on_change()
 
@@ -178,6 +180,11 @@ class FleetView:
     async def _poll(self, session: aiohttp.ClientSession, r: _Replica, timeout_s: float) -> None:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
+            if r.engine == "vllm":
+                # vLLM serves neither the load report nor /readyz: its /health is readiness.
+                async with session.get(r.url + "/health", timeout=timeout) as resp:
+                    r.report = LoadReport(ready=resp.status == 200)
+                return
             async with session.get(r.url + LOAD_PATH, timeout=timeout) as resp:
                 if resp.status == 200:
                     r.report = parse_load_report(await resp.json())
