@@ -18,7 +18,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import kopf
 from pydantic import ValidationError
@@ -34,6 +34,7 @@ from kvfleet_operator.api import (
     TierMode,
 )
 from kvfleet_operator.constants import (
+    ENGINE_ANNOTATION,
     FLEET_CONFIGMAP_SUFFIX,
     POLICY_PLURAL,
     ROLLOUT_PLURAL,
@@ -80,6 +81,7 @@ from kvfleet_runtime.wire import LOAD_PATH
 
 __all__ = [
     "PostEvent",
+    "engine_of",
     "pod_to_replica",
     "reconcile_policy",
     "reconcile_rollout",
@@ -136,7 +138,15 @@ def pod_to_replica(pod: Manifest) -> ReplicaPod:
         ready=ready,
         deleting=meta.get("deletionTimestamp") is not None,
         weights_digest=(meta.get("annotations") or {}).get(WEIGHTS_DIGEST_ANNOTATION, ""),
+        engine=engine_of(meta),
     )
+
+
+def engine_of(meta: Manifest) -> Literal["kvfleet", "vllm"]:
+    """The engine a pod (or a pod template) names in its metadata; kvfleet when it names none
+    or one the operator does not know."""
+    value = (meta.get("annotations") or {}).get(ENGINE_ANNOTATION)
+    return "vllm" if value == "vllm" else "kvfleet"
 
 
 def workload_of(deployment: Manifest, container: str | None, env_name: str) -> Workload:
@@ -367,6 +377,7 @@ def _pods(kube: Kube, namespace: str, name: str, deployment: Manifest | None,
     """The Deployment's pods of one track: the ready ones' IPs, and the names of all that exist."""
     if deployment is None:
         return DeploymentPods(namespace, name, ())
+    engine = engine_of(deployment["spec"]["template"].get("metadata") or {})
     labels = dict(deployment["spec"]["selector"].get("matchLabels") or {})
     ips, names = [], []
     for pod in kube.list_pods(namespace, labels):
@@ -379,7 +390,7 @@ def _pods(kube: Kube, namespace: str, name: str, deployment: Manifest | None,
         names.append(pod["metadata"]["name"])
         if replica.ready and replica.ip:
             ips.append(replica.ip)
-    return DeploymentPods(namespace, name, tuple(sorted(ips)), tuple(sorted(names)))
+    return DeploymentPods(namespace, name, tuple(sorted(ips)), tuple(sorted(names)), engine)
 
 
 def _reconcile_rollout_once(

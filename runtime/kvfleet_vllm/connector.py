@@ -138,9 +138,12 @@ class KvfleetPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
         for tenant, counts in transfer_stats_data.get("tenants", {}).items():
-            for name, n in counts.items():
-                if name in self._counters and n:
-                    self._counters[name].labels(*engine, tenant).inc(n)
+            for name, counter in self._counters.items():
+                # All of a tenant's series start at its first report: a series born with a
+                # value shows Prometheus no increase, so rate() would drop its first matches.
+                child = counter.labels(*engine, tenant)
+                if counts.get(name):
+                    child.inc(counts[name])
 
 
 def _layout(vllm_config: VllmConfig) -> KVLayout:

@@ -119,5 +119,5 @@ def test_an_unreadable_or_empty_secret_refuses_to_start(tiny_checkpoint, tmp_pat
     if content is not None:
         path.write_bytes(content)
     vc = sup.vllm_config(tiny_checkpoint, tmp_path / "pool", salt_secret_file=str(path))
-    with pytest.raises(ValueError, match="kvfleet.salt_secret_file="):
+    with pytest.raises(ValueError, match=r"kvfleet\.salt_secret_file="):
         sup.scheduler(vc)

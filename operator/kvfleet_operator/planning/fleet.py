@@ -12,6 +12,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from kvfleet_operator.api import HomeSetSummary, KVCachePolicySpec
 from kvfleet_operator.planning.tiers import TierPlan
@@ -40,6 +41,7 @@ class ReplicaPod:
     ready: bool
     deleting: bool = False
     weights_digest: str = ""
+    engine: Literal["kvfleet", "vllm"] = "kvfleet"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,7 @@ def build_fleet_config(
             url=f"http://{p.ip}:{spec.replica_port}",
             weights_digest=p.weights_digest or None,
             ready=True,
+            engine=p.engine,
         )
         for p in ready_replicas(pods)
     )
