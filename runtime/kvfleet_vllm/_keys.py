@@ -109,6 +109,7 @@ class TenantSalts:
     secret: bytes | None = None
     num_refused: Counter[str] = field(default_factory=Counter)
     _counted: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    _new_refusals: Counter[str] = field(default_factory=Counter)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], prefix: str) -> TenantSalts:
@@ -141,12 +142,19 @@ class TenantSalts:
                 "malformed", f"cache_salt names the reserved tenant {PLATFORM_TENANT!r}"))
         return verified
 
+    def take_refusals(self) -> dict[str, int]:
+        """Refused requests by reason since the last call (shipped with the connector's stats,
+        exported as `kvfleet_vllm_salt_refused_requests_total{reason}`)."""
+        new, self._new_refusals = dict(self._new_refusals), Counter()
+        return new
+
     def _refuse(self, request_id: str, refused: SaltRefused) -> SaltRefused:
         if request_id not in self._counted:
             self._counted[request_id] = None
             if len(self._counted) > _REMEMBERED_REFUSALS:
                 self._counted.popitem(last=False)
             self.num_refused[refused.reason] += 1
+            self._new_refusals[refused.reason] += 1
             log.warning("kvfleet connector bypasses request %s (cache_salt %s): %s",
                         request_id, refused.reason, refused.message)
         return refused

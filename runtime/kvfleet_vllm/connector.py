@@ -101,7 +101,8 @@ for the first two, so the operator's hit-rate query reads a vLLM replica's kvfle
 
 
 class KvfleetConnectorStats(KVConnectorStats):
-    """Per-tenant counts since the last report: `data = {"tenants": {tenant: {name: n}}}`."""
+    """Per-tenant counts since the last report: `data = {"tenants": {tenant: {name: n}}}`, and
+    `data["salt_refused"] = {reason: n}` when requests bypassed the connector for their salt."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {"tenants": {}}
@@ -112,6 +113,10 @@ class KvfleetConnectorStats(KVConnectorStats):
             mine = tenants.setdefault(tenant, {})
             for name, n in counts.items():
                 mine[name] = mine.get(name, 0) + n
+        if other.data.get("salt_refused"):
+            refused = self.data.setdefault("salt_refused", {})
+            for reason, n in other.data["salt_refused"].items():
+                refused[reason] = refused.get(reason, 0) + n
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -122,7 +127,7 @@ class KvfleetConnectorStats(KVConnectorStats):
         return totals
 
     def is_empty(self) -> bool:
-        return not self.data.get("tenants")
+        return not self.data.get("tenants") and not self.data.get("salt_refused")
 
 
 class KvfleetPromMetrics(KVConnectorPromMetrics):
@@ -134,6 +139,11 @@ class KvfleetPromMetrics(KVConnectorPromMetrics):
                                     labelnames=[*labelnames, "tenant"])
             for name, doc in _STAT_COUNTERS
         }
+        self._salt_refused = self._counter_cls(
+            name="kvfleet_vllm_salt_refused_requests",
+            documentation="Requests that bypassed the connector because their cache_salt did not "
+                          "verify (reason: missing, malformed, forged).",
+            labelnames=[*labelnames, "reason"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
@@ -144,6 +154,8 @@ class KvfleetPromMetrics(KVConnectorPromMetrics):
                 child = counter.labels(*engine, tenant)
                 if counts.get(name):
                     child.inc(counts[name])
+        for reason, n in transfer_stats_data.get("salt_refused", {}).items():
+            self._salt_refused.labels(*engine, reason).inc(n)
 
 
 def _layout(vllm_config: VllmConfig) -> KVLayout:
@@ -316,8 +328,10 @@ class KvfleetConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.index is None:  # the worker side has nothing to report
             return None
-        deltas = self.index.take_deltas()
-        return KvfleetConnectorStats(data={"tenants": deltas}) if deltas else None
+        data: dict[str, Any] = {"tenants": self.index.take_deltas()}
+        if refused := self.salts.take_refusals():
+            data["salt_refused"] = refused
+        return KvfleetConnectorStats(data=data) if data["tenants"] or refused else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

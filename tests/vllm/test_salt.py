@@ -91,6 +91,35 @@ def test_an_unverified_salt_bypasses_the_connector(engine, salt, reason):
     assert conn.index.num_referenced_blocks == 0
 
 
+def test_refusals_reach_vllms_metrics_by_reason(engine):
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvfleet_vllm.connector import KvfleetConnector
+
+    s, w, views = engine
+    sup.REPORTED.clear()
+    run(s, w, views, sup.request("x", PROMPT, salt="acme"))
+    run(s, w, views, sup.request("y", PROMPT, salt="acme." + "0" * 32))
+    run(s, w, views, sup.request("z", PROMPT, salt="acme." + "1" * 32))
+    shipped = [p["salt_refused"] for p in sup.REPORTED if "salt_refused" in p]
+    assert shipped == [{"malformed": 1}, {"forged": 1}, {"forged": 1}]  # each request once
+    registry = CollectorRegistry()
+
+    class LocalCounter(Counter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, registry=registry, **kwargs)
+
+    prom = KvfleetConnector.build_prom_metrics(
+        s.vllm_config, {Counter: LocalCounter, Gauge: Gauge, Histogram: Histogram},
+        ["model_name", "engine"], {0: ["tiny", 0]})
+    for payload in sup.REPORTED:
+        prom.observe(payload, 0)
+    name = "kvfleet_vllm_salt_refused_requests_total"
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value(name, {**labels, "reason": "forged"}) == 2
+    assert registry.get_sample_value(name, {**labels, "reason": "malformed"}) == 1
+
+
 def test_two_tenants_never_hit_each_others_host_pool_blocks(engine):
     s, w, views = engine
     conn = sup.connector_of(s)
