@@ -18,7 +18,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import kopf
 from pydantic import ValidationError
@@ -77,7 +77,7 @@ from kvfleet_operator.planning.rollout import format_time
 from kvfleet_runtime.auth import read_operator_token
 from kvfleet_runtime.breakeven import GB
 from kvfleet_runtime.fleetconfig import dump_fleet_config
-from kvfleet_runtime.wire import LOAD_PATH
+from kvfleet_runtime.wire import ENGINES, LOAD_PATH, Engine
 
 __all__ = [
     "PostEvent",
@@ -142,11 +142,11 @@ def pod_to_replica(pod: Manifest) -> ReplicaPod:
     )
 
 
-def engine_of(meta: Manifest) -> Literal["kvfleet", "vllm"]:
+def engine_of(meta: Manifest) -> Engine:
     """The engine a pod (or a pod template) names in its metadata; kvfleet when it names none
     or one the operator does not know."""
     value = (meta.get("annotations") or {}).get(ENGINE_ANNOTATION)
-    return "vllm" if value == "vllm" else "kvfleet"
+    return next((e for e in ENGINES if e == value), "kvfleet")
 
 
 def workload_of(deployment: Manifest, container: str | None, env_name: str) -> Workload:

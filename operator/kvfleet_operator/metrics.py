@@ -35,6 +35,7 @@ from kvfleet_operator.api import (
     MetricsSpec,
     PrometheusSource,
 )
+from kvfleet_runtime.wire import Engine
 
 __all__ = [
     "VLLM_HIT_RATE_QUERY",
@@ -81,7 +82,7 @@ class DeploymentPods:
     """Ready pods, for the `/cache/stats` fallback."""
     pod_names: tuple[str, ...] = ()
     """Every pod of the Deployment (and track) that exists now, ready or not, for Prometheus."""
-    engine: str = "kvfleet"
+    engine: Engine = "kvfleet"
     """What its pod template says serves it (`kvfleet.dev/engine`): picks the default queries."""
 
 
@@ -106,7 +107,7 @@ def render_query(template: str, pods: DeploymentPods) -> str:
     )
 
 
-def queries_for(source: PrometheusSource, engine: str) -> tuple[str, str]:
+def queries_for(source: PrometheusSource, engine: Engine) -> tuple[str, str]:
     """(hit-rate, saved-prefill) templates for a Deployment served by `engine`. A ModelRollout
     that left a query at its default (the CRD fills kvfleet's in) gets vLLM's for vLLM replicas,
     whose T0 hits only vLLM's own counters see; a query the user wrote is used as written."""

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvfleet_runtime.wire import Engine
+
 FLEET_CONFIG_FILENAME = "fleet.yaml"
 
 
@@ -50,7 +52,7 @@ class ReplicaEndpoint(_Strict):
     url: Annotated[str, Field(pattern=r"^https?://")]
     weights_digest: str | None = None
     ready: bool = True
-    engine: Literal["kvfleet", "vllm"] = "kvfleet"
+    engine: Engine = "kvfleet"
     """What serves it (`wire.ENGINES`; the operator copies the pod's `kvfleet.dev/engine`
     annotation, which the chart sets from `replica.engine`): the router sets `cache_salt` in
     what it sends a `vllm` replica and probes its `/health`."""

@@ -17,7 +17,7 @@ Replica load protocol: `GET {replica}{LOAD_PATH}` answers JSON
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
     from kvfleet_runtime.cache import CacheKey
@@ -36,6 +36,7 @@ __all__ = [
     "PLATFORM_TENANT",
     "T2_PATH",
     "TENANT_HEADER",
+    "Engine",
     "LoadReport",
     "parse_load_report",
 ]
@@ -64,7 +65,8 @@ MAX_CACHE_SALT_CHARS = 128
 """vLLM 0.33 refuses a longer `cache_salt` (and one with '@', '/', '\\' or NUL; tenant names
 never contain those)."""
 
-ENGINES = ("kvfleet", "vllm")
+Engine = Literal["kvfleet", "vllm"]
+ENGINES: tuple[Engine, ...] = get_args(Engine)
 """What runs in a replica pod (the chart's `replica.engine`): kvfleet's own replica runtime, or
 `vllm serve` with kvfleet's KV connector. The fleet config names it per replica; the router
 salts vLLM requests and probes vLLM's `/health`, the operator reads vLLM's hit-rate series."""

@@ -12,7 +12,6 @@ import hashlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from kvfleet_operator.api import HomeSetSummary, KVCachePolicySpec
 from kvfleet_operator.planning.tiers import TierPlan
@@ -23,6 +22,7 @@ from kvfleet_runtime.fleetconfig import (
     ReplicaEndpoint,
 )
 from kvfleet_runtime.routing import home_sets
+from kvfleet_runtime.wire import Engine
 
 __all__ = [
     "HomeSetPlan",
@@ -41,7 +41,7 @@ class ReplicaPod:
     ready: bool
     deleting: bool = False
     weights_digest: str = ""
-    engine: Literal["kvfleet", "vllm"] = "kvfleet"
+    engine: Engine = "kvfleet"
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import aiohttp
 from kvfleet_runtime.configwatch import ConfigFileWatcher
 from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, load_fleet_config
 from kvfleet_runtime.routing import ReplicaLoad, home_sets
-from kvfleet_runtime.wire import LOAD_PATH, LoadReport, parse_load_report
+from kvfleet_runtime.wire import LOAD_PATH, Engine, LoadReport, parse_load_report
 
 __all__ = ["FleetView"]
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 class _Replica:
     name: str
     url: str
-    engine: str = "kvfleet"
+    engine: Engine = "kvfleet"
     report: LoadReport | None = None
     inflight: int = 0
     inflight_tokens: int = 0
@@ -80,7 +80,7 @@ class FleetView:
             self._apply()
         return True
 
-    def _endpoints(self) -> dict[str, tuple[str, str]]:
+    def _endpoints(self) -> dict[str, tuple[str, Engine]]:
         """name -> (url, engine); replicas given by flags are kvfleet replicas."""
         if self.config is not None and self.config.replicas:
             return {r.name: (r.url, r.engine) for r in self.config.replicas if _usable(r)}
