@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvfleet_operator.constants import ENGINE_ANNOTATION
 from kvfleet_runtime.auth import ROUTER_SECRET_FILE
 from kvfleet_vllm import _options
 from tests.chart.conftest import Render, run_helm, template_args
@@ -102,6 +103,6 @@ def test_vllm_replicas_mount_the_salt_secret_and_name_their_engine(render: Rende
     volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
     assert volume["secret"]["secretName"] == "kvfleet-auth"
     assert volume["secret"]["items"] == [{"key": "router-secret", "path": secret_file.name}]
-    assert pod["metadata"]["annotations"]["kvfleet.dev/engine"] == "vllm"
+    assert pod["metadata"]["annotations"][ENGINE_ANNOTATION] == "vllm"
     default = _replica(render, "default-values.yaml")["deployment"]["spec"]["template"]
-    assert default["metadata"]["annotations"]["kvfleet.dev/engine"] == "kvfleet"
+    assert default["metadata"]["annotations"][ENGINE_ANNOTATION] == "kvfleet"
