@@ -158,13 +158,13 @@ async def test_vllm_gets_the_authenticated_tenants_salt_never_the_clients(
     await acme.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                        extra_body={CACHE_SALT_FIELD: "globex"})
     await globex.completions.create(model="tiny", prompt="hi")
-    await acme.completions.create(model="tiny", prompt="hi again", max_tokens=3)
+    await acme.completions.create(model="tiny", prompt="hé ☃ again", max_tokens=3)
     salts = [b[CACHE_SALT_FIELD] for b in vllm.bodies]
     assert salts == [cache_salt(SECRET, "acme")] * 2 + [cache_salt(SECRET, "globex"),
                                                         cache_salt(SECRET, "acme")]
     assert [verify_cache_salt(SECRET, s) for s in salts] == ["acme", "acme", "globex", "acme"]
     # everything else in the body is the client's
-    assert vllm.bodies[3] == {"model": "tiny", "prompt": "hi again", "max_tokens": 3,
+    assert vllm.bodies[3] == {"model": "tiny", "prompt": "hé ☃ again", "max_tokens": 3,
                               CACHE_SALT_FIELD: cache_salt(SECRET, "acme")}
     assert vllm.bodies[1]["messages"] == [{"role": "user", "content": "x"}]
 

@@ -513,7 +513,9 @@ def _salted_body(body: dict[str, Any], secret: bytes | None, tenant: str) -> byt
         salt = cache_salt(secret, tenant)
     except ValueError as exc:
         raise ApiError(400, str(exc), code="tenant_not_servable", param=CACHE_SALT_FIELD) from exc
-    return json.dumps({**body, CACHE_SALT_FIELD: salt}, separators=(",", ":")).encode()
+    # parse_json refused lone surrogates, so the text always encodes as UTF-8
+    return json.dumps({**body, CACHE_SALT_FIELD: salt}, ensure_ascii=False,
+                      separators=(",", ":")).encode()
 
 
 class _ClientGone(Exception):
