@@ -55,7 +55,8 @@ class ReplicaEndpoint(_Strict):
     engine: Engine = "kvfleet"
     """What serves it (`wire.ENGINES`; the operator copies the pod's `kvfleet.dev/engine`
     annotation, which the chart sets from `replica.engine`): the router sets `cache_salt` in
-    what it sends a `vllm` replica and probes its `/health`."""
+    what it sends a `vllm` replica and probes its `/health`. Left out of the text when kvfleet
+    (`dump_fleet_config`)."""
 
 
 class FleetConfig(_Strict):
@@ -103,4 +104,10 @@ def load_fleet_config(path: Path) -> FleetConfig:
 def dump_fleet_config(config: FleetConfig) -> str:
     """Canonical text (sorted JSON, which is also YAML): equal configs give equal bytes, so the
     operator's ConfigMap update is a no-op when nothing changed."""
-    return json.dumps(config.model_dump(mode="json"), sort_keys=True, indent=2) + "\n"
+    data = config.model_dump(mode="json")
+    for replica in data["replicas"]:
+        # A kvfleet fleet's text stays what it was before `engine` existed, so a router or
+        # replica that predates the field still reads it during an upgrade.
+        if replica["engine"] == "kvfleet":
+            del replica["engine"]
+    return json.dumps(data, sort_keys=True, indent=2) + "\n"

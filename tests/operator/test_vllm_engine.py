@@ -27,6 +27,7 @@ from kvfleet_operator.metrics import (
     read_hit_rates,
 )
 from kvfleet_operator.planning import build_fleet_config, decide_tiers, plan_home_sets
+from kvfleet_runtime.fleetconfig import dump_fleet_config, parse_fleet_config
 from tests.operator.test_fleet import SPEC
 
 RUNNING = {"phase": "Running", "podIP": "10.0.0.9",
@@ -51,6 +52,11 @@ def test_the_fleet_config_tells_the_router_which_replicas_are_vllm() -> None:
     homes = plan_home_sets(SPEC.tenants, [p.name for p in pods], SPEC.affinity.k)
     config = build_fleet_config("ns/kv", 1, SPEC, decide_tiers(SPEC), pods, homes)
     assert {r.name: r.engine for r in config.replicas} == {"llm-k": "kvfleet", "llm-v": "vllm"}
+    text = dump_fleet_config(config)
+    assert parse_fleet_config(text) == config
+    # kvfleet is left out of the text: readers that predate the field still read kvfleet fleets
+    written = {r["name"]: r for r in json.loads(text)["replicas"]}
+    assert written["llm-v"]["engine"] == "vllm" and "engine" not in written["llm-k"]
 
 
 def test_vllm_replicas_get_vllms_default_queries_and_a_users_query_stays() -> None:
