@@ -54,8 +54,9 @@ __all__ = [
 # A vLLM replica's hit rate: vLLM's own prefix cache (T0; tokens, of every prompt token it was
 # asked about) plus the tokens kvfleet's connector loaded beyond vLLM's hit, over vLLM's queries.
 # The connector counts only tokens beyond vLLM's own hit, so no token is counted twice. The
-# connector's per-tenant series appear with a tenant's first match: `or vector(0)` keeps the T0
-# share when none exists yet (a sum over no series is no sample, and `x + nothing` is nothing).
+# connector's per-tenant series appear with a tenant's first request through it: `or vector(0)`
+# keeps the T0 share on a replica where none exists yet (no request, or every one bypassed the
+# connector), because a sum over no series is no sample, and `x + nothing` is nothing.
 # vLLM names its counters `vllm:...`, but prometheus_client's OpenMetrics exposition (which
 # Prometheus 2.x asks for first) writes the samples as `vllm_...`: the regex takes either.
 _VLLM_HIT_TOKENS = (
