@@ -3,7 +3,9 @@ vLLM's own metrics: vLLM's real `Scheduler` (with the connector) produces the st
 `PrometheusStatLogger` exports them (vLLM's `prefix_cache` counters and the connector's
 `kvfleet_cache_*` counters, through vLLM's connector metrics hook) on a loopback HTTP endpoint,
 Debian's Prometheus scrapes it every second, and `kvfleet_operator.metrics.read_hit_rates`
-runs its default vLLM query. Known counter deltas give the exact expected rate."""
+runs its default vLLM query. Known counter deltas give the exact expected rate. A second target
+exports vLLM's two counters only (a replica whose connector has no series yet): its rate is the
+T0 share, not "no data"."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ pytest.importorskip("vllm", reason="vllm is not importable here: tests/vllm run 
                     "environment (make test-vllm)")
 
 import torch
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_server
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
@@ -29,6 +31,9 @@ from tests.operator.replicas import Prometheus, free_port
 from tests.vllm import _support as sup
 
 NAMESPACE, POD = "llm", "llm-vllm-0"
+BYPASSED = "llm-vllm-1"
+"""A replica whose connector has seen no request (all bypassed): vLLM's counters only, served
+under vLLM's names by a plain prometheus_client registry."""
 
 
 def _prompt(seed: int) -> list[int]:
@@ -110,17 +115,30 @@ def test_the_gate_reads_vllm_t0_plus_kvfleet_hits_over_vllm_queries(tiny_checkpo
 
     port = free_port()
     start_http_server(port, addr="127.0.0.1")
+    bypassed = CollectorRegistry()
+    engine_labels = (vc.model_config.served_model_name, "0")
+    t0_queries, t0_hits = (
+        Counter(f"vllm:prefix_cache_{n}", n, ["model_name", "engine"], registry=bypassed)
+        .labels(*engine_labels) for n in ("queries", "hits"))
+    t0_queries.inc(1000)
+    t0_hits.inc(100)
+    bypassed_port = free_port()
+    start_http_server(bypassed_port, addr="127.0.0.1", registry=bypassed)
     (tmp_path / "prometheus").mkdir()
     prom = Prometheus(tmp_path / "prometheus")
     try:
-        prom.write_targets([(NAMESPACE, POD, port)])
+        prom.write_targets([(NAMESPACE, POD, port), (NAMESPACE, BYPASSED, bypassed_port)])
         pod = f'namespace="{NAMESPACE}",pod="{POD}"'
         # vLLM's `vllm:` names arrive as `vllm_` from prometheus_client's OpenMetrics output
         queries = f'{{__name__=~"vllm[:_]prefix_cache_queries_total",{pod}}}'
-        _wait(prom, f"count_over_time({queries}[1m])", 3, "three scrapes of the baseline",
-              at_least=True)
+        other = f'{{__name__=~"vllm[:_]prefix_cache_queries_total",pod="{BYPASSED}"}}'
+        for series in (queries, other):
+            _wait(prom, f"count_over_time({series}[1m])", 3, "three scrapes of the baseline",
+                  at_least=True)
         mark = len(shipped)
         _workload(s, w, views, 2)
+        t0_queries.inc(400)
+        t0_hits.inc(100)
         delta = {"queries": sum(st.prefix_cache_stats.queries for st in shipped[mark:]),
                  "hits": sum(st.prefix_cache_stats.hits for st in shipped[mark:]),
                  "matched": sum(st.kv_connector_stats["tenants"]["tenant-a"].get(
@@ -128,6 +146,7 @@ def test_the_gate_reads_vllm_t0_plus_kvfleet_hits_over_vllm_queries(tiny_checkpo
         assert delta == {"queries": 100 + 116 + 116, "hits": 112, "matched": 96}
         _wait(prom, queries, queries0 + 332, "the workload's queries")
         _wait(prom, f"kvfleet_cache_matched_tokens_total{{{pod}}}", 96 * 2, "its matches")
+        _wait(prom, other, 1400, "the bypassed replica's queries")
 
         spec = MetricsSpec.model_validate({"prometheus": {"url": prom.url},
                                            "cacheStats": {"enabled": False}})
@@ -142,5 +161,9 @@ def test_the_gate_reads_vllm_t0_plus_kvfleet_hits_over_vllm_queries(tiny_checkpo
         # kvfleet's own default query sees only the connector's share of the same replica
         kvfleet = read_hit_rates(spec, DeploymentPods(NAMESPACE, "llm", (), (POD,)), None)
         assert kvfleet.target_hit_rate == pytest.approx(96 / 332, rel=1e-9)
+        # no connector series at all: the T0 share, not "no data" (the `or vector(0)`)
+        t0_only = read_hit_rates(
+            spec, DeploymentPods(NAMESPACE, "llm", (), (BYPASSED,), engine="vllm"), None)
+        assert t0_only.target_hit_rate == pytest.approx(100 / 400, rel=1e-9)
     finally:
         prom.close()
