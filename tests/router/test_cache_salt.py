@@ -1,8 +1,8 @@
 """vLLM replicas take the tenant from the body's `cache_salt`: the router overwrites it in every
 body it proxies to one with the authenticated tenant's signed salt, whatever the client sent.
 The vLLM replicas here are real HTTP servers on 127.0.0.1 answering vLLM's routes (`/health`,
-the two completion paths) and recording the bodies they receive: the router's wire contract.
-kvfleet replicas in the same fleet get the client's body byte for byte."""
+`/metrics`, the two completion paths) and recording the bodies they receive: the router's wire
+contract. kvfleet replicas in the same fleet get the client's body byte for byte."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from kvfleet_runtime.auth import (
     cache_salt,
     verify_cache_salt,
 )
-from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint
+from kvfleet_runtime.fleetconfig import AffinitySettings, FleetConfig, ReplicaEndpoint
+from kvfleet_runtime.router import vllm_load_report
 from kvfleet_runtime.routing import parse_api_keys
 from kvfleet_runtime.wire import CACHE_SALT_FIELD, MAX_CACHE_SALT_CHARS
 
@@ -36,6 +37,8 @@ class VllmServer:
 
     name: str
     healthy: bool = True
+    metrics: str = ""
+    """What `/metrics` answers (vLLM's Prometheus text); empty: 404."""
     bodies: list[dict[str, Any]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)
     url: str = ""
@@ -65,8 +68,14 @@ class VllmServer:
                 "choices": [{"index": 0, "finish_reason": "stop",
                              "message": {"role": "assistant", "content": "ok"}}]})
 
+        async def metrics(request: web.Request) -> web.StreamResponse:
+            if not self.metrics:
+                return web.Response(status=404)
+            return web.Response(text=self.metrics, content_type="text/plain")
+
         app = web.Application()
         app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
         app.router.add_post("/v1/completions", completions)
         app.router.add_post("/v1/chat/completions", chat)
         self.runner = web.AppRunner(app)
@@ -233,3 +242,58 @@ async def test_a_tenant_too_long_for_a_salt_is_a_clear_400(
     assert body["error"]["param"] == CACHE_SALT_FIELD
     assert f"at most {MAX_SALTED_TENANT_CHARS}" in body["error"]["message"]
     assert vllm.bodies == []
+
+
+# vLLM 0.33's gauges as its /metrics writes them (prometheus_client's text format), two engines
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-Cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.91
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.5
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 1000.0
+"""
+
+
+def test_a_vllm_replicas_load_is_its_own_gauges() -> None:
+    report = vllm_load_report(VLLM_METRICS.encode())
+    assert (report.ready, report.kv_occupancy, report.num_waiting, report.num_running) == (
+        True, 0.91, 4, 5)
+    # OpenMetrics spells the samples vllm_...; garbage and NaN are no load
+    om = b'vllm_kv_cache_usage_perc{engine="0"} 0.25\nvllm_num_requests_waiting x\n' \
+         b'vllm_num_requests_running{engine="0"} NaN\n'
+    assert vllm_load_report(om).kv_occupancy == 0.25
+    assert vllm_load_report(om).num_running == 0
+    assert vllm_load_report(b"").kv_occupancy == 0.0
+
+
+async def test_a_full_vllm_home_spills_like_a_kvfleet_replica(start_router: StartRouter) -> None:
+    servers = [VllmServer(f"v{i}") for i in range(2)]
+    for server in servers:
+        await server.start()
+    try:
+        one_home = _config(servers).model_copy(update={"affinity": AffinitySettings(k=1)})
+        router = await _router(start_router, one_home)
+        for server in servers:
+            server.metrics = VLLM_METRICS.replace("0.91", "0.2")
+        await router.refresh()
+        home = {(await router.post({"model": "tiny", "prompt": "hi"}))[1]["X-Kvfleet-Replica"]
+                for _ in range(3)}
+        assert len(home) == 1  # affinity: acme's one home while it has room
+        (full,) = home
+        next(s for s in servers if s.name == full).metrics = VLLM_METRICS
+        await router.refresh()
+        assert router.state.view.report(full).kv_occupancy == 0.91  # over the 0.85 threshold
+        status, headers, _ = await router.post({"model": "tiny", "prompt": "hi"})
+        assert (status, headers["X-Kvfleet-Route"]) == (200, "spill")
+        assert headers["X-Kvfleet-Replica"] != full
+    finally:
+        for server in servers:
+            await server.stop()

@@ -3,8 +3,9 @@ last load reports, and its own requests in flight.
 
 Replica load protocol: `GET {replica}{LOAD_PATH}` answers a load report (its schema:
 `kvfleet_runtime.wire`). A replica without that route (404) is judged by `GET /readyz` alone
-(load unknown = 0); a vLLM replica (the fleet config's `engine`) by vLLM's `GET /health`. A
-replica that does not answer within the poll timeout is not ready until it answers again.
+(load unknown = 0); a vLLM replica (the fleet config's `engine`) by vLLM's `GET /health`, its
+load from vLLM's own gauges on `GET /metrics` (`vllm_load_report`). A replica that does not
+answer within the poll timeout is not ready until it answers again.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, load_fleet
 from kvfleet_runtime.routing import ReplicaLoad, home_sets
 from kvfleet_runtime.wire import LOAD_PATH, Engine, LoadReport, parse_load_report
 
-__all__ = ["FleetView"]
+__all__ = ["FleetView", "vllm_load_report"]
 
 log = logging.getLogger(__name__)
 
@@ -181,9 +182,14 @@ class FleetView:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
             if r.engine == "vllm":
-                # vLLM serves neither the load report nor /readyz: its /health is readiness.
+                # vLLM serves neither the load report nor /readyz: its /health is readiness, and
+                # its own gauges on /metrics are the load (unknown, 0, when they do not answer).
                 async with session.get(r.url + "/health", timeout=timeout) as resp:
                     r.report = LoadReport(ready=resp.status == 200)
+                if r.report.ready:
+                    async with session.get(r.url + "/metrics", timeout=timeout) as resp:
+                        if resp.status == 200:
+                            r.report = vllm_load_report(await resp.read())
                 return
             async with session.get(r.url + LOAD_PATH, timeout=timeout) as resp:
                 if resp.status == 200:
@@ -217,6 +223,36 @@ class FleetView:
                     await self.poll_once(session, timeout_s=max(0.05, min(poll_interval_s, 2.0)))
             due = next_load if self.config_path is None else min(next_load, next_config)
             await asyncio.sleep(max(0.01, due - loop.time()))
+
+
+_VLLM_LOAD_GAUGES = {b"kv_cache_usage_perc", b"num_requests_waiting", b"num_requests_running"}
+
+
+def vllm_load_report(metrics: bytes) -> LoadReport:
+    """A ready vLLM replica's load from its Prometheus text (`vllm:kv_cache_usage_perc`, a
+    fraction, and the request gauges; `vllm_` too, as OpenMetrics writes the names). With
+    several engines (data parallel) the fullest engine's occupancy and the summed requests.
+    vLLM reports no queue delay or token capacity: the router's own in-flight count stands in."""
+    occupancy, counts = 0.0, {b"num_requests_waiting": 0.0, b"num_requests_running": 0.0}
+    for line in metrics.splitlines():
+        if not line.startswith((b"vllm:", b"vllm_")):
+            continue
+        name = line[5:].split(b"{", 1)[0].split(b" ", 1)[0]
+        if name not in _VLLM_LOAD_GAUGES:
+            continue
+        try:
+            value = float(line.rsplit(b" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if not value >= 0:  # NaN or negative: not a load
+            continue
+        if name == b"kv_cache_usage_perc":
+            occupancy = max(occupancy, value)
+        else:
+            counts[name] += value
+    return LoadReport(ready=True, kv_occupancy=min(occupancy, 1.0),
+                      num_waiting=int(counts[b"num_requests_waiting"]),
+                      num_running=int(counts[b"num_requests_running"]))
 
 
 def _usable(r: ReplicaEndpoint) -> bool:
