@@ -17,6 +17,10 @@ FIELD_MANAGER = "kvfleet-operator"
 # (what the operator and the router read) and an environment variable (what the replica reads).
 WEIGHTS_DIGEST_ANNOTATION = f"{GROUP}/weights-digest"
 DEFAULT_DIGEST_ENV = "KVFLEET_WEIGHTS_DIGEST"
+# What serves a replica pod (`kvfleet_runtime.wire.ENGINES`), on the pod template (the chart sets
+# it from `replica.engine`): copied into the fleet config for the router, and it picks the
+# rollout gate's default hit-rate query. Absent or unknown: kvfleet.
+ENGINE_ANNOTATION = f"{GROUP}/engine"
 
 # Labels the operator puts on what it creates.
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"

@@ -34,6 +34,7 @@ from kvfleet_operator.api import (
     TierMode,
 )
 from kvfleet_operator.constants import (
+    ENGINE_ANNOTATION,
     FLEET_CONFIGMAP_SUFFIX,
     POLICY_PLURAL,
     ROLLOUT_PLURAL,
@@ -76,10 +77,11 @@ from kvfleet_operator.planning.rollout import format_time
 from kvfleet_runtime.auth import read_operator_token
 from kvfleet_runtime.breakeven import GB
 from kvfleet_runtime.fleetconfig import dump_fleet_config
-from kvfleet_runtime.wire import LOAD_PATH
+from kvfleet_runtime.wire import ENGINES, LOAD_PATH, Engine
 
 __all__ = [
     "PostEvent",
+    "engine_of",
     "pod_to_replica",
     "reconcile_policy",
     "reconcile_rollout",
@@ -136,7 +138,15 @@ def pod_to_replica(pod: Manifest) -> ReplicaPod:
         ready=ready,
         deleting=meta.get("deletionTimestamp") is not None,
         weights_digest=(meta.get("annotations") or {}).get(WEIGHTS_DIGEST_ANNOTATION, ""),
+        engine=engine_of(meta),
     )
+
+
+def engine_of(meta: Manifest) -> Engine:
+    """The engine a pod (or a pod template) names in its metadata; kvfleet when it names none
+    or one the operator does not know."""
+    value = (meta.get("annotations") or {}).get(ENGINE_ANNOTATION)
+    return next((e for e in ENGINES if e == value), "kvfleet")
 
 
 def workload_of(deployment: Manifest, container: str | None, env_name: str) -> Workload:
@@ -367,6 +377,7 @@ def _pods(kube: Kube, namespace: str, name: str, deployment: Manifest | None,
     """The Deployment's pods of one track: the ready ones' IPs, and the names of all that exist."""
     if deployment is None:
         return DeploymentPods(namespace, name, ())
+    engine = engine_of(deployment["spec"]["template"].get("metadata") or {})
     labels = dict(deployment["spec"]["selector"].get("matchLabels") or {})
     ips, names = [], []
     for pod in kube.list_pods(namespace, labels):
@@ -379,7 +390,7 @@ def _pods(kube: Kube, namespace: str, name: str, deployment: Manifest | None,
         names.append(pod["metadata"]["name"])
         if replica.ready and replica.ip:
             ips.append(replica.ip)
-    return DeploymentPods(namespace, name, tuple(sorted(ips)), tuple(sorted(names)))
+    return DeploymentPods(namespace, name, tuple(sorted(ips)), tuple(sorted(names)), engine)
 
 
 def _reconcile_rollout_once(

@@ -1,5 +1,9 @@
 """Where a rollout's hit rates come from: the Prometheus HTTP API, else the replicas themselves.
 
+The default queries depend on what serves the Deployment (`DeploymentPods.engine`, from its pod
+template's `kvfleet.dev/engine`): kvfleet replicas export kvfleet's cache counters; a vLLM
+replica's T0 is vLLM's own prefix cache, so its hit rate adds vLLM's counters (`queries_for`).
+
 Prometheus (`/api/v1/query`, instant queries from the ModelRollout's templates) gives windowed
 rates. When it is not configured, unreachable or has no data, the fallback reads `GET /cache/stats`
 on every ready pod of the Deployment and divides the summed matched tokens by the summed looked-up
@@ -24,18 +28,47 @@ from dataclasses import dataclass
 from string import Template
 from typing import Any
 
-from kvfleet_operator.api import CacheStatsSource, MetricsSpec, PrometheusSource
+from kvfleet_operator.api import (
+    DEFAULT_HIT_RATE_QUERY,
+    DEFAULT_SAVED_PREFILL_QUERY,
+    CacheStatsSource,
+    MetricsSpec,
+    PrometheusSource,
+)
+from kvfleet_runtime.wire import Engine
 
 __all__ = [
+    "VLLM_HIT_RATE_QUERY",
+    "VLLM_SAVED_PREFILL_QUERY",
     "DeploymentPods",
     "MetricReading",
     "pod_regex",
     "prometheus_query",
+    "queries_for",
     "read_cache_stats",
     "read_hit_rates",
     "read_nvme_reports",
     "render_query",
 ]
+
+# A vLLM replica's hit rate: vLLM's own prefix cache (T0; tokens, of every prompt token it was
+# asked about) plus the tokens kvfleet's connector loaded beyond vLLM's hit, over vLLM's queries.
+# The connector counts only tokens beyond vLLM's own hit, so no token is counted twice. The
+# connector's per-tenant series appear with a tenant's first request through it: `or vector(0)`
+# keeps the T0 share on a replica where none exists yet (no request, or every one bypassed the
+# connector), because a sum over no series is no sample, and `x + nothing` is nothing.
+# vLLM names its counters `vllm:...`, but prometheus_client's OpenMetrics exposition (which
+# Prometheus 2.x asks for first) writes the samples as `vllm_...`: the regex takes either.
+_VLLM_HIT_TOKENS = (
+    'sum(rate({__name__=~"vllm[:_]prefix_cache_hits_total",namespace="${namespace}",'
+    'pod=~"${pod_regex}"}[$w])) + (sum(rate(kvfleet_cache_matched_tokens_total{'
+    'namespace="${namespace}",pod=~"${pod_regex}"}[$w])) or vector(0))'
+)
+VLLM_HIT_RATE_QUERY = (
+    "(" + _VLLM_HIT_TOKENS.replace("$w", "1m") + ") / sum(rate({__name__=~"
+    '"vllm[:_]prefix_cache_queries_total",namespace="${namespace}",pod=~"${pod_regex}"}[1m]))'
+)
+VLLM_SAVED_PREFILL_QUERY = _VLLM_HIT_TOKENS.replace("$w", "5m")
 
 # Threads of one `/cache/stats` read: a Deployment of up to this many ready pods is asked at once
 # (a larger one in rounds, within the same budget).
@@ -50,6 +83,8 @@ class DeploymentPods:
     """Ready pods, for the `/cache/stats` fallback."""
     pod_names: tuple[str, ...] = ()
     """Every pod of the Deployment (and track) that exists now, ready or not, for Prometheus."""
+    engine: Engine = "kvfleet"
+    """What its pod template says serves it (`kvfleet.dev/engine`): picks the default queries."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +106,17 @@ def render_query(template: str, pods: DeploymentPods) -> str:
     return Template(template).safe_substitute(
         namespace=pods.namespace, deployment=pods.deployment, pod_regex=pod_regex(pods.pod_names)
     )
+
+
+def queries_for(source: PrometheusSource, engine: Engine) -> tuple[str, str]:
+    """(hit-rate, saved-prefill) templates for a Deployment served by `engine`. A ModelRollout
+    that left a query at its default (the CRD fills kvfleet's in) gets vLLM's for vLLM replicas,
+    whose T0 hits only vLLM's own counters see; a query the user wrote is used as written."""
+    hit, saved = source.hit_rate_query, source.saved_prefill_query
+    if engine == "vllm":
+        hit = VLLM_HIT_RATE_QUERY if hit == DEFAULT_HIT_RATE_QUERY else hit
+        saved = VLLM_SAVED_PREFILL_QUERY if saved == DEFAULT_SAVED_PREFILL_QUERY else saved
+    return hit, saved
 
 
 def prometheus_query(source: PrometheusSource, query: str) -> float | None:
@@ -181,14 +227,15 @@ def read_hit_rates(
     if prometheus is not None:
         try:
 
-            def ask(template: str, pods: DeploymentPods) -> float | None:
+            def ask(which: int, pods: DeploymentPods) -> float | None:
                 if not pods.pod_names:
                     return None  # no pods: nothing of theirs to measure (and no empty regex)
+                template = queries_for(prometheus, pods.engine)[which]
                 return prometheus_query(prometheus, render_query(template, pods))
 
-            target_rate = ask(prometheus.hit_rate_query, target)
-            canary_rate = None if canary is None else ask(prometheus.hit_rate_query, canary)
-            saved = ask(prometheus.saved_prefill_query, target)
+            target_rate = ask(0, target)
+            canary_rate = None if canary is None else ask(0, canary)
+            saved = ask(1, target)
             if target_rate is not None or canary_rate is not None or not spec.cache_stats.enabled:
                 return MetricReading(target_rate, canary_rate, saved, "prometheus")
         except (OSError, ValueError) as exc:

@@ -17,6 +17,16 @@ Three credentials, three secrets (each a Secret the chart generates; see docs/se
 - **Operator token** (operator -> replica): `Authorization: Bearer <token>` on
   `POST /cache/invalidate` and on `GET /cache/stats` for all tenants or a tenant other than the
   caller's. A plain bearer compared in constant time: the operator is one party with one secret.
+- **Cache salt** (router -> vLLM replica): vLLM's OpenAI server takes the tenant from the body's
+  `cache_salt`, not from a header, so the router overwrites that field with
+
+      <tenant>.<mac>
+
+  where `mac` is the first 32 hex digits (128 bits) of HMAC-SHA256(router secret, domain |
+  tenant). Deterministic per tenant, unlike an assertion: vLLM folds the salt into its own block
+  hash, so a per-request nonce would make every request miss vLLM's prefix cache. kvfleet's
+  connector inside vLLM recomputes the MAC (`verify_cache_salt`) and leaves a request whose salt
+  does not verify alone (no load, no store), never filing it under another tenant.
 - **Peer credential** (replica -> replica, T2): `fleet.transfer.peer_token`, a tenant-scoped HMAC
   under the fleet's peer secret; not here.
 
@@ -39,13 +49,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kvfleet_runtime.wire import ASSERTION_HEADER
+from kvfleet_runtime.wire import ASSERTION_HEADER, CACHE_SALT_FIELD, MAX_CACHE_SALT_CHARS
 
 __all__ = [
     "DEFAULT_ASSERTION_TTL_S",
     "DEFAULT_TENANT",
     "MAX_ASSERTION_TTL_S",
     "MAX_CLOCK_SKEW_S",
+    "MAX_SALTED_TENANT_CHARS",
     "OPERATOR_TOKEN_ENV",
     "OPERATOR_TOKEN_FILE",
     "OPERATOR_TOKEN_FILE_ENV",
@@ -54,13 +65,16 @@ __all__ = [
     "ROUTER_SECRET_FILE_ENV",
     "AssertionRefused",
     "ReplayCache",
+    "SaltRefused",
     "TenantAssertion",
     "bearer_matches",
+    "cache_salt",
     "read_operator_token",
     "read_router_secret",
     "read_secret",
     "sign_assertion",
     "verify_assertion",
+    "verify_cache_salt",
 ]
 
 DEFAULT_TENANT = "default"
@@ -86,6 +100,10 @@ OPERATOR_TOKEN_FILE = Path("/etc/kvfleet/operator-token/token")
 _DOMAIN = b"kvfleet-tenant-assertion-v1"
 _VERSION = "v1"
 _NONCE_HEX = 32
+_SALT_DOMAIN = b"kvfleet-cache-salt-v1"
+_SALT_MAC_HEX = 32
+MAX_SALTED_TENANT_CHARS = MAX_CACHE_SALT_CHARS - 1 - _SALT_MAC_HEX
+"""The longest tenant name a cache salt can carry (95): vLLM caps `cache_salt` at 128 chars."""
 
 Reason = Literal["missing", "malformed", "forged", "expired", "too_long", "audience", "replayed",
                  "busy"]
@@ -258,6 +276,53 @@ def verify_assertion(secret: bytes, value: str | None, tenant: str, *, method: s
     if not admitted:
         return AssertionRefused("replayed", f"{ASSERTION_HEADER} was already used")
     return TenantAssertion(tenant, parsed.audience, parsed.nonce, expires_at_s)
+
+
+def _salt_mac(secret: bytes, tenant: str) -> str:
+    mac = hmac.new(secret, _SALT_DOMAIN + b"\x00" + tenant.encode(), hashlib.sha256)
+    return mac.hexdigest()[:_SALT_MAC_HEX]
+
+
+def cache_salt(secret: bytes | None, tenant: str) -> str:
+    """vLLM's `cache_salt` for `tenant`: `<tenant>.<mac>`, the same for every request of the
+    tenant (so vLLM's own prefix cache hits across them); the bare tenant when there is no
+    secret (a loopback deployment, whose connector has no secret either). The tenant may hold
+    '.': the MAC never does, so the last '.' splits. Raises ValueError for a tenant a salt
+    cannot carry (empty, or longer than MAX_SALTED_TENANT_CHARS)."""
+    if not tenant:
+        raise ValueError("the tenant of a cache salt is empty")
+    if len(tenant) > MAX_SALTED_TENANT_CHARS:
+        raise ValueError(f"tenant {tenant[:40]!r}... has {len(tenant)} characters; a vLLM "
+                         f"{CACHE_SALT_FIELD} carries at most {MAX_SALTED_TENANT_CHARS}")
+    if not secret:
+        return tenant
+    return f"{tenant}.{_salt_mac(secret, tenant)}"
+
+
+SaltReason = Literal["missing", "malformed", "forged"]
+
+
+@dataclass(slots=True, frozen=True)
+class SaltRefused:
+    """Why a cache salt names no tenant (the connector then bypasses the request)."""
+
+    reason: SaltReason
+    message: str
+
+
+def verify_cache_salt(secret: bytes, salt: str | None) -> str | SaltRefused:
+    """The tenant a salt minted by `cache_salt(secret, tenant)` names, or why it names none."""
+    if not salt:
+        return SaltRefused("missing", f"no {CACHE_SALT_FIELD}: with a salt secret every request "
+                           "must come through the router, which sets one")
+    tenant, dot, mac = salt.rpartition(".")
+    if not dot or not tenant or len(mac) != _SALT_MAC_HEX or not _is_hex(mac):
+        return SaltRefused("malformed", f"{CACHE_SALT_FIELD} {salt[:80]!r} is not "
+                           "<tenant>.<mac>")
+    if not hmac.compare_digest(mac, _salt_mac(secret, tenant)):
+        return SaltRefused("forged", f"{CACHE_SALT_FIELD} for tenant {tenant[:80]!r} does not "
+                           "verify under the salt secret")
+    return tenant
 
 
 def read_router_secret(environ: Mapping[str, str] | None = None) -> bytes | None:

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvfleet_runtime.wire import Engine
+
 FLEET_CONFIG_FILENAME = "fleet.yaml"
 
 
@@ -50,6 +52,11 @@ class ReplicaEndpoint(_Strict):
     url: Annotated[str, Field(pattern=r"^https?://")]
     weights_digest: str | None = None
     ready: bool = True
+    engine: Engine = "kvfleet"
+    """What serves it (`wire.ENGINES`; the operator copies the pod's `kvfleet.dev/engine`
+    annotation, which the chart sets from `replica.engine`): the router sets `cache_salt` in
+    what it sends a `vllm` replica and probes its `/health`. Left out of the text when kvfleet
+    (`dump_fleet_config`)."""
 
 
 class FleetConfig(_Strict):
@@ -115,4 +122,10 @@ def check_successor(
 def dump_fleet_config(config: FleetConfig) -> str:
     """Canonical text (sorted JSON, which is also YAML): equal configs give equal bytes, so the
     operator's ConfigMap update is a no-op when nothing changed."""
-    return json.dumps(config.model_dump(mode="json"), sort_keys=True, indent=2) + "\n"
+    data = config.model_dump(mode="json")
+    for replica in data["replicas"]:
+        # A kvfleet fleet's text stays what it was before `engine` existed, so a router or
+        # replica that predates the field still reads it during an upgrade.
+        if replica["engine"] == "kvfleet":
+            del replica["engine"]
+    return json.dumps(data, sort_keys=True, indent=2) + "\n"

@@ -17,7 +17,7 @@ Replica load protocol: `GET {replica}{LOAD_PATH}` answers JSON
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
     from kvfleet_runtime.cache import CacheKey
@@ -28,11 +28,15 @@ __all__ = [
     "BYTE_BOS_ID",
     "BYTE_TOKENIZER_ID",
     "CACHE_KEY_FIELDS",
+    "CACHE_SALT_FIELD",
+    "ENGINES",
     "HELD_PATH",
     "LOAD_PATH",
+    "MAX_CACHE_SALT_CHARS",
     "PLATFORM_TENANT",
     "T2_PATH",
     "TENANT_HEADER",
+    "Engine",
     "LoadReport",
     "parse_load_report",
 ]
@@ -51,6 +55,21 @@ T2 requests it makes to peers."""
 ASSERTION_HEADER = "X-Kvfleet-Tenant-Assertion"
 """The router's signed tenant assertion, sent with `TENANT_HEADER` on every proxied request
 (`kvfleet_runtime.auth`: format and checks)."""
+
+CACHE_SALT_FIELD = "cache_salt"
+"""vLLM's request field that salts its block hash (T0) and names the tenant to kvfleet's vLLM
+connector. The router overwrites it in every body it proxies to a vLLM replica with the
+authenticated tenant's salt (`kvfleet_runtime.auth.cache_salt`); a client's own is replaced."""
+
+MAX_CACHE_SALT_CHARS = 128
+"""vLLM 0.33 refuses a longer `cache_salt` (and one with '@', '/', '\\' or NUL; tenant names
+never contain those)."""
+
+Engine = Literal["kvfleet", "vllm"]
+ENGINES: tuple[Engine, ...] = get_args(Engine)
+"""What runs in a replica pod (the chart's `replica.engine`): kvfleet's own replica runtime, or
+`vllm serve` with kvfleet's KV connector. The fleet config names it per replica; the router
+salts vLLM requests and probes vLLM's `/health`, the operator reads vLLM's hit-rate series."""
 
 LOAD_PATH = "/fleet/v1/load"
 """A replica's load report (the router polls it; schema above)."""

@@ -8,7 +8,10 @@ inside one engine process. A shared host pool, a peer and a rollout need all of 
 connector keys each block with `CacheKey(tenant, model_id, weights_digest, kv_dtype,
 rope_config_hash, attn_impl_id)`:
 
-- tenant: the request's `cache_salt` (the router sets it from the authenticated tenant);
+- tenant: the request's `cache_salt`, which the router overwrites with the authenticated
+  tenant's signed salt `<tenant>.<mac>` (`kvfleet_runtime.auth.cache_salt`); with the salt secret
+  configured (`kvfleet.salt_secret_file`) a salt that does not verify names no tenant and the
+  request bypasses the connector (`TenantSalts`);
 - weights_digest: sha256 of the checkpoint's safetensors files, as kvfleet's loader computes it;
 - kv_dtype, rope_config_hash: from the checkpoint's config.json through kvfleet's own parser;
 - attn_impl_id: kvfleet's id with the attention arithmetic named `vllm-<backend>`: vLLM's
@@ -18,15 +21,21 @@ rope_config_hash, attn_impl_id)`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvfleet_runtime.architectures import parse_hf_config
+from kvfleet_runtime.auth import SaltRefused, verify_cache_salt
 from kvfleet_runtime.cache import PLATFORM_TENANT, CacheKey
 from kvfleet_runtime.cache._keys import key_digest
 from kvfleet_runtime.model.checkpoint import read_config, weights_digest
 
-__all__ = ["SUPPORTED_KV_DTYPES", "ModelKey", "model_key", "tenant_of"]
+__all__ = ["SUPPORTED_KV_DTYPES", "ModelKey", "TenantSalts", "model_key", "tenant_of"]
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_KV_DTYPES = ("float16", "bfloat16", "float32")
 """KV dtypes copied exactly. FP8 KV carries per-tensor scales the canonical layout does not
@@ -71,9 +80,81 @@ def model_key(model_dir: Path, *, model_id: str, kv_dtype: str, attention_backen
 
 
 def tenant_of(cache_salt: str | None, default_tenant: str) -> str:
-    """The tenant of a request: its `cache_salt`, or the deployment's default tenant."""
+    """The tenant of a request without a salt secret: its `cache_salt` as it is, or the
+    deployment's default tenant (a deployment whose clients are trusted to name themselves)."""
     tenant = default_tenant if cache_salt is None else cache_salt
     if not tenant or tenant == PLATFORM_TENANT:
         raise ValueError(f"cache_salt {cache_salt!r} cannot name a tenant "
                          f"(empty, or the reserved {PLATFORM_TENANT!r})")
     return tenant
+
+
+_REMEMBERED_REFUSALS = 4096
+"""Request ids whose refusal was counted: vLLM asks about a waiting request again every step,
+and one request must count (and log) once."""
+
+
+@dataclass(slots=True)
+class TenantSalts:
+    """A request's tenant from its `cache_salt`.
+
+    With a `secret` (the router's, `kvfleet.salt_secret_file`) only a salt the router minted
+    names a tenant: a missing, malformed or forged one is a `SaltRefused`, the request bypasses
+    the connector (no load, no store: vLLM computes it, isolated by its own salted hash) and the
+    refusal is counted by reason in `num_refused` and logged once per request. It is never
+    filed under another tenant, the default tenant included. Without a secret the salt is the
+    tenant as it is (`tenant_of`)."""
+
+    default_tenant: str = "default"
+    secret: bytes | None = None
+    num_refused: Counter[str] = field(default_factory=Counter)
+    _counted: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    _new_refusals: Counter[str] = field(default_factory=Counter)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any], prefix: str) -> TenantSalts:
+        """From the connector's extra config; raises ValueError naming an unreadable or empty
+        secret file (the connector refuses to start rather than trust every salt)."""
+        default = str(extra.get(prefix + "default_tenant", "default"))
+        path = extra.get(prefix + "salt_secret_file")
+        if path is None:
+            return cls(default)
+        try:
+            secret = Path(str(path)).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"{prefix}salt_secret_file={path}: {exc.strerror or exc}") from exc
+        if not secret:
+            raise ValueError(f"{prefix}salt_secret_file={path} is empty")
+        return cls(default, secret)
+
+    def tenant(self, request_id: str, cache_salt: str | None) -> str | SaltRefused:
+        """The request's tenant, or why it has none (counted once per request id)."""
+        if self.secret is None:
+            try:
+                return tenant_of(cache_salt, self.default_tenant)
+            except ValueError as exc:
+                return self._refuse(request_id, SaltRefused("malformed", str(exc)))
+        verified = verify_cache_salt(self.secret, cache_salt)
+        if isinstance(verified, SaltRefused):
+            return self._refuse(request_id, verified)
+        if verified == PLATFORM_TENANT:
+            return self._refuse(request_id, SaltRefused(
+                "malformed", f"cache_salt names the reserved tenant {PLATFORM_TENANT!r}"))
+        return verified
+
+    def take_refusals(self) -> dict[str, int]:
+        """Refused requests by reason since the last call (shipped with the connector's stats,
+        exported as `kvfleet_vllm_salt_refused_requests_total{reason}`)."""
+        new, self._new_refusals = dict(self._new_refusals), Counter()
+        return new
+
+    def _refuse(self, request_id: str, refused: SaltRefused) -> SaltRefused:
+        if request_id not in self._counted:
+            self._counted[request_id] = None
+            if len(self._counted) > _REMEMBERED_REFUSALS:
+                self._counted.popitem(last=False)
+            self.num_refused[refused.reason] += 1
+            self._new_refusals[refused.reason] += 1
+            log.warning("kvfleet connector bypasses request %s (cache_salt %s): %s",
+                        request_id, refused.reason, refused.message)
+        return refused

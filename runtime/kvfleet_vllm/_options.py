@@ -15,5 +15,8 @@ CACHE_KNOBS = ("admit_min_sightings", "hot_min_sightings")  # read one by one in
 """`CacheConfig` fields a deployment may set (`kvfleet.<name>`); the rest keep kvfleet's
 defaults, the same as a kvfleet replica's."""
 EXTRA_KEYS = frozenset({"host_pool_path", "num_host_blocks", "model_id", "weights_digest",
-                        "default_tenant", "tp_rank", *CACHE_KNOBS})
-"""Every key is `PREFIX + name`; `tp_rank` only for a worker built outside a distributed run."""
+                        "default_tenant", "salt_secret_file", "tp_rank", *CACHE_KNOBS})
+"""Every key is `PREFIX + name`; `tp_rank` only for a worker built outside a distributed run.
+`salt_secret_file`: the router's secret (the chart passes the file it mounts,
+`kvfleet_runtime.auth.ROUTER_SECRET_FILE`), to verify each request's `cache_salt`; unset, a salt
+is taken as the tenant's name as it is."""

@@ -40,9 +40,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvfleet_runtime.auth import SaltRefused
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, CacheStats, KVLayout
 from kvfleet_vllm._copy import HostPool, RankHeads, load_blocks, save_blocks, view_positions
-from kvfleet_vllm._keys import ModelKey, model_key, tenant_of
+from kvfleet_vllm._keys import ModelKey, TenantSalts, model_key
 from kvfleet_vllm._options import DEFAULT_HOST_POOL_PATH, EXTRA_KEYS, PREFIX
 from kvfleet_vllm._plan import ConnectorIndex, LoadPlan, SavePlan
 
@@ -100,7 +101,8 @@ for the first two, so the operator's hit-rate query reads a vLLM replica's kvfle
 
 
 class KvfleetConnectorStats(KVConnectorStats):
-    """Per-tenant counts since the last report: `data = {"tenants": {tenant: {name: n}}}`."""
+    """Per-tenant counts since the last report: `data = {"tenants": {tenant: {name: n}}}`, and
+    `data["salt_refused"] = {reason: n}` when requests bypassed the connector for their salt."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {"tenants": {}}
@@ -111,6 +113,10 @@ class KvfleetConnectorStats(KVConnectorStats):
             mine = tenants.setdefault(tenant, {})
             for name, n in counts.items():
                 mine[name] = mine.get(name, 0) + n
+        if other.data.get("salt_refused"):
+            refused = self.data.setdefault("salt_refused", {})
+            for reason, n in other.data["salt_refused"].items():
+                refused[reason] = refused.get(reason, 0) + n
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -121,7 +127,7 @@ class KvfleetConnectorStats(KVConnectorStats):
         return totals
 
     def is_empty(self) -> bool:
-        return not self.data.get("tenants")
+        return not self.data.get("tenants") and not self.data.get("salt_refused")
 
 
 class KvfleetPromMetrics(KVConnectorPromMetrics):
@@ -133,13 +139,23 @@ class KvfleetPromMetrics(KVConnectorPromMetrics):
                                     labelnames=[*labelnames, "tenant"])
             for name, doc in _STAT_COUNTERS
         }
+        self._salt_refused = self._counter_cls(
+            name="kvfleet_vllm_salt_refused_requests",
+            documentation="Requests that bypassed the connector because their cache_salt did not "
+                          "verify (reason: missing, malformed, forged).",
+            labelnames=[*labelnames, "reason"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
         for tenant, counts in transfer_stats_data.get("tenants", {}).items():
-            for name, n in counts.items():
-                if name in self._counters and n:
-                    self._counters[name].labels(*engine, tenant).inc(n)
+            for name, counter in self._counters.items():
+                # All of a tenant's series start at its first report: a series born with a
+                # value shows Prometheus no increase, so rate() would drop its first matches.
+                child = counter.labels(*engine, tenant)
+                if counts.get(name):
+                    child.inc(counts[name])
+        for reason, n in transfer_stats_data.get("salt_refused", {}).items():
+            self._salt_refused.labels(*engine, reason).inc(n)
 
 
 def _layout(vllm_config: VllmConfig) -> KVLayout:
@@ -174,7 +190,7 @@ class KvfleetConnector(KVConnectorBase_V1):
         if num_slots <= 0:
             raise ValueError(f"{_PREFIX}num_host_blocks must be > 0, got {num_slots}")
         pool_path = Path(str(extra.get(_PREFIX + "host_pool_path", DEFAULT_HOST_POOL_PATH)))
-        self._default_tenant = str(extra.get(_PREFIX + "default_tenant", "default"))
+        self.salts = TenantSalts.from_extra(extra, _PREFIX)
         # scheduler side
         self.index: ConnectorIndex | None = None
         self._model_key: ModelKey | None = None
@@ -234,11 +250,8 @@ class KvfleetConnector(KVConnectorBase_V1):
         if (request.lora_request is not None or request.mm_features
                 or request.prompt_embeds is not None or request.prompt_token_ids is None):
             return None
-        try:
-            return self.model_key.key(tenant_of(request.cache_salt, self._default_tenant))
-        except ValueError as exc:
-            logger.warning("kvfleet connector skips request %s: %s", request.request_id, exc)
-            return None
+        tenant = self.salts.tenant(request.request_id, request.cache_salt)
+        return None if isinstance(tenant, SaltRefused) else self.model_key.key(tenant)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -315,8 +328,10 @@ class KvfleetConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.index is None:  # the worker side has nothing to report
             return None
-        deltas = self.index.take_deltas()
-        return KvfleetConnectorStats(data={"tenants": deltas}) if deltas else None
+        data: dict[str, Any] = {"tenants": self.index.take_deltas()}
+        if refused := self.salts.take_refusals():
+            data["salt_refused"] = refused
+        return KvfleetConnectorStats(data=data) if data["tenants"] or refused else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

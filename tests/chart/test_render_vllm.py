@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvfleet_operator.constants import ENGINE_ANNOTATION
+from kvfleet_runtime.auth import ROUTER_SECRET_FILE
 from kvfleet_vllm import _options
 from tests.chart.conftest import Render, run_helm, template_args
 
@@ -45,6 +47,8 @@ def test_vllm_replicas_run_vllm_serve_with_the_connector(render: Render) -> None
         "kvfleet.host_pool_path": _options.DEFAULT_HOST_POOL_PATH,
         "kvfleet.num_host_blocks": 4096,
         "kvfleet.default_tenant": "default",
+        # the router's secret, to verify the cache_salt the router signs per tenant
+        "kvfleet.salt_secret_file": str(ROUTER_SECRET_FILE),
         "kvfleet.model_id": "llama-3.1-8b",
         # the kubelet expands it from the env: the digest a ModelRollout sets is the key's
         "kvfleet.weights_digest": "$(KVFLEET_WEIGHTS_DIGEST)",
@@ -83,3 +87,22 @@ def test_vllm_engine_needs_its_image(helm: Path, helm_env: dict[str, str]) -> No
 def test_unknown_engine_is_refused_by_the_schema(helm: Path, helm_env: dict[str, str]) -> None:
     result = run_helm(helm, helm_env, *template_args([VLLM], ["replica.engine=sglang"]))
     assert result.returncode != 0 and "engine" in result.stderr, result.stderr
+
+
+def test_vllm_replicas_mount_the_salt_secret_and_name_their_engine(render: Render) -> None:
+    """The connector verifies each request's cache_salt with the router secret: the file its
+    extra config names is the router secret's mount; the pod says it is vLLM (the operator copies
+    that into the fleet config, where the router reads it)."""
+    out = _replica(render, VLLM)
+    pod = out["deployment"]["spec"]["template"]
+    config = json.loads(_flag(out["container"]["args"], "--kv-transfer-config"))
+    secret_file = Path(config["kv_connector_extra_config"]["kvfleet.salt_secret_file"])
+    mount = next(m for m in out["container"]["volumeMounts"]
+                 if m["mountPath"] == str(secret_file.parent))
+    assert mount["readOnly"] is True
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "kvfleet-auth"
+    assert volume["secret"]["items"] == [{"key": "router-secret", "path": secret_file.name}]
+    assert pod["metadata"]["annotations"][ENGINE_ANNOTATION] == "vllm"
+    default = _replica(render, "default-values.yaml")["deployment"]["spec"]["template"]
+    assert default["metadata"]["annotations"][ENGINE_ANNOTATION] == "kvfleet"

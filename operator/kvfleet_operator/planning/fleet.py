@@ -22,6 +22,7 @@ from kvfleet_runtime.fleetconfig import (
     ReplicaEndpoint,
 )
 from kvfleet_runtime.routing import home_sets
+from kvfleet_runtime.wire import Engine
 
 __all__ = [
     "HomeSetPlan",
@@ -40,6 +41,7 @@ class ReplicaPod:
     ready: bool
     deleting: bool = False
     weights_digest: str = ""
+    engine: Engine = "kvfleet"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,7 @@ def build_fleet_config(
             url=f"http://{p.ip}:{spec.replica_port}",
             weights_digest=p.weights_digest or None,
             ready=True,
+            engine=p.engine,
         )
         for p in ready_replicas(pods)
     )

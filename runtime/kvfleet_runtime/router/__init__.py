@@ -12,6 +12,7 @@ from kvfleet_runtime.router._app import (
     create_router_app,
     prompt_token_ids,
 )
-from kvfleet_runtime.router._view import FleetView
+from kvfleet_runtime.router._view import FleetView, vllm_load_report
 
-__all__ = ["FleetView", "RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids"]
+__all__ = ["FleetView", "RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids",
+           "vllm_load_report"]

@@ -15,11 +15,15 @@ the first byte over the limit, never sent on to a replica.
 
 Per request: API key -> tenant (a client-sent `X-Kvfleet-Tenant` is discarded and replaced, and
 the API key is not forwarded), then the pure decision (`kvfleet_runtime.routing.choose_replica`)
-over the fleet view, then the proxy. The cache-aware override needs each replica's matched tokens
-for this prompt; the router computes the prompt's chained block hashes itself (the key fields
-come from the replicas' load reports, so they cannot drift from what replicas hash) and asks the
-hint index for the leading run per host, in one round trip under a ~1 ms budget. No index, no key
-yet, or a failed lookup: the override is simply off for that request.
+over the fleet view, then the proxy. A vLLM replica (the fleet config's `engine`) takes the tenant
+from the body's `cache_salt`, not from a header: the router replaces that field, whatever the
+client sent, with the tenant's signed salt (`kvfleet_runtime.auth.cache_salt`).
+
+The cache-aware override needs each replica's matched tokens for this prompt; the router
+computes the prompt's chained block hashes itself (the key fields come from the replicas' load
+reports, so they cannot drift from what replicas hash) and asks the hint index for the leading
+run per host, in one round trip under a ~1 ms budget. No index, no key yet, or a failed lookup:
+the override is simply off for that request.
 
 Text prompts are tokenized only with the replicas' own tokenizer: the load report names it (a
 digest of the tokenizer files), and the router encodes with its `--tokenizer` (the model folder's
@@ -64,13 +68,13 @@ from kvfleet_runtime.api import (
     parse_json,
     read_body,
 )
-from kvfleet_runtime.auth import sign_assertion
+from kvfleet_runtime.auth import cache_salt, sign_assertion
 from kvfleet_runtime.cache import block_hashes
 from kvfleet_runtime.fleet.index import HintIndex
 from kvfleet_runtime.router._view import FleetView
 from kvfleet_runtime.routing import ApiKeyMap, RouteDecision, choose_replica
 from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
-from kvfleet_runtime.wire import ASSERTION_HEADER, BLOCK_SIZE, TENANT_HEADER
+from kvfleet_runtime.wire import ASSERTION_HEADER, BLOCK_SIZE, CACHE_SALT_FIELD, TENANT_HEADER
 
 __all__ = ["RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids"]
 
@@ -307,7 +311,7 @@ def create_router_app(state: RouterState) -> web.Application:
         matched = await _matched_tokens(state, tenant, prompt)
         prompt_tokens = len(prompt) if isinstance(prompt, (str, list)) else 0
         return await _proxy(
-            request, "/v1/completions", raw, tenant, matched, prompt_tokens, started
+            request, "/v1/completions", raw, body, tenant, matched, prompt_tokens, started
         )
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -323,13 +327,14 @@ def create_router_app(state: RouterState) -> web.Application:
             else 0
         )
         return await _proxy(
-            request, "/v1/chat/completions", raw, tenant, matched, prompt_chars, started
+            request, "/v1/chat/completions", raw, body, tenant, matched, prompt_chars, started
         )
 
     async def _proxy(
         request: web.Request,
         path: str,
         raw: bytes,
+        body: dict[str, Any],
         tenant: str,
         matched: dict[str, int],
         prompt_tokens: int,
@@ -338,6 +343,7 @@ def create_router_app(state: RouterState) -> web.Application:
         assert state.session is not None
         tried: set[str] = set()
         last_error = "no replica is ready"
+        salted: bytes | None = None
         for _ in range(state.max_attempts):
             decision = _decide(state, tenant, matched, tried)
             if decision is None:
@@ -346,6 +352,11 @@ def create_router_app(state: RouterState) -> web.Application:
             name = decision.replica
             tried.add(name)
             replica = state.view.replicas[name]
+            data = raw
+            if replica.engine == "vllm":
+                if salted is None:
+                    salted = _salted_body(body, state.router_secret, tenant)
+                data = salted
             headers = {TENANT_HEADER: tenant, "Content-Type": "application/json"}
             if state.router_secret:
                 # One per attempt: bound to this replica, method and path, for seconds.
@@ -360,7 +371,7 @@ def create_router_app(state: RouterState) -> web.Application:
             out: list[web.StreamResponse] = []
             try:
                 async with state.session.post(
-                    replica.url + path, data=raw, headers=headers, timeout=timeout
+                    replica.url + path, data=data, headers=headers, timeout=timeout
                 ) as upstream:
                     if upstream.status == 503:
                         state.m_requests.labels(name, "overloaded").inc()
@@ -492,6 +503,19 @@ def create_router_app(state: RouterState) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.cleanup_ctx.append(_lifecycle(state))
     return app
+
+
+def _salted_body(body: dict[str, Any], secret: bytes | None, tenant: str) -> bytes:
+    """The body for a vLLM replica: `cache_salt` is the authenticated tenant's salt, whatever
+    the client sent (a client could otherwise name another tenant's salt and read its cache).
+    Re-encoded from the parsed body, so a duplicate `cache_salt` key cannot survive either."""
+    try:
+        salt = cache_salt(secret, tenant)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), code="tenant_not_servable", param=CACHE_SALT_FIELD) from exc
+    # parse_json refused lone surrogates, so the text always encodes as UTF-8
+    return json.dumps({**body, CACHE_SALT_FIELD: salt}, ensure_ascii=False,
+                      separators=(",", ":")).encode()
 
 
 class _ClientGone(Exception):

@@ -3,8 +3,9 @@ last load reports, and its own requests in flight.
 
 Replica load protocol: `GET {replica}{LOAD_PATH}` answers a load report (its schema:
 `kvfleet_runtime.wire`). A replica without that route (404) is judged by `GET /readyz` alone
-(load unknown = 0). A replica that does not answer within the poll timeout is not ready until it
-answers again.
+(load unknown = 0); a vLLM replica (the fleet config's `engine`) by vLLM's `GET /health`, its
+load from vLLM's own gauges on `GET /metrics` (`vllm_load_report`). A replica that does not
+answer within the poll timeout is not ready until it answers again.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from kvfleet_runtime.fleetconfig import (
     parse_fleet_config,
 )
 from kvfleet_runtime.routing import ReplicaLoad, home_sets
-from kvfleet_runtime.wire import LOAD_PATH, LoadReport, parse_load_report
+from kvfleet_runtime.wire import LOAD_PATH, Engine, LoadReport, parse_load_report
 
-__all__ = ["FleetView"]
+__all__ = ["FleetView", "vllm_load_report"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 class _Replica:
     name: str
     url: str
+    engine: Engine = "kvfleet"
     report: LoadReport | None = None
     inflight: int = 0
     inflight_tokens: int = 0
@@ -100,20 +102,21 @@ class FleetView:
             watcher.accept(content)
         return True
 
-    def _endpoints(self) -> dict[str, str]:
+    def _endpoints(self) -> dict[str, tuple[str, Engine]]:
+        """name -> (url, engine); replicas given by flags are kvfleet replicas."""
         if self.config is not None and self.config.replicas:
-            return {r.name: r.url for r in self.config.replicas if _usable(r)}
-        return dict(self.static_replicas)
+            return {r.name: (r.url, r.engine) for r in self.config.replicas if _usable(r)}
+        return {name: (url, "kvfleet") for name, url in self.static_replicas.items()}
 
     def _apply(self) -> None:
         endpoints = self._endpoints()
         for name in list(self.replicas):
             if name not in endpoints:
                 del self.replicas[name]
-        for name, url in endpoints.items():
+        for name, (url, engine) in endpoints.items():
             current = self.replicas.get(name)
-            if current is None or current.url != url:
-                self.replicas[name] = _Replica(name, url.rstrip("/"))
+            if current is None or current.url != url.rstrip("/") or current.engine != engine:
+                self.replicas[name] = _Replica(name, url.rstrip("/"), engine)
         if self.on_change is not None:
             self.on_change()
 
@@ -199,6 +202,16 @@ class FleetView:
     async def _poll(self, session: aiohttp.ClientSession, r: _Replica, timeout_s: float) -> None:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
+            if r.engine == "vllm":
+                # vLLM serves neither the load report nor /readyz: its /health is readiness, and
+                # its own gauges on /metrics are the load (unknown, 0, when they do not answer).
+                async with session.get(r.url + "/health", timeout=timeout) as resp:
+                    r.report = LoadReport(ready=resp.status == 200)
+                if r.report.ready:
+                    async with session.get(r.url + "/metrics", timeout=timeout) as resp:
+                        if resp.status == 200:
+                            r.report = vllm_load_report(await resp.read())
+                return
             async with session.get(r.url + LOAD_PATH, timeout=timeout) as resp:
                 if resp.status == 200:
                     r.report = parse_load_report(await resp.json())
@@ -232,6 +245,40 @@ class FleetView:
                     await self.poll_once(session, timeout_s=max(0.05, min(poll_interval_s, 2.0)))
             due = next_load if self.config_path is None else min(next_load, next_config)
             await asyncio.sleep(max(0.01, due - loop.time()))
+
+
+_VLLM_LOAD_GAUGES = (b"kv_cache_usage_perc", b"num_requests_waiting", b"num_requests_running")
+
+
+def _samples(metrics: bytes, name: bytes) -> list[float]:
+    """The values of `name`'s samples in Prometheus text. vLLM's /metrics is thousands of
+    histogram lines: bytes.find skips to the few wanted ones (splitting the page line by line in
+    Python, or a multiline regex, costs ~4 ms per poll for 256 KB)."""
+    values = []
+    text = b"\n" + metrics  # every line, the first included, follows a newline
+    # OpenMetrics writes vLLM's `vllm:` names as `vllm_`; one page has one spelling
+    prefix = b"vllm:" if b"\nvllm:" in text else b"vllm_"
+    needle = b"\n" + prefix + name
+    pos = text.find(needle)
+    while pos >= 0:
+        end = text.find(b"\n", pos + 1)
+        line = text[pos + 1:] if end < 0 else text[pos + 1:end]
+        if line[len(needle) - 1:len(needle)] in (b"{", b" "):  # not a longer name
+            with contextlib.suppress(ValueError, IndexError):
+                values.append(float(line.rsplit(b" ", 1)[1]))
+        pos = -1 if end < 0 else text.find(needle, end)
+    return values
+
+
+def vllm_load_report(metrics: bytes) -> LoadReport:
+    """A ready vLLM replica's load from its Prometheus text (`vllm:kv_cache_usage_perc`, a
+    fraction, and the request gauges). With several engines (data parallel) the fullest engine's
+    occupancy and the summed requests; NaN or negative samples are no load. vLLM reports no
+    queue delay or token capacity: the router's own in-flight count stands in."""
+    usage, waiting, running = (
+        [v for v in _samples(metrics, name) if v >= 0] for name in _VLLM_LOAD_GAUGES)
+    return LoadReport(ready=True, kv_occupancy=min(max(usage, default=0.0), 1.0),
+                      num_waiting=int(sum(waiting)), num_running=int(sum(running)))
 
 
 def _usable(r: ReplicaEndpoint) -> bool:

@@ -61,10 +61,11 @@ size; the fleet config's tiers.nvme / tiers.nvme_shadow decide what the replica 
 {{/* `replica.engine: vllm`: the `vllm serve` command line with kvfleet's KV connector
 (docs/vllm.md). The connector's key takes the weights digest of the pod template (a ModelRollout
 replaces it) and the served model name, the same fields a kvfleet replica keys its blocks by;
-Kubernetes expands $(KVFLEET_WEIGHTS_DIGEST) inside the JSON. */}}
+Kubernetes expands $(KVFLEET_WEIGHTS_DIGEST) inside the JSON. The router secret (mounted in every
+replica pod) verifies each request's cache_salt, which the router signs per tenant. */}}
 {{- define "kvfleet.replica.vllmArgs" -}}
 {{- $v := .Values.replica.vllm -}}
-{{- $extra := dict "kvfleet.host_pool_path" "/dev/shm/kvfleet-host-pool" "kvfleet.num_host_blocks" (int $v.numHostBlocks) "kvfleet.default_tenant" $v.defaultTenant -}}
+{{- $extra := dict "kvfleet.host_pool_path" "/dev/shm/kvfleet-host-pool" "kvfleet.num_host_blocks" (int $v.numHostBlocks) "kvfleet.default_tenant" $v.defaultTenant "kvfleet.salt_secret_file" "/etc/kvfleet/router-secret/secret" -}}
 {{- with .Values.replica.model.id }}{{ $_ := set $extra "kvfleet.model_id" . }}{{ end -}}
 {{- with .Values.replica.model.weightsDigest }}{{ $_ := set $extra "kvfleet.weights_digest" "$(KVFLEET_WEIGHTS_DIGEST)" }}{{ end -}}
 {{- $kvt := dict "kv_connector" "KvfleetConnector" "kv_connector_module_path" "kvfleet_vllm.connector" "kv_role" "kv_both" "kv_connector_extra_config" $extra -}}
