@@ -34,7 +34,8 @@ it out before returning (a slot may be read by the next step's load).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,37 +249,53 @@ def stack_layers(views: Sequence[torch.Tensor]) -> LayerViews | None:
     return LayerViews(0, stacked)
 
 
-def _pool_piece(pool: HostPool, views: LayerViews, heads: RankHeads, p: Piece) -> torch.Tensor:
-    """The piece's host slots: `[2, layers, heads, num_blocks, num_subs, 16, head_dim]`."""
-    lo = views.first_layer
-    part = pool.kv[:, lo:lo + views.num_layers, heads.start:heads.stop,
-                   p.slot:p.slot + p.num_slots]
-    two, layers, num_heads, _, tokens, d = part.shape
-    return part.view(two, layers, num_heads, p.num_blocks, p.num_subs, tokens, d)
+_SERIAL_PIECE_BYTES = 4 << 20
+"""Pieces smaller than this on average copy on one intra-op thread: a parallel region per
+512 KiB copy costs more than it gains, and on a busy host every region waits for a descheduled
+thread (scattered ids fell to a tenth of a raw copy with 2 threads on the shared 2-core box,
+and held 0.4x on one)."""
 
 
-def _view_piece(views: LayerViews, p: Piece) -> torch.Tensor:
-    """The piece's vLLM tokens in the pool's order: `[2, layers, heads, num_blocks, num_subs,
-    16, head_dim]` (a strided view; K|V split off the last axis)."""
-    part = views.kv[:, p.block:p.block + p.num_blocks, :,
-                    p.sub * BLOCK_SIZE:(p.sub + p.num_subs) * BLOCK_SIZE]
-    layers, blocks, num_heads, _, width = part.shape
-    split = part.view(layers, blocks, num_heads, p.num_subs, BLOCK_SIZE, 2, width // 2)
-    return split.permute(5, 0, 2, 1, 3, 4, 6)
+@contextmanager
+def _threads_for(num_pieces: int, num_bytes: int, device: torch.device) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or num_pieces < 2 \
+            or num_bytes >= _SERIAL_PIECE_BYTES * num_pieces:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _copy_pieces(pool: HostPool, views: LayerViews, heads: RankHeads, pieces: Sequence[Piece],
                  *, save: bool) -> int:
-    """The one copy loop, both directions: one `copy_` per piece. Returns the copies made."""
+    """The one copy loop, both directions: one `copy_` per piece. Returns the copies made.
+
+    Both sides are first viewed in the pool's axis order, `[2, layers, heads, slots | (blocks,
+    16-token units), 16, head_dim]` (vLLM's side a strided view: K|V split off its last axis,
+    its tokens split into units), so a piece is one slice of each."""
+    lo, num_layers = views.first_layer, views.num_layers
+    host = pool.kv[:, lo:lo + num_layers, heads.start:heads.stop]
+    layers, num_blocks, num_heads, tokens, width = views.kv.shape
+    paged = views.kv.view(layers, num_blocks, num_heads, tokens // BLOCK_SIZE, BLOCK_SIZE, 2,
+                          width // 2).permute(5, 0, 2, 1, 3, 4, 6)
+    two, _, _, _, _, d = host.shape
     device = views.kv.device
-    for p in pieces:
-        host, paged = _pool_piece(pool, views, heads, p), _view_piece(views, p)
-        if device.type == "cpu":
-            (host if save else paged).copy_(paged if save else host)
-        elif save:  # stage in canonical order on the device, then one copy out (blocking)
-            host.copy_(paged.contiguous())
-        else:  # the canonical slab crosses (a DMA when pinned), the interleave runs on device
-            paged.copy_(host.to(device, non_blocking=pool.pinned))
+    slot_bytes = host.element_size() * two * num_layers * num_heads * BLOCK_SIZE * d
+    with _threads_for(len(pieces), slot_bytes * sum(p.num_slots for p in pieces), device):
+        for p in pieces:
+            h = host[:, :, :, p.slot:p.slot + p.num_slots].view(
+                two, num_layers, num_heads, p.num_blocks, p.num_subs, BLOCK_SIZE, d)
+            v = paged[:, :, :, p.block:p.block + p.num_blocks, p.sub:p.sub + p.num_subs]
+            if device.type == "cpu":
+                (h if save else v).copy_(v if save else h)
+            elif save:  # stage in canonical order on the device, then one copy out (blocking)
+                h.copy_(v.contiguous())
+            else:  # the canonical slab crosses (a DMA when pinned), interleaved on the device
+                v.copy_(h.to(device, non_blocking=pool.pinned))
     return len(pieces)
 
 
