@@ -26,6 +26,8 @@ from kvfleet_vllm._copy import (
     stack_layers,
     view_positions,
 )
+from kvfleet_vllm._plan import SavePlan
+from kvfleet_vllm.connector import KvfleetConnectorMetadata, KvfleetWorkerMetadata
 from tests.vllm import _support as sup
 
 HEADS, HEAD_DIM, LAYERS = 4, 8, 2
@@ -219,3 +221,50 @@ def test_the_worker_connector_checks_vllms_views(tiny_checkpoint: Path, tmp_path
         w.register_kv_caches(dict(zip(sup.LAYERS, bad, strict=True)))
     with pytest.raises(ValueError, match="1 KV layers registered, the model has 2"):
         w.register_kv_caches({sup.LAYERS[0]: good[0]})
+
+
+def test_the_worker_saves_every_layer_at_wait_for_save(tiny_checkpoint: Path, tmp_path: Path):
+    """save_kv_layer only notes the layer; wait_for_save copies: all layers in one copy per
+    piece when vLLM's views are the registered ones, and only the reported layers otherwise."""
+    vc = sup.vllm_config(tiny_checkpoint, tmp_path / "pool")
+    w = sup.worker(vc)
+    views = sup.layer_views(8, 4, 16, 16, KVCacheLayout.LBHNC)
+    filled(views, 4)
+    w.register_kv_caches(dict(zip(sup.LAYERS, views, strict=True)))
+    assert len(w._targets) == 1 and w._targets[0].num_layers == 2  # stacked
+    assert w.pool is not None
+    plan = SavePlan(store_id=1, req_id="r", chain_blocks=(0, 1), slots=(3, 4))
+    w.bind_connector_metadata(KvfleetConnectorMetadata(step_id=0, saves=[(plan, (5, 6))]))
+    w.start_load_kv(None)  # type: ignore[arg-type]  # nothing to load; vLLM calls it every step
+    for name, view in zip(sup.LAYERS, views, strict=True):
+        w.save_kv_layer(name, view, None)
+    assert not w.pool.kv.any()  # nothing copied before the forward's end
+    w.wait_for_save()
+    for layer, v in enumerate(views):
+        assert torch.equal(w.pool.k[layer, :, 3:5], v[[5, 6], :, :, :16].transpose(0, 1))
+        assert torch.equal(w.pool.v[layer, :, 3:5], v[[5, 6], :, :, 16:].transpose(0, 1))
+    w.clear_connector_metadata()
+    w.pool.kv.zero_()
+    w.bind_connector_metadata(KvfleetConnectorMetadata(step_id=1, saves=[(plan, (5, 6))]))
+    w.start_load_kv(None)  # type: ignore[arg-type]
+    w.save_kv_layer(sup.LAYERS[1], views[1], None)  # only layer 1 reported this step
+    w.wait_for_save()
+    assert not w.pool.kv[:, 0].any() and w.pool.kv[:, 1].any()
+    assert w.build_connector_worker_meta() == KvfleetWorkerMetadata(1, set())
+
+
+def test_scattered_copies_restore_the_thread_count(tmp_path: Path):
+    pool = HostPool(tmp_path / "pool", KVLayout(LAYERS, HEADS, HEAD_DIM), num_slots=8)
+    (views,) = stacked(sup.layer_views(8, HEADS, HEAD_DIM, 16, KVCacheLayout.LBNHC))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pieces = [Piece(s, b, 0, 1, 1) for s, b in ((0, 5), (2, 1), (7, 3))]
+        assert load_blocks(pool, views, RankHeads.for_rank(HEADS, 1, 0), pieces) == 3
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError):  # a failed copy restores it too
+            load_blocks(pool, views, RankHeads.for_rank(HEADS, 1, 0),
+                        [Piece(0, 5, 0, 1, 1), Piece(7, 3, 0, 1, 2)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
