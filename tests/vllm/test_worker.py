@@ -139,6 +139,14 @@ def test_pieces_are_the_fewest_strided_copies(positions, slots, tokens, want):
     assert plan_pieces(positions, slots, view_block_tokens=tokens) == want
 
 
+def test_kernel_blocks_smaller_than_vllms_block_copy_as_one_run():
+    """A backend that splits 32-token manager blocks into 16-token kernel blocks: a request's
+    consecutive manager blocks are consecutive kernel blocks, one piece."""
+    positions = view_positions((2, 3), range(4), vllm_block_size=32, view_block_tokens=16)
+    assert positions == [(4, 0), (5, 0), (6, 0), (7, 0)]
+    assert plan_pieces(positions, [8, 9, 10, 11], view_block_tokens=16) == [Piece(8, 4, 0, 4, 1)]
+
+
 def test_views_of_separate_tensors_do_not_stack():
     views = [torch.zeros(4, HEADS, 16, 2 * HEAD_DIM, dtype=torch.float16) for _ in range(2)]
     assert stack_layers(views) is None
