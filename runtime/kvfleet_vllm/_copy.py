@@ -1,6 +1,6 @@
 """Block copies between the host pool (kvfleet's canonical layout) and vLLM's paged KV.
 
-Host pool, one file shared by the engine's processes: K and V `[num_layers, num_kv_heads,
+Host pool, one file shared by the engine's processes: `[2 (K, V), num_layers, num_kv_heads,
 num_slots, 16, head_dim]`, all heads, whatever the TP degree (the layout of
 `kvfleet_runtime.cache`'s pools). vLLM 0.33 hands every attention layer to the connector as a
 logical `[blocks, heads, tokens_per_block, 2 * head_dim]` view (K in the first `head_dim` of the
@@ -9,16 +9,34 @@ backend chose (`vllm.v1.kv_cache_layout.KVCacheLayout`: LBHNC for FlashInfer and
 LBNHC for FlashAttention's default and FlexAttention, ...). The copies index the logical view, so
 every layout is one code path; strides are vLLM's business.
 
+What the two sides share: in every layout the last physical axis is K|V of one token, so the
+largest unit contiguous on both sides is one head's K (or V) of one token (`head_dim` values).
+The pool keeps a head's consecutive slots contiguous, vLLM keeps a layer's (or, block-outermost,
+a block's) pages at one stride. A copy is therefore planned as *pieces* (`plan_pieces`): a run
+of consecutive host slots that lands on consecutive tokens of consecutive vLLM blocks, copied by
+ONE strided `copy_` that moves K and V of every head of the run (and of every layer, when vLLM's
+layer views are one tensor at a constant layer stride: `stack_layers`; vLLM 0.33 allocates a
+group's layers that way). Per-row writes are torch's inner loop, not Python's: a contiguous
+request is one copy for all layers, a scattered one is one copy per block for all layers.
+
 TP: vLLM shards KV heads contiguously (`QKVParallelLinear`: rank r holds heads [r * H/tp,
 (r+1) * H/tp)), and when tp > H each head is replicated on tp/H consecutive ranks. kvfleet's own
 engine takes heads h % tp == r instead; both read and write the same canonical pool, so a block
 stored at TP1 loads into TP2 and TP4 workers of either engine. Mapping a vLLM rank by h % tp would
 put other heads' KV in its cache: the map is the engine's, the pool layout is shared.
+
+CUDA: the views live on the GPU and the pool in host memory. A load moves the piece's canonical
+slab to the device, ordered on the current stream before the forward reads it (from the mapping
+`HostPool.pin` page-locked, a non-blocking DMA when the slab is contiguous; a slab spanning heads
+or layers is first made contiguous by torch in pageable memory), and interleaves it into vLLM's
+layout there; a save makes the device piece contiguous in canonical order and copies it out
+before returning (a slot may be read by the next step's load).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +45,17 @@ import torch
 from kvfleet_runtime.cache import BLOCK_SIZE, KVLayout
 from kvfleet_runtime.cache._allocator import paired_runs
 
-__all__ = ["HostPool", "RankHeads", "load_blocks", "save_blocks", "view_positions"]
+__all__ = [
+    "HostPool",
+    "LayerViews",
+    "Piece",
+    "RankHeads",
+    "load_blocks",
+    "plan_pieces",
+    "save_blocks",
+    "stack_layers",
+    "view_positions",
+]
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,7 +91,7 @@ class HostPool:
     """K and V of `num_slots` canonical blocks in one shared file (`/dev/shm/...` in a pod), so
     the scheduler process plans slots and every worker process copies into the same memory."""
 
-    __slots__ = ("k", "layout", "num_slots", "path", "v")
+    __slots__ = ("k", "kv", "layout", "num_slots", "path", "pinned", "v")
 
     def __init__(self, path: Path, layout: KVLayout, num_slots: int) -> None:
         if num_slots <= 0:
@@ -79,12 +107,29 @@ class HostPool:
         # shared=True maps the file MAP_SHARED (created at this size when absent): every
         # process of the engine that opens it sees the same bytes.
         flat = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
-        kv = flat.view(shape)
+        self.kv = flat.view(shape)
+        """`[2, layers, heads, slots, 16, head_dim]`: K is `kv[0]`, V is `kv[1]`."""
         self.path = path
         self.layout = layout
         self.num_slots = num_slots
-        self.k = kv[0]
-        self.v = kv[1]
+        self.k = self.kv[0]
+        self.v = self.kv[1]
+        self.pinned = False
+
+    def pin(self) -> bool:
+        """Page-lock the mapping for the GPU (`cudaHostRegister`), so host -> device copies are
+        DMAs that need not block; False (and nothing changed) without CUDA or when the driver
+        refuses. The mapping stays registered for the life of the process."""
+        if self.pinned:
+            return True
+        if not torch.cuda.is_available():
+            return False
+        num_bytes = self.kv.numel() * self.kv.element_size()
+        # flags 1 = cudaHostRegisterPortable: pinned for every CUDA context of the process
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        err = cudart.cudaHostRegister(self.kv.data_ptr(), num_bytes, 1)
+        self.pinned = int(err) == 0
+        return self.pinned
 
 
 def view_positions(
@@ -105,69 +150,166 @@ def view_positions(
     return out
 
 
-def _groups(
-    positions: Sequence[tuple[int, int]], slots: Sequence[int]
-) -> dict[int, tuple[list[int], list[int]]]:
-    by_offset: dict[int, tuple[list[int], list[int]]] = {}
-    for (block, offset), slot in zip(positions, slots, strict=True):
-        blocks, group_slots = by_offset.setdefault(offset, ([], []))
-        blocks.append(block)
-        group_slots.append(slot)
-    return by_offset
+@dataclass(slots=True, frozen=True)
+class Piece:
+    """One copy: host slots `slot .. slot + num_blocks * num_subs` <-> tokens `[sub * 16,
+    (sub + num_subs) * 16)` of view blocks `block .. block + num_blocks`, in that order (the
+    slots of one view block are consecutive, and so are the view blocks)."""
+
+    slot: int
+    block: int
+    sub: int
+    num_blocks: int
+    num_subs: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.num_subs
 
 
-def _use_runs(runs: list[tuple[int, int, int]], num_blocks: int) -> bool:
-    # Slot and block runs (allocators hand out consecutive ids) copy as plain slices, 5-8x
-    # faster than a gather and a scatter on CPU; scattered ids go through one index copy.
-    return len(runs) * 2 <= num_blocks
+def plan_pieces(
+    positions: Sequence[tuple[int, int]], slots: Sequence[int], *, view_block_tokens: int
+) -> list[Piece]:
+    """The fewest pieces that copy host slot `slots[i]` to/from `positions[i]` (view block,
+    token offset, from `view_positions`) in a view of `view_block_tokens` tokens per block.
+
+    Each 16-token unit is numbered `block * r + offset // 16` (r units per view block); a run
+    along which slots and units are both consecutive is one piece, split only where the copy
+    cannot be one strided view: a run that starts or ends inside a view block keeps its partial
+    first and last blocks as pieces of their own."""
+    if len(positions) != len(slots):
+        raise ValueError(f"{len(positions)} positions for {len(slots)} slots")
+    if view_block_tokens <= 0 or view_block_tokens % BLOCK_SIZE:
+        raise ValueError(f"view blocks must be whole {BLOCK_SIZE}-token blocks, got "
+                         f"{view_block_tokens} tokens")
+    r = view_block_tokens // BLOCK_SIZE
+    units = [block * r + offset // BLOCK_SIZE for block, offset in positions]
+    return [p for run in paired_runs(slots, units) for p in _run_pieces(*run, r)]
 
 
-def load_blocks(
-    pool: HostPool, layer: int, view: torch.Tensor, heads: RankHeads,
-    positions: Sequence[tuple[int, int]], slots: Sequence[int],
-) -> None:
-    """Copy host slots `slots[i]` of `layer` into `view` at `positions[i]` (this rank's heads):
-    one copy per run of consecutive slots and blocks, or one gather and one scatter per tensor
-    and token offset when the ids are scattered; never one copy per block."""
-    d = pool.layout.head_dim
-    k_src, v_src = pool.k[layer, heads.start:heads.stop], pool.v[layer, heads.start:heads.stop]
-    for offset, (blocks, group_slots) in _groups(positions, slots).items():
-        dst = view[:, :, offset:offset + BLOCK_SIZE]
-        runs = paired_runs(group_slots, blocks)
-        if _use_runs(runs, len(blocks)):
-            for src_slot, dst_block, n in runs:
-                for src, part in ((k_src, slice(0, d)), (v_src, slice(d, 2 * d))):
-                    dst[dst_block:dst_block + n, :, :, part].copy_(
-                        src[:, src_slot:src_slot + n].permute(1, 0, 2, 3), non_blocking=True)
-            continue
-        slot_idx = torch.tensor(group_slots, dtype=torch.long)
-        block_idx = torch.tensor(blocks, dtype=torch.long, device=view.device)
-        for src, part in ((k_src, slice(0, d)), (v_src, slice(d, 2 * d))):
-            # [heads, n, 16, D] -> [n, heads, 16, D], the view's block-major order
-            data = src.index_select(1, slot_idx).permute(1, 0, 2, 3)
-            dst[:, :, :, part].index_copy_(0, block_idx, data.to(view.device, non_blocking=True))
+def _run_pieces(slot: int, unit: int, n: int, r: int) -> list[Piece]:
+    """One run of n units from `unit` (r units per view block): its partial first view block,
+    its whole middle blocks, its partial last block, each one piece where present."""
+    pieces = []
+    if unit % r:
+        k = min(n, r - unit % r)
+        pieces.append(Piece(slot, unit // r, unit % r, 1, k))
+        slot, unit, n = slot + k, unit + k, n - k
+    if n >= r:
+        m = n // r
+        pieces.append(Piece(slot, unit // r, 0, m, r))
+        slot, unit, n = slot + m * r, unit + m * r, n - m * r
+    if n:
+        pieces.append(Piece(slot, unit // r, 0, 1, n))
+    return pieces
 
 
-def save_blocks(
-    pool: HostPool, layer: int, view: torch.Tensor, heads: RankHeads,
-    positions: Sequence[tuple[int, int]], slots: Sequence[int],
-) -> None:
-    """Copy `view` at `positions[i]` (this rank's heads) into host slots `slots[i]` of `layer`."""
-    if not heads.writer:
+@dataclass(slots=True, frozen=True)
+class LayerViews:
+    """vLLM's views of layers `first_layer .. first_layer + kv.shape[0]` as one tensor
+    `[layers, blocks, heads, tokens_per_block, 2 * head_dim]` (for one layer: its view with a
+    leading axis of 1)."""
+
+    first_layer: int
+    kv: torch.Tensor
+
+    @classmethod
+    def of(cls, layer: int, view: torch.Tensor) -> LayerViews:
+        return cls(layer, view.unsqueeze(0))
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.kv.shape[0])
+
+    @property
+    def block_tokens(self) -> int:
+        return int(self.kv.shape[3])
+
+
+def stack_layers(views: Sequence[torch.Tensor]) -> LayerViews | None:
+    """Layers 0..len(views) as ONE strided tensor when vLLM placed them in one allocation at a
+    constant layer stride (what vLLM 0.33 does for a group's same-shaped layers, in every
+    layout), so each piece is one copy for all layers; None when they are not (then each layer
+    is copied on its own: correct, more copies)."""
+    first = views[0]
+    if first.dim() != 4:
+        return None
+    if len(views) == 1:
+        return LayerViews.of(0, first)
+    if any(v.shape != first.shape or v.stride() != first.stride() or v.dtype != first.dtype
+           or v.device != first.device
+           or v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+           for v in views):
+        return None
+    step = views[1].storage_offset() - first.storage_offset()
+    if step <= 0 or any(v.storage_offset() - first.storage_offset() != i * step
+                        for i, v in enumerate(views)):
+        return None
+    stacked = first.as_strided((len(views), *first.shape), (step, *first.stride()),
+                               first.storage_offset())
+    return LayerViews(0, stacked)
+
+
+_SERIAL_PIECE_BYTES = 4 << 20
+"""Pieces smaller than this on average copy on one intra-op thread: a parallel region per
+512 KiB copy costs more than it gains, and on a busy host every region waits for a descheduled
+thread (scattered ids fell to 0.02-0.20x of a raw copy with 2 threads on the shared 2-core
+box, and held 0.23-0.46x on one)."""
+
+
+@contextmanager
+def _threads_for(num_pieces: int, num_bytes: int, device: torch.device) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or num_pieces < 2 \
+            or num_bytes >= _SERIAL_PIECE_BYTES * num_pieces:
+        yield
         return
-    d = pool.layout.head_dim
-    k_dst, v_dst = pool.k[layer, heads.start:heads.stop], pool.v[layer, heads.start:heads.stop]
-    for offset, (blocks, group_slots) in _groups(positions, slots).items():
-        src = view[:, :, offset:offset + BLOCK_SIZE]
-        runs = paired_runs(blocks, group_slots)
-        if _use_runs(runs, len(blocks)):
-            for src_block, dst_slot, n in runs:
-                for dst, part in ((k_dst, slice(0, d)), (v_dst, slice(d, 2 * d))):
-                    dst[:, dst_slot:dst_slot + n].copy_(
-                        src[src_block:src_block + n, :, :, part].permute(1, 0, 2, 3))
-            continue
-        slot_idx = torch.tensor(group_slots, dtype=torch.long)
-        block_idx = torch.tensor(blocks, dtype=torch.long, device=view.device)
-        for dst, part in ((k_dst, slice(0, d)), (v_dst, slice(d, 2 * d))):
-            data = src[:, :, :, part].index_select(0, block_idx).permute(1, 0, 2, 3)
-            dst.index_copy_(1, slot_idx, data.to("cpu"))
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _copy_pieces(pool: HostPool, views: LayerViews, heads: RankHeads, pieces: Sequence[Piece],
+                 *, save: bool) -> int:
+    """The one copy loop, both directions: one `copy_` per piece. Returns the copies made.
+
+    Both sides are first viewed in the pool's axis order, `[2, layers, heads, slots | (blocks,
+    16-token units), 16, head_dim]` (vLLM's side a strided view: K|V split off its last axis,
+    its tokens split into units), so a piece is one slice of each."""
+    lo, num_layers = views.first_layer, views.num_layers
+    host = pool.kv[:, lo:lo + num_layers, heads.start:heads.stop]
+    layers, num_blocks, num_heads, tokens, width = views.kv.shape
+    paged = views.kv.view(layers, num_blocks, num_heads, tokens // BLOCK_SIZE, BLOCK_SIZE, 2,
+                          width // 2).permute(5, 0, 2, 1, 3, 4, 6)
+    two, _, _, _, _, d = host.shape
+    device = views.kv.device
+    slot_bytes = host.element_size() * two * num_layers * num_heads * BLOCK_SIZE * d
+    with _threads_for(len(pieces), slot_bytes * sum(p.num_slots for p in pieces), device):
+        for p in pieces:
+            h = host[:, :, :, p.slot:p.slot + p.num_slots].view(
+                two, num_layers, num_heads, p.num_blocks, p.num_subs, BLOCK_SIZE, d)
+            v = paged[:, :, :, p.block:p.block + p.num_blocks, p.sub:p.sub + p.num_subs]
+            if device.type == "cpu":
+                (h if save else v).copy_(v if save else h)
+            elif save:  # stage in canonical order on the device, then one copy out (blocking)
+                h.copy_(v.contiguous())
+            else:  # the canonical slab crosses (a DMA when pinned), interleaved on the device
+                v.copy_(h.to(device, non_blocking=pool.pinned))
+    return len(pieces)
+
+
+def load_blocks(pool: HostPool, views: LayerViews, heads: RankHeads,
+                pieces: Sequence[Piece]) -> int:
+    """Copy the pieces' host slots into `views` (this rank's heads). Returns the copies made."""
+    return _copy_pieces(pool, views, heads, pieces, save=False)
+
+
+def save_blocks(pool: HostPool, views: LayerViews, heads: RankHeads,
+                pieces: Sequence[Piece]) -> int:
+    """Copy `views` at the pieces into their host slots; a replica rank (not the head's
+    writer) writes nothing. Returns the copies made."""
+    if not heads.writer:
+        return 0
+    return _copy_pieces(pool, views, heads, pieces, save=True)

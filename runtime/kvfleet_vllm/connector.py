@@ -13,8 +13,9 @@ copies between the shared host pool and vLLM's paged KV (`_copy`). The plans tra
 `KvfleetConnectorMetadata`; each step's `KvfleetWorkerMetadata` comes back with the step id and
 the saves that failed, and only then do saved blocks become visible and loads drop their
 references. A load that cannot be served is reported in `get_block_ids_with_load_errors`, and
-vLLM recomputes those blocks. Every load and save is synchronous within its step (a copy on the
-current stream before the forward reads the blocks, and before the step returns).
+vLLM recomputes those blocks. Every load and save is synchronous within its step: loads in
+`start_load_kv`, before the forward reads the blocks; saves in `wait_for_save`, after the
+forward wrote every layer and before the step returns (one copy per run for all layers).
 
 Requests the key cannot describe bypass the connector entirely (no load, no store): LoRA
 adapters, multimodal inputs and prompt embeddings change the KV without changing the tokens.
@@ -42,7 +43,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvfleet_runtime.auth import SaltRefused
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, CacheStats, KVLayout
-from kvfleet_vllm._copy import HostPool, RankHeads, load_blocks, save_blocks, view_positions
+from kvfleet_vllm._copy import (
+    HostPool,
+    LayerViews,
+    Piece,
+    RankHeads,
+    load_blocks,
+    plan_pieces,
+    save_blocks,
+    stack_layers,
+    view_positions,
+)
 from kvfleet_vllm._keys import ModelKey, TenantSalts, model_key
 from kvfleet_vllm._options import DEFAULT_HOST_POOL_PATH, EXTRA_KEYS, PREFIX
 from kvfleet_vllm._plan import ConnectorIndex, LoadPlan, SavePlan
@@ -203,6 +214,8 @@ class KvfleetConnector(KVConnectorBase_V1):
         self.pool: HostPool | None = None
         self.heads: RankHeads | None = None
         self._layers: dict[str, tuple[int, torch.Tensor]] = {}
+        self._targets: list[LayerViews] = []
+        self._saved_layers: dict[int, torch.Tensor] = {}
         self._load_errors: set[int] = set()
         self._failed_stores: set[int] = set()
         self._step_id = -1
@@ -353,7 +366,7 @@ class KvfleetConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        assert self.heads is not None
+        assert self.heads is not None and self.pool is not None
         layout = self.layout
         layers: dict[str, tuple[int, torch.Tensor]] = {}
         for name, view in kv_caches.items():
@@ -375,15 +388,25 @@ class KvfleetConnector(KVConnectorBase_V1):
                 raise ValueError(f"kvfleet connector: layer {name} index {index} is outside "
                                  f"[0, {layout.num_layers})")
             layers[name] = (index, view)
-        if len({i for i, _ in layers.values()}) != layout.num_layers:
+        by_index = {i: v for i, v in layers.values()}
+        if len(by_index) != layout.num_layers:
             raise ValueError(f"kvfleet connector: {len(layers)} KV layers registered, the model "
                              f"has {layout.num_layers}")
         self._layers = layers
+        # One copy per piece for every layer when vLLM's layers share one strided allocation;
+        # otherwise one per piece and layer.
+        stacked = stack_layers([by_index[i] for i in range(layout.num_layers)])
+        self._targets = ([stacked] if stacked is not None
+                         else [LayerViews.of(i, by_index[i]) for i in range(layout.num_layers)])
+        if any(v.is_cuda for v in by_index.values()) and not self.pool.pin():
+            logger.warning("kvfleet connector: could not page-lock the host pool; host -> GPU "
+                           "copies go through pageable memory")
 
-    def _positions(self, chain: tuple[int, ...], table: tuple[int, ...], view: torch.Tensor
-                   ) -> list[tuple[int, int]]:
-        return view_positions(table, chain, vllm_block_size=self.block_size,
-                              view_block_tokens=view.shape[2])
+    def _pieces(self, chain: tuple[int, ...], table: tuple[int, ...], slots: tuple[int, ...],
+                views: LayerViews) -> list[Piece]:
+        positions = view_positions(table, chain, vllm_block_size=self.block_size,
+                                   view_block_tokens=views.block_tokens)
+        return plan_pieces(positions, slots, view_block_tokens=views.block_tokens)
 
     def _blocks_of(self, chain: tuple[int, ...], table: tuple[int, ...]) -> set[int]:
         per = self.block_size // BLOCK_SIZE
@@ -398,9 +421,9 @@ class KvfleetConnector(KVConnectorBase_V1):
                 self._load_errors |= self._blocks_of(plan.chain_blocks, table)
                 continue
             try:
-                for index, view in self._layers.values():
-                    load_blocks(self.pool, index, view, self.heads,
-                                self._positions(plan.chain_blocks, table, view), plan.slots)
+                for views in self._targets:
+                    load_blocks(self.pool, views, self.heads,
+                                self._pieces(plan.chain_blocks, table, plan.slots, views))
             except Exception:  # any failure degrades to recompute, never to wrong KV
                 logger.exception("kvfleet connector: load for %s failed", plan.req_id)
                 self._load_errors |= self._blocks_of(plan.chain_blocks, table)
@@ -410,24 +433,34 @@ class KvfleetConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
+        # The copies wait for wait_for_save (end of the forward, every layer written): then one
+        # copy per piece moves all layers at once. A layer's saved blocks are complete prompt
+        # blocks, which nothing rewrites before the step ends.
+        entry = self._layers.get(layer_name)
+        if entry is not None:
+            self._saved_layers[entry[0]] = kv_layer
+
+    def wait_for_save(self) -> None:
+        saved, self._saved_layers = self._saved_layers, {}
+        if not saved:
+            return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvfleetConnectorMetadata) and self.pool and self.heads
-        entry = self._layers.get(layer_name)
-        if entry is None:
-            return
-        index = entry[0]
+        registered = {index: view for index, view in self._layers.values()}
+        if saved.keys() == registered.keys() and all(saved[i] is registered[i] for i in saved):
+            targets = self._targets
+        else:  # only some layers reported, or other tensors than registered: those, one by one
+            targets = [LayerViews.of(i, view) for i, view in sorted(saved.items())]
         for plan, table in meta.saves:
             if plan.store_id in self._failed_stores:
                 continue
             try:
-                save_blocks(self.pool, index, kv_layer, self.heads,
-                            self._positions(plan.chain_blocks, table, kv_layer), plan.slots)
+                for views in targets:
+                    save_blocks(self.pool, views, self.heads,
+                                self._pieces(plan.chain_blocks, table, plan.slots, views))
             except Exception:  # the blocks are never served; the request is unaffected
                 logger.exception("kvfleet connector: save for %s failed", plan.req_id)
                 self._failed_stores.add(plan.store_id)
-
-    def wait_for_save(self) -> None:
-        return  # save_kv_layer's copies to host memory complete before it returns
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvfleet_lab.vllm.bench import format_report, run_bench
+from kvfleet_lab.vllm.bench import COPY_LAYOUTS, format_report, run_bench
 
 
 def test_bench_runs_both_connectors_and_every_copy_pattern() -> None:
@@ -24,8 +24,14 @@ def test_bench_runs_both_connectors_and_every_copy_pattern() -> None:
         ("vllm-offloading", 64, "miss"): 0, ("vllm-offloading", 64, "hit"): 64,
         ("vllm-offloading", 200, "miss"): 0, ("vllm-offloading", 200, "hit"): 192,
     }
-    # 4 of 8 blocks, 2 layers, 2 heads, K and V of 16 dims in float16
-    assert [(c.pattern, c.num_bytes) for c in report.copies] == [
-        ("contiguous", 4 * 16 * 2 * 2 * 2 * 16 * 2), ("scattered", 16384), ("raw copy", 16384)]
+    # 4 of 8 blocks, 2 layers, 2 heads, K and V of 16 dims in float16; every layout, both
+    # directions, each checked bitwise by the bench; a contiguous run is one copy for all layers
+    copies = [c for c in report.copies if c.pattern != "raw copy"]
+    assert {(c.layout, c.pattern) for c in copies} == {
+        (layout, f"{d} {p}") for layout in COPY_LAYOUTS for d in ("load", "save")
+        for p in ("contiguous", "scattered")}
+    assert {c.num_bytes for c in report.copies} == {4 * 16 * 2 * 2 * 2 * 16 * 2}
+    assert {c.num_copies for c in copies if c.pattern.endswith("contiguous")} == {1}
+    assert {c.num_copies for c in copies if c.pattern.endswith("scattered")} == {4}
     text = format_report(report)
-    assert "vllm-offloading" in text and "x of raw" in text
+    assert "vllm-offloading" in text and "BHLNC" in text and "raw copy" in text

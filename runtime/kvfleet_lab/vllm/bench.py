@@ -11,8 +11,10 @@ vLLM hashes a request's blocks when the `Request` is built (its block hasher), k
 inside the lookup (its key carries tenant, weights digest and the rest): Request construction is
 outside the timed region on both sides, so kvfleet's figure includes its hashing, vLLM's does not.
 
-(2) Worker side: host pool -> one vLLM-layout layer view per layer (`load_blocks`), scattered
-slot/block ids and contiguous runs, against one raw `copy_` of the same number of bytes.
+(2) Worker side: the connector's copies between the host pool and vLLM's own layer views
+(`create_kv_cache_views`, one allocation, in each KV cache layout), loads and saves of scattered
+slot/block ids and of contiguous runs, against a raw `copy_` of the same number of bytes timed
+between the reps (both see the same load on a shared box).
 
 Run with `"$(scripts/vllm-env.sh)" -m kvfleet_lab.vllm.bench` and PYTHONPATH=runtime:operator:.
 """
@@ -33,7 +35,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BenchReport", "CopyRow", "LookupRow", "main", "run_bench"]
+__all__ = ["COPY_LAYOUTS", "BenchReport", "CopyRow", "LookupRow", "main", "run_bench"]
+
+COPY_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+"""vLLM 0.33's `KVCacheLayout` members (named here: this module imports vllm only when it runs)."""
 
 
 @dataclass(slots=True)
@@ -47,10 +52,13 @@ class LookupRow:
 
 @dataclass(slots=True)
 class CopyRow:
-    pattern: str  # "scattered" | "contiguous" | "raw copy"
+    pattern: str  # "load|save contiguous|scattered" | "raw copy"
     num_bytes: int
     median_ms: float
     gb_per_s: float
+    layout: str  # vLLM's KVCacheLayout name ("" for the raw copy)
+    num_copies: int  # pieces per load or save (each one copy for all layers)
+    x_raw: float  # raw copy time / this time, raw copies interleaved with this row's reps
 
 
 @dataclass(slots=True)
@@ -243,20 +251,49 @@ def _vllm_rows(model: Any, max_len: int, sizes: list[int], reps: int, reqs: _Req
     return rows
 
 
-def _copy_rows(num_blocks: int, num_layers: int, num_heads: int, head_dim: int, reps: int,
-               pool_dir: Path) -> tuple[list[CopyRow], dict[str, Any]]:
+def _layer_views(num_blocks: int, num_layers: int, num_heads: int, head_dim: int,
+                 layout: Any) -> list[Any]:
+    """vLLM's own per-layer views of one allocation in `layout` (what a worker registers)."""
     import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+
+    from kvfleet_runtime.cache import BLOCK_SIZE
+
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=num_heads, head_size=head_dim,
+                             dtype=torch.float16)
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, num_layers, layout)
+    size = num_layers * num_blocks * spec.page_size_bytes
+    tensor = KVCacheTensor(size=size, layers=[f"model.layers.{i}.attn" for i in range(num_layers)],
+                           layer_stride=layer_stride, block_stride=block_stride)
+    return list(create_kv_cache_views(torch.zeros(size, dtype=torch.int8), spec, num_blocks,
+                                      layout, tensor))
+
+
+def _copy_rows(num_blocks: int, num_layers: int, num_heads: int, head_dim: int, reps: int,
+               pool_dir: Path, layouts: list[str]) -> tuple[list[CopyRow], dict[str, Any]]:
+    import torch
+    from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from kvfleet_runtime.cache import BLOCK_SIZE, KVLayout
-    from kvfleet_vllm._copy import HostPool, RankHeads, load_blocks, view_positions
+    from kvfleet_vllm._copy import (
+        HostPool,
+        RankHeads,
+        load_blocks,
+        plan_pieces,
+        save_blocks,
+        stack_layers,
+        view_positions,
+    )
 
     layout = KVLayout(num_layers=num_layers, num_kv_heads=num_heads, head_dim=head_dim)
     pool = HostPool(pool_dir / "copy-pool", layout, num_blocks)
-    pool.k.normal_()
-    pool.v.normal_()
-    # vLLM's logical per-layer view [blocks, heads, tokens, 2 * head_dim] (NHD, contiguous).
-    views = [torch.zeros(num_blocks, num_heads, BLOCK_SIZE, 2 * head_dim, dtype=torch.float16)
-             for _ in range(num_layers)]
+    pool.kv.normal_()
+    original = pool.kv.clone()
     heads = RankHeads.for_rank(num_heads, 1, 0)
     n = num_blocks // 2  # half the pool per load, so scattered ids have room to scatter
     num_bytes = n * layout.bytes_per_token * BLOCK_SIZE
@@ -265,37 +302,59 @@ def _copy_rows(num_blocks: int, num_layers: int, num_heads: int, head_dim: int, 
         "contiguous": (list(range(n)), list(range(n))),
         "scattered": (rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)),
     }
-    rows = []
-    for name, (slots, table) in patterns.items():
-        positions = view_positions(table, range(n), vllm_block_size=BLOCK_SIZE,
-                                   view_block_tokens=BLOCK_SIZE)
-
-        def load(slots: list[int] = slots, positions: list[tuple[int, int]] = positions) -> None:
-            for layer, view in enumerate(views):
-                load_blocks(pool, layer, view, heads, positions, slots)
-
-        load()  # warm: page the shared file in; and check what landed, bitwise
-        d = head_dim
-        for layer in (0, num_layers - 1):
-            got = views[layer][torch.tensor(table[:n])]
-            want_k = pool.k[layer][:, torch.tensor(slots)].permute(1, 0, 2, 3)
-            want_v = pool.v[layer][:, torch.tensor(slots)].permute(1, 0, 2, 3)
-            if not (torch.equal(got[..., :d], want_k) and torch.equal(got[..., d:], want_v)):
-                raise RuntimeError(f"{name} load of layer {layer} is not the pool's bytes")
-        s = _median_s(load, reps)
-        rows.append(CopyRow(name, num_bytes, s * 1e3, num_bytes / s / 1e9))
     src = torch.empty(num_bytes, dtype=torch.uint8).random_()
     dst = torch.empty(num_bytes, dtype=torch.uint8)
     dst.copy_(src)
-    s = _median_s(lambda: dst.copy_(src), reps)
-    rows.append(CopyRow("raw copy", num_bytes, s * 1e3, num_bytes / s / 1e9))
+    rows: list[CopyRow] = []
+    raw_times: list[float] = []
+    for layout_name in layouts:
+        views = _layer_views(num_blocks, num_layers, num_heads, head_dim,
+                             KVCacheLayout[layout_name])
+        target = stack_layers(views)  # what the connector registers: one copy per piece
+        assert target is not None, "vLLM's views of one allocation stack"
+        for name, (slots, table) in patterns.items():
+            positions = view_positions(table, range(n), vllm_block_size=BLOCK_SIZE,
+                                       view_block_tokens=BLOCK_SIZE)
+            pieces = plan_pieces(positions, slots, view_block_tokens=BLOCK_SIZE)
+            for direction, copy in (("load", load_blocks), ("save", save_blocks)):
+                # a load reads the random pool; a save writes into a zeroed one
+                if direction == "load":
+                    pool.kv.copy_(original)
+                else:
+                    pool.kv.zero_()
+                copy(pool, target, heads, pieces)  # warm, and check what landed, bitwise
+                for layer in (0, num_layers - 1):
+                    got = views[layer][torch.tensor(table)]
+                    want_k = pool.k[layer][:, torch.tensor(slots)].permute(1, 0, 2, 3)
+                    want_v = pool.v[layer][:, torch.tensor(slots)].permute(1, 0, 2, 3)
+                    if not (torch.equal(got[..., :head_dim], want_k)
+                            and torch.equal(got[..., head_dim:], want_v)):
+                        raise RuntimeError(f"{layout_name} {name} {direction} of layer {layer} "
+                                           "differs from the pool's bytes")
+                times, raws = [], []
+                for _ in range(reps):  # raw copies interleaved: both see the same box load
+                    start = time.perf_counter()
+                    copy(pool, target, heads, pieces)
+                    mid = time.perf_counter()
+                    dst.copy_(src)
+                    times.append(mid - start)
+                    raws.append(time.perf_counter() - mid)
+                s, raw_s = statistics.median(times), statistics.median(raws)
+                raw_times += raws
+                rows.append(CopyRow(f"{direction} {name}", num_bytes, s * 1e3,
+                                    num_bytes / s / 1e9, layout_name, len(pieces),
+                                    raw_s / s))
+    raw = statistics.median(raw_times)
+    rows.append(CopyRow("raw copy", num_bytes, raw * 1e3, num_bytes / raw / 1e9, "", 1, 1.0))
     config = {"copy_blocks_loaded": n, "copy_pool_blocks": num_blocks, "num_layers": num_layers,
-              "num_kv_heads": num_heads, "head_dim": head_dim, "dtype": "float16"}
+              "num_kv_heads": num_heads, "head_dim": head_dim, "dtype": "float16",
+              "layouts": layouts}
     return rows, config
 
 
 def run_bench(*, sizes: list[int], lookup_reps: int, copy_blocks: int, copy_layers: int,
-              copy_heads: int, copy_head_dim: int, copy_reps: int, threads: int) -> BenchReport:
+              copy_heads: int, copy_head_dim: int, copy_reps: int, threads: int,
+              copy_layouts: list[str] | None = None) -> BenchReport:
     import torch
 
     torch.set_num_threads(threads)
@@ -313,7 +372,8 @@ def run_bench(*, sizes: list[int], lookup_reps: int, copy_blocks: int, copy_laye
         except Exception as exc:  # the baseline's failure is a result to show, not a crash
             report.vllm_offloading_error = f"{type(exc).__name__}: {exc}"
         report.copies, report.config = _copy_rows(copy_blocks, copy_layers, copy_heads,
-                                                  copy_head_dim, copy_reps, tmp_path)
+                                                  copy_head_dim, copy_reps, tmp_path,
+                                                  copy_layouts or list(COPY_LAYOUTS))
     report.config.update({"prompt_tokens": sizes, "lookup_reps": lookup_reps,
                           "copy_reps": copy_reps, "threads": threads, "vllm_block_size": 16})
     return report
@@ -336,11 +396,18 @@ def format_report(report: BenchReport) -> str:
     if report.vllm_offloading_error:
         lines.append(f"  vLLM's OffloadingConnector failed: {report.vllm_offloading_error}")
     raw = next(r for r in report.copies if r.pattern == "raw copy")
-    lines.append(f"host pool -> vLLM-layout views ({raw.num_bytes / 2**20:,.0f} MiB per load, "
-                 "median)")
-    for r in report.copies:
-        lines.append(f"  {r.pattern:<11} {r.median_ms:>9,.2f} ms {r.gb_per_s:>7.2f} GB/s "
-                     f"{raw.median_ms / r.median_ms:>6.2f}x of raw")
+    lines.append(f"host pool <-> vLLM-layout views ({raw.num_bytes / 2**20:,.0f} MiB per load "
+                 f"or save, median; x raw = against raw copies interleaved with the row's reps)")
+    patterns = [p for p in ("load contiguous", "load scattered", "save contiguous",
+                            "save scattered") if any(r.pattern == p for r in report.copies)]
+    lines.append(f"  {'layout':<6} " + " ".join(f"{p:>22}" for p in patterns))
+    cells = {(r.layout, r.pattern): r for r in report.copies}
+    for name in report.config.get("layouts", []):
+        row = [cells[(name, p)] for p in patterns]
+        lines.append(f"  {name:<6} " + " ".join(
+            f"{c.gb_per_s:>7.2f} GB/s {c.x_raw:>5.2f}x{c.num_copies:>5}c" for c in row))
+    lines.append(f"  raw copy {raw.median_ms:,.2f} ms, {raw.gb_per_s:.2f} GB/s; "
+                 "Nc = copies per load or save (each one copy_ for all layers)")
     return "\n".join(lines)
 
 
@@ -355,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copy-heads", type=int, default=8)
     parser.add_argument("--copy-head-dim", type=int, default=128)
     parser.add_argument("--copy-reps", type=int, default=10)
+    parser.add_argument("--copy-layouts", default=",".join(COPY_LAYOUTS),
+                        help="vLLM KV cache layouts to copy into, comma-separated")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--json", action="store_true", dest="as_json")
     args = parser.parse_args(argv)
@@ -370,10 +439,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.copy_blocks < 4:
         parser.error(f"--copy-blocks must be >= 4, got {args.copy_blocks}")
+    layouts = [x.strip() for x in args.copy_layouts.split(",") if x.strip()]
+    unknown = [x for x in layouts if x not in COPY_LAYOUTS]
+    if not layouts or unknown:
+        parser.error(f"--copy-layouts takes names from {','.join(COPY_LAYOUTS)}, got "
+                     f"{args.copy_layouts!r}")
     report = run_bench(sizes=sizes, lookup_reps=args.lookup_reps, copy_blocks=args.copy_blocks,
                        copy_layers=args.copy_layers, copy_heads=args.copy_heads,
                        copy_head_dim=args.copy_head_dim, copy_reps=args.copy_reps,
-                       threads=args.threads)
+                       threads=args.threads, copy_layouts=layouts)
     out = json.dumps(asdict(report), indent=2) if args.as_json else format_report(report)
     sys.stdout.write(out + "\n")
     return 0
