@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet_runtime.architectures import parse_hf_config
-from kvfleet_runtime.cache import PLATFORM_TENANT, CacheKey
-from kvfleet_runtime.cache._keys import key_digest
+from kvfleet_runtime.cache import PLATFORM_TENANT, CacheKey, key_digest
 from kvfleet_runtime.model.checkpoint import read_config, weights_digest
 
 __all__ = ["SUPPORTED_KV_DTYPES", "ModelKey", "model_key", "tenant_of"]

@@ -26,15 +26,17 @@ from dataclasses import dataclass, field
 from kvfleet_runtime.cache import (
     BLOCK_SIZE,
     BlockHash,
+    BlockNode,
     CacheConfig,
     CacheKey,
     CacheManager,
     CacheStats,
+    Commit,
     KVLayout,
     StoreOutcome,
+    StorePlan,
+    Tier,
 )
-from kvfleet_runtime.cache._index import BlockNode, Tier
-from kvfleet_runtime.cache._manager import Commit, StorePlan
 
 __all__ = ["ConnectorIndex", "LoadPlan", "SavePlan"]
 
