@@ -23,6 +23,7 @@ adapters, multimodal inputs and prompt embeddings change the KV without changing
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,9 +42,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, CacheStats, KVLayout
+from kvfleet_runtime.fleet.wiring import FleetSettings
 from kvfleet_vllm._copy import HostPool, RankHeads, load_blocks, save_blocks, view_positions
 from kvfleet_vllm._keys import ModelKey, model_key, tenant_of
 from kvfleet_vllm._options import DEFAULT_HOST_POOL_PATH, EXTRA_KEYS, PREFIX
+from kvfleet_vllm._peer import DEFAULT_WAIT_S, PeerService
 from kvfleet_vllm._plan import ConnectorIndex, LoadPlan, SavePlan
 
 if TYPE_CHECKING:
@@ -94,6 +97,7 @@ _STAT_COUNTERS = (
     ("lookup_tokens", "Prompt tokens of requests the connector looked up (once per request)."),
     ("matched_tokens", "Tokens loaded from kvfleet's host pool beyond vLLM's own prefix hit."),
     ("stored_blocks", "Blocks admission let into the host pool."),
+    ("fetched_blocks", "Blocks fetched from peers (T2) into the host pool, verified."),
 )
 """Exported as `kvfleet_cache_<name>_total{tenant}`: the names a kvfleet replica's cache exports
 for the first two, so the operator's hit-rate query reads a vLLM replica's kvfleet share too."""
@@ -177,6 +181,8 @@ class KvfleetConnector(KVConnectorBase_V1):
         self._default_tenant = str(extra.get(_PREFIX + "default_tenant", "default"))
         # scheduler side
         self.index: ConnectorIndex | None = None
+        self.peers: PeerService | None = None
+        """T2 (`kvfleet.peer_port` set and the fleet settings present), else None."""
         self._model_key: ModelKey | None = None
         self._requests: dict[str, Request] = {}
         self._local_tokens: dict[str, int] = {}
@@ -209,11 +215,41 @@ class KvfleetConnector(KVConnectorBase_V1):
                                                 defaults.hot_min_sightings)))
             self.index = ConnectorIndex(self.layout, num_slots, vllm_block_size=self.block_size,
                                         clock=time.monotonic, config=config)
+            self.peers = self._start_peers(extra, pool_path, num_slots)
         else:
             pc = vllm_config.parallel_config
             self.heads = RankHeads.for_rank(self.layout.num_kv_heads, pc.tensor_parallel_size,
                                             self._tp_rank(extra))
             self.pool = HostPool(pool_path, self.layout, num_slots)
+
+    def _start_peers(self, extra: dict[str, Any], pool_path: Path, num_slots: int
+                     ) -> PeerService | None:
+        """T2 in this (engine-core) process: the peer server, hint publishing and fetches."""
+        port = extra.get(_PREFIX + "peer_port")
+        if port is None:
+            return None
+        port = int(port)
+        if not 0 <= port < 65536:
+            raise ValueError(f"{_PREFIX}peer_port must be a TCP port, got {port}")
+        settings = FleetSettings.from_env(os.environ, port=port)
+        if settings is None or not settings.secret:
+            logger.warning("kvfleet connector: %speer_port is set but %s: T2 is off", _PREFIX,
+                           "no fleet settings" if settings is None else "no peer secret")
+            return None
+        wait_s = float(extra.get(_PREFIX + "peer_wait_s", DEFAULT_WAIT_S))
+        if not wait_s > 0:
+            raise ValueError(f"{_PREFIX}peer_wait_s must be > 0 seconds, got {wait_s}")
+        assert self.index is not None
+        service = PeerService(self.index, HostPool(pool_path, self.layout, num_slots), settings,
+                              port=port, bind_host=str(extra.get(_PREFIX + "peer_host", "0.0.0.0")),
+                              wait_s=wait_s)
+        service.start()
+        return service
+
+    def shutdown(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
+            self.peers = None
 
     @staticmethod
     def _tp_rank(extra: dict[str, Any]) -> int:
@@ -251,8 +287,11 @@ class KvfleetConnector(KVConnectorBase_V1):
         self._local_tokens[request.request_id] = num_computed_tokens
         if key is None:
             return 0, False
-        return self.index.num_matched(key, request.prompt_token_ids or [], num_computed_tokens), \
-            False
+        tokens = request.prompt_token_ids or []
+        if self.peers is not None and self.peers.poll(request.request_id, key, tokens,
+                                                      num_computed_tokens):
+            return None, False  # a peer is sending the next blocks: ask again next step
+        return self.index.num_matched(key, tokens, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -310,6 +349,8 @@ class KvfleetConnector(KVConnectorBase_V1):
         self._local_tokens.pop(req_id, None)
         self._stored.discard(req_id)
         self.index.request_finished(req_id)
+        if self.peers is not None:
+            self.peers.forget(req_id)
         return False, None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
