@@ -31,7 +31,6 @@ hint index never points a peer at a slot nobody has written.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -66,11 +65,11 @@ _R = TypeVar("_R")
 def _locked(
     method: Callable[Concatenate[ConnectorIndex, _P], _R],
 ) -> Callable[Concatenate[ConnectorIndex, _P], _R]:
-    @functools.wraps(method)
     def locked(self: ConnectorIndex, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self.lock:
             return method(self, *args, **kwargs)
 
+    locked.__name__, locked.__doc__ = method.__name__, method.__doc__
     return locked
 
 

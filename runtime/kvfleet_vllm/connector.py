@@ -16,6 +16,10 @@ references. A load that cannot be served is reported in `get_block_ids_with_load
 vLLM recomputes those blocks. Every load and save is synchronous within its step (a copy on the
 current stream before the forward reads the blocks, and before the step returns).
 
+T2 (`kvfleet.peer_port`, `_peer.PeerService`): the scheduler side also serves the host pool to
+peers, publishes it to the hint index, and fetches what a peer holds beyond the host pool's match
+(`get_num_new_matched_tokens` answers None while the fetch runs, bounded by `kvfleet.peer_wait_s`).
+
 Requests the key cannot describe bypass the connector entirely (no load, no store): LoRA
 adapters, multimodal inputs and prompt embeddings change the KV without changing the tokens.
 """

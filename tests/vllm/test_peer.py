@@ -45,6 +45,8 @@ class KvfleetPeer:
         self.cache = PrefixCache(CacheConfig(num_t0_blocks=0, num_t1_blocks=64), LAYOUT,
                                  clock=time.monotonic)
         self.served = 0
+        self.held: Any = None
+        """`held(hashes, tenant)` for the held probe (peers whose hint index is the probe)."""
         self._secret = secret.encode()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -62,9 +64,12 @@ class KvfleetPeer:
         def on_served(num_bytes: int) -> None:
             self.served += 1
 
+        def held(hashes: Any, tenant: str) -> int:
+            return self.held(hashes, tenant) if self.held is not None else 0
+
         app = web.Application()
         app.add_routes(peer_routes(CacheBlockSource(self.cache), self._secret,
-                                   on_served=on_served))
+                                   on_served=on_served, held=held))
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -366,3 +371,56 @@ def test_an_evicted_block_is_withdrawn_from_the_hint_index(engine):
     assert svc.call(svc.hints.lookup_runs(chain_a, tenant="tenant-a")) == {}
     assert svc.call(svc.hints.lookup_runs(block_hashes(key, other), tenant="tenant-a")) == {
         "vllm-a": 6}
+
+
+def test_the_fleet_config_names_the_peers_and_switches_t2(engine, tmp_path, monkeypatch):
+    """No Redis, a fleet config: the hint index is the peer probe over the config's replicas
+    (the kvfleet peer answers the held probe from its cache events), and `tiers.t2_peer: false`
+    turns fetching and serving off live."""
+    import json
+
+    from kvfleet_runtime.fleet import PeerProbeHintIndex
+    from kvfleet_runtime.fleet.wiring import _HeldBlocks
+
+    peer = KvfleetPeer()
+    try:
+        held = _HeldBlocks()
+        peer.cache.add_listener(held.on_event)
+        peer.held = held.leading  # answers POST /kv/v1/held
+        config = tmp_path / "fleet.yaml"
+
+        def write(t2: bool) -> None:
+            config.write_text(json.dumps({"tiers": {"t2_peer": t2}, "replicas": [
+                {"name": "kvfleet-b", "url": peer.url}, {"name": "vllm-a", "url": "http://x:1"}]}))
+
+        write(True)
+        monkeypatch.setenv("KVFLEET_FLEET_CONFIG", str(config))
+        s, w, views = engine()
+        conn = sup.connector_of(s)
+        svc = conn.peers
+        assert isinstance(svc.hints, PeerProbeHintIndex) and svc.enabled
+        key = conn.model_key.key("tenant-a")
+        k, _ = peer.hold(key, PROMPT)
+        a = sup.request("a", PROMPT)
+        s.add_request(a)
+        outs = schedule_through_fetch(s, w, views)
+        assert svc.stats.outcomes == {"ok": 1} and svc.stats.blocks_fetched == 6
+        (_load, table), = outs[-1].kv_connector_metadata.loads
+        assert torch.equal(loaded_kv(views, table, 6)[0], k[:, :, :96])
+        while s.has_unfinished_requests():
+            sup.step(s, [w], [views])
+
+        write(False)
+        deadline = time.monotonic() + 30
+        while svc.enabled and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not svc.enabled
+        other = [(i * 17 + 2) % 500 for i in range(100)]
+        peer.hold(key, other)
+        s.add_request(sup.request("b", other))
+        out, _ = sup.step(s, [w], [views])
+        assert out.num_scheduled_tokens == {"b": 64}  # scheduled at once, nothing fetched
+        assert svc.stats.outcomes == {"ok": 1}
+        assert svc._held(block_hashes(key, PROMPT), "tenant-a") == 0  # serving is off too
+    finally:
+        peer.close()
