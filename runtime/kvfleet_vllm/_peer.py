@@ -101,7 +101,8 @@ class _Source:
         if not service.enabled:
             return None
         index, pool = service.index, service.pool
-        run = index.export(key, token_ids, start_block, max_blocks)
+        # Off the loop: hashing a long prompt and waiting for the scheduler's lock take time.
+        run = await asyncio.to_thread(index.export, key, token_ids, start_block, max_blocks)
         if run is None:
             return None
         slot_of: dict[bytes, int] = {node.block_hash: node.block_id for node in run}

@@ -65,7 +65,7 @@ _R = TypeVar("_R")
 def _locked(
     method: Callable[Concatenate[ConnectorIndex, _P], _R],
 ) -> Callable[Concatenate[ConnectorIndex, _P], _R]:
-    def locked(self: ConnectorIndex, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def locked(self: ConnectorIndex, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self.lock:
             return method(self, *args, **kwargs)
 
@@ -235,13 +235,17 @@ class ConnectorIndex:
     @_locked
     def store(self, req_id: str, key: CacheKey, token_ids: Sequence[int]) -> SavePlan | None:
         """The request's prompt is fully computed this step: one sighting of each full block;
-        what admission accepts gets slots (written by the workers this step)."""
+        what admission accepts gets slots (written by the workers this step). Blocks whose
+        slots a failed fetch or save left unwritten are rewritten first, in place."""
         hashes, platform_blocks = self.manager.hashes(key, token_ids)
-        plan = self.manager.plan_store(key, list(hashes), platform_blocks)
-        if isinstance(plan, StoreOutcome):
-            self._drain_events()
-            return None
-        commit = self._commit(plan)
+        chain = list(hashes)
+        commit = self._repair(chain)
+        if commit is None:
+            plan = self.manager.plan_store(key, chain, platform_blocks)
+            if isinstance(plan, StoreOutcome):
+                self._drain_events()
+                return None
+            commit = self._commit(plan)
         if not commit.nodes:
             self.manager.finish_commit(commit)
             self._drain_events()
@@ -256,6 +260,23 @@ class ConnectorIndex:
         first = commit.first_block
         return SavePlan(store_id, req_id, tuple(range(first, first + len(commit.nodes))),
                         tuple(n.block_id for n in commit.nodes))
+
+    def _repair(self, chain: list[BlockHash]) -> Commit | None:
+        """The chain's poisoned blocks right after its visible prefix (a fetch or a save that
+        failed reserved them and they are still indexed), taken back for this request's own
+        KV: without this, `plan_store` would find them resident and never store them again.
+        None when there are none."""
+        path = self.manager.index.match(chain)
+        first = end = self._usable(path)
+        while end < len(path) and path[end].block_hash in self._poisoned:
+            end += 1
+        if end == first:
+            return None
+        nodes = path[first:end]
+        self.manager.index.acquire(nodes)  # released by finish_commit when the step is done
+        for node in nodes:
+            self._poisoned.discard(node.block_hash)
+        return Commit(nodes, first)
 
     def _commit(self, plan: StorePlan) -> Commit:
         commit = self.manager.commit(plan)

@@ -291,6 +291,15 @@ def test_every_fetch_failure_recomputes(engine, failure, monkeypatch):
             sup.step(s, [w], [views])
         st = conn.stats("tenant-a").totals
         assert (st.num_lookups, st.num_hits, st.num_matched_tokens) == (1, 0, 0)
+        # The request's own prefill stored the prompt, the slots a failed fetch had reserved
+        # included: the next request hits the host pool.
+        assert conn.index.held(block_hashes(key, PROMPT), "tenant-a") == 6
+        s.kv_cache_manager.reset_prefix_cache()
+        b = sup.request("b", PROMPT)
+        s.add_request(b)
+        out, _ = sup.step(s, [w], [views])
+        (load, _), = out.kv_connector_metadata.loads
+        assert load.chain_blocks == (0, 1, 2, 3, 4, 5) and not load.failed
     finally:
         if failure != "peer_down":
             peer.close()
