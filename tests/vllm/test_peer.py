@@ -433,3 +433,39 @@ def test_the_fleet_config_names_the_peers_and_switches_t2(engine, tmp_path, monk
         assert svc._held(block_hashes(key, PROMPT), "tenant-a") == 0  # serving is off too
     finally:
         peer.close()
+
+
+def test_one_vllm_replica_fetches_from_another(engine, tmp_path, monkeypatch):
+    """Two connectors (two schedulers, two host pools, two T2 threads): B's peer probe asks A's
+    held probe, fetches A's blocks over A's peer server and loads them bitwise."""
+    import json
+
+    s_a, w_a, views_a = engine()
+    a_conn = sup.connector_of(s_a)
+    torch.manual_seed(5)
+    for view in views_a:
+        view.copy_(torch.randn(view.shape, dtype=torch.float16))
+    s_a.add_request(sup.request("a", PROMPT))
+    outs = []
+    while s_a.has_unfinished_requests():
+        outs.append(sup.step(s_a, [w_a], [views_a])[0])
+    (_plan, table_a), = [x for o in outs for x in o.kv_connector_metadata.saves]
+    saved_k, saved_v = loaded_kv(views_a, table_a, 6)
+
+    config = tmp_path / "fleet-b.yaml"
+    config.write_text(json.dumps({"replicas": [
+        {"name": "vllm-a", "url": f"http://127.0.0.1:{a_conn.peers.port}"}]}))
+    monkeypatch.setenv("KVFLEET_FLEET_NAME", "vllm-b")
+    monkeypatch.setenv("KVFLEET_FLEET_CONFIG", str(config))
+    s_b, w_b, views_b = engine()
+    b_conn = sup.connector_of(s_b)
+    b = sup.request("b", PROMPT, max_tokens=1)
+    s_b.add_request(b)
+    outs = schedule_through_fetch(s_b, w_b, views_b)
+    assert b_conn.peers.stats.outcomes == {"ok": 1} and b_conn.peers.stats.blocks_fetched == 6
+    (load, table_b), = outs[-1].kv_connector_metadata.loads
+    assert load.chain_blocks == (0, 1, 2, 3, 4, 5)
+    got_k, got_v = loaded_kv(views_b, table_b, 6)
+    assert torch.equal(got_k, saved_k) and torch.equal(got_v, saved_v)  # bitwise, A's KV
+    assert a_conn.index.num_referenced_blocks == 0  # A released the run it streamed
+    assert a_conn.stats("tenant-a").totals.num_lookups == 1  # serving B counted nothing in A
