@@ -48,13 +48,14 @@ from kvfleet_runtime.fleet import (
     ExportedRun,
     FetchedRun,
     FetchStats,
+    FleetSettings,
     HintIndex,
     HintPublisher,
     PeerFetcher,
     best_peer,
+    hint_index_for,
     peer_routes,
 )
-from kvfleet_runtime.fleet.wiring import FleetSettings, hint_index_for
 from kvfleet_runtime.fleetconfig import FleetConfig, load_fleet_config
 from kvfleet_vllm._copy import HostPool
 from kvfleet_vllm._plan import ConnectorIndex, FetchWant, Reservation

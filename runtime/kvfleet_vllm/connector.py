@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, CacheStats, KVLayout
-from kvfleet_runtime.fleet.wiring import FleetSettings
+from kvfleet_runtime.fleet import FleetSettings
 from kvfleet_vllm._copy import HostPool, RankHeads, load_blocks, save_blocks, view_positions
 from kvfleet_vllm._keys import ModelKey, model_key, tenant_of
 from kvfleet_vllm._options import DEFAULT_HOST_POOL_PATH, EXTRA_KEYS, PREFIX
