@@ -316,8 +316,12 @@ class PeerService:
             if want is None:
                 return False
             job = FetchJob(want, self.clock() + self.wait_s)
+            try:
+                self._loop.call_soon_threadsafe(self._spawn, job, list(token_ids))
+            except RuntimeError:  # the T2 thread is gone (logged when it stopped): no T2
+                self._loop = None
+                return False
             self._jobs[req_id] = job
-            self._loop.call_soon_threadsafe(self._spawn, job, list(token_ids))
             job.decided.wait(LOOKUP_WAIT_S)
         if job.done.is_set() or self.clock() >= job.deadline:
             # A fetch past the deadline still completes in the background (its blocks then

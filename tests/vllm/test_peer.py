@@ -469,3 +469,16 @@ def test_one_vllm_replica_fetches_from_another(engine, tmp_path, monkeypatch):
     assert torch.equal(got_k, saved_k) and torch.equal(got_v, saved_v)  # bitwise, A's KV
     assert a_conn.index.num_referenced_blocks == 0  # A released the run it streamed
     assert a_conn.stats("tenant-a").totals.num_lookups == 1  # serving B counted nothing in A
+
+
+def test_a_stopped_t2_thread_means_no_t2_not_a_failed_request(engine, peer):
+    s, w, views = engine()
+    conn = sup.connector_of(s)
+    key = conn.model_key.key("tenant-a")
+    peer.hold(key, PROMPT)
+    publish(conn, "kvfleet-b", peer.url, block_hashes(key, PROMPT))
+    conn.peers.close()  # the thread's loop is closed, as if it had died
+    s.add_request(sup.request("a", PROMPT))
+    out, _ = sup.step(s, [w], [views])
+    assert out.num_scheduled_tokens == {"a": 64} and out.kv_connector_metadata.loads == []
+    assert peer.served == 0
