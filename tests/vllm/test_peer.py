@@ -482,3 +482,44 @@ def test_a_stopped_t2_thread_means_no_t2_not_a_failed_request(engine, peer):
     out, _ = sup.step(s, [w], [views])
     assert out.num_scheduled_tokens == {"a": 64} and out.kv_connector_metadata.loads == []
     assert peer.served == 0
+
+
+def test_with_redis_the_replicas_share_one_hint_index(engine, tmp_path, monkeypatch):
+    """KVFLEET_REDIS_URL set (a real redis-server, with a password as the chart's): A publishes
+    its stored blocks to Redis, B finds A there and fetches."""
+    from pathlib import Path as _Path
+
+    from kvfleet_runtime.fleet import RedisHintIndex
+    from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess, free_port
+
+    if not _Path(REDIS_SERVER).exists():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    redis = RedisProcess(free_port(), tmp_path, password="t2-redis-pass")
+    redis.start()
+    try:
+        monkeypatch.setenv("KVFLEET_REDIS_URL", redis.url)
+        s_a, w_a, views_a = engine()
+        a_conn = sup.connector_of(s_a)
+        assert isinstance(a_conn.peers.hints, RedisHintIndex)
+        torch.manual_seed(9)
+        for view in views_a:
+            view.copy_(torch.randn(view.shape, dtype=torch.float16))
+        s_a.add_request(sup.request("a", PROMPT))
+        outs = []
+        while s_a.has_unfinished_requests():
+            outs.append(sup.step(s_a, [w_a], [views_a])[0])
+        (_plan, table_a), = [x for o in outs for x in o.kv_connector_metadata.saves]
+        a_conn.peers.call(a_conn.peers.publisher.flush())
+
+        monkeypatch.setenv("KVFLEET_FLEET_NAME", "vllm-b")
+        s_b, w_b, views_b = engine()
+        b_conn = sup.connector_of(s_b)
+        s_b.add_request(sup.request("b", PROMPT, max_tokens=1))
+        outs = schedule_through_fetch(s_b, w_b, views_b)
+        assert b_conn.peers.stats.outcomes == {"ok": 1} and b_conn.peers.stats.blocks_fetched == 6
+        (_load, table_b), = outs[-1].kv_connector_metadata.loads
+        for got, want in zip(loaded_kv(views_b, table_b, 6), loaded_kv(views_a, table_a, 6),
+                             strict=True):
+            assert torch.equal(got, want)
+    finally:
+        redis.stop()
