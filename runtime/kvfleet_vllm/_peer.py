@@ -260,7 +260,8 @@ class PeerService:
             if loop.time() >= next_register:
                 next_register = loop.time() + self.settings.register_every_s
                 await self.hints.register_host(self.settings.name, self.settings.peer_url)
-            if self._watcher is not None and self._watcher.poll():
+            # A poll that sees new content waits for the file to settle: off the loop.
+            if self._watcher is not None and await asyncio.to_thread(self._watcher.poll):
                 self._reload_config()
 
     def _reload_config(self) -> None:
