@@ -229,20 +229,27 @@ class KvfleetConnector(KVConnectorBase_V1):
     def _start_peers(self, extra: dict[str, Any], pool_path: Path, num_slots: int
                      ) -> PeerService | None:
         """T2 in this (engine-core) process: the peer server, hint publishing and fetches."""
-        port = extra.get(_PREFIX + "peer_port")
-        if port is None:
+        raw_port = extra.get(_PREFIX + "peer_port")
+        if raw_port is None:
             return None
-        port = int(port)
-        if not 0 <= port < 65536:
-            raise ValueError(f"{_PREFIX}peer_port must be a TCP port, got {port}")
+        try:
+            port = int(raw_port)
+        except (TypeError, ValueError):
+            port = -1
+        if not 0 <= port < 65536 or isinstance(raw_port, bool):
+            raise ValueError(f"{_PREFIX}peer_port must be a TCP port (0-65535), got {raw_port!r}")
         settings = FleetSettings.from_env(os.environ, port=port)
         if settings is None or not settings.secret:
             logger.warning("kvfleet connector: %speer_port is set but %s: T2 is off", _PREFIX,
                            "no fleet settings" if settings is None else "no peer secret")
             return None
-        wait_s = float(extra.get(_PREFIX + "peer_wait_s", DEFAULT_WAIT_S))
-        if not wait_s > 0:
-            raise ValueError(f"{_PREFIX}peer_wait_s must be > 0 seconds, got {wait_s}")
+        raw_wait = extra.get(_PREFIX + "peer_wait_s", DEFAULT_WAIT_S)
+        try:
+            wait_s = float(raw_wait)
+        except (TypeError, ValueError):
+            wait_s = float("nan")
+        if not 0 < wait_s <= 60:
+            raise ValueError(f"{_PREFIX}peer_wait_s must be seconds in (0, 60], got {raw_wait!r}")
         assert self.index is not None
         service = PeerService(self.index, HostPool(pool_path, self.layout, num_slots), settings,
                               port=port, bind_host=str(extra.get(_PREFIX + "peer_host", "0.0.0.0")),

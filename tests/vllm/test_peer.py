@@ -7,6 +7,7 @@ into it as the peer's `HintPublisher` would."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -523,3 +524,23 @@ def test_with_redis_the_replicas_share_one_hint_index(engine, tmp_path, monkeypa
             assert torch.equal(got, want)
     finally:
         redis.stop()
+
+
+def test_t2_settings_are_checked_at_startup(tiny_checkpoint, tmp_path, monkeypatch, caplog):
+    for name in ("KVFLEET_FLEET_NAME", "KVFLEET_REDIS_URL", "KVFLEET_PEER_SECRET",
+                 "KVFLEET_PEER_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    # A port but no fleet settings (no name, no secret): T2 stays off, with a warning.
+    vc = sup.vllm_config(tiny_checkpoint, tmp_path / "pool", peer_port=0, peer_host="127.0.0.1")
+    s = sup.scheduler(vc)
+    assert sup.connector_of(s).peers is None
+    assert "peer_port is set but no fleet settings: T2 is off" in caplog.text
+    monkeypatch.setenv("KVFLEET_PEER_SECRET", SECRET)
+    for bad, message in ((70000, "peer_port must be a TCP port (0-65535), got 70000"),
+                         ("http", "peer_port must be a TCP port (0-65535), got 'http'")):
+        vc = sup.vllm_config(tiny_checkpoint, tmp_path / "pool", peer_port=bad)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            sup.scheduler(vc)
+    vc = sup.vllm_config(tiny_checkpoint, tmp_path / "pool", peer_port=0, peer_wait_s=0)
+    with pytest.raises(ValueError, match=re.escape("peer_wait_s must be seconds in (0, 60]")):
+        sup.scheduler(vc)
