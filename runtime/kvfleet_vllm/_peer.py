@@ -42,7 +42,7 @@ import aiohttp
 import torch
 from aiohttp import web
 
-from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
+from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent, CacheKey
 from kvfleet_runtime.configwatch import ConfigFileWatcher
 from kvfleet_runtime.fleet import (
     ExportedRun,
@@ -290,7 +290,7 @@ class PeerService:
 
     # -- publishing and serving ------------------------------------------------------------
 
-    def _on_event(self, event: Any) -> None:
+    def _on_event(self, event: BlockEvent) -> None:
         # Called under the index's lock from either thread; the publisher only queues.
         if event.kind == "stored":
             self.publisher.offer_stored(event.block_hashes)
