@@ -299,3 +299,16 @@ def test_replays_and_the_fleet_tier_stay_above_the_cache_manager(module: str) ->
         or n.endswith(".StorePlan")
     )
     assert below == [], f"{module} reaches into the cache manager: {below}"
+
+
+@pytest.mark.parametrize("module", [m for m in _sources() if m.startswith("kvfleet_vllm")])
+def test_the_vllm_connector_uses_only_public_runtime_names(module: str) -> None:
+    # The connector is a second facade over the cache manager: it codes against the names the
+    # runtime's packages export (`kvfleet_runtime.cache.__all__`, `kvfleet_runtime.fleet`), so
+    # the runtime may reorganise its private modules without breaking vLLM replicas.
+    private = sorted(
+        n for n in _imports(module, top_level_only=False)
+        if n.startswith("kvfleet_runtime.")
+        and any(part.startswith("_") for part in n.split(".")[1:])
+    )
+    assert private == [], f"{module} imports private runtime names: {private}"

@@ -7,7 +7,8 @@ GPU prefix cache stays T0. See docs/vllm.md.
 
 Modules: `connector` (the `KVConnectorBase_V1` shell; imports vllm), `_plan` (the scheduler
 side over kvfleet's `CacheManager`, no vllm types), `_copy` (host pool <-> paged KV copies,
-torch only), `_keys` (the whole cache key of a vLLM replica). Importing this package imports
+torch only), `_keys` (the whole cache key of a vLLM replica), `_peer` (T2: the peer server, hint
+publishing and fetches, in the engine-core process). Importing this package imports
 neither vllm nor torch; `KvfleetConnector` loads `connector` on first use.
 """
 

@@ -42,8 +42,7 @@ from pathlib import Path
 
 import torch
 
-from kvfleet_runtime.cache import BLOCK_SIZE, KVLayout
-from kvfleet_runtime.cache._allocator import paired_runs
+from kvfleet_runtime.cache import BLOCK_SIZE, KVLayout, paired_runs
 
 __all__ = [
     "HostPool",

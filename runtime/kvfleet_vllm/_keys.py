@@ -29,8 +29,7 @@ from typing import Any
 
 from kvfleet_runtime.architectures import parse_hf_config
 from kvfleet_runtime.auth import SaltRefused, verify_cache_salt
-from kvfleet_runtime.cache import PLATFORM_TENANT, CacheKey
-from kvfleet_runtime.cache._keys import key_digest
+from kvfleet_runtime.cache import PLATFORM_TENANT, CacheKey, key_digest
 from kvfleet_runtime.model.checkpoint import read_config, weights_digest
 
 __all__ = ["SUPPORTED_KV_DTYPES", "ModelKey", "TenantSalts", "model_key", "tenant_of"]

@@ -15,28 +15,62 @@ Lifecycle of one engine step, as vLLM's scheduler drives it:
 
 A pending block is indexed (so its slot is reserved) but cut from every match until its step is
 done: a lookup in the next step must not plan a load from a slot no worker has written yet.
+
+T2 (`kvfleet_vllm._peer` drives these from its own thread; every method takes the index's lock):
+
+    fetch_want(...)         what a peer could add after the host pool's usable match
+    reserve(want, n)        slots for n fetched blocks, indexed pending exactly like a save
+    fetch_done(res, n)      the first n were written and verified: visible; the rest never served
+    export(...) / held(...) what peers may read of this pool: visible blocks only, referenced
+                            while a transfer reads them
+
+Listeners (`add_listener`) get a block's "stored" event when it becomes visible (a save whose
+step is done, a verified fetch), not when its slot is reserved, and every "removed" event: the
+hint index never points a peer at a slot nobody has written.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Concatenate, ParamSpec, TypeVar
 
 from kvfleet_runtime.cache import (
     BLOCK_SIZE,
+    PLATFORM_TENANT,
+    BlockEvent,
     BlockHash,
+    BlockNode,
     CacheConfig,
     CacheKey,
     CacheManager,
     CacheStats,
+    Commit,
     KVLayout,
+    Placement,
     StoreOutcome,
+    StorePlan,
+    Tier,
 )
-from kvfleet_runtime.cache._index import BlockNode, Tier
-from kvfleet_runtime.cache._manager import Commit, StorePlan
 
-__all__ = ["ConnectorIndex", "LoadPlan", "SavePlan"]
+__all__ = ["ConnectorIndex", "FetchWant", "LoadPlan", "Reservation", "SavePlan"]
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(
+    method: Callable[Concatenate[ConnectorIndex, _P], _R],
+) -> Callable[Concatenate[ConnectorIndex, _P], _R]:
+    def locked(self: ConnectorIndex, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    locked.__name__, locked.__doc__ = method.__name__, method.__doc__
+    return locked
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,6 +92,33 @@ class SavePlan:
     req_id: str
     chain_blocks: tuple[int, ...]
     slots: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class FetchWant:
+    """A request's chain up to its usable limit, of which the host pool serves the first
+    `start_block` blocks: a peer may supply blocks from there on."""
+
+    key: CacheKey
+    chain: tuple[BlockHash, ...]
+    start_block: int
+    platform_blocks: int
+    useful_blocks: int
+    """Blocks beyond which a fetch supplies something vLLM does not already hold itself."""
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Host slots for fetched blocks `[commit.first_block, + len(slots))` of `want.chain`,
+    indexed pending until `fetch_done`."""
+
+    want: FetchWant
+    commit: Commit
+    slots: tuple[int, ...]
+
+    @property
+    def start_block(self) -> int:
+        return self.commit.first_block
 
 
 @dataclass(slots=True)
@@ -92,6 +153,14 @@ class ConnectorIndex:
         self._step = _Step(0)
         self._next_store_id = 0
         self._deltas: dict[str, dict[str, int]] = {}
+        self._listeners: list[Callable[[BlockEvent], None]] = []
+        self.lock = threading.RLock()
+        """Taken by every method: the scheduler thread and the T2 thread share the index."""
+
+    def add_listener(self, callback: Callable[[BlockEvent], None]) -> None:
+        """`callback(event)` for each block that became visible ("stored") or left ("removed");
+        called with the index's lock held, so it must not block (`HintPublisher.offer_*`)."""
+        self._listeners.append(callback)
 
     # -- scheduling ------------------------------------------------------------------------
 
@@ -106,6 +175,7 @@ class ConnectorIndex:
         vbs = self.vllm_block_size
         return max(0, (num_prompt_tokens - 1) // vbs * vbs)
 
+    @_locked
     def num_matched(self, key: CacheKey, token_ids: Sequence[int], num_local_tokens: int) -> int:
         """Tokens the host pool holds beyond vLLM's own (block-aligned) hit of
         `num_local_tokens`, in whole vLLM blocks; 0 when it holds no more than vLLM."""
@@ -117,6 +187,7 @@ class ConnectorIndex:
         matched = self._usable(path) * BLOCK_SIZE // self.vllm_block_size * self.vllm_block_size
         return max(0, matched - num_local_tokens)
 
+    @_locked
     def admit(
         self, req_id: str, key: CacheKey, token_ids: Sequence[int], num_local_tokens: int,
         num_external_tokens: int,
@@ -127,15 +198,18 @@ class ConnectorIndex:
         loads again without being counted again."""
         limit = self._limit_tokens(len(token_ids))
         hashes, _ = self.manager.hashes(key, token_ids[:limit], lookup=True)
+        # Only what a load could read: pending (unwritten) and poisoned blocks are no hit.
+        matched = self.manager.index.match(hashes)
+        usable = [n.block_hash for n in matched[:self._usable(matched)]]
         if req_id in self._counted:
-            path = self.manager.index.match(hashes)
+            path = self.manager.index.match(usable)
             if path:
                 self.manager.index.acquire(path)
         else:
             self._counted.add(req_id)
             self._count(key.tenant_id, "lookup_tokens", len(token_ids))
             # The denominator is the whole prompt, like vLLM's own prefix-cache metric.
-            path = self.manager.lookup(key, hashes, len(token_ids),
+            path = self.manager.lookup(key, usable, len(token_ids),
                                        num_local_tokens=num_local_tokens)
         if num_external_tokens <= 0:
             if path:
@@ -158,15 +232,20 @@ class ConnectorIndex:
             self._count(key.tenant_id, "matched_tokens", num_external_tokens)
         return LoadPlan(req_id, chain, tuple(path[j].block_id for j in chain))
 
+    @_locked
     def store(self, req_id: str, key: CacheKey, token_ids: Sequence[int]) -> SavePlan | None:
         """The request's prompt is fully computed this step: one sighting of each full block;
-        what admission accepts gets slots (written by the workers this step)."""
+        what admission accepts gets slots (written by the workers this step). Blocks whose
+        slots a failed fetch or save left unwritten are rewritten first, in place."""
         hashes, platform_blocks = self.manager.hashes(key, token_ids)
-        plan = self.manager.plan_store(key, list(hashes), platform_blocks)
-        if isinstance(plan, StoreOutcome):
-            self._drain_events()
-            return None
-        commit = self._commit(plan)
+        chain = list(hashes)
+        commit = self._repair(chain)
+        if commit is None:
+            plan = self.manager.plan_store(key, chain, platform_blocks)
+            if isinstance(plan, StoreOutcome):
+                self._drain_events()
+                return None
+            commit = self._commit(plan)
         if not commit.nodes:
             self.manager.finish_commit(commit)
             self._drain_events()
@@ -182,12 +261,30 @@ class ConnectorIndex:
         return SavePlan(store_id, req_id, tuple(range(first, first + len(commit.nodes))),
                         tuple(n.block_id for n in commit.nodes))
 
+    def _repair(self, chain: list[BlockHash]) -> Commit | None:
+        """The chain's poisoned blocks right after its visible prefix (a fetch or a save that
+        failed reserved them and they are still indexed), taken back for this request's own
+        KV: without this, `plan_store` would find them resident and never store them again.
+        None when there are none."""
+        path = self.manager.index.match(chain)
+        first = end = self._usable(path)
+        while end < len(path) and path[end].block_hash in self._poisoned:
+            end += 1
+        if end == first:
+            return None
+        nodes = path[first:end]
+        self.manager.index.acquire(nodes)  # released by finish_commit when the step is done
+        for node in nodes:
+            self._poisoned.discard(node.block_hash)
+        return Commit(nodes, first)
+
     def _commit(self, plan: StorePlan) -> Commit:
         commit = self.manager.commit(plan)
         # Only the host tier exists: nothing moves between tiers, every node is a T1 slot.
         assert not commit.moves and all(n.tier == Tier.T1 for n in commit.nodes)
         return commit
 
+    @_locked
     def end_step(self) -> int:
         """Close this step's plans (they go out in its metadata); returns its id."""
         step = self._step
@@ -195,6 +292,7 @@ class ConnectorIndex:
         self._step = _Step(step.step_id + 1)
         return step.step_id
 
+    @_locked
     def step_done(self, step_id: int, failed_store_ids: set[int]) -> None:
         """The workers finished step `step_id` (and every step before it)."""
         while self._in_flight and self._in_flight[0].step_id <= step_id:
@@ -202,13 +300,17 @@ class ConnectorIndex:
             for path in step.holds:
                 self.manager.release(path)
             for store_id, commit in step.commits.items():
+                failed = store_id in failed_store_ids
                 for node in commit.nodes:
                     self._pending.discard(node.block_hash)
-                    if store_id in failed_store_ids:
+                    if failed:
                         self._poisoned.add(node.block_hash)
                 self.manager.finish_commit(commit)
+                if not failed:
+                    self._announce(commit.nodes)
         self._drain_events()
 
+    @_locked
     def request_finished(self, req_id: str) -> None:
         self._counted.discard(req_id)
         self._loaded.discard(req_id)
@@ -217,6 +319,7 @@ class ConnectorIndex:
         per = self._deltas.setdefault(tenant, {})
         per[name] = per.get(name, 0) + n
 
+    @_locked
     def take_deltas(self) -> dict[str, dict[str, int]]:
         """Per tenant, what happened since the last call: `lookup_tokens` (prompt tokens of
         admitted requests, once each), `matched_tokens` (tokens loaded from the host pool beyond
@@ -230,17 +333,131 @@ class ConnectorIndex:
             if event.kind == "removed":
                 # A poisoned block's slot went back to the pool: its next store is a fresh one.
                 self._poisoned.difference_update(event.block_hashes)
+                for listener in self._listeners:
+                    listener(event)
+            # "stored" at commit means a reserved slot: announced once written (`_announce`).
+
+    def _announce(self, nodes: Sequence[BlockNode]) -> None:
+        if not self._listeners or not nodes:
+            return
+        by_key: dict[CacheKey, list[BlockHash]] = {}
+        for node in nodes:
+            by_key.setdefault(node.namespace.key, []).append(node.block_hash)
+        for key, hashes in by_key.items():
+            event = BlockEvent("stored", key, tuple(hashes))
+            for listener in self._listeners:
+                listener(event)
+
+    # -- T2: fetching from peers, serving them ----------------------------------------------
+
+    @_locked
+    def fetch_want(self, key: CacheKey, token_ids: Sequence[int], num_local_tokens: int,
+                   min_blocks: int) -> FetchWant | None:
+        """What a peer could add to this request: None when the host pool (or vLLM itself)
+        already holds all but fewer than `min_blocks` of the usable prefix, or when a save or a
+        fetch of the next block is already in flight."""
+        limit = self._limit_tokens(len(token_ids))
+        hashes, platform_blocks = self.manager.hashes(key, token_ids[:limit])
+        chain = tuple(hashes)
+        path = self.manager.index.match(chain)
+        usable = self._usable(path)
+        if usable < len(path):
+            return None  # the next block is pending (written this step) or poisoned
+        have = max(usable, num_local_tokens // BLOCK_SIZE)
+        if len(chain) - have < min_blocks:
+            return None
+        return FetchWant(key, chain, usable, platform_blocks, have)
+
+    @_locked
+    def reserve(self, want: FetchWant, num_blocks: int) -> Reservation | None:
+        """Index blocks `[want.start_block, + num_blocks)` of the chain as pending, with host
+        slots (as many as fit, evicting like any write; a fetched block counts one sighting, as
+        in `PrefixCache.import_blocks`). None when the chain changed since `want`, or no room."""
+        end = min(len(want.chain), want.start_block + num_blocks)
+        chain = list(want.chain[:end])
+        if end <= want.start_block:
+            return None
+        for h in chain[want.start_block:]:
+            self.manager.sketch.increment(h)
+        resident = self.manager.index.match(chain)
+        if len(resident) != want.start_block or self._usable(resident) != len(resident):
+            return None
+        plan = StorePlan(want.key, chain, want.start_block, want.platform_blocks,
+                         Placement.REUSED, priority=0)
+        commit = self._commit(plan)
+        self._drain_events()
+        if not commit.nodes or commit.first_block != want.start_block:
+            self.manager.finish_commit(commit)
+            return None
+        for node in commit.nodes:
+            self._pending.add(node.block_hash)
+        return Reservation(want, commit, tuple(n.block_id for n in commit.nodes))
+
+    @_locked
+    def fetch_done(self, reservation: Reservation, num_written: int) -> None:
+        """The first `num_written` reserved blocks hold verified KV: they become visible (and
+        are announced); the rest are never served (cut from every match until evicted)."""
+        nodes = reservation.commit.nodes
+        for i, node in enumerate(nodes):
+            self._pending.discard(node.block_hash)
+            if i >= num_written:
+                self._poisoned.add(node.block_hash)
+        self.manager.finish_commit(reservation.commit)
+        self._announce(nodes[:num_written])
+        if num_written:
+            self._count(reservation.want.key.tenant_id, "fetched_blocks", num_written)
+        self._drain_events()
+
+    @_locked
+    def export(self, key: CacheKey, token_ids: Sequence[int], start_block: int,
+               max_blocks: int) -> list[BlockNode] | None:
+        """The visible run of (key, token_ids) from `start_block` (at most `max_blocks`),
+        referenced until `release_export`: its slots cannot be reused while a peer reads them.
+        No stats: serving a peer is not a lookup of this replica's. ValueError for a key the
+        cache refuses."""
+        hashes, _ = self.manager.hashes(key, token_ids)
+        path = self.manager.index.match(hashes)
+        run = path[start_block:min(self._usable(path), start_block + max_blocks)]
+        if not run:
+            return None
+        self.manager.index.acquire(run)
+        return run
+
+    @_locked
+    def release_export(self, run: list[BlockNode]) -> None:
+        self.manager.release(run)
+        self._drain_events()
+
+    @_locked
+    def held(self, hashes: Sequence[bytes], tenant: str) -> int:
+        """Leading blocks of the chain `hashes` visible here for `tenant` (or the platform):
+        the held probe of peers whose hint index asks the replicas themselves."""
+        path = self.manager.index.match(BlockHash(h) for h in hashes)
+        for i, node in enumerate(path[:self._usable(path)]):
+            if node.namespace.key.tenant_id not in (tenant, PLATFORM_TENANT):
+                return i
+        return self._usable(path)
 
     # -- observation -----------------------------------------------------------------------
 
+    @_locked
     def stats(self, tenant: str | None = None) -> CacheStats:
         return self.manager.stats(tenant)
 
     @property
     def num_referenced_blocks(self) -> int:
-        """Blocks some step in flight still references (0 once every step is done)."""
-        return sum(1 for n in self.manager.index.nodes() if n.ref_count)
+        """Blocks some step, fetch or transfer in flight still references (0 once all are
+        done)."""
+        with self.lock:
+            return sum(1 for n in self.manager.index.nodes() if n.ref_count)
 
     @property
     def num_steps_in_flight(self) -> int:
-        return len(self._in_flight) + bool(self._step.holds or self._step.commits)
+        with self.lock:
+            return len(self._in_flight) + bool(self._step.holds or self._step.commits)
+
+    @property
+    def num_pending_blocks(self) -> int:
+        """Indexed blocks not yet written and checked (saves in flight, fetches in flight)."""
+        with self.lock:
+            return len(self._pending)

@@ -17,6 +17,10 @@ vLLM recomputes those blocks. Every load and save is synchronous within its step
 `start_load_kv`, before the forward reads the blocks; saves in `wait_for_save`, after the
 forward wrote every layer and before the step returns (one copy per run for all layers).
 
+T2 (`kvfleet.peer_port`, `_peer.PeerService`): the scheduler side also serves the host pool to
+peers, publishes it to the hint index, and fetches what a peer holds beyond the host pool's match
+(`get_num_new_matched_tokens` answers None while the fetch runs, bounded by `kvfleet.peer_wait_s`).
+
 Requests the key cannot describe bypass the connector entirely (no load, no store): LoRA
 adapters, multimodal inputs and prompt embeddings change the KV without changing the tokens.
 """
@@ -24,6 +28,7 @@ adapters, multimodal inputs and prompt embeddings change the KV without changing
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvfleet_runtime.auth import SaltRefused
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, CacheStats, KVLayout
+from kvfleet_runtime.fleet import FleetSettings
 from kvfleet_vllm._copy import (
     HostPool,
     LayerViews,
@@ -56,6 +62,7 @@ from kvfleet_vllm._copy import (
 )
 from kvfleet_vllm._keys import ModelKey, TenantSalts, model_key
 from kvfleet_vllm._options import DEFAULT_HOST_POOL_PATH, EXTRA_KEYS, PREFIX
+from kvfleet_vllm._peer import DEFAULT_WAIT_S, PeerService
 from kvfleet_vllm._plan import ConnectorIndex, LoadPlan, SavePlan
 
 if TYPE_CHECKING:
@@ -106,6 +113,7 @@ _STAT_COUNTERS = (
     ("lookup_tokens", "Prompt tokens of requests the connector looked up (once per request)."),
     ("matched_tokens", "Tokens loaded from kvfleet's host pool beyond vLLM's own prefix hit."),
     ("stored_blocks", "Blocks admission let into the host pool."),
+    ("fetched_blocks", "Blocks fetched from peers (T2) into the host pool, verified."),
 )
 """Exported as `kvfleet_cache_<name>_total{tenant}`: the names a kvfleet replica's cache exports
 for the first two, so the operator's hit-rate query reads a vLLM replica's kvfleet share too."""
@@ -204,6 +212,8 @@ class KvfleetConnector(KVConnectorBase_V1):
         self.salts = TenantSalts.from_extra(extra, _PREFIX)
         # scheduler side
         self.index: ConnectorIndex | None = None
+        self.peers: PeerService | None = None
+        """T2 (`kvfleet.peer_port` set and the fleet settings present), else None."""
         self._model_key: ModelKey | None = None
         self._requests: dict[str, Request] = {}
         self._local_tokens: dict[str, int] = {}
@@ -238,11 +248,48 @@ class KvfleetConnector(KVConnectorBase_V1):
                                                 defaults.hot_min_sightings)))
             self.index = ConnectorIndex(self.layout, num_slots, vllm_block_size=self.block_size,
                                         clock=time.monotonic, config=config)
+            self.peers = self._start_peers(extra, pool_path, num_slots)
         else:
             pc = vllm_config.parallel_config
             self.heads = RankHeads.for_rank(self.layout.num_kv_heads, pc.tensor_parallel_size,
                                             self._tp_rank(extra))
             self.pool = HostPool(pool_path, self.layout, num_slots)
+
+    def _start_peers(self, extra: dict[str, Any], pool_path: Path, num_slots: int
+                     ) -> PeerService | None:
+        """T2 in this (engine-core) process: the peer server, hint publishing and fetches."""
+        raw_port = extra.get(_PREFIX + "peer_port")
+        if raw_port is None:
+            return None
+        try:
+            port = int(raw_port)
+        except (TypeError, ValueError):
+            port = -1
+        if not 0 <= port < 65536 or isinstance(raw_port, bool):
+            raise ValueError(f"{_PREFIX}peer_port must be a TCP port (0-65535), got {raw_port!r}")
+        settings = FleetSettings.from_env(os.environ, port=port)
+        if settings is None or not settings.secret:
+            logger.warning("kvfleet connector: %speer_port is set but %s: T2 is off", _PREFIX,
+                           "no fleet settings" if settings is None else "no peer secret")
+            return None
+        raw_wait = extra.get(_PREFIX + "peer_wait_s", DEFAULT_WAIT_S)
+        try:
+            wait_s = float(raw_wait)
+        except (TypeError, ValueError):
+            wait_s = float("nan")
+        if not 0 < wait_s <= 60:
+            raise ValueError(f"{_PREFIX}peer_wait_s must be seconds in (0, 60], got {raw_wait!r}")
+        assert self.index is not None
+        service = PeerService(self.index, HostPool(pool_path, self.layout, num_slots), settings,
+                              port=port, bind_host=str(extra.get(_PREFIX + "peer_host", "0.0.0.0")),
+                              wait_s=wait_s)
+        service.start()
+        return service
+
+    def shutdown(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
+            self.peers = None
 
     @staticmethod
     def _tp_rank(extra: dict[str, Any]) -> int:
@@ -277,8 +324,11 @@ class KvfleetConnector(KVConnectorBase_V1):
         self._local_tokens[request.request_id] = num_computed_tokens
         if key is None:
             return 0, False
-        return self.index.num_matched(key, request.prompt_token_ids or [], num_computed_tokens), \
-            False
+        tokens = request.prompt_token_ids or []
+        if self.peers is not None and self.peers.poll(request.request_id, key, tokens,
+                                                      num_computed_tokens):
+            return None, False  # a peer is sending the next blocks: ask again next step
+        return self.index.num_matched(key, tokens, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -336,6 +386,8 @@ class KvfleetConnector(KVConnectorBase_V1):
         self._local_tokens.pop(req_id, None)
         self._stored.discard(req_id)
         self.index.request_finished(req_id)
+        if self.peers is not None:
+            self.peers.forget(req_id)
         return False, None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -46,14 +46,20 @@ device pool's ref counts shared by sequences and the cache); `_pool` holds the t
 package does not import torch: `PrefixCache`, `Hit`, `Miss`, `PagedBlocks` and `TensorPool` load
 on first use. Replays (the lab's policy comparison, the fleet simulator) drive the shipped policy
 through `CacheManager.replay`, with no tensors.
+
+A second facade over `CacheManager` (the vLLM connector, `kvfleet_vllm`, whose pool is vLLM's
+host-pool file) drives the manager directly: `CacheManager.plan_store` -> `StorePlan`,
+`commit` -> `Commit` (its `BlockNode`s), `finish_commit`; `key_digest` validates a key's fields;
+`paired_runs` turns two id lists into runs of consecutive ids (one copy each).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvfleet_runtime.cache._allocator import paired_runs
 from kvfleet_runtime.cache._config import CacheConfig, KVLayout
-from kvfleet_runtime.cache._index import BlockIndex, Tier
+from kvfleet_runtime.cache._index import BlockIndex, BlockNode, Tier
 from kvfleet_runtime.cache._keys import (
     BLOCK_SIZE,
     PLATFORM_TENANT,
@@ -62,8 +68,15 @@ from kvfleet_runtime.cache._keys import (
     ChainMemo,
     block_hashes,
     iter_block_hashes,
+    key_digest,
 )
-from kvfleet_runtime.cache._manager import BlockEvent, CacheManager, StoreOutcome
+from kvfleet_runtime.cache._manager import (
+    BlockEvent,
+    CacheManager,
+    Commit,
+    StoreOutcome,
+    StorePlan,
+)
 from kvfleet_runtime.cache._policy import Placement
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
@@ -79,11 +92,13 @@ __all__ = [
     "BlockEvent",
     "BlockHash",
     "BlockIndex",
+    "BlockNode",
     "CacheConfig",
     "CacheKey",
     "CacheManager",
     "CacheStats",
     "ChainMemo",
+    "Commit",
     "CountMinSketch",
     "EvictedRun",
     "Hit",
@@ -93,6 +108,7 @@ __all__ = [
     "Placement",
     "PrefixCache",
     "StoreOutcome",
+    "StorePlan",
     "StoreQueue",
     "TenantStats",
     "TensorPool",
@@ -100,6 +116,8 @@ __all__ = [
     "TierStats",
     "block_hashes",
     "iter_block_hashes",
+    "key_digest",
+    "paired_runs",
 ]
 
 _TORCH_EXPORTS = {

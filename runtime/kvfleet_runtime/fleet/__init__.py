@@ -9,8 +9,10 @@
 Every failure here degrades to recompute: a lookup that cannot answer says "nobody", a fetch that
 fails for any reason returns None, a publish that fails is dropped.
 
-Torch-free except `CacheBlockSource` and `PeerTier` (module `replica`), which load on first use
-so that the router can import the hint index without pulling torch.
+Torch-free except `CacheBlockSource` and `PeerTier` (module `replica`), and `FleetSettings` and
+`hint_index_for` (module `wiring`: a replica's fleet settings from its environment, and the hint
+index they choose; the vLLM connector reads the same), which load on first use so that the router
+can import the hint index without pulling torch.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvfleet_runtime.fleet.transfer import (
 
 if TYPE_CHECKING:
     from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
+    from kvfleet_runtime.fleet.wiring import FleetSettings, hint_index_for
 
 __all__ = [
     "DEFAULT_PROBE_BUDGET_S",
@@ -52,6 +55,7 @@ __all__ = [
     "ExportedRun",
     "FetchStats",
     "FetchedRun",
+    "FleetSettings",
     "HintIndex",
     "HintIndexStats",
     "HintPublisher",
@@ -61,20 +65,23 @@ __all__ = [
     "PublisherStats",
     "RedisHintIndex",
     "best_peer",
+    "hint_index_for",
     "leading_runs",
     "peer_routes",
     "peer_token",
 ]
 
-_TORCH_EXPORTS = {"CacheBlockSource", "PeerTier"}
+_TORCH_EXPORTS = {"CacheBlockSource": "replica", "PeerTier": "replica",
+                  "FleetSettings": "wiring", "hint_index_for": "wiring"}
 
 
 def __getattr__(name: str) -> Any:
     # Deferred so that the router (which imports the index) never pulls torch.
-    if name not in _TORCH_EXPORTS:
+    module = _TORCH_EXPORTS.get(name)
+    if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from kvfleet_runtime.fleet import replica
+    import importlib
 
-    value = getattr(replica, name)
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
