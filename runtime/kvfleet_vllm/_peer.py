@@ -56,7 +56,12 @@ from kvfleet_runtime.fleet import (
     hint_index_for,
     peer_routes,
 )
-from kvfleet_runtime.fleetconfig import FleetConfig, load_fleet_config
+from kvfleet_runtime.fleetconfig import (
+    FleetConfig,
+    check_successor,
+    load_fleet_config,
+    parse_fleet_config,
+)
 from kvfleet_vllm._copy import HostPool
 from kvfleet_vllm._plan import ConnectorIndex, FetchWant, Reservation
 
@@ -261,18 +266,30 @@ class PeerService:
                 next_register = loop.time() + self.settings.register_every_s
                 await self.hints.register_host(self.settings.name, self.settings.peer_url)
             # A poll that sees new content waits for the file to settle: off the loop.
-            if self._watcher is not None and await asyncio.to_thread(self._watcher.poll):
-                self._reload_config()
+            if self._watcher is not None:
+                content = await asyncio.to_thread(self._watcher.poll)
+                if content is not None:
+                    self._reload_config(content)
 
-    def _reload_config(self) -> None:
+    def _reload_config(self, content: bytes | None = None) -> None:
+        """Apply the fleet config: `content` as the watcher read it, else the file (startup)."""
         path = self.settings.fleet_config
         if path is None:
             return
+        watcher = self._watcher
         try:
-            config = load_fleet_config(path)
+            if content is None:
+                config = load_fleet_config(path)
+            else:
+                config = parse_fleet_config(content.decode("utf-8", errors="replace"), str(path))
+            config = check_successor(self.config, config, str(path))
         except ValueError as exc:
+            if content is not None and watcher is not None:
+                watcher.reject(content)
             log.error("fleet config rejected, keeping the last good one: %s", exc)
             return
+        if content is not None and watcher is not None:
+            watcher.accept(content)
         self.config = config
         self._peer_urls = {r.name: r.url for r in config.replicas
                            if r.ready and r.name != self.settings.name}
