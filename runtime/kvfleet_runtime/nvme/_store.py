@@ -289,6 +289,13 @@ class NvmeStore:
         with self._lock:
             return self._epochs.get(weights_digest, 0)
 
+    def slot_of(self, h: bytes) -> int | None:
+        """The slot holding block `h` (None: not held); its bytes start at `slot * slot_bytes`.
+        For tools that read what the store holds without it (the bench's raw baseline)."""
+        with self._lock:
+            entry = self._index.get(h)
+        return None if entry is None else entry.slot
+
     def leading(self, hashes: Sequence[bytes]) -> int:
         """How many leading `hashes` the store holds (no I/O)."""
         with self._lock:
@@ -356,16 +363,22 @@ class NvmeStore:
                     del self._index[old]
                     self.stats.num_evictions += 1
             self.stats.num_blocks = len(self._index)
-        staging = self._staging(n * slot_bytes)
-        checksums = []
-        for i in range(n):
-            block = data[i * n_bytes : (i + 1) * n_bytes]
-            checksums.append(xxhash.xxh3_64_intdigest(block))
-            staging[i * slot_bytes : i * slot_bytes + n_bytes] = block
         size = n * slot_bytes
+        checksums = [
+            xxhash.xxh3_64_intdigest(data[i * n_bytes : (i + 1) * n_bytes]) for i in range(n)
+        ]
+        if n_bytes == slot_bytes and (not self.direct or _is_aligned(data)):
+            out = data  # slots are the blocks back to back: write the caller's bytes as they are
+        else:  # padded slots, or O_DIRECT from unaligned memory: through the aligned staging
+            staging = self._staging(size)
+            for i in range(n):
+                staging[i * slot_bytes : i * slot_bytes + n_bytes] = data[
+                    i * n_bytes : (i + 1) * n_bytes
+                ]
+            out = memoryview(staging)[:size]
         t0 = self._clock()
         try:
-            done = os.pwritev(self._fd, [memoryview(staging)[:size]], first * slot_bytes)
+            done = os.pwritev(self._fd, [out], first * slot_bytes)
             if done != size:
                 raise OSError(errno.EIO, f"short write: {done} of {size} bytes")
             self._unsynced_bytes += size

@@ -188,7 +188,8 @@ class NvmeTier:
             return
         digest = run.key.weights_digest
         epoch = self.store.epoch(digest)
-        data = _block_major(run.k, run.v)
+        # In page-aligned memory under O_DIRECT, so that the store writes it without a copy.
+        data = _block_major(run.k, run.v, aligned=self.store.direct)
         per_block = data.shape[1]
         for lo, hi in _runs(keep):
             size = (hi - lo) * per_block
@@ -303,14 +304,24 @@ def vars_of(record: object) -> Iterator[tuple[str, object]]:
         yield name, getattr(record, name)
 
 
-def _block_major(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`[L, H, n*16, D]` K and V -> uint8 `[n, block_bytes]`: each block's K then V, canonical."""
+def _block_major(k: torch.Tensor, v: torch.Tensor, *, aligned: bool = False) -> torch.Tensor:
+    """`[L, H, n*16, D]` K and V -> uint8 `[n, block_bytes]`: each block's K then V, canonical.
+    `aligned`: in a page-aligned buffer (what O_DIRECT writes from without a staging copy)."""
     layers, heads, tokens, head_dim = k.shape
     n = tokens // BLOCK_SIZE
     kb = k.reshape(layers, heads, n, BLOCK_SIZE, head_dim).permute(2, 0, 1, 3, 4)
     vb = v.reshape(layers, heads, n, BLOCK_SIZE, head_dim).permute(2, 0, 1, 3, 4)
-    data = torch.stack([kb, vb], dim=1).contiguous()  # [n, 2, L, H, 16, D]
-    return data.view(torch.uint8).reshape(n, -1)
+    shape = (n, 2, layers, heads, BLOCK_SIZE, head_dim)
+    if not aligned:
+        data = torch.stack([kb, vb], dim=1).contiguous()  # [n, 2, L, H, 16, D]
+        return data.view(torch.uint8).reshape(n, -1)
+    num_bytes = 2 * k.numel() * k.element_size()
+    # The tensor keeps the mmap alive (frombuffer holds a reference to its buffer).
+    raw = torch.frombuffer(aligned_buffer(num_bytes), dtype=torch.uint8, count=num_bytes)
+    out = raw.view(k.dtype).view(shape)
+    out[:, 0].copy_(kb)
+    out[:, 1].copy_(vb)
+    return raw.view(n, -1)
 
 
 

@@ -110,6 +110,17 @@ def test_zero_copy_reads_into_an_aligned_buffer(tmp_path: Path) -> None:
     assert bytes(out) == blocks(range(4), 8192)
 
 
+@pytest.mark.parametrize("direct", [None, False])
+def test_zero_copy_writes_from_an_aligned_buffer(tmp_path: Path, direct: bool | None) -> None:
+    store = open_store(tmp_path, num_slots=8, block_bytes=8192, direct=direct)
+    data = aligned_buffer(3 * 8192)
+    data.write(blocks(range(3), 8192))
+    # From the caller's memory straight to the file (an offset slice stays page-aligned).
+    assert store.put(DIGEST_A, [h(i) for i in range(2)], memoryview(data)[8192:]) == 2
+    assert read(store, [h(0), h(1)]) == (2, blocks(range(1, 3), 8192))
+    assert (tmp_path / STORE_FILENAME).read_bytes()[: 2 * 8192] == blocks(range(1, 3), 8192)
+
+
 def test_the_ring_overwrites_the_oldest_run_and_wraps_runs_whole(tmp_path: Path) -> None:
     store = open_store(tmp_path, num_slots=5)
     assert store.put(DIGEST_A, [h(0), h(1), h(2)], blocks(range(3), 4096)) == 3  # slots 0-2
