@@ -15,7 +15,13 @@ import yaml
 
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.nvme import NvmeTier
-from kvfleet_runtime.server import Replica, ReplicaAuth, build_replica, load_config
+from kvfleet_runtime.server import (
+    CacheSettings,
+    Replica,
+    ReplicaAuth,
+    build_replica,
+    load_config,
+)
 from kvfleet_runtime.wire import TENANT_HEADER
 from tests.runtime.server.conftest import (
     OPERATOR_TOKEN,
@@ -25,6 +31,10 @@ from tests.runtime.server.conftest import (
     as_router,
 )
 
+# The T0 switch was `num_t0_blocks: 0` and becomes `t0_enabled: false` (issue 18's T0 work, landing
+# beside this test): whichever this tree has.
+T0_OFF = ({"t0_enabled": False} if "t0_enabled" in CacheSettings.model_fields
+          else {"num_t0_blocks": 0})
 NUM_BLOCKS = 15  # whole blocks of each prompt (the engine computes the last token itself)
 
 
@@ -72,7 +82,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     config_path.write_text(yaml.safe_dump(TEST_CONFIG | {"cache": {
         # T0 (the engine's own KV) off: every stored prompt lands in a 32-block T1, and two
         # more prompts push a prompt out of it into T3.
-        "num_t0_blocks": 0, "num_t1_blocks": 32, "admit_min_sightings": 1,
+        **T0_OFF, "num_t1_blocks": 32, "admit_min_sightings": 1,
         "nvme_path": str(tmp / "nvme"), "nvme_capacity_bytes": 8 << 20, "nvme_mode": "on",
         "nvme_min_sightings": 1,
     }}))
