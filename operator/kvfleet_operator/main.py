@@ -23,6 +23,7 @@ import kopf
 from kvfleet_operator import handlers
 from kvfleet_operator.constants import GROUP, KOPF_ANNOTATION_PREFIX, POLICY_PLURAL, ROLLOUT_PLURAL
 from kvfleet_operator.kube import Kube
+from kvfleet_operator.metrics import NvmeReportReader
 from kvfleet_operator.schedule import Schedule, run_scheduled
 
 __all__ = ["run"]
@@ -73,6 +74,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo["kube"] = Kube.from_environment()
     memo["locks"] = _Locks()
     memo["schedule"] = Schedule()
+    # One per operator: which replicas' load reports did not answer, and until when to skip them.
+    memo["nvme_reports"] = NvmeReportReader()
     if not settings.peering.standalone and settings.peering.clusterwide:
         memo["kube"].ensure_cluster_peering(settings.peering.name)
 
@@ -81,7 +84,7 @@ def _policy(memo: Any, namespace: str | None, name: str, tick: bool = False) -> 
     key = ("policy", _ns(namespace), name)
 
     def once() -> float:
-        handlers.reconcile_policy(_kube(memo), key[1], name)
+        handlers.reconcile_policy(_kube(memo), key[1], name, read_nvme=memo["nvme_reports"])
         return 0.0  # a valid policy is due on every tick: pods come and go
 
     with memo["locks"].of(*key):  # the due check too: a change handler may be re-arming it

@@ -13,16 +13,22 @@ The pods are asked all at once, and the whole read has one budget (the source's 
 or unreachable pod costs one timeout per read, not one per pod, and is skipped. The fallback
 reads all tenants' totals, which replicas show only to the operator's token
 (`kvfleet_runtime.auth`; the chart mounts it in the operator and the replicas).
+
+The policy's NVMe measurement reads the replicas' load reports the same way (`read_nvme_reports`);
+`NvmeReportReader` adds a back-off per replica, so that pods known not to answer (a partitioned
+node; kwok's pods, which have an IP and no endpoint) do not cost every reconcile the whole budget.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from string import Template
@@ -42,6 +48,7 @@ __all__ = [
     "VLLM_SAVED_PREFILL_QUERY",
     "DeploymentPods",
     "MetricReading",
+    "NvmeReportReader",
     "pod_regex",
     "prometheus_query",
     "queries_for",
@@ -192,27 +199,103 @@ def _pod_nvme(url: str, timeout_s: float) -> dict[str, Any] | None:
     return dict(nvme["read_bandwidth"])
 
 
-def read_nvme_reports(
-    urls: Sequence[str], timeout_s: float = 2.0
-) -> list[dict[str, Any]]:
-    """The T3 read-bandwidth sections of the replicas' load reports (`GET /fleet/v1/load`),
-    asked concurrently within one total budget; replicas without T3, slow or unreachable ones
-    are skipped (the decision then rests on fewer replicas, or on the profile)."""
+NvmeFetch = Callable[[str, float], dict[str, Any] | None]
+"""One replica's load-report URL and a timeout -> its T3 read-bandwidth section (None: no T3);
+raises OSError or ValueError when the replica does not answer or answers garbage."""
+
+
+def _ask_all(
+    urls: Sequence[str], timeout_s: float, fetch: NvmeFetch
+) -> list[tuple[str, dict[str, Any] | BaseException | None]]:
+    """Every URL asked concurrently within one total budget: (url, its section), None for no T3,
+    or the error (a `TimeoutError` for those that had not answered when the budget ran out)."""
     if not urls:
         return []
     pool = ThreadPoolExecutor(
         max_workers=min(len(urls), MAX_STATS_READERS), thread_name_prefix="nvme-reports"
     )
     try:
-        futures = [pool.submit(_pod_nvme, url, timeout_s) for url in urls]
-        done, _ = wait(futures, timeout=timeout_s)
+        futures = [(url, pool.submit(fetch, url, timeout_s)) for url in urls]
+        wait([f for _, f in futures], timeout=timeout_s)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    out = []
-    for future in done:
-        if future.exception() is None and (result := future.result()) is not None:
-            out.append(result)
+    out: list[tuple[str, dict[str, Any] | BaseException | None]] = []
+    for url, future in futures:
+        if not future.done():
+            out.append((url, TimeoutError(f"{url}: no answer within {timeout_s} s")))
+        elif (error := future.exception()) is not None:
+            out.append((url, error))
+        else:
+            out.append((url, future.result()))
     return out
+
+
+def read_nvme_reports(
+    urls: Sequence[str], timeout_s: float = 2.0, fetch: NvmeFetch = _pod_nvme
+) -> list[dict[str, Any]]:
+    """The T3 read-bandwidth sections of the replicas' load reports (`GET /fleet/v1/load`),
+    asked concurrently within one total budget; replicas without T3, slow or unreachable ones
+    are skipped (the decision then rests on fewer replicas, or on the profile)."""
+    return [r for _, r in _ask_all(urls, timeout_s, fetch) if isinstance(r, dict)]
+
+
+@dataclass(slots=True)
+class _Silent:
+    failures: int
+    retry_at_s: float
+
+
+class NvmeReportReader:
+    """`read_nvme_reports` that remembers which replicas did not answer: one that failed (no
+    answer within the budget, a refused connection, garbage) is not asked again for
+    `base_backoff_s`, doubling with each further failure up to `max_backoff_s`; one answer
+    clears it. Callable as a `handlers.ReadNvme`; thread-safe (kopf runs handlers in threads)."""
+
+    def __init__(
+        self,
+        timeout_s: float = 2.0,
+        base_backoff_s: float = 10.0,
+        max_backoff_s: float = 300.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        fetch: NvmeFetch = _pod_nvme,
+    ) -> None:
+        if not 0 < base_backoff_s <= max_backoff_s:
+            raise ValueError(
+                f"need 0 < base_backoff_s <= max_backoff_s, got {base_backoff_s}, {max_backoff_s}"
+            )
+        self.timeout_s = timeout_s
+        self.base_backoff_s = base_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._clock = clock
+        self._fetch = fetch
+        self._silent: dict[str, _Silent] = {}
+        self._lock = threading.Lock()
+
+    def skipped(self, urls: Sequence[str]) -> list[str]:
+        """Those of `urls` that are backing off now (not asked by the next call)."""
+        now = self._clock()
+        with self._lock:
+            return [u for u in urls if (s := self._silent.get(u)) is not None
+                    and now < s.retry_at_s]
+
+    def __call__(self, urls: Sequence[str]) -> list[dict[str, Any]]:
+        skipped = set(self.skipped(urls))
+        results = _ask_all([u for u in urls if u not in skipped], self.timeout_s, self._fetch)
+        now = self._clock()
+        with self._lock:
+            # Forget replicas that left the fleet: the map stays as large as the fleet.
+            for url in set(self._silent) - set(urls):
+                del self._silent[url]
+            for url, result in results:
+                if not isinstance(result, BaseException):
+                    self._silent.pop(url, None)
+                    continue
+                old = self._silent.get(url)
+                failures = 1 if old is None else old.failures + 1
+                delay_s = min(self.base_backoff_s * 2 ** min(failures - 1, 30), self.max_backoff_s)
+                self._silent[url] = _Silent(failures, now + delay_s)
+        return [r for _, r in results if isinstance(r, dict)]
 
 
 def read_hit_rates(

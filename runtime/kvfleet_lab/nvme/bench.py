@@ -6,9 +6,18 @@ What is compared, at each concurrency level (1, 4, 8 by default):
 - store: `NvmeStore.put` of runs of blocks (each run one pwritev), then `NvmeStore.read_into` of
   the same runs (one preadv per run plus an xxh3 checksum per block and the index look-ups),
   `concurrency` threads at once, each reading its share of the runs;
-- raw: the same number of bytes in the same run sizes, with the same open mode (O_DIRECT when the
-  store got it), plain `pwritev`/`preadv` on a second file at the same offsets: what `fio` with
-  `--rw=read --bs=<run> --numjobs=<concurrency>` would measure, without its installation.
+- raw: plain `pwritev`/`preadv` of the same bytes, in the same run sizes, with the same open
+  mode, by the same number of threads: what `fio` with `--rw=read --bs=<run>
+  --numjobs=<concurrency>` would measure, without its installation.
+
+Both sides work on the SAME file: raw reads each run at the slots where the store put it
+(`NvmeStore.slot_of`), and raw writes put the payload the store writes at the same offsets (every
+run carries the same payload, so the store's checksums stay valid). Reps alternate which side goes
+first, so a device that drifts (a shared disk, a cloud volume's burst credits) drifts over both
+sides alike; every figure is the median of `reps` passes per side and the ratio is the ratio of
+the medians (the per-pass figures are in the JSON). With O_DIRECT no page cache is involved; in
+buffered mode each write pass ends with an `fdatasync` and each read pass starts with the file's
+page cache dropped (`POSIX_FADV_DONTNEED`), on both sides, so both measure the device.
 
 Blocks are the reference model's (70B, 80 layers, GQA-8, head_dim 128, FP16 KV: 16 tokens x
 320 KiB = 5 MiB). The verdict uses the break-even arithmetic (`kvfleet_runtime.breakeven`) for
@@ -43,7 +52,6 @@ from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = ["NvmeBenchReport", "run_nvme_bench"]
 
-RAW_FILENAME = "kvfleet-bench-raw.bin"
 TARGET_RATIO = 0.7
 PREFIX_TOKENS = 2000
 
@@ -52,9 +60,15 @@ PREFIX_TOKENS = 2000
 class LevelFigures:
     concurrency: int
     store_read_gb_s: float
+    """Median over the reps (as are the three below)."""
     raw_read_gb_s: float
     store_write_gb_s: float
     raw_write_gb_s: float
+    store_read_reps_gb_s: list[float] = field(default_factory=list)
+    """Each pass, in the order run (store and raw passes alternate)."""
+    raw_read_reps_gb_s: list[float] = field(default_factory=list)
+    store_write_reps_gb_s: list[float] = field(default_factory=list)
+    raw_write_reps_gb_s: list[float] = field(default_factory=list)
 
     @property
     def read_ratio(self) -> float:
@@ -102,12 +116,15 @@ class NvmeBenchReport:
             "reps": self.reps,
             "target_read_ratio": TARGET_RATIO,
             "min_read_ratio": self.min_read_ratio,
+            "page_cache": "bypassed (O_DIRECT)" if self.direct_io else "dropped before each read",
             "reads": [
                 {
                     "concurrency": lv.concurrency,
                     "store_read_gb_s": lv.store_read_gb_s,
                     "raw_read_gb_s": lv.raw_read_gb_s,
                     "ratio": lv.read_ratio,
+                    "store_read_reps_gb_s": lv.store_read_reps_gb_s,
+                    "raw_read_reps_gb_s": lv.raw_read_reps_gb_s,
                 }
                 for lv in self.levels
             ],
@@ -117,6 +134,8 @@ class NvmeBenchReport:
                     "store_write_gb_s": lv.store_write_gb_s,
                     "raw_write_gb_s": lv.raw_write_gb_s,
                     "ratio": lv.write_ratio,
+                    "store_write_reps_gb_s": lv.store_write_reps_gb_s,
+                    "raw_write_reps_gb_s": lv.raw_write_reps_gb_s,
                 }
                 for lv in self.levels
             ],
@@ -136,7 +155,7 @@ def run_nvme_bench(
     size_bytes: int = 512 << 20,
     run_blocks: int = 4,
     block_bytes: int | None = None,
-    reps: int = 3,
+    reps: int = 5,
     direct: bool | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> NvmeBenchReport:
@@ -156,7 +175,8 @@ def run_nvme_bench(
             f"{path}: cannot host a {config.num_slots * config.slot_bytes}-byte T3 store "
             "(missing directory, no permission or not enough space; see the log)"
         )
-    raw_fd = _open_raw(path / RAW_FILENAME, config.num_slots * config.slot_bytes, store.direct)
+    # A second fd on the store's own file, opened as the store opened it.
+    raw_fd = os.open(store.file, os.O_RDWR | (os.O_DIRECT if store.direct else 0))
     report = NvmeBenchReport(str(path), store.direct, block, run_blocks, num_blocks * block, reps)
     try:
         payload = aligned_buffer(run_blocks * block)
@@ -164,34 +184,46 @@ def run_nvme_bench(
         runs = [[i.to_bytes(16, "big") for i in range(r * run_blocks, (r + 1) * run_blocks)]
                 for r in range(num_runs)]
         run_bytes = run_blocks * config.slot_bytes
+        if config.slot_bytes != block:
+            raise ValueError(f"block_bytes must be a multiple of 4096, got {block}")
+        offsets: list[int] = []  # where the store put run r (what raw reads for run r)
         work: dict[tuple[str, str], Callable[[int], None]] = {
             ("store", "write"): lambda r: _store_put(store, runs[r], payload),
-            ("raw", "write"): lambda r: _raw_write(raw_fd, r * run_bytes, run_bytes),
+            ("raw", "write"): lambda r: _raw_write(raw_fd, r * run_bytes, payload),
             ("store", "read"): lambda r: _store_read(store, runs[r]),
-            ("raw", "read"): lambda r: _raw_read(raw_fd, r * run_bytes, run_bytes),
+            ("raw", "read"): lambda r: _raw_read(raw_fd, offsets[r], run_bytes),
         }
-        for level in concurrency:
-            figures = []
+        total = num_blocks * block
+
+        def passes(phase: str, level: int) -> dict[str, list[float]]:
+            gb_s: dict[str, list[float]] = {"store": [], "raw": []}
             for rep in range(reps):
-                store.forget_all()
-                # Alternate which side goes first: a device still settling the previous
-                # phase's writes must not always penalize the same side.
-                order = ("store", "raw") if rep % 2 == 0 else ("raw", "store")
-                secs = {}
-                for phase in ("write", "read"):
-                    for side in order:
-                        secs[side, phase] = _timed(level, num_runs, clock, work[side, phase])
-                sw, rw = secs["store", "write"], secs["raw", "write"]
-                sr, rr = secs["store", "read"], secs["raw", "read"]
-                total = num_blocks * block
-                figures.append((total / sr, total / rr, total / sw, total / rw))
-            med = [statistics.median(f[i] for f in figures) / 1e9 for i in range(4)]
-            report.levels.append(LevelFigures(level, med[0], med[1], med[2], med[3]))
+                for side in ("store", "raw") if rep % 2 == 0 else ("raw", "store"):
+                    if phase == "write" and side == "store":
+                        store.forget_all()  # the store writes only what it does not hold
+                    if phase == "read" and not store.direct:
+                        _drop_page_cache(raw_fd)
+                    seconds = _timed(level, num_runs, clock, work[side, phase],
+                                     after=None if store.direct or phase == "read"
+                                     else lambda: os.fdatasync(raw_fd))
+                    gb_s[side].append(total / seconds / 1e9)
+            return gb_s
+
+        for level in concurrency:
+            writes = passes("write", level)
+            # The store holds every run now (raw writes put the same bytes in the same slots).
+            offsets[:] = [_slot_offset(store, run) for run in runs]
+            reads = passes("read", level)
+            report.levels.append(LevelFigures(
+                level,
+                statistics.median(reads["store"]), statistics.median(reads["raw"]),
+                statistics.median(writes["store"]), statistics.median(writes["raw"]),
+                reads["store"], reads["raw"], writes["store"], writes["raw"],
+            ))
     finally:
         store.close()
         os.close(raw_fd)
-        for name in (RAW_FILENAME, store.file.name):
-            (path / name).unlink(missing_ok=True)
+        store.file.unlink(missing_ok=True)
     report.verdicts = _verdicts(report.levels)
     return report
 
@@ -202,14 +234,17 @@ def _pattern(size: int) -> bytes:
     return (chunk * (size // len(chunk) + 1))[:size]
 
 
-def _open_raw(file: Path, size: int, direct: bool) -> int:
-    file.unlink(missing_ok=True)
-    fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.posix_fallocate(fd, 0, size)
-    if direct:
-        os.close(fd)
-        fd = os.open(file, os.O_RDWR | os.O_DIRECT)
-    return fd
+def _slot_offset(store: NvmeStore, run: list[bytes]) -> int:
+    slot = store.slot_of(run[0])
+    if slot is None or any(store.slot_of(h) != slot + i for i, h in enumerate(run)):
+        raise ValueError(f"T3 store write failed at {store.file} (see the log)")
+    return slot * store.slot_bytes
+
+
+def _drop_page_cache(fd: int) -> None:
+    """Buffered mode: what a read pass finds in memory is not the device's figure."""
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 _local = threading.local()
@@ -234,8 +269,8 @@ def _store_read(store: NvmeStore, hashes: list[bytes]) -> None:
         raise ValueError(f"T3 store read failed at {store.file} (see the log)")
 
 
-def _raw_write(fd: int, offset: int, size: int) -> None:
-    if os.pwritev(fd, [_buffer(size)], offset) != size:
+def _raw_write(fd: int, offset: int, payload: Any) -> None:
+    if os.pwritev(fd, [payload], offset) != len(payload):
         raise ValueError("short raw write")
 
 
@@ -245,9 +280,9 @@ def _raw_read(fd: int, offset: int, size: int) -> None:
 
 
 def _timed(level: int, num_runs: int, clock: Callable[[], float],
-           work: Callable[[int], None]) -> float:
+           work: Callable[[int], None], after: Callable[[], None] | None = None) -> float:
     """Wall seconds for `level` threads to do runs 0..num_runs-1 between them (run r goes to
-    thread r % level, so each thread reads sequentially through its share)."""
+    thread r % level, so each thread reads sequentially through its share), then `after`."""
     errors: list[BaseException] = []
     start = threading.Barrier(level + 1)
 
@@ -266,6 +301,8 @@ def _timed(level: int, num_runs: int, clock: Callable[[], float],
     t0 = clock()
     for t in threads:
         t.join()
+    if after is not None and not errors:
+        after()
     seconds = clock() - t0
     if errors:
         raise errors[0]

@@ -3,6 +3,7 @@
     store = NvmeStore.open(NvmeConfig(path, capacity_bytes, block_bytes))   # None: unusable path
     store.put(weights_digest, hashes, data)      # data: len(hashes) blocks, block-major bytes
     n = store.read_into(hashes, out)             # leading blocks read AND verified (0: recompute)
+    store.invalidate(weights_digest)             # POST /cache/invalidate: unreachable at once
 
 Layout. The file is `num_slots` fixed slots of `slot_bytes` (`block_bytes` rounded up to 4 KiB,
 so every I/O is aligned for O_DIRECT). A slot holds one block in the cache's canonical layout: K
@@ -29,6 +30,12 @@ off); a failed or short write leaves the run unindexed; an I/O error, a short re
 mismatch (xxh3-64 per block) drops the block and returns only the verified leading blocks. A read
 racing a write that reuses its slots is caught by re-checking, after the read, that every entry it
 read is still the one indexed (the writer unindexes slots before overwriting them).
+
+Invalidation. `invalidate(weights_digest)` unindexes that version's blocks at once (a read in
+flight discards them by the same re-check) and frees their slots for the ring. Each call also
+advances the version's epoch: a write that began before it is not indexed when it finishes, and a
+write queued before it (`put(..., epoch=)` with the epoch read at queueing time) is refused, so no
+block of an invalidated version comes back through a write that was already on its way.
 """
 
 from __future__ import annotations
@@ -156,6 +163,10 @@ class NvmeStats:
     num_raced: int = 0
     """Blocks whose slot was reused while being read: discarded."""
     num_fsyncs: int = 0
+    num_invalidated: int = 0
+    """Blocks unindexed by `invalidate` (their weights version was withdrawn)."""
+    num_stale_writes: int = 0
+    """Blocks of a write that an `invalidate` of their version overtook: not indexed."""
 
 
 @dataclass(slots=True)
@@ -237,6 +248,8 @@ class NvmeStore:
         self._write_lock = threading.Lock()
         self._unsynced_bytes = 0
         self._in_flight = 0
+        self._epochs: dict[str, int] = {}
+        """weights digest -> how many times it was invalidated (absent: never)."""
         self._local = threading.local()
         self.stats = NvmeStats(direct=direct, num_slots=self.num_slots)
         self.bandwidth = BandwidthRecorder()
@@ -271,6 +284,18 @@ class NvmeStore:
     def __len__(self) -> int:
         return len(self._index)
 
+    def epoch(self, weights_digest: str) -> int:
+        """The invalidation epoch of a weights version: what a queued write passes to `put`."""
+        with self._lock:
+            return self._epochs.get(weights_digest, 0)
+
+    def slot_of(self, h: bytes) -> int | None:
+        """The slot holding block `h` (None: not held); its bytes start at `slot * slot_bytes`.
+        For tools that read what the store holds without it (the bench's raw baseline)."""
+        with self._lock:
+            entry = self._index.get(h)
+        return None if entry is None else entry.slot
+
     def leading(self, hashes: Sequence[bytes]) -> int:
         """How many leading `hashes` the store holds (no I/O)."""
         with self._lock:
@@ -281,9 +306,18 @@ class NvmeStore:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def put(self, weights_digest: str, hashes: Sequence[bytes], data: memoryview | bytes) -> int:
+    def put(
+        self,
+        weights_digest: str,
+        hashes: Sequence[bytes],
+        data: memoryview | bytes,
+        *,
+        epoch: int | None = None,
+    ) -> int:
         """Write blocks (`data`: `len(hashes) * block_bytes`, block after block) that the store
-        does not hold yet; returns the blocks written (0 on any failure, nothing indexed)."""
+        does not hold yet; returns the blocks written (0 on any failure, nothing indexed).
+        `epoch`: the version's `epoch()` when the write was decided; an `invalidate` since then
+        refuses it (0)."""
         n_bytes = self.block_bytes
         view = memoryview(data).cast("B")
         if len(view) != len(hashes) * n_bytes:
@@ -293,17 +327,26 @@ class NvmeStore:
             if self._fd < 0:
                 return 0
             with self._lock:
+                current = self._epochs.get(weights_digest, 0)
+                if epoch is not None and epoch != current:
+                    self.stats.num_stale_writes += len(hashes)
+                    return 0
                 todo = [i for i, h in enumerate(hashes) if h not in self._index]
             for lo, hi in _runs(todo):
                 per_io = max(1, min(self.config.max_io_bytes // self.slot_bytes, self.num_slots))
                 for start in range(lo, hi, per_io):
                     stop = min(hi, start + per_io)
                     written += self._put_run(
-                        weights_digest, hashes[start:stop], view[start * n_bytes : stop * n_bytes]
+                        weights_digest,
+                        current,
+                        hashes[start:stop],
+                        view[start * n_bytes : stop * n_bytes],
                     )
         return written
 
-    def _put_run(self, weights_digest: str, hashes: Sequence[bytes], data: memoryview) -> int:
+    def _put_run(
+        self, weights_digest: str, epoch: int, hashes: Sequence[bytes], data: memoryview
+    ) -> int:
         n = len(hashes)
         slot_bytes, n_bytes = self.slot_bytes, self.block_bytes
         with self._lock:
@@ -320,16 +363,22 @@ class NvmeStore:
                     del self._index[old]
                     self.stats.num_evictions += 1
             self.stats.num_blocks = len(self._index)
-        staging = self._staging(n * slot_bytes)
-        checksums = []
-        for i in range(n):
-            block = data[i * n_bytes : (i + 1) * n_bytes]
-            checksums.append(xxhash.xxh3_64_intdigest(block))
-            staging[i * slot_bytes : i * slot_bytes + n_bytes] = block
         size = n * slot_bytes
+        checksums = [
+            xxhash.xxh3_64_intdigest(data[i * n_bytes : (i + 1) * n_bytes]) for i in range(n)
+        ]
+        if n_bytes == slot_bytes and (not self.direct or _is_aligned(data)):
+            out = data  # slots are the blocks back to back: write the caller's bytes as they are
+        else:  # padded slots, or O_DIRECT from unaligned memory: through the aligned staging
+            staging = self._staging(size)
+            for i in range(n):
+                staging[i * slot_bytes : i * slot_bytes + n_bytes] = data[
+                    i * n_bytes : (i + 1) * n_bytes
+                ]
+            out = memoryview(staging)[:size]
         t0 = self._clock()
         try:
-            done = os.pwritev(self._fd, [memoryview(staging)[:size]], first * slot_bytes)
+            done = os.pwritev(self._fd, [out], first * slot_bytes)
             if done != size:
                 raise OSError(errno.EIO, f"short write: {done} of {size} bytes")
             self._unsynced_bytes += size
@@ -345,6 +394,10 @@ class NvmeStore:
             return 0
         seconds = self._clock() - t0
         with self._lock:
+            if self._epochs.get(weights_digest, 0) != epoch:
+                # Invalidated while being written: the slots stay free, nothing is reachable.
+                self.stats.num_stale_writes += n
+                return 0
             for i, h in enumerate(hashes):
                 if h in self._index:  # cannot happen with one writer; keep the index exact
                     continue
@@ -445,11 +498,15 @@ class NvmeStore:
     # -- control ---------------------------------------------------------------------------
 
     def invalidate(self, weights_digest: str) -> int:
-        """Forget every block of a weights version (the slots are reused by later writes)."""
+        """Make every block of a weights version unreachable now and free its slots (the ring
+        reuses them); writes of that version already on their way are not indexed (see the
+        module docstring). Returns the blocks unindexed."""
         with self._lock:
+            self._epochs[weights_digest] = self._epochs.get(weights_digest, 0) + 1
             stale = [(h, e) for h, e in self._index.items() if e.weights_digest == weights_digest]
             for h, entry in stale:
                 self._forget(h, entry)
+            self.stats.num_invalidated += len(stale)
         return len(stale)
 
     def forget_all(self) -> int:

@@ -3,6 +3,7 @@
     tier = NvmeTier(cache, store, mode="shadow", registry=registry)   # attaches the eviction sink
     tier.start()                                                       # the background writer
     n = tier.fill(key, token_ids)      # on a local miss (in a thread): blocks imported from T3
+    tier.invalidate(weights_digest)    # POST /cache/invalidate (with the cache's own, see there)
 
 Admission is T3's own: of what the host tier evicts (`PrefixCache.set_eviction_sink`), only
 blocks the policy still values are kept, i.e. seen at least `min_sightings` times (a one-shot
@@ -20,6 +21,12 @@ Modes (the fleet config's `tiers.nvme` / `tiers.nvme_shadow`, applied live by `s
   unreachable at once; the file keeps its size).
 
 Every failure is a 0 from `fill`: the engine prefills what is missing, as without T3.
+
+`invalidate(weights_digest)` makes T3's blocks of that version unreachable at once (the store's
+epoch refuses queued and in-flight writes of it) and keeps a `fill` that read them before from
+importing them afterwards: the epoch check and the import happen under one lock the invalidation
+takes too. Calling it before and after `PrefixCache.invalidate` (as the replica does) also drops
+what T1 evicted into T3 while the cache was being invalidated.
 """
 
 from __future__ import annotations
@@ -112,11 +119,13 @@ class NvmeTier:
         self.max_fill_blocks = max_fill_blocks
         self.stats = NvmeTierStats()
         self.held = _Held()
-        self._pending: queue.Queue[tuple[str, tuple[BlockHash, ...], memoryview] | None] = (
-            queue.Queue()
-        )
+        self._pending: queue.Queue[
+            tuple[str, int, tuple[BlockHash, ...], memoryview] | None
+        ] = queue.Queue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
+        self._import_lock = threading.Lock()
+        """Held by a fill from its epoch check to the end of its import, and by `invalidate`."""
         self._local = threading.local()
         self._writer: threading.Thread | None = None
         cache.add_listener(self.held.on_event)
@@ -154,6 +163,12 @@ class NvmeTier:
         if mode == "off":
             self.store.forget_all()
 
+    def invalidate(self, weights_digest: str) -> int:
+        """Forget T3's blocks of a weights version (see the module docstring); returns how many
+        the store unindexed."""
+        with self._import_lock:
+            return self.store.invalidate(weights_digest)
+
     def flush(self) -> None:
         """Wait until every queued write has been carried out (tests, shutdown)."""
         self._pending.join()
@@ -171,7 +186,10 @@ class NvmeTier:
             self.stats.num_blocks_refused += n - len(keep)
         if not keep:
             return
-        data = _block_major(run.k, run.v)
+        digest = run.key.weights_digest
+        epoch = self.store.epoch(digest)
+        # In page-aligned memory under O_DIRECT, so that the store writes it without a copy.
+        data = _block_major(run.k, run.v, aligned=self.store.direct)
         per_block = data.shape[1]
         for lo, hi in _runs(keep):
             size = (hi - lo) * per_block
@@ -181,7 +199,7 @@ class NvmeTier:
                     continue
                 self._pending_bytes += size
             view = data[lo:hi].numpy().data.cast("B")
-            self._pending.put((run.key.weights_digest, run.block_hashes[lo:hi], view))
+            self._pending.put((digest, epoch, run.block_hashes[lo:hi], view))
 
     def _write_loop(self) -> None:
         while True:
@@ -189,9 +207,9 @@ class NvmeTier:
             try:
                 if item is None:
                     return
-                digest, hashes, view = item
+                digest, epoch, hashes, view = item
                 if self.mode != "off":
-                    self.store.put(digest, hashes, view)
+                    self.store.put(digest, hashes, view, epoch=epoch)
                 with self._lock:
                     self._pending_bytes -= len(view)
             except Exception:  # the writer never dies: a failed write is a block not stored
@@ -213,6 +231,7 @@ class NvmeTier:
             rest = chain[local : local + self.max_fill_blocks]
             if not rest or not self.store.leading(rest[:1]):
                 return 0
+            epoch = self.store.epoch(key.weights_digest)
             n_bytes = self.store.block_bytes
             buf = self._buffer(len(rest) * n_bytes)
             got = self.store.read_into(rest, buf)
@@ -230,7 +249,10 @@ class NvmeTier:
                 k = torch.cat([prefix[0], k], dim=2)
                 v = torch.cat([prefix[1], v], dim=2)
             end = (local + got) * BLOCK_SIZE
-            self.cache.import_blocks(key, token_ids[:end], k, v)
+            with self._import_lock:
+                if self.store.epoch(key.weights_digest) != epoch:
+                    return 0  # invalidated while we read: what we read is of a withdrawn version
+                self.cache.import_blocks(key, token_ids[:end], k, v)
             with self._lock:
                 self.stats.num_blocks_served += got
             return got
@@ -282,14 +304,24 @@ def vars_of(record: object) -> Iterator[tuple[str, object]]:
         yield name, getattr(record, name)
 
 
-def _block_major(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`[L, H, n*16, D]` K and V -> uint8 `[n, block_bytes]`: each block's K then V, canonical."""
+def _block_major(k: torch.Tensor, v: torch.Tensor, *, aligned: bool = False) -> torch.Tensor:
+    """`[L, H, n*16, D]` K and V -> uint8 `[n, block_bytes]`: each block's K then V, canonical.
+    `aligned`: in a page-aligned buffer (what O_DIRECT writes from without a staging copy)."""
     layers, heads, tokens, head_dim = k.shape
     n = tokens // BLOCK_SIZE
     kb = k.reshape(layers, heads, n, BLOCK_SIZE, head_dim).permute(2, 0, 1, 3, 4)
     vb = v.reshape(layers, heads, n, BLOCK_SIZE, head_dim).permute(2, 0, 1, 3, 4)
-    data = torch.stack([kb, vb], dim=1).contiguous()  # [n, 2, L, H, 16, D]
-    return data.view(torch.uint8).reshape(n, -1)
+    shape = (n, 2, layers, heads, BLOCK_SIZE, head_dim)
+    if not aligned:
+        data = torch.stack([kb, vb], dim=1).contiguous()  # [n, 2, L, H, 16, D]
+        return data.view(torch.uint8).reshape(n, -1)
+    num_bytes = 2 * k.numel() * k.element_size()
+    # The tensor keeps the mmap alive (frombuffer holds a reference to its buffer).
+    raw = torch.frombuffer(aligned_buffer(num_bytes), dtype=torch.uint8, count=num_bytes)
+    out = raw.view(k.dtype).view(shape)
+    out[:, 0].copy_(kb)
+    out[:, 1].copy_(vb)
+    return raw.view(n, -1)
 
 
 
@@ -326,6 +358,11 @@ class NvmeCollector(Collector):
             ("read_errors", store.stats.num_read_errors, "Failed reads (recomputed)."),
             ("write_errors", store.stats.num_write_errors, "Failed writes (not stored)."),
             ("corrupt_blocks", store.stats.num_corrupt, "Checksum mismatches (recomputed)."),
+            (
+                "invalidated_blocks",
+                store.stats.num_invalidated,
+                "Blocks dropped because their weights version was invalidated.",
+            ),
         ):
             yield CounterMetricFamily(f"{p}_{name}", doc, value=value)
         rec = store.bandwidth

@@ -77,6 +77,7 @@ from kvfleet_runtime.server._schemas import (
     InvalidateAccepted,
     InvalidateRequest,
 )
+from kvfleet_runtime.server._tiers import invalidate_local
 from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvfleet_runtime.wire import TENANT_HEADER
 
@@ -384,9 +385,9 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
 
     async def invalidate(request: web.Request) -> web.StreamResponse:
         body = _validate(InvalidateRequest, await _json_body(request, replica.config.limits))
-        cache = replica.cache
-        if cache is not None:
-            task = asyncio.create_task(asyncio.to_thread(cache.invalidate, body.model_version))
+        if replica.cache is not None or replica.nvme is not None:
+            task = asyncio.create_task(
+                asyncio.to_thread(invalidate_local, replica, body.model_version))
             replica.background.add(task)
             task.add_done_callback(replica.background.discard)
         return web.json_response(

@@ -1,7 +1,8 @@
 """The replica's local tier hooks on the request path (T3): before a request enters the engine,
 what NVMe holds beyond the locally cached prefix is imported (or, in shadow mode, read back and
 discarded). The fleet tier's T2 hook (`Replica.before_submit`) runs after it, for what is still
-missing."""
+missing. `POST /cache/invalidate` withdraws a weights version from every local tier at once
+(`invalidate_local`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from kvfleet_runtime.wire import BLOCK_SIZE
 if TYPE_CHECKING:
     from kvfleet_runtime.server._app import Replica
 
-__all__ = ["fill_from_nvme", "usable_prompt"]
+__all__ = ["fill_from_nvme", "invalidate_local", "usable_prompt"]
 
 
 def usable_prompt(token_ids: Sequence[int]) -> list[int]:
@@ -35,3 +36,16 @@ async def fill_from_nvme(replica: Replica, tenant: str, token_ids: Sequence[int]
         return 0
     key = replica.engine.key_fields.key(tenant)
     return await asyncio.to_thread(tier.fill, key, prompt)
+
+
+def invalidate_local(replica: Replica, weights_digest: str) -> int:
+    """Withdraw a weights version from T0/T1 and T3 (blocking: run it in a thread); returns the
+    blocks removed from both. T3 goes first, so that a T3 fill in flight cannot import it into
+    the cache after the cache forgot it, and again after, for what T1 evicted into T3 meanwhile."""
+    cache, tier = replica.cache, replica.nvme
+    removed = 0 if tier is None else tier.invalidate(weights_digest)
+    if cache is not None:
+        removed += cache.invalidate(weights_digest)
+    if tier is not None:
+        removed += tier.invalidate(weights_digest)
+    return removed

@@ -5,6 +5,7 @@ figures; it does not pass or fail on them)."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,17 @@ def test_bench_measures_every_level_and_cleans_up(tmp_path: Path) -> None:
                             run_blocks=2, block_bytes=8192, reps=2)
     data = report.to_dict()
     assert [r["concurrency"] for r in data["reads"]] == [1, 2]
-    assert set(data["reads"][0]) == {"concurrency", "store_read_gb_s", "raw_read_gb_s", "ratio"}
+    assert set(data["reads"][0]) == {"concurrency", "store_read_gb_s", "raw_read_gb_s", "ratio",
+                                     "store_read_reps_gb_s", "raw_read_reps_gb_s"}
     assert all(r["store_read_gb_s"] > 0 and r["raw_read_gb_s"] > 0 for r in data["reads"])
+    for figures in data["reads"] + data["writes"]:
+        kind = "read" if "store_read_gb_s" in figures else "write"
+        store, raw = figures[f"store_{kind}_reps_gb_s"], figures[f"raw_{kind}_reps_gb_s"]
+        assert len(store) == len(raw) == 2  # one pass per side and rep
+        # Medians per side, and the ratio is the ratio of the medians.
+        assert figures[f"store_{kind}_gb_s"] == statistics.median(store)
+        assert figures[f"raw_{kind}_gb_s"] == statistics.median(raw)
+        assert figures["ratio"] == statistics.median(store) / statistics.median(raw)
     assert data["bytes_per_level"] == 64 << 10  # 4 runs x 2 blocks x 8 KiB
     # The verdict is the break-even arithmetic of the reference model at TP4 (DESIGN.md §1).
     fp16, fp8 = data["verdicts"]
@@ -33,6 +43,15 @@ def test_bench_measures_every_level_and_cleans_up(tmp_path: Path) -> None:
     assert (fp8["kv_dtype"], round(fp8["break_even_gb_s"], 2)) == ("fp8", 4.63)
     assert fp16["margin"] == pytest.approx(fp16["measured_gb_s"] / fp16["break_even_gb_s"])
     assert list(tmp_path.iterdir()) == []  # neither the store file nor the raw file is left
+
+
+def test_buffered_mode_measures_the_device_not_the_page_cache(tmp_path: Path) -> None:
+    report = run_nvme_bench(tmp_path, concurrency=(2,), size_bytes=64 << 10, run_blocks=2,
+                            block_bytes=8192, reps=3, direct=False)
+    data = report.to_dict()
+    assert data["direct_io"] is False and data["page_cache"] == "dropped before each read"
+    assert len(data["reads"][0]["store_read_reps_gb_s"]) == 3
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_json_and_errors(tmp_path: Path) -> None:

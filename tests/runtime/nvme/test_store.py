@@ -110,6 +110,17 @@ def test_zero_copy_reads_into_an_aligned_buffer(tmp_path: Path) -> None:
     assert bytes(out) == blocks(range(4), 8192)
 
 
+@pytest.mark.parametrize("direct", [None, False])
+def test_zero_copy_writes_from_an_aligned_buffer(tmp_path: Path, direct: bool | None) -> None:
+    store = open_store(tmp_path, num_slots=8, block_bytes=8192, direct=direct)
+    data = aligned_buffer(3 * 8192)
+    data.write(blocks(range(3), 8192))
+    # From the caller's memory straight to the file (an offset slice stays page-aligned).
+    assert store.put(DIGEST_A, [h(i) for i in range(2)], memoryview(data)[8192:]) == 2
+    assert read(store, [h(0), h(1)]) == (2, blocks(range(1, 3), 8192))
+    assert (tmp_path / STORE_FILENAME).read_bytes()[: 2 * 8192] == blocks(range(1, 3), 8192)
+
+
 def test_the_ring_overwrites_the_oldest_run_and_wraps_runs_whole(tmp_path: Path) -> None:
     store = open_store(tmp_path, num_slots=5)
     assert store.put(DIGEST_A, [h(0), h(1), h(2)], blocks(range(3), 4096)) == 3  # slots 0-2
@@ -227,6 +238,62 @@ def test_invalidate_forgets_one_weights_version(tmp_path: Path) -> None:
     store.put(DIGEST_B, [h(2)], block(2, 4096))
     assert store.invalidate(DIGEST_A) == 2
     assert [store.leading([h(i)]) for i in range(3)] == [0, 0, 1]
+    assert len(store) == 1 and store.stats.num_invalidated == 2
+    assert read(store, [h(0)]) == (0, b"")
+    assert read(store, [h(2)]) == (1, block(2, 4096))  # the other version is untouched
+    # Their slots are free: the ring's next writes take them without evicting anything.
+    store.put(DIGEST_A, [h(3), h(4), h(5), h(6), h(7)], blocks(range(3, 8), 4096))
+    assert store.stats.num_evictions == 0 and len(store) == 6
+
+
+def test_a_write_queued_before_an_invalidate_is_refused(tmp_path: Path) -> None:
+    store = open_store(tmp_path, num_slots=8)
+    queued_at = store.epoch(DIGEST_A)  # what the tier records when it queues a write
+    store.invalidate(DIGEST_A)
+    assert store.put(DIGEST_A, [h(0)], block(0, 4096), epoch=queued_at) == 0
+    assert len(store) == 0 and store.stats.num_stale_writes == 1
+    # A write decided after the invalidation, or of another version, is stored.
+    assert store.put(DIGEST_A, [h(1)], block(1, 4096), epoch=store.epoch(DIGEST_A)) == 1
+    assert store.put(DIGEST_B, [h(2)], block(2, 4096), epoch=queued_at) == 1
+
+
+def test_a_write_in_flight_during_an_invalidate_is_not_indexed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(tmp_path, num_slots=8)
+    real_pwritev = os.pwritev
+
+    def invalidated_meanwhile(fd: int, bufs: list[memoryview], offset: int) -> int:
+        done = real_pwritev(fd, bufs, offset)
+        # The write reached the file; the operator withdraws the version before it is indexed.
+        t = threading.Thread(target=store.invalidate, args=(DIGEST_A,))
+        t.start()
+        t.join()
+        return done
+
+    monkeypatch.setattr(os, "pwritev", invalidated_meanwhile)
+    assert store.put(DIGEST_A, [h(0), h(1)], blocks(range(2), 4096)) == 0
+    assert len(store) == 0 and store.stats.num_stale_writes == 2
+    assert read(store, [h(0)]) == (0, b"")
+
+
+def test_a_read_in_flight_during_an_invalidate_returns_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(tmp_path, num_slots=8)
+    store.put(DIGEST_A, [h(0), h(1)], blocks(range(2), 4096))
+    real_preadv = os.preadv
+
+    def invalidated_meanwhile(fd: int, bufs: list[memoryview], offset: int) -> int:
+        got = real_preadv(fd, bufs, offset)
+        t = threading.Thread(target=store.invalidate, args=(DIGEST_A,))
+        t.start()
+        t.join()
+        return got
+
+    monkeypatch.setattr(os, "preadv", invalidated_meanwhile)
+    assert read(store, [h(0), h(1)]) == (0, b"")
+    assert store.stats.num_raced == 2
 
 
 def test_an_old_file_is_never_trusted(tmp_path: Path) -> None:

@@ -166,3 +166,45 @@ def test_the_store_must_match_the_cache_layout(cache: PrefixCache, tmp_path: Pat
         NvmeTier(cache, store)
     with pytest.raises(ValueError, match=r"NVMe mode must be one of .* got 'fast'"):
         NvmeTier(cache, store, mode="fast")  # type: ignore[arg-type]
+
+
+
+KEY_B = KEY._replace(weights_digest="sha256:" + "b" * 64)  # the same tenant, other weights
+C = list(range(2000, 2128))
+
+
+def test_invalidate_withdraws_one_version_from_t3(cache: PrefixCache, tier: NvmeTier) -> None:
+    evict_a(cache, tier)  # A's first 4 blocks (version a) in T3
+    for key, tokens, k, v in ((KEY_B, B, KB, VB), (KEY, C, KA, VA)):
+        for _ in range(2):
+            cache.store(key, tokens, k, v)
+            cache.drain_store_queue()
+    tier.flush()  # T1 evicted 4 more of version a, then B's first 4 blocks of version b
+    assert len(tier.store) == 12
+    assert tier.invalidate(KEY.weights_digest) == 8
+    assert len(tier.store) == 4 and tier.store.stats.num_invalidated == 8
+    assert tier.fill(KEY, A) == 0 and isinstance(cache.lookup(KEY, A), Miss)
+    assert tier.fill(KEY_B, B) == 4  # version b is still served from T3, exactly
+    hit = cache.lookup(KEY_B, B)
+    assert isinstance(hit, Hit) and hit.matched_tokens == 64
+    k, v = cache.materialize(hit)
+    assert torch.equal(k, KB[:, :, :64]) and torch.equal(v, VB[:, :, :64])
+    cache.release(hit)
+
+
+def test_a_write_queued_before_the_invalidate_never_lands(
+    cache: PrefixCache, tmp_path: Path
+) -> None:
+    store = NvmeStore.open(NvmeConfig(tmp_path, 64 * LAYOUT.bytes_per_block,
+                                      LAYOUT.bytes_per_block))
+    assert store is not None
+    tier = NvmeTier(cache, store, mode="on")  # not started: the offers stay queued
+    store_twice(cache, A, KA, VA)
+    store_twice(cache, B, KB, VB)
+    assert tier.stats.num_blocks_offered == 4 and len(store) == 0
+    assert tier.invalidate(KEY.weights_digest) == 0
+    tier.start()
+    tier.flush()
+    assert len(store) == 0 and store.stats.num_stale_writes == 4
+    assert tier.fill(KEY, A) == 0
+    tier.close()
