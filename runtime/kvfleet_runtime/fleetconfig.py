@@ -9,13 +9,17 @@ parse keeps the last good config in force.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvfleet_runtime.configwatch import ConfigFileWatcher
 from kvfleet_runtime.wire import Engine
+
+log = logging.getLogger(__name__)
 
 FLEET_CONFIG_FILENAME = "fleet.yaml"
 
@@ -117,6 +121,33 @@ def check_successor(
             f"{previous.generation}): refusing what looks like a truncated write"
         )
     return new
+
+
+def next_fleet_config(
+    path: Path,
+    content: bytes | None,
+    in_force: FleetConfig | None,
+    watcher: ConfigFileWatcher | None,
+) -> FleetConfig | None:
+    """The fleet config to apply next, for every reader of the file (router, fleet tier, vLLM
+    connector): `content` as `watcher.poll()` read it, else the file itself (start-up). None when
+    it does not parse or drops the generation in force (`check_successor`): the config in force
+    stays, the watcher hands the content out again until the file changes, and the refusal is
+    logged once, then at debug. The caller calls `watcher.accept(content)` once it applied it."""
+    try:
+        if content is None:
+            new = load_fleet_config(path)
+        else:
+            new = parse_fleet_config(content.decode("utf-8", errors="replace"), str(path))
+        return check_successor(in_force, new, str(path))
+    except ValueError as exc:
+        repeated = False
+        if content is not None and watcher is not None:
+            watcher.reject(content)
+            repeated = watcher.repeated
+        log.log(logging.DEBUG if repeated else logging.ERROR,
+                "fleet config rejected, keeping the last good one: %s", exc)
+        return None
 
 
 def dump_fleet_config(config: FleetConfig) -> str:

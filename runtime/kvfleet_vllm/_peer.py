@@ -56,12 +56,7 @@ from kvfleet_runtime.fleet import (
     hint_index_for,
     peer_routes,
 )
-from kvfleet_runtime.fleetconfig import (
-    FleetConfig,
-    check_successor,
-    load_fleet_config,
-    parse_fleet_config,
-)
+from kvfleet_runtime.fleetconfig import FleetConfig, next_fleet_config
 from kvfleet_vllm._copy import HostPool
 from kvfleet_vllm._plan import ConnectorIndex, FetchWant, Reservation
 
@@ -277,16 +272,8 @@ class PeerService:
         if path is None:
             return
         watcher = self._watcher
-        try:
-            if content is None:
-                config = load_fleet_config(path)
-            else:
-                config = parse_fleet_config(content.decode("utf-8", errors="replace"), str(path))
-            config = check_successor(self.config, config, str(path))
-        except ValueError as exc:
-            if content is not None and watcher is not None:
-                watcher.reject(content)
-            log.error("fleet config rejected, keeping the last good one: %s", exc)
+        config = next_fleet_config(path, content, self.config, watcher)
+        if config is None:
             return
         if content is not None and watcher is not None:
             watcher.accept(content)

@@ -69,12 +69,7 @@ from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintInd
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
 from kvfleet_runtime.fleet.transfer import ExportedRun, PeerFetcher, peer_routes
-from kvfleet_runtime.fleetconfig import (
-    FleetConfig,
-    check_successor,
-    load_fleet_config,
-    parse_fleet_config,
-)
+from kvfleet_runtime.fleetconfig import FleetConfig, next_fleet_config
 from kvfleet_runtime.nvme import mode_for
 from kvfleet_runtime.wire import (
     BLOCK_SIZE,
@@ -372,19 +367,8 @@ class FleetTier:
         if path is None:
             return
         watcher = self._watcher
-        try:
-            if content is None:
-                new = load_fleet_config(path)
-            else:
-                new = parse_fleet_config(content.decode("utf-8", errors="replace"), str(path))
-            new = check_successor(self.config, new, str(path))
-        except ValueError as exc:
-            repeated = False
-            if content is not None and watcher is not None:
-                watcher.reject(content)
-                repeated = watcher.repeated
-            log.log(logging.DEBUG if repeated else logging.ERROR,
-                    "fleet config rejected, keeping the last good one: %s", exc)
+        new = next_fleet_config(path, content, self.config, watcher)
+        if new is None:
             return
         self.config = new
         self._peer_urls = {

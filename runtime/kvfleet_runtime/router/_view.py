@@ -20,13 +20,7 @@ from pathlib import Path
 import aiohttp
 
 from kvfleet_runtime.configwatch import ConfigFileWatcher
-from kvfleet_runtime.fleetconfig import (
-    FleetConfig,
-    ReplicaEndpoint,
-    check_successor,
-    load_fleet_config,
-    parse_fleet_config,
-)
+from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, next_fleet_config
 from kvfleet_runtime.routing import ReplicaLoad, home_sets
 from kvfleet_runtime.wire import LOAD_PATH, Engine, LoadReport, parse_load_report
 
@@ -79,21 +73,9 @@ class FleetView:
         if self.config_path is None:
             return False
         watcher = self._watcher
-        try:
-            if content is None:
-                new = load_fleet_config(self.config_path)
-            else:
-                text = content.decode("utf-8", errors="replace")
-                new = parse_fleet_config(text, str(self.config_path))
-            new = check_successor(self.config, new, str(self.config_path))
-        except ValueError as exc:
+        new = next_fleet_config(self.config_path, content, self.config, watcher)
+        if new is None:
             self.config_errors += 1
-            repeated = False
-            if content is not None and watcher is not None:
-                watcher.reject(content)
-                repeated = watcher.repeated
-            log.log(logging.DEBUG if repeated else logging.ERROR,
-                    "fleet config rejected, keeping the last good one: %s", exc)
             return False
         if new != self.config:
             self.config = new
