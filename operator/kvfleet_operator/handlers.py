@@ -35,8 +35,8 @@ from kvfleet_operator.api import (
 )
 from kvfleet_operator.constants import (
     ENGINE_ANNOTATION,
-    PEER_PORT_ANNOTATION,
     FLEET_CONFIGMAP_SUFFIX,
+    PEER_PORT_ANNOTATION,
     POLICY_PLURAL,
     ROLLOUT_PLURAL,
     TRACK_LABEL,
