@@ -138,6 +138,12 @@ def test_vllm_replicas_serve_t2_on_the_peer_port_and_say_where(render: Render) -
     assert peer_rules[0]["ports"] == [{"port": "peer", "protocol": "TCP"}]
 
 
+def test_a_peer_port_equal_to_the_api_port_is_refused(helm: Path, helm_env: dict[str, str]) -> None:
+    result = run_helm(helm, helm_env, *template_args([VLLM], ["replica.vllm.peerPort=8000"]))
+    assert result.returncode != 0
+    assert "replica.vllm.peerPort must differ from replica.port" in result.stderr
+
+
 def test_kvfleet_replicas_have_no_separate_peer_port(render: Render) -> None:
     """A kvfleet replica serves T2 on its API port: nothing of the vLLM peer port renders."""
     out = _replica(render, "default-values.yaml")
