@@ -21,6 +21,10 @@ DEFAULT_DIGEST_ENV = "KVFLEET_WEIGHTS_DIGEST"
 # it from `replica.engine`): copied into the fleet config for the router, and it picks the
 # rollout gate's default hit-rate query. Absent or unknown: kvfleet.
 ENGINE_ANNOTATION = f"{GROUP}/engine"
+# Where a vLLM replica pod's KV connector serves T2 (the chart sets it from
+# `replica.vllm.peerPort`): the operator writes http://<pod IP>:<port> into the fleet config as
+# the replica's peer_url. Absent, not a port, or on a kvfleet pod: none (T2 is on its API port).
+PEER_PORT_ANNOTATION = f"{GROUP}/peer-port"
 
 # Labels the operator puts on what it creates.
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"

@@ -36,6 +36,7 @@ from kvfleet_operator.api import (
 from kvfleet_operator.constants import (
     ENGINE_ANNOTATION,
     FLEET_CONFIGMAP_SUFFIX,
+    PEER_PORT_ANNOTATION,
     POLICY_PLURAL,
     ROLLOUT_PLURAL,
     TRACK_LABEL,
@@ -82,6 +83,7 @@ from kvfleet_runtime.wire import ENGINES, LOAD_PATH, Engine
 __all__ = [
     "PostEvent",
     "engine_of",
+    "peer_port_of",
     "pod_to_replica",
     "reconcile_policy",
     "reconcile_rollout",
@@ -139,6 +141,7 @@ def pod_to_replica(pod: Manifest) -> ReplicaPod:
         deleting=meta.get("deletionTimestamp") is not None,
         weights_digest=(meta.get("annotations") or {}).get(WEIGHTS_DIGEST_ANNOTATION, ""),
         engine=engine_of(meta),
+        peer_port=peer_port_of(meta),
     )
 
 
@@ -147,6 +150,19 @@ def engine_of(meta: Manifest) -> Engine:
     or one the operator does not know."""
     value = (meta.get("annotations") or {}).get(ENGINE_ANNOTATION)
     return next((e for e in ENGINES if e == value), "kvfleet")
+
+
+def peer_port_of(meta: Manifest) -> int | None:
+    """The port a vLLM pod's connector serves T2 on (`kvfleet.dev/peer-port`); None for a
+    kvfleet pod (T2 is on its API port) or an annotation that is not a TCP port, whose peers then
+    use the API URL and fail over to recompute rather than guess a port."""
+    if engine_of(meta) != "vllm":
+        return None
+    value = (meta.get("annotations") or {}).get(PEER_PORT_ANNOTATION)
+    if not isinstance(value, str) or not value.isdecimal():
+        return None
+    port = int(value)
+    return port if 0 < port < 65536 else None
 
 
 def workload_of(deployment: Manifest, container: str | None, env_name: str) -> Workload:

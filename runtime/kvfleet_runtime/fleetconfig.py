@@ -61,6 +61,10 @@ class ReplicaEndpoint(_Strict):
     annotation, which the chart sets from `replica.engine`): the router sets `cache_salt` in
     what it sends a `vllm` replica and probes its `/health`. Left out of the text when kvfleet
     (`dump_fleet_config`)."""
+    peer_url: Annotated[str, Field(pattern=r"^https?://")] | None = None
+    """Where peers fetch its T2 blocks when that is not `url`: a vLLM replica's connector serves
+    T2 on its own port (`kvfleet.peer_port`; the operator reads the pod's `kvfleet.dev/peer-port`).
+    Every peer-probe and fetch user takes `peer_url or url`. Left out of the text when None."""
 
 
 class FleetConfig(_Strict):
@@ -155,8 +159,10 @@ def dump_fleet_config(config: FleetConfig) -> str:
     operator's ConfigMap update is a no-op when nothing changed."""
     data = config.model_dump(mode="json")
     for replica in data["replicas"]:
-        # A kvfleet fleet's text stays what it was before `engine` existed, so a router or
-        # replica that predates the field still reads it during an upgrade.
+        # A kvfleet fleet's text stays what it was before `engine` and `peer_url` existed, so a
+        # router or replica that predates the fields still reads it during an upgrade.
         if replica["engine"] == "kvfleet":
             del replica["engine"]
+        if replica["peer_url"] is None:
+            del replica["peer_url"]
     return json.dumps(data, sort_keys=True, indent=2) + "\n"

@@ -278,7 +278,8 @@ class PeerService:
         if content is not None and watcher is not None:
             watcher.accept(content)
         self.config = config
-        self._peer_urls = {r.name: r.url for r in config.replicas
+        # Another vLLM replica serves T2 on its connector's port, not its API port (`peer_url`).
+        self._peer_urls = {r.name: r.peer_url or r.url for r in config.replicas
                            if r.ready and r.name != self.settings.name}
         if config.tiers.t2_peer != self.enabled:
             log.info("kvfleet T2 %s", "on" if config.tiers.t2_peer else "off")
@@ -422,7 +423,7 @@ class PeerService:
     def _url(self, host: str) -> str | None:
         if self.config is None:
             return None
-        return next((r.url for r in self.config.replicas if r.name == host), None)
+        return next((r.peer_url or r.url for r in self.config.replicas if r.name == host), None)
 
     def _write(self, run: FetchedRun, slots: Sequence[int]) -> None:
         layout = self.index.layout

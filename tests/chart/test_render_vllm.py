@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvfleet_operator.constants import ENGINE_ANNOTATION
+from kvfleet_operator.constants import ENGINE_ANNOTATION, PEER_PORT_ANNOTATION
 from kvfleet_runtime.auth import ROUTER_SECRET_FILE
 from kvfleet_vllm import _options
 from tests.chart.conftest import Render, run_helm, template_args
@@ -52,6 +52,8 @@ def test_vllm_replicas_run_vllm_serve_with_the_connector(render: Render) -> None
         "kvfleet.model_id": "llama-3.1-8b",
         # the kubelet expands it from the env: the digest a ModelRollout sets is the key's
         "kvfleet.weights_digest": "$(KVFLEET_WEIGHTS_DIGEST)",
+        # T2 in the connector (replica.vllm.peerPort's default)
+        "kvfleet.peer_port": 8701,
     }
     assert {k.removeprefix(_options.PREFIX) for k in extra} <= _options.EXTRA_KEYS
     env = {e["name"]: e.get("value") for e in c["env"]}
@@ -106,3 +108,50 @@ def test_vllm_replicas_mount_the_salt_secret_and_name_their_engine(render: Rende
     assert pod["metadata"]["annotations"][ENGINE_ANNOTATION] == "vllm"
     default = _replica(render, "default-values.yaml")["deployment"]["spec"]["template"]
     assert default["metadata"]["annotations"][ENGINE_ANNOTATION] == "kvfleet"
+
+
+def test_vllm_replicas_serve_t2_on_the_peer_port_and_say_where(render: Render) -> None:
+    """T2 of a vLLM replica is the connector's server on `kvfleet.peer_port`: the container
+    names that port, registers its URL in the hint index (KVFLEET_PEER_URL, after POD_IP so the
+    kubelet expands it), tells the operator (which writes the fleet config's peer_url) and lets
+    peers, and only peers, reach it."""
+    out = _replica(render, VLLM, set=("replica.vllm.peerPort=9100",))
+    c, pod = out["container"], out["deployment"]["spec"]["template"]
+    config = json.loads(_flag(c["args"], "--kv-transfer-config"))
+    assert config["kv_connector_extra_config"]["kvfleet.peer_port"] == 9100
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "peer": 9100}
+    names = [e["name"] for e in c["env"]]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KVFLEET_PEER_URL"] == "http://$(POD_IP):9100"
+    assert names.index("POD_IP") < names.index("KVFLEET_PEER_URL")
+    assert pod["metadata"]["annotations"][PEER_PORT_ANNOTATION] == "9100"
+
+    netpol = render(VLLM, set=("networkPolicy.enabled=true",)).get("NetworkPolicy",
+                                                                    "kvfleet-replica")
+    rules = netpol["spec"]["ingress"]
+    peer_rules = [r for r in rules if {"port": "peer", "protocol": "TCP"} in r["ports"]]
+    assert len(peer_rules) == 1
+    # from the replica pods alone: the Deployment's own selector, no router, no operator
+    (source,) = peer_rules[0]["from"]
+    assert source == {"podSelector": {"matchLabels": out["deployment"]["spec"]["selector"][
+        "matchLabels"]}}
+    assert peer_rules[0]["ports"] == [{"port": "peer", "protocol": "TCP"}]
+
+
+def test_a_peer_port_equal_to_the_api_port_is_refused(helm: Path, helm_env: dict[str, str]) -> None:
+    result = run_helm(helm, helm_env, *template_args([VLLM], ["replica.vllm.peerPort=8000"]))
+    assert result.returncode != 0
+    assert "replica.vllm.peerPort must differ from replica.port" in result.stderr
+
+
+def test_kvfleet_replicas_have_no_separate_peer_port(render: Render) -> None:
+    """A kvfleet replica serves T2 on its API port: nothing of the vLLM peer port renders."""
+    out = _replica(render, "default-values.yaml")
+    c, pod = out["container"], out["deployment"]["spec"]["template"]
+    assert [p["name"] for p in c["ports"]] == ["http"]
+    assert "KVFLEET_PEER_URL" not in {e["name"] for e in c["env"]}
+    assert PEER_PORT_ANNOTATION not in pod["metadata"]["annotations"]
+    netpol = render("default-values.yaml", set=("networkPolicy.enabled=true",)).get(
+        "NetworkPolicy", "kvfleet-replica")
+    ports = [p["port"] for rule in netpol["spec"]["ingress"] for p in rule["ports"]]
+    assert "peer" not in ports

@@ -17,8 +17,8 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from kvfleet_operator.api import DEFAULT_HIT_RATE_QUERY, MetricsSpec, PrometheusSource
-from kvfleet_operator.constants import ENGINE_ANNOTATION
-from kvfleet_operator.handlers import engine_of, pod_to_replica
+from kvfleet_operator.constants import ENGINE_ANNOTATION, PEER_PORT_ANNOTATION
+from kvfleet_operator.handlers import engine_of, peer_port_of, pod_to_replica
 from kvfleet_operator.metrics import (
     VLLM_HIT_RATE_QUERY,
     VLLM_SAVED_PREFILL_QUERY,
@@ -57,6 +57,42 @@ def test_the_fleet_config_tells_the_router_which_replicas_are_vllm() -> None:
     # kvfleet is left out of the text: readers that predate the field still read kvfleet fleets
     written = {r["name"]: r for r in json.loads(text)["replicas"]}
     assert written["llm-v"]["engine"] == "vllm" and "engine" not in written["llm-k"]
+
+
+def test_the_fleet_config_gives_vllm_replicas_their_peer_url() -> None:
+    """A vLLM pod's connector serves T2 on `kvfleet.dev/peer-port` (the chart sets it): its
+    endpoint's peer_url says so; a kvfleet pod has none (T2 is on its API port) and its entry's
+    text keeps no peer_url key."""
+    vllm = {ENGINE_ANNOTATION: "vllm", PEER_PORT_ANNOTATION: "8701"}
+    pods = [pod_to_replica({"metadata": {"name": name, "annotations": annotations},
+                            "status": {**RUNNING, "podIP": ip}})
+            for name, ip, annotations in (("llm-v", "10.0.0.1", vllm),
+                                          ("llm-k", "10.0.0.2", {}),
+                                          # stray on a kvfleet pod: ignored
+                                          ("llm-s", "10.0.0.3", {PEER_PORT_ANNOTATION: "8701"}))]
+    homes = plan_home_sets(SPEC.tenants, [p.name for p in pods], SPEC.affinity.k)
+    config = build_fleet_config("ns/kv", 1, SPEC, decide_tiers(SPEC), pods, homes)
+    by_name = {r.name: r for r in config.replicas}
+    assert by_name["llm-v"].peer_url == "http://10.0.0.1:8701"
+    assert by_name["llm-v"].url == f"http://10.0.0.1:{SPEC.replica_port}"
+    assert by_name["llm-k"].peer_url is None and by_name["llm-s"].peer_url is None
+    text = dump_fleet_config(config)
+    assert parse_fleet_config(text) == config
+    written = {r["name"]: r for r in json.loads(text)["replicas"]}
+    assert written["llm-v"]["peer_url"] == "http://10.0.0.1:8701"
+    assert "peer_url" not in written["llm-k"] and "peer_url" not in written["llm-s"]
+
+
+@pytest.mark.parametrize(("port", "expected"), [
+    ("8701", 8701), ("65535", 65535), (None, None), ("", None), ("0", None), ("65536", None),
+    ("-1", None), ("http", None), ("87 01", None),
+])
+def test_a_peer_port_annotation_that_is_not_a_port_gives_no_peer_url(
+        port: str | None, expected: int | None) -> None:
+    annotations = {ENGINE_ANNOTATION: "vllm"}
+    if port is not None:
+        annotations[PEER_PORT_ANNOTATION] = port
+    assert peer_port_of({"annotations": annotations}) == expected
 
 
 def test_vllm_replicas_get_vllms_default_queries_and_a_users_query_stays() -> None:

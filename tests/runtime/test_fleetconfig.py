@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,23 @@ def test_round_trip_is_canonical() -> None:
     assert dump_fleet_config(parse_fleet_config(text)) == text
 
 
+def test_peer_url_round_trips_and_is_left_out_when_none() -> None:
+    """A vLLM replica's T2 port is its own (`peer_url`); a kvfleet replica's is its API port, and
+    its entry's text is what it was before the field existed (no ConfigMap churn on upgrade)."""
+    vllm = ReplicaEndpoint(name="v0", url="http://10.0.0.1:8000", engine="vllm",
+                           peer_url="http://10.0.0.1:8701")
+    kvfleet = ReplicaEndpoint(name="k0", url="http://10.0.0.2:8000")
+    config = FleetConfig(policy="default/kv", generation=1, replicas=(vllm, kvfleet))
+    text = dump_fleet_config(config)
+    assert parse_fleet_config(text) == config
+    assert dump_fleet_config(parse_fleet_config(text)) == text
+    written = {r["name"]: r for r in json.loads(text)["replicas"]}
+    assert written["v0"]["peer_url"] == "http://10.0.0.1:8701"
+    assert written["k0"] == {"name": "k0", "url": "http://10.0.0.2:8000",
+                             "weights_digest": None, "ready": True}
+    assert parse_fleet_config(text).replicas[1].peer_url is None
+
+
 def test_empty_file_is_the_defaults() -> None:
     assert parse_fleet_config("") == FleetConfig()
 
@@ -36,6 +54,7 @@ def test_empty_file_is_the_defaults() -> None:
         ("affinity: {k: 0}", "affinity.k: Input should be greater than or equal to 1"),
         ("affinity: {occupancy_threshold: 1.5}", "affinity.occupancy_threshold"),
         ("replicas: [{name: r0, url: 'ftp://x'}]", "replicas.0.url"),
+        ("replicas: [{name: r0, url: 'http://x', peer_url: 'x:8701'}]", "replicas.0.peer_url"),
         ("version: 2", "version"),
         ("- 1", "expected a mapping"),
         ("a: [", "not valid YAML/JSON"),

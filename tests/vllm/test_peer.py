@@ -438,7 +438,8 @@ def test_the_fleet_config_names_the_peers_and_switches_t2(engine, tmp_path, monk
 
 def test_one_vllm_replica_fetches_from_another(engine, tmp_path, monkeypatch):
     """Two connectors (two schedulers, two host pools, two T2 threads): B's peer probe asks A's
-    held probe, fetches A's blocks over A's peer server and loads them bitwise."""
+    held probe at A's `peer_url` (not its API `url`), fetches A's blocks over A's peer server and
+    loads them bitwise."""
     import json
 
     s_a, w_a, views_a = engine()
@@ -454,8 +455,11 @@ def test_one_vllm_replica_fetches_from_another(engine, tmp_path, monkeypatch):
     saved_k, saved_v = loaded_kv(views_a, table_a, 6)
 
     config = tmp_path / "fleet-b.yaml"
+    # as the operator writes a vLLM replica: `url` is its API port (here one nothing listens on),
+    # T2 is on its connector's port, `peer_url`
     config.write_text(json.dumps({"replicas": [
-        {"name": "vllm-a", "url": f"http://127.0.0.1:{a_conn.peers.port}"}]}))
+        {"name": "vllm-a", "url": "http://127.0.0.1:1", "engine": "vllm",
+         "peer_url": f"http://127.0.0.1:{a_conn.peers.port}"}]}))
     monkeypatch.setenv("KVFLEET_FLEET_NAME", "vllm-b")
     monkeypatch.setenv("KVFLEET_FLEET_CONFIG", str(config))
     s_b, w_b, views_b = engine()

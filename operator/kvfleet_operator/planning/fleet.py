@@ -42,6 +42,8 @@ class ReplicaPod:
     deleting: bool = False
     weights_digest: str = ""
     engine: Engine = "kvfleet"
+    peer_port: int | None = None
+    """A vLLM pod's connector T2 port (`kvfleet.dev/peer-port`); None: T2 is on the API port."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +100,7 @@ def build_fleet_config(
             weights_digest=p.weights_digest or None,
             ready=True,
             engine=p.engine,
+            peer_url=None if p.peer_port is None else f"http://{p.ip}:{p.peer_port}",
         )
         for p in ready_replicas(pods)
     )

@@ -262,13 +262,13 @@ class FleetTier:
             self.publisher.offer_removed(event.block_hashes)
 
     def _peers(self) -> dict[str, str]:
-        """The fleet config's ready replicas other than this one: {name: URL}."""
+        """The fleet config's ready replicas other than this one: {name: T2 URL}."""
         return self._peer_urls
 
     def _resolve(self, host: str) -> str | None:
         if self.config is None:
             return None
-        return next((r.url for r in self.config.replicas if r.name == host), None)
+        return next((r.peer_url or r.url for r in self.config.replicas if r.name == host), None)
 
     async def before_submit(self, tenant_id: str, token_ids: Sequence[int]) -> None:
         """Fetch from a peer what this replica lacks of the prompt's usable prefix."""
@@ -371,8 +371,11 @@ class FleetTier:
         if new is None:
             return
         self.config = new
+        # A vLLM replica serves T2 on its connector's port, not its API port (`peer_url`).
         self._peer_urls = {
-            r.name: r.url for r in new.replicas if r.ready and r.name != self.settings.name
+            r.name: r.peer_url or r.url
+            for r in new.replicas
+            if r.ready and r.name != self.settings.name
         }
         self.apply_tiers(new)
         if content is not None and watcher is not None:

@@ -1,14 +1,18 @@
-"""Fleet settings from the replica's environment."""
+"""Fleet settings from the replica's environment, and the peers the fleet config names."""
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
 import pytest
+import yaml
 
-from kvfleet_runtime.fleet import EmbeddedHintIndex, RedisHintIndex, wiring
+from kvfleet_runtime.fleet import EmbeddedHintIndex, PeerProbeHintIndex, RedisHintIndex, wiring
 from kvfleet_runtime.fleet.wiring import FleetSettings
+from kvfleet_runtime.model import ModelArgs, generate_checkpoint
+from kvfleet_runtime.server import build_replica, load_config
 
 
 @pytest.fixture(autouse=True)
@@ -87,3 +91,34 @@ async def test_the_hint_lookup_budget_reaches_the_redis_index() -> None:
     embedded = FleetSettings.from_env({"KVFLEET_PEER_SECRET": "s"}, port=1)
     assert embedded is not None
     assert isinstance(wiring.hint_index_for(embedded), EmbeddedHintIndex)
+
+
+async def test_the_peer_probe_reaches_a_vllm_replica_at_its_peer_url(tmp_path: Path) -> None:
+    """Without Redis, the peers come from the fleet config: a vLLM replica serves T2 on its
+    connector's port (`peer_url`), not its API `url`; a kvfleet replica on its `url`. The probe
+    (the hint index) and the fetch's host resolution both take `peer_url or url`."""
+    model_dir = tmp_path / "tiny"
+    generate_checkpoint(model_dir, ModelArgs.from_preset("tiny"), seed=0)
+    replica_yaml = tmp_path / "replica.yaml"
+    replica_yaml.write_text(yaml.safe_dump({"model_id": "tiny", "device": "cpu"}))
+    overrides = {"model_dir": str(model_dir)}
+    replica = build_replica(load_config(replica_yaml, environ={}, overrides=overrides),
+                            config_path=replica_yaml, overrides=overrides)
+    fleet_yaml = tmp_path / "fleet.yaml"
+    fleet_yaml.write_text(json.dumps({"generation": 1, "replicas": [
+        {"name": "self", "url": "http://10.0.0.1:8000"},
+        {"name": "vllm-a", "url": "http://10.0.0.2:8000", "engine": "vllm",
+         "peer_url": "http://10.0.0.2:8701"},
+        {"name": "kvfleet-b", "url": "http://10.0.0.3:8000"},
+    ]}))
+    settings = FleetSettings.from_env({"KVFLEET_FLEET_NAME": "self", "KVFLEET_PEER_SECRET": "s",
+                                       "KVFLEET_FLEET_CONFIG": str(fleet_yaml)}, port=8000)
+    assert settings is not None
+    tier = wiring.FleetTier(replica, settings)
+    tier._reload_config()
+    assert isinstance(tier.index, PeerProbeHintIndex)
+    assert tier.index.peers() == {"vllm-a": "http://10.0.0.2:8701",
+                                  "kvfleet-b": "http://10.0.0.3:8000"}
+    assert await tier.index.host_url("vllm-a") == "http://10.0.0.2:8701"
+    assert tier._resolve("vllm-a") == "http://10.0.0.2:8701"
+    assert tier._resolve("kvfleet-b") == "http://10.0.0.3:8000"

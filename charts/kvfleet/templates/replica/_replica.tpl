@@ -35,6 +35,13 @@ config file may appear later: it is polled), and shares hints in Redis. */}}
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+{{- if eq .Values.replica.engine "vllm" }}
+{{- /* A vLLM replica serves T2 on the connector's own port (`kvfleet.peer_port`), not on the
+API port: the URL it registers in the hint index says so (POD_IP is defined above, so the kubelet
+expands it). */}}
+- name: KVFLEET_PEER_URL
+  value: {{ printf "http://$(POD_IP):%d" (int .Values.replica.vllm.peerPort) | quote }}
+{{- end }}
 - name: KVFLEET_PEER_SECRET_FILE
   value: /etc/kvfleet/peer/token
 {{- /* docs/security.md: tenant requests need the router's assertion, cache control the
@@ -61,11 +68,12 @@ size; the fleet config's tiers.nvme / tiers.nvme_shadow decide what the replica 
 {{/* `replica.engine: vllm`: the `vllm serve` command line with kvfleet's KV connector
 (docs/vllm.md). The connector's key takes the weights digest of the pod template (a ModelRollout
 replaces it) and the served model name, the same fields a kvfleet replica keys its blocks by;
+T2 runs in the connector on `kvfleet.peer_port` (the container's `peer` port);
 Kubernetes expands $(KVFLEET_WEIGHTS_DIGEST) inside the JSON. The router secret (mounted in every
 replica pod) verifies each request's cache_salt, which the router signs per tenant. */}}
 {{- define "kvfleet.replica.vllmArgs" -}}
 {{- $v := .Values.replica.vllm -}}
-{{- $extra := dict "kvfleet.host_pool_path" "/dev/shm/kvfleet-host-pool" "kvfleet.num_host_blocks" (int $v.numHostBlocks) "kvfleet.default_tenant" $v.defaultTenant "kvfleet.salt_secret_file" "/etc/kvfleet/router-secret/secret" -}}
+{{- $extra := dict "kvfleet.host_pool_path" "/dev/shm/kvfleet-host-pool" "kvfleet.num_host_blocks" (int $v.numHostBlocks) "kvfleet.default_tenant" $v.defaultTenant "kvfleet.salt_secret_file" "/etc/kvfleet/router-secret/secret" "kvfleet.peer_port" (int $v.peerPort) -}}
 {{- with .Values.replica.model.id }}{{ $_ := set $extra "kvfleet.model_id" . }}{{ end -}}
 {{- with .Values.replica.model.weightsDigest }}{{ $_ := set $extra "kvfleet.weights_digest" "$(KVFLEET_WEIGHTS_DIGEST)" }}{{ end -}}
 {{- $kvt := dict "kv_connector" "KvfleetConnector" "kv_connector_module_path" "kvfleet_vllm.connector" "kv_role" "kv_both" "kv_connector_extra_config" $extra -}}
