@@ -309,15 +309,8 @@ class BlockIndex:
             got = self._reserve(Tier.T1, 1, weights, plan)
             victim.ref_count -= 1
             if got:
-                plan.moves.append(Move(Tier.T0, victim.block_id, Tier.T1, got[0]))
-                self.allocators[Tier.T0].free([victim.block_id])
-                if victim.pinned:
-                    self.num_pinned -= 1
-                    victim.pinned = False
-                victim.tier, victim.block_id = Tier.T1, got[0]
-                self.counters[Tier.T0].num_demotions += 1
+                self._move_to_t1(victim, got[0], plan)
                 if victim.parent is not None:
-                    victim.parent.num_t0_children -= 1
                     self._push(victim.parent)
                 victim.ref_count += 1  # until the plan is complete (`_Plan.held`)
                 plan.held.append(victim)
@@ -499,17 +492,22 @@ class BlockIndex:
         if not got:
             node.ref_count -= 1
             return False
-        plan.moves.append(Move(Tier.T0, node.block_id, Tier.T1, got[0]))
+        self._move_to_t1(node, got[0], plan)
         plan.held.append(node)  # keeps the ref taken above
+        return True
+
+    def _move_to_t1(self, node: BlockNode, slot: int, plan: _Plan) -> None:
+        """Move `node` from its T0 block to T1 slot `slot` (the copy is `plan`'s move): the T0
+        block is freed, a pin is dropped, the parent counts one T0 child less."""
+        plan.moves.append(Move(Tier.T0, node.block_id, Tier.T1, slot))
         self.allocators[Tier.T0].free([node.block_id])
         if node.pinned:
             self.num_pinned -= 1
             node.pinned = False
-        node.tier, node.block_id = Tier.T1, got[0]
+        node.tier, node.block_id = Tier.T1, slot
         self.counters[Tier.T0].num_demotions += 1
         if node.parent is not None:
             node.parent.num_t0_children -= 1
-        return True
 
     def _unindex_subtree(
         self, top: BlockNode, children: dict[int, list[BlockNode]], gone: list[BlockNode]
