@@ -425,13 +425,7 @@ class BlockIndex:
                 parent.num_children -= 1
                 self._push(parent)
         for node in gone:
-            if node.ref_count == 0:
-                self._free_slot(node)
-            else:
-                ns = detached.get(id(node.namespace))
-                if ns is None:
-                    ns = detached[id(node.namespace)] = Namespace(node.namespace.key, valid=False)
-                node.namespace = ns
+            self._free_or_detach(node, detached)
         return gone
 
     def disable_t0(self) -> tuple[_Plan, list[BlockNode]]:
@@ -531,13 +525,19 @@ class BlockIndex:
             node.namespace.num_blocks -= 1
             self.counters[node.tier].num_evictions += 1
             gone.append(node)
-            if node.ref_count == 0:
-                self._free_slot(node)
-            else:
-                ns = detached.get(id(node.namespace))
-                if ns is None:
-                    ns = detached[id(node.namespace)] = Namespace(node.namespace.key, valid=False)
-                node.namespace = ns
+            self._free_or_detach(node, detached)
+
+    def _free_or_detach(self, node: BlockNode, detached: dict[int, Namespace]) -> None:
+        """A node that left the index: its slot is freed now, or, while a request still holds
+        it, it moves to an invalid copy of its namespace (one per namespace, in `detached`) so
+        it is never found again and its slot is freed when the last ref goes."""
+        if node.ref_count == 0:
+            self._free_slot(node)
+            return
+        ns = detached.get(id(node.namespace))
+        if ns is None:
+            ns = detached[id(node.namespace)] = Namespace(node.namespace.key, valid=False)
+        node.namespace = ns
 
     def invalidate(self, weights_digest: str) -> tuple[int, list[BlockNode]]:
         """Make every block of a weights version unreachable; free the unreferenced ones now and
