@@ -95,8 +95,14 @@ def template_version(template: Manifest, container: str | None, env_name: str) -
 def with_version(
     template: Manifest, container: str | None, env_name: str, digest: str, image: str
 ) -> Manifest:
-    """A copy of the pod template running `digest` (and `image`, when not empty). An empty digest
-    removes the annotation and the env var: what a template that never had them looks like."""
+    """A copy of the pod template running `digest` (and `image`, when not empty).
+
+    The annotation and the env var are edited where they stand (added at the end only when
+    missing), so a template set to the version it already runs comes back equal to itself, and
+    setting a version and then the previous one gives the template back as it was: a Deployment
+    whose pod template changes replaces every pod, and a stable fleet restored on a rollback (or
+    re-applied by `helm upgrade` with the same values) must keep its pods and their caches. An
+    empty digest removes both: what a template that never had them looks like."""
     out = copy.deepcopy(template)
     metadata = out.setdefault("metadata", {})
     annotations = dict(metadata.get("annotations") or {})
@@ -109,9 +115,14 @@ def with_version(
     else:
         metadata.pop("annotations", None)
     target = container_of(out, container)
-    env = [e for e in target.get("env") or [] if e.get("name") != env_name]
-    if digest:
+    env: list[Manifest] = list(target.get("env") or [])
+    at = next((i for i, e in enumerate(env) if e.get("name") == env_name), None)
+    if digest and at is not None:
+        env[at] = {"name": env_name, "value": digest}
+    elif digest:
         env.append({"name": env_name, "value": digest})
+    elif at is not None:
+        del env[at]
     if env:
         target["env"] = env
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -99,6 +100,39 @@ def test_with_version_is_a_no_op_when_already_there() -> None:
     template = target()["spec"]["template"]
     once = with_version(template, None, "KVFLEET_WEIGHTS_DIGEST", NEW, "kvfleet:2")
     assert with_version(once, None, "KVFLEET_WEIGHTS_DIGEST", NEW, "kvfleet:2") == once
+
+
+def _bytes(obj: object) -> str:
+    """The template as the API server stores it: key order and list order count."""
+    return json.dumps(obj)
+
+
+def test_with_version_edits_the_env_var_where_it_stands() -> None:
+    template = target()["spec"]["template"]
+    new = with_version(template, None, "KVFLEET_WEIGHTS_DIGEST", NEW, "")
+    assert new["spec"]["containers"][0]["env"] == [
+        {"name": "KVFLEET_WEIGHTS_DIGEST", "value": NEW},
+        {"name": "OTHER", "value": "x"},
+    ]
+    assert list(new["metadata"]["annotations"]) == [WEIGHTS_DIGEST_ANNOTATION]
+
+
+@pytest.mark.parametrize("image", ["", "kvfleet:1"])
+def test_setting_the_version_a_template_runs_changes_nothing(image: str) -> None:
+    """A rollback restores the stable version: a template already there must not change (a
+    changed pod template replaces every stable pod, cold caches)."""
+    template = target()["spec"]["template"]
+    again = with_version(template, None, "KVFLEET_WEIGHTS_DIGEST", OLD, image)
+    assert _bytes(again) == _bytes(template)
+
+
+def test_restoring_the_previous_version_gives_the_template_back_byte_for_byte() -> None:
+    template = target()["spec"]["template"]
+    template["spec"]["containers"][0]["env"].append({"name": "LAST", "value": "y"})
+    new = with_version(template, None, "KVFLEET_WEIGHTS_DIGEST", NEW, "kvfleet:2")
+    assert template_version(new, None, "KVFLEET_WEIGHTS_DIGEST") == (NEW, "kvfleet:2")
+    back = with_version(new, None, "KVFLEET_WEIGHTS_DIGEST", OLD, "kvfleet:1")
+    assert _bytes(back) == _bytes(template)
 
 
 def test_digest_from_env_when_no_annotation() -> None:
