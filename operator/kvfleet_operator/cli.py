@@ -12,8 +12,44 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import sys
 
 __all__ = ["main"]
+
+
+_log = logging.getLogger("kvfleet_operator")
+
+
+def _namespace_peerings(namespaces: list[str], name: str) -> str | None:
+    """Make sure each watched namespace has the KopfPeering kopf waits for (without it, kopf waits
+    forever and says so only at DEBUG). None when they all exist; else the one-line error."""
+    from kvfleet_operator.kube import Kube, KubeError
+
+    try:
+        kube = Kube.from_environment()
+    except Exception as exc:  # the client's config loaders raise several types
+        return f"no Kubernetes credentials ({exc}): set KUBECONFIG or run in a pod"
+    for namespace in namespaces:
+        try:
+            created = kube.ensure_namespace_peering(namespace, name)
+        except KubeError as exc:
+            if exc.status == 404:
+                return (
+                    f"namespace {namespace!r} does not exist, or the KopfPeering CRD is not "
+                    f"installed: create the namespace, `kubectl apply -f crds/`, or run with "
+                    f"--standalone"
+                )
+            return (
+                f"cannot create KopfPeering {name!r} in namespace {namespace!r} ({exc.status}): "
+                f"grant `create` on kopfpeerings.kopf.dev (operator/rbac/clusterrole.yaml), "
+                f"create it (`kubectl apply -n {namespace} -f -` with kind KopfPeering, name "
+                f"{name}), or run with --standalone"
+            )
+        except OSError as exc:
+            return f"cannot reach the Kubernetes API: {exc}"
+        state = "created" if created else "exists"
+        _log.info("peering: KopfPeering %s/%s %s", namespace, name, state)
+    return None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -25,12 +61,26 @@ def _run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    namespaces: list[str] = args.namespace or []
+    if namespaces and not args.standalone:
+        error = _namespace_peerings(namespaces, operator_main.PEERING_NAME)
+        if error is not None:
+            sys.stderr.write(f"kvfleet-operator: {error}\n")
+            return 2
     # A distinct priority per replica: with kopf peering, the highest live one acts, the rest
     # wait. Equal priorities would make every replica pause.
     priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
+    where = f"namespaces {', '.join(namespaces)}" if namespaces else "all namespaces"
+    peering = (
+        "no peering (--standalone)"
+        if args.standalone
+        else f"peering {operator_main.PEERING_NAME!r} at priority {priority} (only the "
+        f"highest-priority live operator acts; the others wait for it to go)"
+    )
+    _log.info("watching %s; %s", where, peering)
     kopf.run(
-        clusterwide=not args.namespace,
-        namespaces=args.namespace or (),
+        clusterwide=not namespaces,
+        namespaces=namespaces,
         standalone=args.standalone,
         priority=priority,
         peering_name=None if args.standalone else operator_main.PEERING_NAME,

@@ -259,3 +259,25 @@ class Kube:
                 "clusterkopfpeerings",
                 body,
             )
+
+    def ensure_namespace_peering(self, namespace: str, name: str) -> bool:
+        """The KopfPeering kopf needs in each namespace an operator watches; True when this call
+        created it. 404 (the namespace or the KopfPeering CRD is missing) and 403 raise."""
+        body = {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "KopfPeering",
+            "metadata": {"name": name, "namespace": namespace},
+        }
+        try:
+            self._write(
+                f"create kopfpeering {name} in namespace {namespace}",
+                self.custom.create_namespaced_custom_object,
+                "kopf.dev",
+                "v1",
+                namespace,
+                "kopfpeerings",
+                body,
+            )
+        except Conflict:
+            return False
+        return True

@@ -37,8 +37,9 @@ RULES: tuple[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str], ...]
     (
         ("kopf.dev",),
         ("kopfpeerings",),
-        ("get", "list", "watch", "patch"),
-        "peering when the operator watches only some namespaces (`run -n NS`)",
+        ("get", "list", "watch", "patch", "create"),
+        "peering when the operator watches only some namespaces (`run -n NS`); created at "
+        "startup when missing",
     ),
     (
         ("apiextensions.k8s.io",),

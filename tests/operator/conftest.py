@@ -128,7 +128,11 @@ class OperatorProcess:
 
 
 def start_operator(
-    identity: Identity, log_path: Path, priority: int, policy_interval_s: float = 2
+    identity: Identity,
+    log_path: Path,
+    priority: int,
+    policy_interval_s: float = 2,
+    extra_args: tuple[str, ...] = (),
 ) -> OperatorProcess:
     """`kvfleet-operator run` as the operator's ServiceAccount, logging to `log_path`."""
     env = dict(os.environ)
@@ -140,7 +144,7 @@ def start_operator(
     script = Path(sys.executable).with_name("kvfleet-operator")
     log = log_path.open("ab")
     proc = subprocess.Popen(
-        [str(script), "run", "--priority", str(priority), "--verbose"],
+        [str(script), "run", "--priority", str(priority), "--verbose", *extra_args],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
