@@ -244,7 +244,7 @@ class NvmeTierSpec(TierSpec):
 
 
 class TiersSpec(_Spec):
-    """The four cache tiers of every replica (DESIGN.md section 1)."""
+    """The four cache tiers of every replica (docs/design.md §1)."""
 
     device: DeviceTierSpec = DeviceTierSpec()
     """T0: GPU HBM, the engine's own KV blocks."""

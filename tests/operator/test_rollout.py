@@ -293,7 +293,7 @@ def test_fixed_surge_adds_canary_replicas_for_the_window() -> None:
 def test_computed_surge_replaces_the_prefill_the_cold_share_loses(
     step: dict[str, int], expected_surge: int
 ) -> None:
-    # DESIGN.md §1: 74,700 prefill tok/s saved across 44 replicas, 28,000 tok/s per replica:
+    # docs/design.md §1: 74,700 prefill tok/s saved across 44 replicas, 28,000 tok/s per replica:
     # the whole fleet going cold needs ~2.7 replicas more.
     spec = rollout_spec(
         steps=[step, {"percent": 100}] if step["percent"] != 100 else [step],

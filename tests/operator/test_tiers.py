@@ -1,4 +1,4 @@
-"""The tier decision: the break-even arithmetic of DESIGN.md §1 and the measured bandwidth (R6)."""
+"""The tier decision: the break-even arithmetic (docs/design.md §1) and measured bandwidth (R6)."""
 
 from __future__ import annotations
 

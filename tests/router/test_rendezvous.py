@@ -109,7 +109,7 @@ def test_balance_of_home_sets() -> None:
     replicas = [f"r{i}" for i in range(44)]
     sets = home_sets(TENANTS, replicas, 3)
     load = Counter(r for homes in sets.values() for r in homes)
-    mean = 3 * len(TENANTS) / len(replicas)  # ~136 tenants per replica (DESIGN.md §1)
+    mean = 3 * len(TENANTS) / len(replicas)  # ~136 tenants per replica (docs/design.md §1)
     assert set(load) == set(replicas)
     assert max(load.values()) < 1.35 * mean
     assert min(load.values()) > 0.65 * mean

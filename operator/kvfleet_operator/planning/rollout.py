@@ -1,6 +1,6 @@
 """The rollout state machine: a pure function `advance(spec, status, observations, now)`.
 
-A weights rollout cold-starts every cache it touches (DESIGN.md §4, seed §7), so it is driven as a
+A weights rollout cold-starts every cache it touches (docs/design.md §4), so it is driven as a
 capacity event on two Deployments: the target (stable, the user's) and `<target>-canary` (created
 by the operator from the target's pod template with the new weights digest and image).
 

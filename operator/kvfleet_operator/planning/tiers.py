@@ -1,4 +1,4 @@
-"""The tier decision: which cache tiers a fleet turns on, and why (DESIGN.md §1, revisions R1, R6).
+"""The tier decision: which cache tiers a fleet turns on, and why (docs/design.md §1, R1, R6).
 
 A tier in `Auto` mode is on when the break-even plan says *build* for the fleet's model and
 hardware: fetching the prefix's KV from that medium is faster than recomputing it, i.e. the medium's

@@ -1,4 +1,4 @@
-"""Generated request streams of the design's three prefix populations (seed §1, §8, C4), for the
+"""Generated request streams of the three prefix populations (docs/design.md §2, R4), for the
 side-by-side policy comparison of `kvfleet bench`. Pure, seeded, torch-free.
 
 - `system-prompts`: templates of 200-2,000 tokens (high reuse, Zipf-popular) + a one-shot user

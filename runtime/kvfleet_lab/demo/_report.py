@@ -5,7 +5,7 @@ Figures (all over successful requests):
 - token-weighted hit rate = cached prompt tokens / prompt tokens, per population and overall;
 - TTFT p50/p99 of the cache-off baseline and of the cached run (same requests, same processes);
 - prefill tokens of each run (prompt tokens the replicas computed) and their difference;
-- GPU-seconds saved: the saved tokens priced at the break-even profile of DESIGN.md's reference
+- GPU-seconds saved: the saved tokens priced at the break-even profile of docs/design.md's reference
   case (70B on H100, TP4: 35.4 us per token on 4 GPUs = 141.5 GPU-us per token). The demo's
   model is tiny and runs on CPU; this converts the *tokens* it saved, not its own seconds;
 - tier breakdown: each prompt token is T0, T1 or T2 (a hit) or a miss (computed). A replica labels

@@ -1,6 +1,6 @@
 """The demo's request lists: the built-in workloads and Mooncake-format traces. Pure and seeded.
 
-Built-in populations (DESIGN.md; seed §2), lengths in *design tokens* multiplied by `scale` so
+Built-in populations (docs/design.md §1-§2), lengths in *design tokens* multiplied by `scale` so
 that a CPU replica can prefill them in a few minutes:
 
 - `system_prompt`: a tenant's system prompt (200-2,000 tokens; 2 per tenant, high reuse)

@@ -1,7 +1,7 @@
 """Benchmarks of the operator (issue 7), reported as medians: `kvfleet bench operator`.
 
 Planning (pure, no cluster):
-  home-sets     rendezvous top-3 homes for 2,000 tenants over 44 replicas (DESIGN.md §1's fleet)
+  home-sets     rendezvous top-3 homes for 2,000 tenants over 44 replicas (docs/design.md §1)
   fleet-config  the whole publish plan: tiers + home sets + FleetConfig + canonical text
   tiers         the break-even tier decision of one policy
   rollout-step  one evaluation of the rollout state machine

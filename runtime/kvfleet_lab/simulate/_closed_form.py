@@ -1,4 +1,4 @@
-"""The design's fleet figures (DESIGN.md §1, seed §2, R2, R6) as closed-form arithmetic, printed
+"""The design's fleet figures (docs/design.md §1, R2, R6) as closed-form arithmetic, printed
 beside what the simulation measures."""
 
 from __future__ import annotations

@@ -58,9 +58,9 @@ class Workload:
 class Fleet:
     num_replicas: int = 44
     cache_bytes: int = 500 * GiB
-    """T1 host DRAM cache of each replica (the seed's 500 GiB host)."""
+    """T1 host DRAM cache of each replica (docs/design.md §1: a 500 GiB host)."""
     hbm_kv_bytes: int = 172 * GiB
-    """HBM a replica has for in-flight requests' KV (seed §2: ~172 GiB); occupancy's denominator."""
+    """HBM a replica has for in-flight requests' KV (~172 GiB); occupancy's denominator."""
     prefill_share: float = 1.0
     """Fraction of a replica's GPU time its scheduler gives to prefill; decode has the rest. A
     prefill runs at full speed, then the GPU owes decode the time in proportion, so the share

@@ -188,7 +188,7 @@ class SavingsReport:
         return asdict(self)
 
 
-DESIGN_REPLICA_TOKENS_PER_S = 28_000.0  # the seed's rounded figure, printed beside the profile's
+DESIGN_REPLICA_TOKENS_PER_S = 28_000.0  # docs/design.md §1's figure, printed beside the profile's
 
 
 def savings(

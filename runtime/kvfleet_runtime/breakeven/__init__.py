@@ -1,4 +1,4 @@
-"""The break-even planner: fetch cached KV or recompute it? (DESIGN.md §1, revision R1.)
+"""The break-even planner: fetch cached KV or recompute it? (docs/design.md §1, revision R1.)
 
 Pure arithmetic over model, dtype, GPU and storage-media profiles; no torch.
 """

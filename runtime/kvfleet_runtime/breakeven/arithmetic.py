@@ -1,4 +1,4 @@
-"""The decisive arithmetic of the design (DESIGN.md §1), as pure functions.
+"""The decisive arithmetic of the design (docs/design.md §1), as pure functions.
 
 Fetching cached KV beats recomputing it when bytes / BW < 2N / FLOPS, so the break-even
 bandwidth is kv_bytes_per_token x aggregate_FLOPS / (2N): the prefix length cancels.

@@ -1,4 +1,4 @@
-"""The prefix-KV cache inside every replica (the design brief §2; seed §4, §7, §8, R3-R5).
+"""The prefix-KV cache inside every replica (docs/design.md §2, R3-R5).
 
 Public facade (what the replica engine and the fleet tier code against)::
 

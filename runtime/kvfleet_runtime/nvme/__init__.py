@@ -1,4 +1,4 @@
-"""T3: the NVMe tier of a replica (issue 18; the design brief §1, revision R1).
+"""T3: the NVMe tier of a replica (issue 18; docs/design.md §1, revision R1).
 
     store = NvmeStore.open(NvmeConfig(path, capacity_bytes, block_bytes))   # pure, no torch
     tier = NvmeTier(cache, store, mode="on" | "shadow" | "off")             # torch glue

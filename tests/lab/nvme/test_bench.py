@@ -37,7 +37,7 @@ def test_bench_measures_every_level_and_cleans_up(tmp_path: Path) -> None:
         assert figures[f"raw_{kind}_gb_s"] == statistics.median(raw)
         assert figures["ratio"] == statistics.median(store) / statistics.median(raw)
     assert data["bytes_per_level"] == 64 << 10  # 4 runs x 2 blocks x 8 KiB
-    # The verdict is the break-even arithmetic of the reference model at TP4 (DESIGN.md §1).
+    # The verdict is the break-even arithmetic of the reference model at TP4 (docs/design.md §1).
     fp16, fp8 = data["verdicts"]
     assert (fp16["kv_dtype"], round(fp16["break_even_gb_s"], 2)) == ("fp16", 9.26)
     assert (fp8["kv_dtype"], round(fp8["break_even_gb_s"], 2)) == ("fp8", 4.63)

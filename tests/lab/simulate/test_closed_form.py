@@ -1,4 +1,4 @@
-"""The design's fleet figures (DESIGN.md §1), exactly, from the break-even profiles."""
+"""The design's fleet figures (docs/design.md §1), exactly, from the break-even profiles."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every figure of DESIGN.md §1 for the reference case, to the precision shown there."""
+"""Every figure of docs/design.md §1 for the reference case, to the precision shown there."""
 
 from __future__ import annotations
 
