@@ -382,6 +382,9 @@ class KVCachePolicyStatus(_Status):
     break_even_g_bps: Annotated[float, Field(alias="breakEvenGBps")] = 0.0
     """Bandwidth in GB/s (1e9 bytes/s) at which fetching a prefix's KV takes as long as
     recomputing it, for the spec's model and hardware."""
+    break_even: str = ""
+    """breakEvenGBps for people, with its unit and 3 significant digits ("9.26 GB/s"): the
+    BreakEven column of `kubectl get -o wide`."""
     tiers_summary: str = ""
     """The enabled tiers, comma-separated (none: every tier off)."""
     tiers: list[TierDecisionStatus] = []
@@ -736,6 +739,11 @@ class ModelRolloutStatus(_Status):
     """The stable version's last cache hit rate (0-1)."""
     canary_hit_rate: float | None = None
     """The canary's last cache hit rate (0-1)."""
+    hit_rate_percent: str = ""
+    """canaryHitRate for people, a percent to 0.1 ("95.6%"; empty before the first reading):
+    the HitRate column of `kubectl get`."""
+    baseline_percent: str = ""
+    """baselineHitRate the same way: the Baseline column of `kubectl get -o wide`."""
     metric_source: str = ""
     """Where the last hit rates came from (prometheus, cache-stats, or why neither answered)."""
     promotion_started_at: str = ""

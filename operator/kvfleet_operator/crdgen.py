@@ -282,7 +282,7 @@ def render_all() -> dict[str, str]:
             _printer("Tiers", "string", ".status.tiersSummary"),
             _printer("Replicas", "integer", ".status.homeSets.numReplicas"),
             _printer("Tenants", "integer", ".status.homeSets.numTenants"),
-            _printer("BreakEvenGBps", "number", ".status.breakEvenGBps", priority=1),
+            _printer("BreakEven", "string", ".status.breakEven", priority=1),
             _ready(),
         ],
         "KVCachePolicy governs a cache-aware replica fleet: tier toggles decided by the break-even "
@@ -299,8 +299,8 @@ def render_all() -> dict[str, str]:
             _printer("Phase", "string", ".status.phase"),
             _printer("Step", "integer", ".status.currentStep"),
             _printer("Steps", "integer", ".status.totalSteps"),
-            _printer("HitRate", "number", ".status.canaryHitRate"),
-            _printer("Baseline", "number", ".status.baselineHitRate", priority=1),
+            _printer("HitRate", "string", ".status.hitRatePercent"),
+            _printer("Baseline", "string", ".status.baselinePercent", priority=1),
             _printer("Reason", "string", ".status.reason", priority=1),
         ],
         "ModelRollout rolls new weights onto a replica Deployment as a capacity event: staged "

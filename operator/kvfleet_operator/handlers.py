@@ -306,6 +306,7 @@ def _reconcile_policy_once(
     status = KVCachePolicyStatus(
         observed_generation=generation,
         break_even_g_bps=round(tiers.break_even_bytes_per_s / GB, 4),
+        break_even=f"{tiers.break_even_bytes_per_s / GB:.3g} GB/s",
         tiers_summary=tiers.summary,
         tiers=[
             TierDecisionStatus(

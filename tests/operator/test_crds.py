@@ -76,6 +76,16 @@ def test_names_columns_and_rules() -> None:
     assert rollout["spec"]["names"]["shortNames"] == ["mro", "mrollout"]
     columns = [c["name"] for c in rollout["spec"]["versions"][0]["additionalPrinterColumns"]]
     assert columns[:4] == ["Target", "Phase", "Step", "Steps"] and columns[-1] == "Age"
+    # Columns for people: rounded strings with units, each a field of the status schema.
+    for crd, wanted in ((policy, {"BreakEven": ".status.breakEven"}),
+                        (rollout, {"HitRate": ".status.hitRatePercent",
+                                   "Baseline": ".status.baselinePercent"})):
+        version = crd["spec"]["versions"][0]
+        shown = {c["name"]: c for c in version["additionalPrinterColumns"]}
+        status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+        for name, path in wanted.items():
+            assert (shown[name]["jsonPath"], shown[name]["type"]) == (path, "string")
+            assert status[path.rsplit(".", 1)[1]]["type"] == "string"
     spec = rollout["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     rules = [r["rule"] for r in spec["x-kubernetes-validations"]]
     assert "self.weightsDigest == oldSelf.weightsDigest" in rules

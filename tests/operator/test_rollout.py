@@ -473,3 +473,16 @@ def test_advance_is_pure() -> None:
     now = T0 + timedelta(seconds=1)
     assert advance(spec, status, obs, now, 1) == advance(spec, status, obs, now, 1)
     assert status == ModelRolloutStatus()
+
+
+def test_hit_rates_are_shown_as_percents_for_kubectl() -> None:
+    """The HitRate and Baseline columns read these strings: 0.9562975051780587 printed raw was
+    unreadable in `kubectl get mro`."""
+    w = World(rollout_spec(), target_hit=0.9562975051780587, canary_hit=None)
+    w.step()
+    assert (w.status.hit_rate_percent, w.status.baseline_percent) == ("", "95.6%")
+    w.canary_hit = 0.3
+    w.step(5)
+    w.step(5)
+    assert (w.status.hit_rate_percent, w.status.baseline_percent) == ("30.0%", "95.6%")
+    assert stored(w.status).hit_rate_percent == "30.0%"

@@ -39,6 +39,10 @@ def test_run_in_one_namespace_makes_its_peering_and_acts(
         wait_for(lambda: get(installed, ns, "configmap", "kv-fleet")["data"]["fleet.yaml"],
                  "the policy's fleet ConfigMap published by the namespaced operator")
         get(installed, ns, "kopfpeering", "kvfleet")
+        # The wide table is for people: the break-even rounded, with its unit.
+        wait_for(lambda: "9.26 GB/s" in installed.kubectl("get", "-n", ns, "kvcp", "kv",
+                                                          "-o", "wide").stdout,
+                 "kubectl get kvcp -o wide shows BREAKEVEN 9.26 GB/s")
     finally:
         op.stop()
     assert_no_forbidden(op.log())

@@ -62,6 +62,7 @@ __all__ = [
     "advance",
     "canary_replicas_for",
     "desired_actions",
+    "format_percent",
     "format_time",
     "parse_time",
 ]
@@ -146,6 +147,11 @@ class Transition:
 
 def format_time(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def format_percent(rate: float | None) -> str:
+    """A hit rate (0-1) as people read it in a table: "95.6%"; "" when unknown."""
+    return "" if rate is None else f"{rate * 100:.1f}%"
 
 
 def parse_time(text: str) -> datetime:
@@ -627,7 +633,14 @@ def advance(
     conditions = _conditions(
         final.conditions, final.phase, final.reason, final.message, format_time(now), generation
     )
-    final = final.model_copy(update={"conditions": conditions, "observed_generation": generation})
+    final = final.model_copy(
+        update={
+            "conditions": conditions,
+            "observed_generation": generation,
+            "hit_rate_percent": format_percent(final.canary_hit_rate),
+            "baseline_percent": format_percent(final.baseline_hit_rate),
+        }
+    )
     if requeue == 0.0:
         requeue = 1.0
     return Transition(final, desired_actions(spec, final), tuple(b.events), requeue)
