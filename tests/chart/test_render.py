@@ -517,6 +517,13 @@ def test_notes_tell_the_next_steps(helm: Path, helm_env: dict[str, str], tmp_pat
         "app.kubernetes.io/name": "kvfleet-replica", "app.kubernetes.io/instance": RELEASE,
     }
     assert spec.config_map_name == "kvfleet-fleet"
+    # The fields docs/quickstart.md step 5 sets are there too.
+    assert spec.model.profile == "reference-70b" and spec.model.tp_degree == 4
+    assert spec.tenants == [] and spec.affinity.k == 3
+    with_tenants = _notes(helm, helm_env, tmp_path / "t", "--values", str(CI_VALUES / DEFAULT),
+                          "--set", "router.apiKeys.tenants.globex[0]=sk-g",
+                          "--set", "router.apiKeys.tenants.acme[0]=sk-a")
+    assert 'tenants: ["acme","globex"]' in with_tenants
     assert "router.apiKeys.tenants is empty" in notes
     assert "no monitoring.coreos.com/v1 API" in notes
 

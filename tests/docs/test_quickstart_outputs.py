@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -124,3 +125,31 @@ def test_step_6_cached_tokens_stats_and_metrics(fleet: tuple[str, str]) -> None:
         name, value = line.rsplit(" ", 1)
         got = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", metrics, flags=re.M)
         assert got is not None and float(got.group(1)) == float(value), line
+
+
+def _readme_block(after: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```\n", text.index(after)) + 4
+    return text[start:text.index("```", start)]
+
+
+def test_readme_breakeven_block_and_model_config_example(
+    checkpoint: tuple[Path, str],
+) -> None:
+    block = _readme_block("`kvfleet breakeven` for the design's reference case")
+    # Piped, as a user's `| less` (pytest exports COLUMNS=80 to children: a user has none).
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run([str(KVFLEET), "breakeven"], capture_output=True, text=True,
+                         timeout=60, check=True, env=env).stdout
+    printed = {" ".join(o.split()) for o in out.splitlines()}
+    for line in block.splitlines()[1:]:
+        if line != "...":
+            assert " ".join(line.split()) in printed, (line, out)
+    # The README's example on the project's own generated checkpoint works as written.
+    example = re.search(r"kvfleet breakeven --model-config ckpt/config\.json --tp (\d+)",
+                        (ROOT / "README.md").read_text())
+    assert example is not None
+    run = subprocess.run([str(KVFLEET), "breakeven", "--model-config",
+                          str(checkpoint[0] / "config.json"), "--tp", example.group(1)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr

@@ -275,7 +275,7 @@ def render_report(report: dict[str, Any]) -> list[str]:
             why = (f"; the peers were asked on {others['no_peer']} local misses and held none "
                    f"of them (a miss at a request's home was a miss fleet-wide)")
         elif others:
-            why = f"; no fetch: {others}"
+            why = "; no fetch: " + ", ".join(f"{o} {n}" for o, n in sorted(others.items()))
         lines.append(
             f"T2         {t2['fetches_ok']} peer fetches, {t2['tokens_fetched']:,} tokens "
             f"({t2['bytes_fetched'] / 2**20:,.1f} MiB) measured on the replicas" + why
@@ -284,7 +284,7 @@ def render_report(report: dict[str, Any]) -> list[str]:
     lines.append(f"routing    spill rate {report['routing']['spill_rate']:.1%} ({decisions})")
     errs = {**runs["baseline"]["errors"], **runs["cached"]["errors"]}
     if errs:
-        lines.append(f"errors     {errs}")
+        lines.append("errors     " + ", ".join(f"{e} {n}" for e, n in sorted(errs.items())))
     lines.append(
         f"wall time  no cache {runs['baseline']['wall_s']:.0f} s, cache "
         f"{runs['cached']['wall_s']:.0f} s; total {report['timings_s']['total']:.0f} s"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import NoReturn
 
 import typer
@@ -13,7 +15,15 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # Plain help: paragraphs re-wrapped at word boundaries to the terminal, no `<bool>` type
+    # column on every flag, nothing cut at 80 columns when piped.
+    rich_markup_mode=None,
 )
+# Piped or redirected, rich lays tables out for 80 columns and cuts figures ("120,1…"): give it
+# more than any table needs. Set before the commands' modules create their Consoles.
+PIPED_COLUMNS = "200"
+if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
+    os.environ["COLUMNS"] = PIPED_COLUMNS
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 

@@ -46,8 +46,10 @@ def nvme(
         fail("--concurrency levels, --size-mib, --run-blocks and --reps must be >= 1")
     if path is None:
         path = Path(tempfile.gettempdir())
-    if not path.is_dir():
-        fail(f"--path {path} is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)  # a folder to measure in, made like --out
+    except OSError as exc:
+        fail(f"--path {path}: cannot create the folder: {exc.strerror or exc}")
     try:
         report = run_nvme_bench(path, concurrency=levels, size_bytes=size_mib << 20,
                                 run_blocks=run_blocks, reps=reps,
@@ -61,7 +63,7 @@ def nvme(
     mode = "O_DIRECT" if report.direct_io else "buffered"
     table = Table(title=f"kvfleet bench nvme — {report.path} ({mode}), "
                         f"{report.run_blocks} x {report.block_bytes >> 20} MiB blocks per I/O, "
-                        f"{report.bytes_per_level >> 20} MiB per level, medians of {report.reps} "
+                        f"{_per_level(report.bytes_per_level, size_mib)}, medians of {report.reps} "
                         "alternating passes over the same bytes")
     for name in ("concurrency", "store read", "raw read", "ratio", "store write", "raw write",
                  "ratio"):
@@ -82,3 +84,12 @@ def nvme(
         out.print(f"reference 70B, H100 TP4, {v.kv_dtype} KV: break-even {v.break_even_gb_s:.2f}"
                   f" GB/s; T3 here {v.measured_gb_s:.2f} GB/s at concurrency {v.at_concurrency}"
                   f" = {v.margin:.2f}x -> {v.verdict}")
+
+
+def _per_level(bytes_per_level: int, size_mib: int) -> str:
+    """The bytes each level moved: whole I/Os, so --size-mib is rounded down to a multiple of
+    run_blocks x 5 MiB; say so rather than print a figure that looks like a typo."""
+    shown = f"{bytes_per_level >> 20} MiB per level"
+    if bytes_per_level != size_mib << 20:
+        shown += f" (--size-mib {size_mib} rounded down to whole I/Os)"
+    return shown

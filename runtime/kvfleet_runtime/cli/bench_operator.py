@@ -30,4 +30,15 @@ def operator(
         typer.echo(json.dumps(results, indent=2))
         return
     for name, figures in results.items():
-        typer.echo(f"{name}: {figures}")
+        typer.echo(f"{name}: {_figures(figures)}")
+
+
+def _figures(figures: object) -> str:
+    """One result as `key value` pairs, the way the other benches print (not a Python repr)."""
+    if not isinstance(figures, dict):
+        return str(figures)
+    parts = []
+    for key, value in figures.items():
+        shown = "/".join(str(v) for v in value) if isinstance(value, list | tuple) else value
+        parts.append(f"{key.replace('_', ' ')} {shown}")
+    return ", ".join(parts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -180,3 +181,18 @@ def demo(
     for plot in report["plots"]:
         console.print(f"plot     {plot}", markup=False)
     console.print(f"done in {time.monotonic() - started:.0f} s", markup=False)
+    for line in next_steps():
+        console.print(line, markup=False)
+
+
+def next_steps() -> list[str]:
+    """What to try after the demo, and how to reach the commands it names: `make demo` runs
+    kvfleet from the checkout's environment, which is not on the PATH."""
+    lines = []
+    bin_dir = Path(sys.executable).parent
+    if shutil.which("kvfleet") != str(bin_dir / "kvfleet"):
+        lines.append(f'commands `kvfleet` and `kvfleet-operator`: export PATH="{bin_dir}:$PATH"')
+    lines.append("next     kvfleet breakeven (fetch or recompute, for your model and GPUs); "
+                 "kvfleet simulate all (44 replicas); make demo-cluster (the operator, a "
+                 "rollout and its rollback on a local control plane); docs/quickstart.md")
+    return lines

@@ -35,7 +35,8 @@ def simulate(
     tenants: Annotated[int, typer.Option(help="Tenants, each with its templates.")] = 2000,
     duration_s: Annotated[
         float | None,
-        typer.Option(help="Simulated seconds per run (default: 1800; rollout 3600)."),
+        typer.Option(help="Simulated seconds per run, at least 600: the first half warms the "
+                     "caches (default: 1800; rollout 3600)."),
     ] = None,
     ttft_slo_s: Annotated[
         float | None,

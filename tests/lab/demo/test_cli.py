@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,18 @@ def test_an_out_folder_that_cannot_be_made_is_bad_input(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"error: --out {tmp_path / 'file' / 'out'}: cannot create the folder: Not a directory"
     ]
+
+
+def test_the_demo_ends_with_next_steps_and_how_to_reach_the_commands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvfleet_runtime.cli.demo import next_steps
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # as after `make demo`: the venv is not on it
+    path_line, steps = next_steps()
+    bin_dir = Path(sys.executable).parent
+    assert path_line.endswith(f'export PATH="{bin_dir}:$PATH"')
+    assert (bin_dir / "kvfleet").exists() and (bin_dir / "kvfleet-operator").exists()
+    assert steps.startswith("next ") and "make demo-cluster" in steps
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    assert [line[:5] for line in next_steps()] == ["next "]

@@ -58,7 +58,7 @@ def test_report_figures_and_inferred_t2() -> None:
                                       "outcomes": {"no_peer": 2, "ok": 1}}
     lines = [line for line in render_report(report) if "measured on the replicas" in line]
     assert lines == ["T2         1 peer fetches, 64 tokens (3.0 MiB) measured on the replicas; "
-                     "no fetch: {'no_peer': 2}"]
+                     "no fetch: no_peer 2"]
     report["fleet"]["t2_measured"] = {"fetches_ok": 0, "tokens_fetched": 0, "bytes_fetched": 0,
                                       "outcomes": {"no_peer": 83}}
     lines = [line for line in render_report(report) if "measured on the replicas" in line]

@@ -63,8 +63,16 @@ def test_cli_json_and_errors(tmp_path: Path) -> None:
     data = json.loads(result.output)
     assert [r["concurrency"] for r in data["reads"]] == [1, 4]
     assert not (tmp_path / STORE_FILENAME).exists()
-    missing = runner.invoke(app, ["bench", "nvme", "--path", str(tmp_path / "nope")])
-    assert missing.exit_code != 0 and "is not a directory" in missing.output
+    # A folder that does not exist yet is made (as --out is); one that cannot be is bad input.
+    made = runner.invoke(app, ["bench", "nvme", "--path", str(tmp_path / "new" / "d"),
+                               "--size-mib", "22", "--run-blocks", "1", "--reps", "1",
+                               "--concurrency", "1"])
+    assert made.exit_code == 0, made.output
+    assert "20 MiB per level (--size-mib 22 rounded down to whole I/Os)" in " ".join(
+        made.output.split())
+    (tmp_path / "file").write_text("x")
+    missing = runner.invoke(app, ["bench", "nvme", "--path", str(tmp_path / "file" / "d")])
+    assert missing.exit_code == 2 and "cannot create the folder" in missing.output
     assert "Traceback" not in missing.output
     bad = runner.invoke(app, ["bench", "nvme", "--path", str(tmp_path), "--concurrency", "a"])
     assert bad.exit_code != 0 and "comma-separated integers, got 'a'" in bad.output

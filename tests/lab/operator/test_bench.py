@@ -22,3 +22,10 @@ def test_bench_operator_quick_json() -> None:
     assert homes["repeats"] == 5
     assert report["tier decision (one policy)"]["repeats"] == 50
     assert report["fleet-config publish plan (same fleet)"]["fleet_yaml_bytes"] > 2000 * 3 * 8
+
+
+def test_lines_are_for_people_not_python_reprs() -> None:
+    result = CliRunner().invoke(app, ["bench", "operator", "--quick"])
+    assert result.exit_code == 0, result.output
+    assert "{" not in result.output and "'" not in result.output, result.output
+    assert "median ms " in result.output
