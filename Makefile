@@ -2,10 +2,15 @@
 # Each installs what it needs by itself, then runs. Environments live under ~/.cache/kvfleet.
 SHELL := /bin/bash
 
-.PHONY: demo test test-vllm setup system-deps cluster-bins images check lock
+.PHONY: demo demo-cluster test test-vllm setup system-deps cluster-bins images check lock
 
 demo: setup
 	scripts/kvfleet.sh demo
+
+# The operator's path on this machine: a local control plane, helm install, a policy, traffic,
+# a rollout rolled back on the hit-rate alarm and one promoted (scripts/demo_cluster.py).
+demo-cluster: setup system-deps cluster-bins images
+	scripts/demo-cluster.sh
 
 test: setup system-deps cluster-bins images
 	scripts/check.sh
