@@ -78,7 +78,12 @@ def _run(args: argparse.Namespace) -> int:
         f"highest-priority live operator acts; the others wait for it to go)"
     )
     _log.info("watching %s; %s", where, peering)
+    settings = kopf.OperatorSettings()
+    # Given literal namespaces, kopf would still list every Namespace to match them as patterns
+    # (a right the operator does not have: least privilege), logging a 403 every few seconds.
+    settings.scanning.disabled = bool(namespaces)
     kopf.run(
+        settings=settings,
         clusterwide=not namespaces,
         namespaces=namespaces,
         standalone=args.standalone,
