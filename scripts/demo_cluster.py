@@ -131,11 +131,12 @@ def _watch_rollout(n: Narrator, cluster: Cluster, name: str, phases: set[str],
     while time.monotonic() < deadline:
         table = cluster.kubectl("get", "-n", NAMESPACE, "mro", name, "-o", "wide",
                                 check=False).stdout.splitlines()
-        if len(table) == 2 and table[1] != last:
+        row = table[1].rsplit(None, 1)[0] if len(table) == 2 else ""  # all but AGE
+        if row and row != last:
             if not last:
                 _print("   " + table[0])
             _print("   " + table[1])
-            last = table[1]
+            last = row
         phase = _phase(cluster, name)
         if phase in phases:
             return phase
@@ -251,6 +252,7 @@ def run(keep: bool) -> None:
         n.say(f"The canary runs image {UNSTABLE_KEY_IMAGE}: its cache key changes on every "
               "request, as when a key field (KV dtype, RoPE config, attention id) changed by "
               "mistake.")
+        stable_before = _replica_sets(cluster)
         cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-",
                         stdin=_rollout("bad", digests["v2"], prometheus.url, 50,
                                        image=UNSTABLE_KEY_IMAGE))
@@ -263,7 +265,15 @@ def run(keep: bool) -> None:
         n.say("HITRATE is the canary's cache hit rate, BASELINE the stable fleet's; the step's "
               "window closed with the canary far below 90% of the baseline, so the operator "
               "restored the stable version and size, deleted the canary and said why (REASON "
-              "HitRateNotRecovered). The stable pods were not replaced: their caches stayed warm.")
+              "HitRateNotRecovered).")
+        stable_after = _replica_sets(cluster)
+        n.show(f"kubectl get replicasets -n {NAMESPACE} -l {REPLICA}",
+               cluster.kubectl("get", "replicasets", "-n", NAMESPACE, "-l", REPLICA).stdout)
+        same = "the same" if stable_after == stable_before else "NOT the same"
+        n.say(f"The stable Deployment runs {same} ReplicaSet as before the rollout "
+              f"({', '.join(stable_after)}): its template came back byte for byte, so the pod that "
+              "kept serving kept its warm cache; only the one scaled away for the canary's share "
+              "was re-created.")
 
         n.title("A ModelRollout of new weights (v2): promoted step by step")
         cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-",
@@ -283,6 +293,15 @@ def run(keep: bool) -> None:
             while True:
                 time.sleep(3600)
         n.title("Clean up: every process stopped, the cluster removed")
+
+
+def _replica_sets(cluster: Cluster) -> list[str]:
+    """The stable Deployment's ReplicaSets that have pods (a new template makes a new one)."""
+    items = json.loads(cluster.kubectl("get", "replicasets", "-n", NAMESPACE, "-l", REPLICA,
+                                       "-o", "json").stdout)["items"]
+    return sorted(rs["metadata"]["name"] for rs in items
+                  if "-canary-" not in rs["metadata"]["name"]
+                  and int(rs["spec"].get("replicas") or 0) > 0)
 
 
 def _serves(pod: Any, digest: str) -> bool:
