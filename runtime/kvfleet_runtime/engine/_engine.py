@@ -19,7 +19,8 @@ and cache calls happen on that thread, so neither needs to be thread-safe. A ste
 the loop in batches, not one wake-up per token (each wake-up handed the GIL to the loop in the
 middle of the step): the first tokens once before the decode forward, the rest when the step
 returns. Decoding sequences keep their model inputs across steps (`DecodeBatch`: block tables,
-positions, last tokens as tensors), so a step writes only its new tokens.
+positions, last tokens as tensors), so a step writes only its new tokens; on CUDA the decode
+forward itself is replayed from CUDA graphs (`EngineConfig.decode_graphs`).
 
 A step has a token budget (`max_tokens_per_step`), shared as continuous-batching engines share
 it: every decoding sequence's next token is counted first, the rest goes to prefill chunks (whole
@@ -61,7 +62,7 @@ from torch import Tensor
 from kvfleet_runtime.cache import CacheKey, Hit, PrefixCache, StoreOutcome, Tier
 from kvfleet_runtime.engine._batch import DecodeBatch
 from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams
-from kvfleet_runtime.model import LoadedModel, PagedKV, Transformer
+from kvfleet_runtime.model import DecodeGraphs, LoadedModel, PagedKV, Transformer
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
@@ -81,6 +82,7 @@ DETERMINISTIC_RULE = f"chunk{BLOCK_SIZE}"
 """Appended to the cache key's attention id in deterministic mode."""
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+DecodeGraphMode = Literal["auto", "eager", "off"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,6 +131,11 @@ class EngineConfig:
     stop_ids: frozenset[int] = frozenset()
     """A sequence ends ("stop") on any of these, unless its request ignores EOS: the model's
     stop ids, from its tokenizer (`Tokenizer.stop_ids`); empty: only max_tokens ends one."""
+    decode_graphs: DecodeGraphMode = "auto"
+    """How the decode step runs (`kvfleet_runtime.model.DecodeGraphs`): "auto" captures it in
+    CUDA graphs on a GPU and runs it plainly elsewhere; "eager" takes the graphs' padded,
+    bucketed path without capturing (a GPU whose capture misbehaves; tests of that path on the
+    CPU); "off" runs it plainly everywhere. The padded paths reserve one block of the pool."""
 
     def __post_init__(self) -> None:
         budget = self.max_tokens_per_step
@@ -295,7 +302,9 @@ class Engine:
             raise ValueError(f"the KV pool is {tuple(kv.k.shape)}, the model needs {expected} "
                              "[layers, blocks, kv_heads, 16, head_dim]")
         self.kv = kv
-        self.config = dataclasses.replace(config, num_kv_blocks=kv.num_blocks)
+        self._graphs = self._decode_graphs(config)
+        usable = kv.num_blocks - (self._graphs is not None)  # the padding rows' block
+        self.config = dataclasses.replace(config, num_kv_blocks=usable)
         self.metrics = _Metrics(registry or CollectorRegistry())
         self.metrics.free_blocks.set(self.kv.num_free_blocks)
         self._waiting: deque[_Sequence] = deque()
@@ -313,6 +322,17 @@ class Engine:
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+
+    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
+        mode, device = config.decode_graphs, self.model.device
+        if mode == "off" or (mode == "auto" and device.type != "cuda"):
+            return None
+        pad = self.kv.take(1)  # held for the engine's life: padding rows write only here
+        if pad is None:
+            raise ValueError("the KV pool has no free block for the decode step's padding")
+        return DecodeGraphs(self.model, self.kv, max_batch=config.max_batch_size,
+                            max_blocks=-(-self.model.args.max_seq_len // BLOCK_SIZE),
+                            pad_block=pad[0], capture=mode == "auto")
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -618,7 +638,9 @@ class Engine:
         """One forward for every decoding sequence, from the batch's kept inputs."""
         batch = self._batch
         seqs = list(batch.seqs)  # a finish below moves rows; sample in this order
-        logits = self.model.decode_step(*batch.inputs(), self.kv)
+        inputs = batch.inputs()
+        logits = (self._graphs(*inputs) if self._graphs is not None
+                  else self.model.decode_step(*inputs, self.kv))
         rows = logits.to("cpu", torch.float32)  # one copy for the batch, not one per row
         generated = 0
         for seq, row in zip(seqs, rows, strict=True):
