@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from typing import Any
+
 import pytest
 import torch
 
+from kvfleet_runtime.engine import Finished, GenerationRequest, SamplingParams, TokenEvent
 from kvfleet_runtime.engine._batch import DecodeBatch
 from kvfleet_runtime.model import LoadedModel, PagedKV
 from kvfleet_runtime.wire import BLOCK_SIZE
+
+from .conftest import EngineFactory
 
 CPU = torch.device("cpu")
 
@@ -85,3 +92,50 @@ def test_decode_from_kept_rows_equals_the_list_api_bitwise(loaded: LoadedModel) 
         batch.advance([nxt[i] for i in batch.seqs])
         state = {i: (nxt[i], state[i][1] + 1) for i in batch.seqs}
     assert torch.equal(kv_a.k, kv_b.k) and torch.equal(kv_a.v, kv_b.v)
+
+
+def test_a_step_wakes_the_loop_at_most_once_and_events_keep_their_order(
+    make_engine: EngineFactory,
+) -> None:
+    """Tokens reach the streams in order and complete, yet the engine thread wakes the loop at
+    most twice per step (its return, and the first tokens before the decode forward), not once
+    per token."""
+    engine = make_engine(max_batch_size=8)
+    prompts = [tuple(range(1 + i, 20 + 3 * i)) for i in range(8)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    wakeups, steps = [0], [0]
+
+    async def body() -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name.startswith("kvfleet-engine"):
+                wakeups[0] += 1
+            return real(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        step = engine._step
+
+        def counted_step() -> None:
+            steps[0] += 1
+            step()
+
+        engine._step = counted_step  # type: ignore[method-assign]
+        await engine.start()
+        try:
+            streams = [engine.submit(GenerationRequest("t", p, params)) for p in prompts]
+            outs = []
+            for s in streams:
+                events = [e async for e in s]
+                assert isinstance(events[-1], Finished) and events[-1].completion_tokens == 12
+                outs.append([e.token_id for e in events if isinstance(e, TokenEvent)])
+            return outs
+        finally:
+            await engine.stop()
+
+    outs = asyncio.run(body())
+    assert all(len(o) == 12 for o in outs)
+    # The first step prefills all eight, samples their first tokens and decodes the second.
+    # Per step: one wake-up as it returns (the executor's future), at most one flush.
+    assert 11 <= steps[0] < 8 * 12 and wakeups[0] <= 2 * steps[0]
