@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA paths in one prepared run (< 8 minutes on one GPU): every test marked `gpu` (pinned
-# memory, streams, non-blocking copies, the T1 path, the model on the device), then
-# `kvfleet bench replica --device cuda`, all into one log. Record the figures in
-# docs/benchmarks.md with the date and the device.
+# memory, streams, non-blocking copies, the T1 path, the model on the device, the decode step
+# captured in CUDA graphs vs uncaptured), then `kvfleet bench replica --device cuda` (its decode
+# rows carry the graphs' speedup over the uncaptured step), all into one log. Record the
+# figures in docs/benchmarks.md with the date and the device.
 #
 #   scripts/gpu-check.sh [--dry-run] [--log FILE] [--bench-args "ARGS"]
 #
@@ -21,7 +22,7 @@ while [ $# -gt 0 ]; do
         --dry-run) DRY_RUN=1 ;;
         --log) LOG="${2:?--log needs a file}"; shift ;;
         --bench-args) BENCH_ARGS="${2?--bench-args needs a value}"; shift ;;
-        -h|--help) sed -n 2,11p "$0"; exit 0 ;;
+        -h|--help) sed -n 2,12p "$0"; exit 0 ;;
         *) echo "gpu-check: unknown argument $1 (try --help)" >&2; exit 2 ;;
     esac
     shift

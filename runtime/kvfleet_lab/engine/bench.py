@@ -10,7 +10,8 @@ One run, one checkpoint, one device and thread count; every figure next to its b
    T1 copy into the engine's blocks vs one raw copy of the same bytes.
 3. Decode throughput (generated tokens/s, the prompts' prefill included on both sides) at each
    concurrency, without and with the cache (every prompt a hit), vs transformers' batched
-   `generate` of the same prompts.
+   `generate` of the same prompts. On CUDA also without the decode step's CUDA graphs
+   (`decode_graphs="off"`), so the capture's gain is measured beside it.
 4. The deterministic mode's price: its full-prefill TTFT and its throughput beside the fast path's.
 5. Cached blocks that fit beside an in-flight load at a fixed KV budget, with T0 the engine's KV
    (the engine's layout since issue 17 item 2: an in-flight hit's prefix is the cached blocks
@@ -39,6 +40,7 @@ import torch
 from kvfleet_runtime.cache import CacheConfig, Hit, KVLayout, PrefixCache
 from kvfleet_runtime.engine._engine import (
     CacheKeyFields,
+    DecodeGraphMode,
     Engine,
     EngineConfig,
     GenerationRequest,
@@ -79,11 +81,20 @@ class DecodeFigures:
     decode_tok_s: float
     decode_cache_tok_s: float
     transformers_decode_tok_s: float
+    decode_uncaptured_tok_s: float | None = None
+    """On CUDA: `decode_tok_s` without the CUDA graphs (None elsewhere: nothing is captured)."""
 
     @property
     def ratio(self) -> float:
         """kvfleet (no cache) over transformers' generate."""
         return self.decode_tok_s / self.transformers_decode_tok_s
+
+    @property
+    def graphs_speedup(self) -> float | None:
+        """Captured over uncaptured decode throughput (CUDA only)."""
+        if self.decode_uncaptured_tok_s is None:
+            return None
+        return self.decode_tok_s / self.decode_uncaptured_tok_s
 
 
 @dataclass(slots=True)
@@ -159,7 +170,8 @@ class ReplicaBenchReport:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["prefill"] = [asdict(p) | {"ratio": p.ratio} for p in self.prefill]
-        out["decode"] = [asdict(d) | {"ratio": d.ratio} for d in self.decode]
+        out["decode"] = [asdict(d) | {"ratio": d.ratio, "graphs_speedup": d.graphs_speedup}
+                         for d in self.decode]
         for name in ("t0_vs_suffix", "t1_vs_suffix", "t1_copy_vs_raw", "cached_blocks_doubled",
                      "cached_blocks_shared", "deterministic_ttft_price",
                      "deterministic_tok_s_price", "miss_overhead_fraction"):
@@ -202,12 +214,13 @@ class _Bench:
         self.det_fields = CacheKeyFields.for_model(loaded, model_name, deterministic=True)
 
     def engine(self, cache: PrefixCache | None, *, blocks: int, batch: int = 4,
-               deterministic: bool = False) -> Engine:
+               deterministic: bool = False, graphs: DecodeGraphMode = "auto") -> Engine:
         return Engine(self.loaded.model, self.det_fields if deterministic else self.fields,
                       cache=cache, config=EngineConfig(
-                          num_kv_blocks=blocks, max_batch_size=batch,
+                          num_kv_blocks=blocks + (graphs != "off"),  # + the padding block
+                          max_batch_size=batch,
                           max_tokens_per_step=max(self.budget, batch + BLOCK_SIZE),
-                          deterministic=deterministic))
+                          deterministic=deterministic, decode_graphs=graphs))
 
     def hf_prefill(self, prompt: Sequence[int]) -> None:
         ids = torch.tensor([list(prompt)], device=self.device)
@@ -322,7 +335,7 @@ def _t1_copy(b: _Bench, prompt: tuple[int, ...], reps: int) -> tuple[float, floa
 
 
 def _decode(b: _Bench, concurrency: int, new_tokens: int, reps: int, *, cache: bool,
-            deterministic: bool = False) -> float:
+            deterministic: bool = False, graphs: DecodeGraphMode = "auto") -> float:
     prompts = [_tokens(DECODE_PROMPT_TOKENS, 9000 + i) for i in range(concurrency)]
     blocks = concurrency * ((DECODE_PROMPT_TOKENS + new_tokens) // BLOCK_SIZE + 2)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -340,7 +353,8 @@ def _decode(b: _Bench, concurrency: int, new_tokens: int, reps: int, *, cache: b
         await round_(engine)  # warm-up; with the cache, it also stores every prompt
         return [await round_(engine) for _ in range(reps)]
 
-    engine = b.engine(pc, blocks=blocks, batch=concurrency, deterministic=deterministic)
+    engine = b.engine(pc, blocks=blocks, batch=concurrency, deterministic=deterministic,
+                      graphs=graphs)
     return float(statistics.median(asyncio.run(_with(engine, body))))
 
 
@@ -429,9 +443,12 @@ def run_replica_bench(*, model_dir: Path | None = None, preset: str = "small",
     t_t1, c_t1 = _hit_ttft(b, prompt, _cache(loaded, t0=0, t1=blocks), reps)
     t_suffix = _miss_ttft(b, prompt[c_t0:], reps)
     copy_s, raw_s, copy_bytes = _t1_copy(b, prompt, reps)
+    cuda = device.type == "cuda"
     decode = [DecodeFigures(c, _decode(b, c, decode_new_tokens, reps, cache=False),
                             _decode(b, c, decode_new_tokens, reps, cache=True),
-                            _hf_decode(b, c, decode_new_tokens, reps)) for c in concurrencies]
+                            _hf_decode(b, c, decode_new_tokens, reps),
+                            _decode(b, c, decode_new_tokens, reps, cache=False, graphs="off")
+                            if cuda else None) for c in concurrencies]
     det_ttft = _miss_ttft(b, prompt, reps, deterministic=True)
     det_c = min(8, max(concurrencies))
     fast_tok_s = next((d.decode_tok_s for d in decode if d.concurrency == det_c), None)

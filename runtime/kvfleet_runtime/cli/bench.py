@@ -145,7 +145,8 @@ def _print_replica(report: Any) -> None:
     for d in r.decode:
         table.add_row(f"decode, {d.concurrency} concurrent, {r.decode_new_tokens} tokens each",
                       f"{d.decode_tok_s:.1f} tok/s", f"{d.transformers_decode_tok_s:.1f} tok/s",
-                      f"{d.ratio:.2f}x generate; with cache {d.decode_cache_tok_s:.1f} tok/s")
+                      f"{d.ratio:.2f}x generate; with cache {d.decode_cache_tok_s:.1f} tok/s"
+                      + (f"; {d.graphs_speedup:.2f}x uncaptured" if d.graphs_speedup else ""))
     table.add_row(f"deterministic: TTFT, full prefill of {n:,} tokens",
                   f"{r.deterministic_ttft_s * ms:.1f} ms",
                   f"{r.ttft_full_prefill_s * ms:.1f} ms fast",

@@ -15,7 +15,12 @@ already running on shared T0 blocks keeps them until it ends.
 
 Concurrency: one asyncio scheduler task admits requests between steps; each step runs on one
 dedicated worker thread (torch releases the GIL, so the HTTP server stays responsive). All model
-and cache calls happen on that thread, so neither needs to be thread-safe.
+and cache calls happen on that thread, so neither needs to be thread-safe. A step's events reach
+the loop in batches, not one wake-up per token (each wake-up handed the GIL to the loop in the
+middle of the step): the first tokens once before the decode forward, the rest when the step
+returns. Decoding sequences keep their model inputs across steps (`DecodeBatch`: block tables,
+positions, last tokens as tensors), so a step writes only its new tokens; on CUDA the decode
+forward itself is replayed from CUDA graphs (`EngineConfig.decode_graphs`).
 
 A step has a token budget (`max_tokens_per_step`), shared as continuous-batching engines share
 it: every decoding sequence's next token is counted first, the rest goes to prefill chunks (whole
@@ -50,12 +55,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch import Tensor
 
 from kvfleet_runtime.cache import CacheKey, Hit, PrefixCache, StoreOutcome, Tier
+from kvfleet_runtime.engine._batch import DecodeBatch
 from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams
-from kvfleet_runtime.model import LoadedModel, PagedKV, Transformer
+from kvfleet_runtime.model import DecodeGraphs, LoadedModel, PagedKV, Transformer
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
@@ -75,6 +82,7 @@ DETERMINISTIC_RULE = f"chunk{BLOCK_SIZE}"
 """Appended to the cache key's attention id in deterministic mode."""
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+DecodeGraphMode = Literal["auto", "eager", "off"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -123,6 +131,11 @@ class EngineConfig:
     stop_ids: frozenset[int] = frozenset()
     """A sequence ends ("stop") on any of these, unless its request ignores EOS: the model's
     stop ids, from its tokenizer (`Tokenizer.stop_ids`); empty: only max_tokens ends one."""
+    decode_graphs: DecodeGraphMode = "auto"
+    """How the decode step runs (`kvfleet_runtime.model.DecodeGraphs`): "auto" captures it in
+    CUDA graphs on a GPU and runs it plainly elsewhere; "eager" takes the graphs' padded,
+    bucketed path without capturing (a GPU whose capture misbehaves; tests of that path on the
+    CPU); "off" runs it plainly everywhere. The padded paths reserve one block of the pool."""
 
     def __post_init__(self) -> None:
         budget = self.max_tokens_per_step
@@ -289,11 +302,18 @@ class Engine:
             raise ValueError(f"the KV pool is {tuple(kv.k.shape)}, the model needs {expected} "
                              "[layers, blocks, kv_heads, 16, head_dim]")
         self.kv = kv
-        self.config = dataclasses.replace(config, num_kv_blocks=kv.num_blocks)
+        self._graphs = self._decode_graphs(config)
+        usable = kv.num_blocks - (self._graphs is not None)  # the padding rows' block
+        self.config = dataclasses.replace(config, num_kv_blocks=usable)
         self.metrics = _Metrics(registry or CollectorRegistry())
         self.metrics.free_blocks.set(self.kv.num_free_blocks)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
+        max_blocks = -(-model.args.max_seq_len // BLOCK_SIZE)
+        self._batch: DecodeBatch[_Sequence] = DecodeBatch(self.config.max_batch_size,
+                                                          max_blocks, model.device)
+        self._outbox: list[tuple[RequestStream, Event]] = []
+        """Events of the step so far, for the loop (engine thread only; see `_emit`)."""
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-engine")
         self._wakeup = asyncio.Event()
@@ -302,6 +322,17 @@ class Engine:
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+
+    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
+        mode, device = config.decode_graphs, self.model.device
+        if mode == "off" or (mode == "auto" and device.type != "cuda"):
+            return None
+        pad = self.kv.take(1)  # held for the engine's life: padding rows write only here
+        if pad is None:
+            raise ValueError("the KV pool has no free block for the decode step's padding")
+        return DecodeGraphs(self.model, self.kv, max_batch=config.max_batch_size,
+                            max_blocks=-(-self.model.args.max_seq_len // BLOCK_SIZE),
+                            pad_block=pad[0], capture=mode == "auto")
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -413,6 +444,7 @@ class Engine:
             except Exception:
                 log.exception("engine step failed; failing the running requests")
                 await loop.run_in_executor(self._executor, self._fail_running)
+            self._deliver(self._take_outbox())  # the step is over: no thread hand-off needed
             if self._closed:
                 with self._lock:
                     for seq in self._waiting:
@@ -421,8 +453,27 @@ class Engine:
                     self._waiting.clear()
 
     def _emit(self, seq: _Sequence, event: Event) -> None:
-        assert self._loop is not None and seq.stream is not None
-        self._loop.call_soon_threadsafe(seq.stream._put, event)
+        # Collected, not sent: one wake-up of the loop per token cost a GIL hand-off in the
+        # middle of the step (the profile's largest item at 4+ sequences). The scheduler
+        # delivers the step's events when the step returns; `_flush` sends them earlier.
+        assert seq.stream is not None
+        self._outbox.append((seq.stream, event))
+
+    def _take_outbox(self) -> list[tuple[RequestStream, Event]]:
+        events, self._outbox = self._outbox, []
+        return events
+
+    def _flush(self) -> None:
+        """Send the events so far to the loop now, in one wake-up (first tokens, before the
+        step's decode forward)."""
+        if self._outbox:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._deliver, self._take_outbox())
+
+    @staticmethod
+    def _deliver(events: list[tuple[RequestStream, Event]]) -> None:
+        for stream, event in events:
+            stream._put(event)
 
     def _step(self) -> None:
         self._admit()
@@ -446,9 +497,11 @@ class Engine:
         for seq in self._running:
             if seq.prefilled and not seq.output and seq.last_logits is not None:
                 self._first_token(seq)
-        decoding = [s for s in self._running if s.output and not s.cancelled]
-        if decoding:
-            self._decode(decoding)
+        for seq in [s for s in self._batch.seqs if s.cancelled]:
+            self._finish(seq, seq.cancel_reason)
+        if self._batch:
+            self._flush()  # first tokens go out before the decode forward
+            self._decode()
         self.metrics.running.set(len(self._running))
         self.metrics.free_blocks.set(self.kv.num_free_blocks)
 
@@ -556,9 +609,11 @@ class Engine:
             return
         token = sampled.token_id
         self._push_token(seq, sampled)  # the first token is on its way before the store copy
+        self.metrics.generated_tokens.inc()
         self.metrics.ttft.observe(time.monotonic() - seq.submitted_s)
         self._store_prompt(seq)  # before a finish can free the blocks
-        self._finish_if_done(seq, token)
+        if not self._finish_if_done(seq, token):
+            self._batch.add(seq, seq.table, len(seq.prompt), token)
 
     def _store_prompt(self, seq: _Sequence) -> None:
         """Offer the prompt's full blocks to the cache (after the first token is out): indexed
@@ -579,14 +634,22 @@ class Engine:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._stores_pending.set)
 
-    def _decode(self, seqs: list[_Sequence]) -> None:
-        tokens = [s.output[-1] for s in seqs]
-        positions = [len(s.prompt) + len(s.output) - 1 for s in seqs]
-        logits = self.model.decode(tokens, positions, [s.table for s in seqs], self.kv)
-        for seq, row in zip(seqs, logits, strict=True):
+    def _decode(self) -> None:
+        """One forward for every decoding sequence, from the batch's kept inputs."""
+        batch = self._batch
+        seqs = list(batch.seqs)  # a finish below moves rows; sample in this order
+        inputs = batch.inputs()
+        logits = (self._graphs(*inputs) if self._graphs is not None
+                  else self.model.decode_step(*inputs, self.kv))
+        rows = logits.to("cpu", torch.float32)  # one copy for the batch, not one per row
+        generated = 0
+        for seq, row in zip(seqs, rows, strict=True):
             sampled = self._sample(seq, row)
             if sampled is not None:
+                generated += 1
                 self._accept(seq, sampled)
+        self.metrics.generated_tokens.inc(generated)
+        batch.advance([s.output[-1] for s in batch.seqs])
 
     def _sample(self, seq: _Sequence, logits: Tensor) -> Sampled | None:
         """Sample one token; a failure ends this request only, never its batch neighbours."""
@@ -602,22 +665,27 @@ class Engine:
         self._finish_if_done(seq, sampled.token_id)
 
     def _push_token(self, seq: _Sequence, sampled: Sampled) -> None:
+        """Append and emit; the caller counts it (`generated_tokens`)."""
         seq.output.append(sampled.token_id)
-        self.metrics.generated_tokens.inc()
         self._emit(seq, TokenEvent(token_id=sampled.token_id, cached_tokens=seq.cached_tokens,
                                    logprob=sampled.logprob, top_logprobs=sampled.top_logprobs,
                                    cache_tier=seq.cache_tier))
 
-    def _finish_if_done(self, seq: _Sequence, token: int) -> None:
+    def _finish_if_done(self, seq: _Sequence, token: int) -> bool:
         params = seq.request.params
         if token in self.config.stop_ids and not params.ignore_eos:
             self._finish(seq, "stop")
         elif len(seq.output) >= params.max_tokens:
             self._finish(seq, "length")
+        else:
+            return False
+        return True
 
     def _finish(self, seq: _Sequence, reason: FinishReason, error: str | None = None) -> None:
         if seq in self._running:
             self._running.remove(seq)
+        if seq in self._batch:
+            self._batch.remove(seq)
         self._let_go(seq)
         self._finished_event(seq, reason, error)
 

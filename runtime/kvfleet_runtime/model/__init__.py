@@ -3,6 +3,7 @@
 Which architectures are served and how a config is read: `kvfleet_runtime.architectures`; the
 model's tokenizer: `kvfleet_runtime.tokenizer` (torch-free, so the router loads the same one)."""
 
+from kvfleet_runtime.model._graphs import DecodeGraphs
 from kvfleet_runtime.model.checkpoint import (
     CheckpointReport,
     LoadedModel,
@@ -29,6 +30,7 @@ __all__ = [
     "PREFILL_CHUNK_TOKENS",
     "PRESETS",
     "CheckpointReport",
+    "DecodeGraphs",
     "LoadedModel",
     "ModelArgs",
     "PagedKV",

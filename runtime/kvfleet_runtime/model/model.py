@@ -459,19 +459,30 @@ class Transformer(nn.Module):
                tables: Sequence[Sequence[int]], kv: PagedKV) -> Tensor:
         """One step for a batch: token b sits at positions[b]; returns logits [B, V].
 
-        One forward for the whole batch: per layer one indexed write of the B new KV rows, one
-        gather of every sequence's KV (block tables padded to the longest, padding masked out)
-        and one attention call."""
+        The list form of `decode_step` (tests, one-off callers); the engine keeps these inputs
+        as tensors across steps and calls `decode_step` itself."""
         device = self.device
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=device)
-        pos = torch.tensor(list(positions), dtype=torch.long, device=device)
         n_blocks = max(p // BLOCK_SIZE + 1 for p in positions)
         # Pad each table with its own first block: real, finite KV, masked out below.
         padded = [list(t[: n_blocks]) + [t[0]] * (n_blocks - len(t[: n_blocks])) for t in tables]
-        table = torch.tensor(padded, dtype=torch.long, device=device)  # [B, nb]
+        return self.decode_step(torch.tensor(list(tokens), dtype=torch.long, device=device),
+                                torch.tensor(list(positions), dtype=torch.long, device=device),
+                                torch.tensor(padded, dtype=torch.long, device=device), kv)
+
+    @torch.inference_mode()
+    def decode_step(self, ids: Tensor, pos: Tensor, table: Tensor, kv: PagedKV) -> Tensor:
+        """One step for a batch, from tensors on the model's device: ids [B] at positions pos
+        [B], block tables [B, nb] (nb blocks cover every position; a row's entries past its own
+        position are any real blocks, masked out); returns logits [B, V].
+
+        One forward for the whole batch: per layer one indexed write of the B new KV rows, one
+        gather of every sequence's KV over the tables and one attention call with a length
+        mask. Shapes depend only on (B, nb) and nothing here reads a tensor back to Python, so
+        on CUDA the call can be captured in a graph (`kvfleet_runtime.model.DecodeGraphs`)."""
+        n_blocks = table.shape[1]
         write_blocks = table.gather(1, (pos // BLOCK_SIZE)[:, None])[:, 0]  # [B]
         write_slots = pos % BLOCK_SIZE
-        k_pos = torch.arange(n_blocks * BLOCK_SIZE, device=device)[None, :]  # [1, T]
+        k_pos = torch.arange(n_blocks * BLOCK_SIZE, device=ids.device)[None, :]  # [1, T]
         visible = k_pos <= pos[:, None]  # [B, T]: the sequence's own tokens, not the padding
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [B, D]
         x = self.embed_tokens(ids)  # [B, dim]

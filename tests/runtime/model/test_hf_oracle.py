@@ -52,6 +52,9 @@ VOCAB = 300
 PROMPT_LEN = 40
 NEW_TOKENS = 32
 CPU = torch.device("cpu")
+EAGER = "eager"
+"""transformers' eager arithmetic, which the oracle models run; a checkpoint that names no
+attention loads as SDPA (`test_a_transformers_checkpoint_serves_sdpa_by_default`)."""
 SECRET = b"oracle-peer-secret"
 
 _TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -134,7 +137,7 @@ class Case:
         self.hf.save_pretrained(self.dir)
         self.dir4 = root / (name + "-t4")
         to_transformers4_style(self.dir, self.dir4)
-        self.loaded = load_checkpoint(self.dir, device=CPU)
+        self.loaded = load_checkpoint(self.dir, device=CPU, attn_impl=EAGER)
         g = torch.Generator().manual_seed(len(name))
         self.prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=g).tolist()
 
@@ -199,7 +202,7 @@ def test_transformers4_config_reads_as_the_same_model(cases: dict[str, Case], na
     assert args4 == args5
     if name == "llama-theta500k":
         assert args5.rope_theta == 500000.0  # the issue's first row
-    loaded4 = load_checkpoint(case.dir4, device=CPU)
+    loaded4 = load_checkpoint(case.dir4, device=CPU, attn_impl=EAGER)
     assert loaded4.weights_digest == case.loaded.weights_digest
     assert kvfleet_greedy(loaded4, case.prompt, 4)[0] == kvfleet_greedy(
         case.loaded, case.prompt, 4)[0]
@@ -219,13 +222,13 @@ def test_the_window_and_rope_variants_change_the_answer(cases: dict[str, Case]) 
             assert kvfleet_greedy(wrong, case.prompt, NEW_TOKENS)[0] != kvfleet_greedy(
                 case.loaded, case.prompt, NEW_TOKENS)[0], name
         finally:
-            case.loaded = load_checkpoint(case.dir, device=CPU)
+            case.loaded = load_checkpoint(case.dir, device=CPU, attn_impl=EAGER)
 
 
 def load_checkpoint_with(model_dir: Path, args: Any) -> LoadedModel:
     from kvfleet_runtime.model import Transformer
 
-    loaded = load_checkpoint(model_dir, device=CPU)
+    loaded = load_checkpoint(model_dir, device=CPU, attn_impl=EAGER)
     model = Transformer(args)
     model.load_state_dict(loaded.model.state_dict(), strict=False)
     if args.tie_word_embeddings:
@@ -240,7 +243,7 @@ def test_sharded_checkpoint_loads_from_its_index(cases: dict[str, Case], tmp_pat
     shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
     (tmp_path / "stray.safetensors").write_bytes(b"not in the index")  # never read
-    loaded = load_checkpoint(tmp_path, device=CPU)
+    loaded = load_checkpoint(tmp_path, device=CPU, attn_impl=EAGER)
     assert weights_digest(tmp_path) == loaded.weights_digest != case.loaded.weights_digest
     assert kvfleet_greedy(loaded, case.prompt, 8)[0] == kvfleet_greedy(
         case.loaded, case.prompt, 8)[0]
@@ -250,13 +253,13 @@ def test_bf16_checkpoint_is_served_in_bf16(cases: dict[str, Case], tmp_path: Pat
     case = cases["qwen3"]
     case.hf.to(torch.bfloat16).save_pretrained(tmp_path)
     case.hf.to(torch.float32)
-    loaded = load_checkpoint(tmp_path, device=CPU)
+    loaded = load_checkpoint(tmp_path, device=CPU, attn_impl=EAGER)
     assert loaded.args.dtype == "bfloat16"
     assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
     assert loaded.args.kv_bytes_per_token == case.loaded.args.kv_bytes_per_token // 2
     assert PagedKV.allocate(loaded.args, 1, device=CPU).k.dtype == torch.bfloat16
     assert CacheKeyFields.for_model(loaded, "m").kv_dtype == "bfloat16"
-    as_fp32 = load_checkpoint(tmp_path, device=CPU, dtype="fp32")
+    as_fp32 = load_checkpoint(tmp_path, device=CPU, attn_impl=EAGER, dtype="fp32")
     assert as_fp32.model.embed_tokens.weight.dtype == torch.float32
     assert as_fp32.weights_digest == loaded.weights_digest
 
@@ -397,9 +400,10 @@ def test_digest_mismatch_is_reported_before_the_weights_move(
     monkeypatch.setattr(torch.Tensor, "to", spy)
     wrong = "sha256:" + "0" * 64
     with pytest.raises(ValueError, match=f"holds weights {case.loaded.weights_digest}.*{wrong}"):
-        load_checkpoint(case.dir, device=CPU, expected_digest=wrong)
+        load_checkpoint(case.dir, device=CPU, attn_impl=EAGER, expected_digest=wrong)
     assert moved == []
-    loaded = load_checkpoint(case.dir, device=CPU, expected_digest=case.loaded.weights_digest)
+    loaded = load_checkpoint(case.dir, device=CPU, attn_impl=EAGER,
+                             expected_digest=case.loaded.weights_digest)
     assert moved and loaded.weights_digest == case.loaded.weights_digest
 
 
@@ -415,3 +419,14 @@ def test_loaded_state_is_the_files_bytes(cases: dict[str, Case]) -> None:
         assert torch.equal(own[name.removeprefix("model.")], tensor), name
     assert case.loaded.model.lm_head.weight is case.loaded.model.embed_tokens.weight
 
+
+def test_a_transformers_checkpoint_serves_sdpa_by_default(cases: dict[str, Case]) -> None:
+    """transformers writes no `kvfleet_attn_impl`: such a checkpoint gets SDPA, transformers'
+    own default and the CPU's flash kernel, and still computes transformers' logits."""
+    case = cases["qwen3"]
+    assert "kvfleet_attn_impl" not in json.loads((case.dir / "config.json").read_text())
+    loaded = load_checkpoint(case.dir, device=CPU)
+    assert loaded.args.attn_impl == "sdpa"
+    assert loaded.args.attn_impl_id() != case.loaded.args.attn_impl_id()  # another cache key
+    tokens, _ = kvfleet_greedy(loaded, case.prompt, 4)
+    assert tokens == kvfleet_greedy(case.loaded, case.prompt, 4)[0]
