@@ -376,8 +376,9 @@ class Engine:
             raise EngineOverloaded("engine is shutting down")
         self.check(request)
         key = self.key_fields.key(request.tenant_id)
-        seq = _Sequence(request=request, key=key, sampler=Sampler(request.params),
-                        submitted_s=time.monotonic())
+        sampler = Sampler(request.params, prompt=request.token_ids,
+                          eos_ids=self.config.stop_ids)
+        seq = _Sequence(request=request, key=key, sampler=sampler, submitted_s=time.monotonic())
         seq.stream = RequestStream(seq)
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
@@ -610,7 +611,8 @@ class Engine:
 
     def _finish_if_done(self, seq: _Sequence, token: int) -> None:
         params = seq.request.params
-        if token in self.config.stop_ids and not params.ignore_eos:
+        if token in params.stop_token_ids or (token in self.config.stop_ids
+                                              and not params.ignore_eos):
             self._finish(seq, "stop")
         elif len(seq.output) >= params.max_tokens:
             self._finish(seq, "length")
