@@ -122,6 +122,8 @@ _UNSET = Field(default=None, description="Refused unless empty (null, false, [],
 class StreamOptions(_Strict):
     include_usage: bool = False
     include_obfuscation: bool = Field(default=False, description="Accepted and ignored.")
+    continuous_usage_stats: bool = Field(default=False, description="vLLM's field: with "
+                                         "include_usage, every chunk carries the usage so far.")
 
 
 class _Sampling(_Strict):
@@ -206,6 +208,10 @@ class _Sampling(_Strict):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return self.include_usage() and bool(self.stream_options
+                                             and self.stream_options.continuous_usage_stats)
 
     def skips_special_tokens(self) -> bool:
         return self.skip_special_tokens is not False

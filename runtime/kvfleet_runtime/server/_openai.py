@@ -420,6 +420,9 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
         extra = {"usage": None} if include_usage else {}
         offsets = {c.index: len(c.prompt.text) if body.echo else 0 for c in choices}
 
+        def usage_so_far() -> dict[str, Any]:
+            return {"usage": _usage(prompts, choices)} if body.continuous_usage() else extra
+
         def chunk(choice: _Choice, text: str, event: TokenEvent | None) -> dict[str, Any] | None:
             final = event is None or choice.done
             if not text and not final and not (want_logprobs and event is not None):
@@ -432,7 +435,7 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
             ids = [event.token_id] if event is not None else []
             return {**head, "choices": [{"index": choice.index, "text": text, "logprobs": lp,
                                          "finish_reason": choice.finish_reason if final
-                                         else None, "token_ids": ids}], **extra}
+                                         else None, "token_ids": ids}], **usage_so_far()}
 
         opening = ([{**head, "choices": [{"index": c.index, "text": c.prompt.text,
                                           "logprobs": None, "finish_reason": None,
@@ -501,10 +504,11 @@ async def chat_completions(replica: Replica, request: web.Request, tenant: str,
             lp = (_chat_logprobs(replica, [event]) if has_lp and event is not None
                   else None)
             delta = {"content": text} if text or not final else {}
+            usage = {"usage": _usage(prompts, choices)} if body.continuous_usage() else extra
             return {**chunk_head, "choices": [{"index": choice.index, "delta": delta,
                                                "logprobs": lp,
                                                "finish_reason": choice.finish_reason
-                                               if final else None}], **extra}
+                                               if final else None}], **usage}
 
         opening = [{**chunk_head, "choices": [{"index": c.index,
                                                "delta": {"role": "assistant", "content": ""},

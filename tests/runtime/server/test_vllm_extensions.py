@@ -123,3 +123,15 @@ def test_chat_takes_the_same_extensions(running: RunningReplica) -> None:
     assert chat(repetition_penalty=1.8)[0] != greedy
     _, out = chat(ignore_eos=True, min_tokens=12, truncate_prompt_tokens=5)
     assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 12
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(
+        running: RunningReplica) -> None:
+    chunks = list(client(running).completions.create(
+        model="tiny", prompt="Count", max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    usages = [ch.usage for ch in chunks]
+    assert all(u is not None for u in usages)
+    counts = [u.completion_tokens for u in usages if u is not None]
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] < 6
