@@ -45,3 +45,6 @@ lock: setup
 	source scripts/env.sh && "$$KVFLEET_HOME/tools/bin/uv" pip compile pyproject.toml \
 		tests/vllm/requirements.in --extra vllm --python-version 3.11 \
 		--python-platform x86_64-unknown-linux-gnu -q -o requirements-vllm.lock
+	source scripts/env.sh && "$$KVFLEET_HOME/tools/bin/uv" pip compile \
+		tests/router/clients-requirements.in --python-version 3.11 \
+		--python-platform x86_64-unknown-linux-gnu -q -o requirements-clients.lock

@@ -10,7 +10,7 @@ from kvfleet_runtime.engine._engine import (
     RequestStream,
     TokenEvent,
 )
-from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams
+from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams, sample_batch
 
 __all__ = [
     "CacheKeyFields",
@@ -24,4 +24,5 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "TokenEvent",
+    "sample_batch",
 ]

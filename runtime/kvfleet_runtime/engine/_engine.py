@@ -407,8 +407,9 @@ class Engine:
             raise EngineOverloaded("engine is shutting down")
         self.check(request)
         key = self.key_fields.key(request.tenant_id)
-        seq = _Sequence(request=request, key=key, sampler=Sampler(request.params),
-                        submitted_s=time.monotonic())
+        sampler = Sampler(request.params, prompt=request.token_ids,
+                          eos_ids=self.config.stop_ids)
+        seq = _Sequence(request=request, key=key, sampler=sampler, submitted_s=time.monotonic())
         seq.stream = RequestStream(seq)
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
@@ -508,11 +509,13 @@ class Engine:
     def _admit(self) -> None:
         while len(self._running) < self.config.max_batch_size:
             with self._lock:
-                if not self._waiting:
-                    break
-                seq = self._waiting[0]
+                # The first waiting request that need not wait for a running one's prefix.
+                seq = next((s for s in self._waiting
+                            if s.cancelled or not self._prefix_pending(s)), None)
+            if seq is None:
+                break
             if seq.cancelled:
-                self._pop_waiting()
+                self._pop_waiting(seq)
                 self._let_go(seq)
                 self._finished_event(seq, "abort")
                 continue
@@ -523,14 +526,35 @@ class Engine:
             fresh = self.kv.take(need - len(seq.table))
             if fresh is None:
                 break  # head of line waits for room, keeping its shared prefix
-            self._pop_waiting()
+            self._pop_waiting(seq)
             seq.table = seq.table + fresh
             self._running.append(seq)
             self._copy_prefix(seq)
 
-    def _pop_waiting(self) -> None:
+    def _prefix_pending(self, seq: _Sequence) -> bool:
+        """A running sequence of the same key is still computing a full block this prompt
+        starts with: admitting `seq` now would compute those blocks a second time, so it waits
+        until that sequence stores its prompt (at its first token), then its lookup hits them.
+        Bounded: the other's prefill ends within a few steps, or it is cancelled and leaves."""
+        if seq.looked_up or self.cache is None:
+            return False
+        usable = (len(seq.prompt) - 1) // BLOCK_SIZE  # the last token is always computed
+        for other in self._running:
+            if other.output or other.cancelled or other.key != seq.key:
+                continue
+            shared = 0
+            for b in range(min(usable, len(other.prompt) // BLOCK_SIZE)):
+                lo, hi = b * BLOCK_SIZE, (b + 1) * BLOCK_SIZE
+                if seq.prompt[lo:hi] != other.prompt[lo:hi]:
+                    break
+                shared = b + 1
+            if shared * BLOCK_SIZE > other.cached_tokens:  # blocks the cache does not have yet
+                return True
+        return False
+
+    def _pop_waiting(self, seq: _Sequence) -> None:
         with self._lock:
-            self._waiting.popleft()
+            self._waiting.remove(seq)
             self.metrics.waiting.set(len(self._waiting))
 
     def _restore_prefix(self, seq: _Sequence) -> None:
@@ -673,7 +697,8 @@ class Engine:
 
     def _finish_if_done(self, seq: _Sequence, token: int) -> bool:
         params = seq.request.params
-        if token in self.config.stop_ids and not params.ignore_eos:
+        if token in params.stop_token_ids or (token in self.config.stop_ids
+                                              and not params.ignore_eos):
             self._finish(seq, "stop")
         elif len(seq.output) >= params.max_tokens:
             self._finish(seq, "length")

@@ -60,6 +60,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kvfleet_runtime import __version__
 from kvfleet_runtime.api import (
     ApiError,
     error_middleware,
@@ -459,6 +460,30 @@ def create_router_app(state: RouterState) -> web.Application:
                     return web.json_response(await r.json(), status=r.status)
         raise ApiError(503, "no replica is ready", code="no_replica", headers={"Retry-After": "1"})
 
+    async def tokenizer_route(request: web.Request) -> web.StreamResponse:
+        """vLLM's /tokenize and /detokenize, answered by the first ready replica: every
+        replica of a fleet serves the same model, so any one's tokenizer is the model's."""
+        authenticate(request)
+        raw, _ = await json_body(request)
+        assert state.session is not None
+        for load in sorted(state.view.loads(), key=lambda x: x.name):
+            if not load.ready:
+                continue
+            url = state.view.replicas[load.name].url + request.path
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                async with state.session.post(
+                    url, data=raw, headers={"Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    return web.json_response(await r.json(), status=r.status)
+        raise ApiError(503, "no replica is ready", code="no_replica", headers={"Retry-After": "1"})
+
+    async def version(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"version": __version__})
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        # vLLM's probe: an empty 200 while the router can place a request on some replica.
+        return web.Response(status=200 if any(x.ready for x in state.view.loads()) else 503)
+
     async def models(request: web.Request) -> web.StreamResponse:
         authenticate(request)
         return await from_a_replica("/v1/models")
@@ -498,6 +523,10 @@ def create_router_app(state: RouterState) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_post("/tokenize", tokenizer_route)
+    app.router.add_post("/detokenize", tokenizer_route)
+    app.router.add_get("/version", version)
+    app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

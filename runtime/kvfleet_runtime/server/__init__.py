@@ -18,12 +18,13 @@ from kvfleet_runtime.server._config import (
     ReplicaConfig,
     load_config,
 )
-from kvfleet_runtime.server._openai import system_fingerprint
+from kvfleet_runtime.server._openai import MIN_TOKENS_CODE, system_fingerprint
 from kvfleet_runtime.server._schemas import InvalidateRequest
 
 __all__ = [
     "CONFIG_ENV",
     "ENV_PREFIX",
+    "MIN_TOKENS_CODE",
     "ApiError",
     "CacheSettings",
     "ChatCompletionRequest",

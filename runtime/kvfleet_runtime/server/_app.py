@@ -39,6 +39,7 @@ from prometheus_client import (
 )
 from pydantic import BaseModel, ValidationError
 
+from kvfleet_runtime import __version__
 from kvfleet_runtime.api import (
     PROMPT_TAGS,
     ApiError,
@@ -46,9 +47,12 @@ from kvfleet_runtime.api import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     error_middleware,
     error_response,
     read_json,
@@ -71,7 +75,7 @@ from kvfleet_runtime.server._config import (
     load_config,
     restart_fields,
 )
-from kvfleet_runtime.server._openai import chat_completions, completions
+from kvfleet_runtime.server._openai import chat_completions, completions, detokenize, tokenize
 from kvfleet_runtime.server._schemas import (
     TENANT_PATTERN,
     InvalidateAccepted,
@@ -300,11 +304,12 @@ async def _json_body(request: web.Request, limits: Limits) -> Any:
 M = TypeVar("M", bound=BaseModel)
 
 
-def _validate(model: type[M], data: Any) -> M:
+def _validate(model: type[M], data: Any, *, generation: bool = True) -> M:
+    """`generation` False (the tokenizer routes): only the model's own fields are checked."""
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_body")
-    refused = refused_fields(data)
+    refused = refused_fields(data) if generation else []
     if refused:
         raise ApiError(400, "; ".join(f"{name}: {why}" for name, why in refused),
                        param=refused[0][0], code="unsupported_parameter")
@@ -349,7 +354,31 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
 
     def card() -> dict[str, Any]:
         return ModelCard(id=replica.model_id, created=0, owned_by="kvfleet",
+                         root=replica.config.model_dir,
+                         max_model_len=replica.loaded.args.max_seq_len,
                          weights_digest=replica.loaded.weights_digest).model_dump()
+
+    async def tokenize_handler(request: web.Request) -> web.StreamResponse:
+        data = await _json_body(request, replica.config.limits)
+        body: TokenizeCompletionRequest | TokenizeChatRequest
+        if isinstance(data, dict) and "messages" in data:
+            body = _validate(TokenizeChatRequest, data, generation=False)
+        else:
+            body = _validate(TokenizeCompletionRequest, data, generation=False)
+        out = await asyncio.to_thread(tokenize, replica, body)
+        return web.json_response(out)
+
+    async def detokenize_handler(request: web.Request) -> web.StreamResponse:
+        body = _validate(DetokenizeRequest, await _json_body(request, replica.config.limits),
+                         generation=False)
+        return web.json_response(await asyncio.to_thread(detokenize, replica, body))
+
+    async def version(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"version": __version__})
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        # vLLM's probe: 200 with an empty body while the engine runs, else 503.
+        return web.Response(status=200 if replica.ready else 503)
 
     async def models(request: web.Request) -> web.StreamResponse:
         return web.json_response({"object": "list", "data": [card()]})
@@ -415,7 +444,8 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
     return {"completions": completions_handler, "chat": chat_handler, "models": models,
             "model": model, "cache_stats": cache_stats,
             "invalidate": invalidate, "metrics": metrics, "healthz": healthz, "readyz": readyz,
-            "openapi": openapi}
+            "openapi": openapi, "tokenize": tokenize_handler, "detokenize": detokenize_handler,
+            "version": version, "health": health}
 
 
 # ---- app -------------------------------------------------------------------------------------
@@ -437,6 +467,10 @@ def create_app(replica: Replica, *, watch: bool = True,
     app.router.add_get("/healthz", h["healthz"])
     app.router.add_get("/readyz", h["readyz"])
     app.router.add_get("/openapi.json", h["openapi"])
+    app.router.add_post("/tokenize", h["tokenize"])
+    app.router.add_post("/detokenize", h["detokenize"])
+    app.router.add_get("/version", h["version"])
+    app.router.add_get("/health", h["health"])
 
     async def lifecycle(app: web.Application) -> Any:
         await replica.engine.start()
@@ -564,6 +598,14 @@ _SSE_EVENT = {
 }
 
 
+def _bound(props: dict[str, Any], name: str, maximum: int, *, items: bool = False) -> None:
+    """Set the integer maximum of a field (of its items' integers with `items`)."""
+    for branch in props[name].get("anyOf", [props[name]]):
+        target = branch.get("items", {}) if items else branch
+        if target.get("type") == "integer" and target.get("minimum", 0) >= 0:
+            target["maximum"] = maximum
+
+
 def _apply_limits(components: dict[str, Any], replica: Replica) -> None:
     """This replica's limits in the request schemas, so a schema-valid request fits them
     (except what JSON Schema cannot say: text is limited in tokens, not characters, and a
@@ -577,6 +619,9 @@ def _apply_limits(components: dict[str, Any], replica: Replica) -> None:
         for branch in props["logit_bias"]["anyOf"]:
             if branch.get("type") == "object":  # keys are token ids and nothing else
                 branch["additionalProperties"] = False
+        _bound(props, "stop_token_ids", args.vocab_size - 1, items=True)
+        _bound(props, "min_tokens", limits.max_tokens)
+        _bound(props, "truncate_prompt_tokens", limits.max_prompt_tokens)
         for field_name in ("max_tokens", "max_completion_tokens"):
             if field_name not in props:
                 continue

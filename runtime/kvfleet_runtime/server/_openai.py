@@ -30,7 +30,10 @@ from kvfleet_runtime.api import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     StopMatcher,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     is_client_gone,
 )
 from kvfleet_runtime.engine import (
@@ -47,9 +50,13 @@ if TYPE_CHECKING:
     from kvfleet_runtime.server._app import Replica
     from kvfleet_runtime.tokenizer import IncrementalDecoder
 
-__all__ = ["chat_completions", "completions", "system_fingerprint"]
+__all__ = ["MIN_TOKENS_CODE", "chat_completions", "completions", "detokenize",
+           "system_fingerprint", "tokenize"]
 
 log = logging.getLogger(__name__)
+
+MIN_TOKENS_CODE = "min_tokens_exceeds_max_tokens"
+"""The 400 of `min_tokens` over `max_tokens`: one of the limits JSON Schema cannot state."""
 
 
 def system_fingerprint(weights_digest: str) -> str:
@@ -80,6 +87,10 @@ class _Choice:
     cache_tier: str | None = None
     finish_reason: str | None = None
     done: bool = False
+    stop_ids: frozenset[int] = frozenset()
+    """Ids that end this sequence: their text is left out unless include_stop is set."""
+    include_stop: bool = False
+    min_tokens: int = 0
 
 
 Delta = Callable[["_Choice", str, TokenEvent | None], Awaitable[None]]
@@ -109,13 +120,50 @@ def _check_lengths(replica: Replica, token_ids: Sequence[int], max_tokens: int,
                        f"tokens", param=param, code="context_length_exceeded")
 
 
+def _truncate(replica: Replica, body: CompletionRequest | ChatCompletionRequest,
+              token_ids: list[int], max_tokens: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: keep k tokens (-1: what the context leaves beside
+    max_tokens), the last ones unless `truncation_side` is "right"."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    limits, context = replica.config.limits, replica.loaded.args.max_seq_len
+    if k == -1:
+        k = max(min(limits.max_prompt_tokens, context - max_tokens), 1)
+    elif k > limits.max_prompt_tokens:
+        raise ApiError(400, f"truncate_prompt_tokens {k} exceeds the prompt limit of "
+                       f"{limits.max_prompt_tokens} tokens", param="truncate_prompt_tokens",
+                       code="invalid_value")
+    if len(token_ids) <= k:
+        return token_ids
+    return token_ids[:k] if body.truncation_side == "right" else token_ids[-k:]
+
+
+def _check_sampling(replica: Replica, body: CompletionRequest | ChatCompletionRequest,
+                    max_tokens: int) -> None:
+    """What the schema cannot check alone: it needs max_tokens or the vocabulary."""
+    if body.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {max_tokens}",
+                       param="min_tokens", code=MIN_TOKENS_CODE)
+    vocab = replica.loaded.args.vocab_size
+    bad = [t for t in body.stop_token_ids or () if t >= vocab]
+    if bad:
+        raise ApiError(400, f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab})",
+                       param="stop_token_ids", code="invalid_value")
+
+
 def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
               logprobs: int | None, j: int) -> SamplingParams:
     seed = None if body.seed is None else (body.seed + j) % (2**63)
     bias = tuple(sorted((int(k), v) for k, v in (body.logit_bias or {}).items()))
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, seed=seed,
-                          top_p=body.top_p, presence_penalty=body.presence_penalty,
+                          top_p=body.top_p, top_k=max(body.top_k or 0, 0),
+                          min_p=body.min_p or 0.0,
+                          repetition_penalty=body.repetition_penalty or 1.0,
+                          presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=bias,
+                          ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                          stop_token_ids=frozenset(body.stop_token_ids or ()),
                           logprobs=logprobs)
 
 
@@ -143,13 +191,21 @@ async def _submit(replica: Replica, tenant: str, prompts: list[_Prompt],
             except Exception:  # a cache-side failure never fails the request: recompute
                 log.exception("before_submit hook failed; the engine prefills instead")
     stops = body.stop_list()
+    model_stops = frozenset() if body.ignore_eos else engine.config.stop_ids
+    stop_ids = model_stops | frozenset(body.stop_token_ids or ())
     choices: list[_Choice] = []
     try:
         for p, row in zip(prompts, gens, strict=True):
             for j, gen in enumerate(row):
                 stream = engine.submit(gen)
-                choices.append(_Choice(p.index * body.n + j, p, stream, StopMatcher(stops),
-                                       replica.tokenizer.stream_decoder()))
+                decoder = replica.tokenizer.stream_decoder(
+                    skip_special_tokens=body.skips_special_tokens(),
+                    spaces_between_special_tokens=body.spaces_between_special_tokens)
+                matcher = StopMatcher(stops, include_stop=body.include_stop_str_in_output)
+                choices.append(_Choice(p.index * body.n + j, p, stream, matcher, decoder,
+                                       stop_ids=stop_ids,
+                                       include_stop=body.include_stop_str_in_output,
+                                       min_tokens=body.min_tokens))
     except BaseException as exc:  # a refusal, or the client went away between two submits
         for c in choices:
             c.stream.cancel()
@@ -170,7 +226,13 @@ async def _run_choice(choice: _Choice, on_delta: Delta) -> None:
             choice.token_ids.append(event.token_id)
             if event.logprob is not None:
                 choice.events.append(event)
-            out = choice.matcher.push(choice.decoder.push(event.token_id))
+            # vLLM's rules: the id that ends the sequence is not text unless asked for, and
+            # stop strings count only in the text of tokens after the first min_tokens.
+            ends = (event.token_id in choice.stop_ids
+                    and len(choice.token_ids) > choice.min_tokens)
+            piece = ("" if ends and not choice.include_stop
+                     else choice.decoder.push(event.token_id))
+            out = choice.matcher.push(piece, check=len(choice.token_ids) > choice.min_tokens)
             choice.text.append(out)
             if choice.matcher.stopped:
                 choice.stream.cancel("stop")  # counted as a stop, not as an abort
@@ -328,7 +390,7 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
                 raise ApiError(400, f"prompt has {len(text)} characters; the limit is "
                                f"{limit - 1}", param="prompt", code="prompt_too_long")
             try:
-                ids = tok.encode(text)
+                ids = tok.encode(text, bos=body.add_special_tokens)
             except ValueError as exc:  # text the tokenizer refuses (a lone surrogate)
                 raise ApiError(400, f"prompt: {exc}", param="prompt",
                                code="invalid_value") from exc
@@ -336,12 +398,16 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
     else:
         lists = raw if isinstance(raw[0], list) else [raw]
         prompts = [_Prompt(i, [int(t) for t in ids], "") for i, ids in enumerate(lists)]
+    _check_sampling(replica, body, body.max_tokens)
     for p in prompts:
+        truncated = _truncate(replica, body, p.token_ids, body.max_tokens)
+        if truncated is not p.token_ids:
+            p.token_ids, p.text = truncated, ""  # echo returns what the model saw
         _check_lengths(replica, p.token_ids, body.max_tokens, "prompt")
         if body.echo and not p.text:
             bad = next((t for t in p.token_ids if t >= replica.loaded.args.vocab_size), None)
             if bad is None:
-                p.text = tok.decode(p.token_ids)
+                p.text = tok.decode(p.token_ids, skip_special_tokens=body.skips_special_tokens())
     choices = await _submit(replica, tenant, prompts, body, body.max_tokens, body.logprobs)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created,
@@ -353,6 +419,9 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
         include_usage = body.include_usage()
         extra = {"usage": None} if include_usage else {}
         offsets = {c.index: len(c.prompt.text) if body.echo else 0 for c in choices}
+
+        def usage_so_far() -> dict[str, Any]:
+            return {"usage": _usage(prompts, choices)} if body.continuous_usage() else extra
 
         def chunk(choice: _Choice, text: str, event: TokenEvent | None) -> dict[str, Any] | None:
             final = event is None or choice.done
@@ -366,7 +435,7 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
             ids = [event.token_id] if event is not None else []
             return {**head, "choices": [{"index": choice.index, "text": text, "logprobs": lp,
                                          "finish_reason": choice.finish_reason if final
-                                         else None, "token_ids": ids}], **extra}
+                                         else None, "token_ids": ids}], **usage_so_far()}
 
         opening = ([{**head, "choices": [{"index": c.index, "text": c.prompt.text,
                                           "logprobs": None, "finish_reason": None,
@@ -405,10 +474,15 @@ async def chat_completions(replica: Replica, request: web.Request, tenant: str,
         raise ApiError(400, f"messages cannot be rendered with the model's chat template: "
                        f"{exc}", param="messages", code="invalid_value") from exc
     max_tokens = body.generation_limit(replica.config.limits.max_tokens)
+    explicit = body.max_completion_tokens is not None or body.max_tokens is not None
+    if body.truncate_prompt_tokens is not None:
+        token_ids = _truncate(replica, body, token_ids, max_tokens if explicit
+                              else max(1, body.min_tokens))
     # Without an explicit limit, generation may use what the context leaves (OpenAI's rule).
-    if body.max_completion_tokens is None and body.max_tokens is None:
+    if not explicit:
         room = replica.loaded.args.max_seq_len - len(token_ids)
         max_tokens = max(1, min(max_tokens, room))
+    _check_sampling(replica, body, max_tokens)
     _check_lengths(replica, token_ids, max_tokens, "messages")
     prompts = [_Prompt(0, token_ids, "")]
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -430,10 +504,11 @@ async def chat_completions(replica: Replica, request: web.Request, tenant: str,
             lp = (_chat_logprobs(replica, [event]) if has_lp and event is not None
                   else None)
             delta = {"content": text} if text or not final else {}
+            usage = {"usage": _usage(prompts, choices)} if body.continuous_usage() else extra
             return {**chunk_head, "choices": [{"index": choice.index, "delta": delta,
                                                "logprobs": lp,
                                                "finish_reason": choice.finish_reason
-                                               if final else None}], **extra}
+                                               if final else None}], **usage}
 
         opening = [{**chunk_head, "choices": [{"index": c.index,
                                                "delta": {"role": "assistant", "content": ""},
@@ -464,3 +539,36 @@ def _headers(choices: list[_Choice]) -> dict[str, str]:
     head = min(choices, key=lambda c: c.index)
     return {"X-Kvfleet-Cached-Tokens": str(head.cached_tokens),
             "X-Kvfleet-Cache-Tier": head.cache_tier or "none"}
+
+
+# ---- vLLM's /tokenize and /detokenize ------------------------------------------------------
+
+def tokenize(replica: Replica, body: TokenizeCompletionRequest | TokenizeChatRequest
+             ) -> dict[str, Any]:
+    """The ids a completion or a chat completion with the same prompt would use (vLLM's
+    response: `count`, `max_model_len`, `tokens`, `token_strs`)."""
+    _check_model(replica, body.model)
+    tok = replica.tokenizer
+    try:
+        if isinstance(body, TokenizeChatRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+        else:
+            ids = tok.encode(body.prompt, bos=body.add_special_tokens)
+    except (ValueError, TypeError, KeyError) as exc:
+        param = "messages" if isinstance(body, TokenizeChatRequest) else "prompt"
+        raise ApiError(400, f"{param} cannot be tokenized: {exc}", param=param,
+                       code="invalid_value") from exc
+    strs = [tok.token_text(t) for t in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": replica.loaded.args.max_seq_len,
+            "tokens": ids, "token_strs": strs}
+
+
+def detokenize(replica: Replica, body: DetokenizeRequest) -> dict[str, Any]:
+    _check_model(replica, body.model)
+    vocab = replica.loaded.args.vocab_size
+    bad = next((t for t in body.tokens if t >= vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"tokens: token id {bad} is out of range [0, {vocab})",
+                       param="tokens", code="invalid_value")
+    return {"prompt": replica.tokenizer.decode(body.tokens)}

@@ -30,6 +30,8 @@ PAD_ID = 258
 NUM_BYTE_TOKENS = 256
 VOCAB_SIZE = 259
 BYTE_TOKENIZER_NAME = BYTE_TOKENIZER_ID
+SPECIAL_TEXT = {BOS_ID: "<|bos|>", EOS_ID: "<|eos|>", PAD_ID: "<|pad|>"}
+"""The special tokens as text, where a request keeps them (`skip_special_tokens: false`)."""
 
 
 class ByteTokenizer:
@@ -47,11 +49,22 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [BOS_ID, *ids] if bos else ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < NUM_BYTE_TOKENS).decode("utf-8", errors="replace")
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return bytes(i for i in ids if 0 <= i < NUM_BYTE_TOKENS).decode("utf-8",
+                                                                            errors="replace")
+        decoder = StreamDecoder(skip_special_tokens=False)
+        return "".join(decoder.push(i) for i in ids) + decoder.flush()
 
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder()
+    def stream_decoder(self, *, skip_special_tokens: bool = True,
+                       spaces_between_special_tokens: bool = True) -> StreamDecoder:
+        # Byte tokens have no decoder that adds spaces: the last flag changes nothing here.
+        return StreamDecoder(skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        if token_id in SPECIAL_TEXT:
+            return SPECIAL_TEXT[token_id]
+        return self.token_bytes(token_id).decode("latin-1")
 
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id]) if 0 <= token_id < NUM_BYTE_TOKENS else b""
@@ -76,12 +89,16 @@ class ByteTokenizer:
 class StreamDecoder:
     """Turns tokens into text as they arrive, holding back incomplete UTF-8 sequences."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, skip_special_tokens: bool = True) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._skip = skip_special_tokens
 
     def push(self, token_id: int) -> str:
         if not 0 <= token_id < NUM_BYTE_TOKENS:
-            return ""
+            if self._skip or token_id not in SPECIAL_TEXT:
+                return ""
+            # A special token ends any incomplete character before it.
+            return self._decoder.decode(b"", final=True) + SPECIAL_TEXT[token_id]
         return self._decoder.decode(bytes([token_id]))
 
     def flush(self) -> str:

@@ -86,11 +86,23 @@ class HFTokenizer:
             raise ValueError(f"text is not valid Unicode (a lone surrogate?): {exc}") from exc
         return ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return str(self._backend.decode(list(ids), skip_special_tokens=True))
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def stream_decoder(self) -> HFStreamDecoder:
-        return HFStreamDecoder(self)
+    def stream_decoder(self, *, skip_special_tokens: bool = True,
+                       spaces_between_special_tokens: bool = True) -> HFStreamDecoder:
+        return HFStreamDecoder(self, skip_special_tokens=skip_special_tokens,
+                               join_specials=not (skip_special_tokens
+                                                  or spaces_between_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self._backend.id_to_token(token_id) or "")
+
+    def added_token_text(self, token_id: int) -> str | None:
+        """An added (special) token's text; None for the model's own vocabulary."""
+        if token_id not in self._added:
+            return None
+        return str(self._backend.id_to_token(token_id))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, even when they are part of a character (a byte-level
@@ -130,10 +142,14 @@ class HFTokenizer:
 class HFStreamDecoder:
     """Incremental text of a token stream (see the module docstring)."""
 
-    __slots__ = ("_ids", "_prefix", "_read", "_tok")
+    __slots__ = ("_ids", "_join_specials", "_last_special", "_prefix", "_read", "_skip", "_tok")
 
-    def __init__(self, tokenizer: HFTokenizer) -> None:
+    def __init__(self, tokenizer: HFTokenizer, *, skip_special_tokens: bool = True,
+                 join_specials: bool = False) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._join_specials = join_specials
+        self._last_special = False
         self._ids: list[int] = []
         self._prefix = 0
         """Start of the window decoded for context (its first token's text is never emitted
@@ -143,15 +159,24 @@ class HFStreamDecoder:
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        before = self._tok.decode(self._ids[self._prefix:self._read])
-        now = self._tok.decode(self._ids[self._prefix:])
+        special = self._tok.added_token_text(token_id) if self._join_specials else None
+        after_special, self._last_special = self._last_special, special is not None
+        if special is not None and after_special and self._prefix == self._read == len(
+                self._ids) - 1:
+            self._prefix = self._read = len(self._ids)  # its bare text, no joining space
+            return special
+        before = self._decode(self._ids[self._prefix:self._read])
+        now = self._decode(self._ids[self._prefix:])
         if len(now) <= len(before) or now.endswith(_REPLACEMENT):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return now[len(before):]
 
     def flush(self) -> str:
-        before = self._tok.decode(self._ids[self._prefix:self._read])
-        now = self._tok.decode(self._ids[self._prefix:])
+        before = self._decode(self._ids[self._prefix:self._read])
+        now = self._decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
         return now[len(before):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)

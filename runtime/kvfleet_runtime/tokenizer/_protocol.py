@@ -32,9 +32,18 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, *, bos: bool = True) -> list[int]: ...
 
-    def decode(self, ids: Iterable[int]) -> str: ...
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str: ...
 
-    def stream_decoder(self) -> IncrementalDecoder: ...
+    def stream_decoder(self, *, skip_special_tokens: bool = True,
+                       spaces_between_special_tokens: bool = True) -> IncrementalDecoder:
+        """`spaces_between_special_tokens` False (with specials kept): two special tokens in a
+        row are joined as their bare text, without a space the decoder may put between them
+        (vLLM's rule)."""
+        ...
+
+    def token_text(self, token_id: int) -> str:
+        """One token as the vocabulary writes it (`/tokenize`'s `token_strs`)."""
+        ...
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's bytes (for logprobs: often part of a character, never U+FFFD)."""

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvfleet_runtime.engine import Sampler, SamplingParams
+from kvfleet_runtime.engine import Sampler, SamplingParams, sample_batch
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, -1.0])
 
@@ -65,5 +65,99 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [("top_p", 0.0), ("top_p", 1.5), ("logprobs", 21)])
 def test_bad_params_name_the_field(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+# ---- vLLM's extensions, against transformers' own processors ---------------------------------
+
+def _hf_probs(logits: torch.Tensor, history: list[int], *, temperature: float, penalty: float,
+              top_k: int, min_p: float) -> torch.Tensor:
+    """What transformers' generate samples from: its processors, in its order."""
+    tf = pytest.importorskip("transformers")
+    ids = torch.tensor([history])
+    scores = logits.clone().unsqueeze(0)
+    processors = [tf.RepetitionPenaltyLogitsProcessor(penalty),
+                  tf.TemperatureLogitsWarper(temperature)]
+    if top_k:
+        processors.append(tf.TopKLogitsWarper(top_k))
+    if min_p:
+        processors.append(tf.MinPLogitsWarper(min_p))
+    for proc in processors:
+        scores = proc(ids, scores)
+    return torch.softmax(scores.to(torch.float64), dim=-1)[0]
+
+
+CASES = [  # (temperature, repetition_penalty, top_k, min_p)
+    (1.0, 1.3, 0, 0.0),
+    (0.7, 1.0, 5, 0.0),
+    (1.0, 1.0, 0, 0.2),
+    (0.8, 1.7, 7, 0.05),
+    (1.3, 0.8, 3, 0.0),  # a penalty under 1 favours repeats
+]
+
+
+def test_a_batch_samples_from_transformers_distributions() -> None:
+    from kvfleet_runtime.engine._sampling import _processed_logits, sampling_probs
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 50
+    logits = torch.randn(len(CASES), vocab, generator=gen) * 3
+    prompts = [torch.randint(0, vocab, (8 + i,), generator=gen).tolist() for i in range(5)]
+    outputs = [torch.randint(0, vocab, (i,), generator=gen).tolist() for i in range(5)]
+    samplers = [Sampler(SamplingParams(temperature=t, repetition_penalty=r, top_k=k, min_p=m,
+                                       seed=0), prompt=p)
+                for (t, r, k, m), p in zip(CASES, prompts, strict=True)]
+    processed = _processed_logits(samplers, logits, outputs)
+    probs = sampling_probs(samplers, processed)
+    for i, (t, r, k, m) in enumerate(CASES):
+        expected = _hf_probs(logits[i], prompts[i] + outputs[i], temperature=t, penalty=r,
+                             top_k=k, min_p=m)
+        assert torch.equal(probs[i] > 0, expected > 0), f"case {i}: a different support"
+        torch.testing.assert_close(probs[i], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_batch_rows_equal_rows_sampled_alone() -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(len(CASES), 40, generator=gen)
+    params = [SamplingParams(temperature=t, repetition_penalty=r, top_k=k, min_p=m, seed=7,
+                             logprobs=2) for t, r, k, m in CASES]
+    histories = [[1, 2, 3][:i] for i in range(len(CASES))]
+    together = sample_batch([Sampler(p, prompt=[4, 5]) for p in params], logits, histories)
+    alone = [Sampler(p, prompt=[4, 5]).step(row, h)
+             for p, row, h in zip(params, logits, histories, strict=True)]
+    assert [s.token_id for s in together] == [s.token_id for s in alone]
+    for a, b in zip(together, alone, strict=True):
+        assert a.logprob == pytest.approx(b.logprob)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    logits = torch.tensor([2.0, 1.5, -1.0, -1.2])
+    # Token 0 was in the prompt: 2 / 2 = 1 < 1.5.
+    assert Sampler(SamplingParams(repetition_penalty=2.0), prompt=[0]).sample(logits) == 1
+    # Token 2 generated: -1 * 2 = -2 < -1.2, so greedy among the last two prefers 3.
+    biased = Sampler(SamplingParams(repetition_penalty=2.0, logit_bias=((0, -9.0), (1, -9.0))))
+    assert biased.sample(logits, [2]) == 3
+
+
+def test_top_k_one_and_min_p_one_are_greedy() -> None:
+    logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
+    for s in range(30):
+        assert Sampler(SamplingParams(temperature=1.5, top_k=1, seed=s)).sample(logits) == 1
+        assert Sampler(SamplingParams(temperature=1.5, min_p=1.0, seed=s)).sample(logits) == 1
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.tensor([5.0, 1.0, 4.0, 0.0])
+    params = SamplingParams(min_tokens=2, stop_token_ids=frozenset({2}))
+    sampler = Sampler(params, eos_ids=frozenset({0}))
+    assert sampler.sample(logits, []) == 1
+    assert sampler.sample(logits, [1]) == 1
+    assert sampler.sample(logits, [1, 1]) == 0  # reached: EOS may come
+
+
+@pytest.mark.parametrize(("field", "value"), [("top_k", -2), ("min_p", 1.5),
+                                              ("repetition_penalty", 0.0), ("min_tokens", 17)])
+def test_bad_vllm_params_name_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})  # type: ignore[arg-type]

@@ -4,8 +4,9 @@ schema-valid data accepted. Bounded: a few dozen cases per operation and mode.
 
 Schema-valid data is accepted except where JSON Schema cannot state a limit: a text prompt is
 limited in tokens (the schema can bound only its characters) and a prompt plus max_tokens must
-fit the model's context. Those refusals are 400s with their own codes, `prompt_too_long` and
-`context_length_exceeded`, naming the numbers; `documented_limits` accepts exactly those and
+fit the model's context, and vLLM's `min_tokens` may not exceed `max_tokens`. Those refusals are
+400s with their own codes, `prompt_too_long`, `context_length_exceeded` and
+`min_tokens_exceeds_max_tokens`, naming the numbers; `documented_limits` accepts exactly those and
 leaves every other case to schemathesis's own check.
 """
 
@@ -20,9 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode, checks
 
+from kvfleet_runtime.server import MIN_TOKENS_CODE
+
 from .conftest import RunningReplica, as_router
 
-LIMIT_CODES = {"prompt_too_long", "context_length_exceeded"}
+LIMIT_CODES = {"prompt_too_long", "context_length_exceeded", MIN_TOKENS_CODE}
 
 
 def is_documented_limit(response: Any) -> bool:
