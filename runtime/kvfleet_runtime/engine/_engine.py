@@ -61,7 +61,7 @@ from torch import Tensor
 
 from kvfleet_runtime.cache import CacheKey, Hit, PrefixCache, StoreOutcome, Tier
 from kvfleet_runtime.engine._batch import DecodeBatch
-from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams
+from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams, sample_batch
 from kvfleet_runtime.model import DecodeGraphs, LoadedModel, PagedKV, Transformer
 from kvfleet_runtime.wire import BLOCK_SIZE
 
@@ -666,9 +666,13 @@ class Engine:
         logits = (self._graphs(*inputs) if self._graphs is not None
                   else self.model.decode_step(*inputs, self.kv))
         rows = logits.to("cpu", torch.float32)  # one copy for the batch, not one per row
+        try:  # the batch's sampling is one tensor path
+            batch_sampled: list[Sampled | None] = list(
+                sample_batch([s.sampler for s in seqs], rows, [s.output for s in seqs]))
+        except Exception:  # one bad request must not fail its neighbours: row by row
+            batch_sampled = [self._sample(seq, row) for seq, row in zip(seqs, rows, strict=True)]
         generated = 0
-        for seq, row in zip(seqs, rows, strict=True):
-            sampled = self._sample(seq, row)
+        for seq, sampled in zip(seqs, batch_sampled, strict=True):
             if sampled is not None:
                 generated += 1
                 self._accept(seq, sampled)
