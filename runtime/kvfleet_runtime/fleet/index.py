@@ -253,6 +253,8 @@ class RedisHintIndex:
         self._down_until: dict[str, float] = {}
         self._next_backoff_s: dict[str, float] = {}
         self._runs_script = client.register_script(_RUNS_LUA)
+        self._publish_script = client.register_script(_PUBLISH_LUA)
+        self._withdraw_script = client.register_script(_WITHDRAW_LUA)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisHintIndex:
@@ -328,16 +330,15 @@ class RedisHintIndex:
     ) -> None:
         if not hashes:
             return
-        expiry = self.clock() + self.ttl_s
+        expiry = repr(self.clock() + self.ttl_s)
         ttl = max(1, int(self.ttl_s))
         keys = [self._block_key(h, tenant) for h in hashes]
-
-        def build(pipe: Any) -> None:
-            for key in keys:
-                pipe.zadd(key, {host: expiry})
-                pipe.expire(key, ttl)
-
-        if await self._run(build, self.write_timeout_s, self._shard(keys[0])) is not None:
+        # One script call, one reply: a pipeline of ZADD + EXPIRE per block costs a parsed
+        # reply per command (and, on a cluster, a slot computation per command) in Python.
+        done = await self._call(
+            lambda: self._publish_script(keys=keys, args=[expiry, host, ttl]),
+            self.write_timeout_s, self._shard(keys[0]))
+        if done is not None:
             self.stats.num_published += len(hashes)
 
     async def withdraw(
@@ -346,12 +347,9 @@ class RedisHintIndex:
         if not hashes:
             return
         keys = [self._block_key(h, tenant) for h in hashes]
-
-        def build(pipe: Any) -> None:
-            for key in keys:
-                pipe.zrem(key, host)
-
-        if await self._run(build, self.write_timeout_s, self._shard(keys[0])) is not None:
+        done = await self._call(lambda: self._withdraw_script(keys=keys, args=[host]),
+                                self.write_timeout_s, self._shard(keys[0]))
+        if done is not None:
             self.stats.num_withdrawn += len(hashes)
 
     async def lookup(
@@ -488,6 +486,21 @@ class RedisClusterHintIndex(RedisHintIndex):
                 await self._refresh
         await super().close()
 
+
+_PUBLISH_LUA = """
+for _, key in ipairs(KEYS) do
+  redis.call('ZADD', key, ARGV[1], ARGV[2])
+  redis.call('EXPIRE', key, ARGV[3])
+end
+return #KEYS
+"""
+
+_WITHDRAW_LUA = """
+for _, key in ipairs(KEYS) do
+  redis.call('ZREM', key, ARGV[1])
+end
+return #KEYS
+"""
 
 _RUNS_LUA = """
 local bound = '(' .. ARGV[1]
