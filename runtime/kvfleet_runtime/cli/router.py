@@ -48,6 +48,12 @@ def router(
                      help="Hint index on a Redis Cluster: seed node URLs, comma-separated "
                      "(wins over --redis-url)."),
     ] = None,
+    hint_lookup_budget_s: Annotated[
+        float,
+        typer.Option(envvar="KVFLEET_HINT_LOOKUP_BUDGET_S",
+                     help="A hint lookup slower than this is skipped (override off for that "
+                     "request)."),
+    ] = 0.002,
     k: Annotated[int, typer.Option(help="Home replicas per tenant (config overrides).")] = 3,
     occupancy_threshold: Annotated[
         float, typer.Option(help="Spill when every home's KV occupancy is at or above this.")
@@ -103,11 +109,15 @@ def router(
         own_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
     except ValueError as exc:
         fail(f"--tokenizer: {exc}")
-    index: HintIndex | None = RedisHintIndex.from_url(redis_url) if redis_url else None
+    if not hint_lookup_budget_s > 0:
+        fail(f"--hint-lookup-budget-s must be > 0, got {hint_lookup_budget_s}")
+    budget = {"lookup_budget_s": hint_lookup_budget_s}
+    index: HintIndex | None = (
+        RedisHintIndex.from_url(redis_url, **budget) if redis_url else None)
     seeds = split_seed_urls(redis_cluster_urls or "")
     if seeds:
         try:
-            index = RedisClusterHintIndex.from_urls(seeds)
+            index = RedisClusterHintIndex.from_urls(seeds, **budget)
         except ValueError as exc:
             fail(f"--redis-cluster-urls: {exc}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")

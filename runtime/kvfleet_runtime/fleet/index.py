@@ -40,6 +40,10 @@ Three implementations with one contract (`HintIndex`):
   shard (a dead master turns off the lookups of its own slots only), and after an error the
   slot map is refreshed in the background, outside any request's budget, so lookups find the
   promoted replica as soon as the cluster has one.
+
+After any error either index reconnects and loads its scripts in the background (under the write
+timeout), outside any request's budget: a 2 ms budget cannot hold a connect, AUTH and a script
+load, and a call cut short drops its half-made connection.
 """
 
 from __future__ import annotations
@@ -255,6 +259,7 @@ class RedisHintIndex:
         self._runs_script = client.register_script(_RUNS_LUA)
         self._publish_script = client.register_script(_PUBLISH_LUA)
         self._withdraw_script = client.register_script(_WITHDRAW_LUA)
+        self._warming: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisHintIndex:
@@ -287,7 +292,22 @@ class RedisHintIndex:
         return ""
 
     def _after_error(self) -> None:
-        """Hook: a call failed (the cluster index refreshes its slot map)."""
+        """A call failed: reconnect and load the scripts in the background, under the write
+        timeout. A request's budget (2 ms) cannot hold a connect, AUTH and a script load; cut
+        short, the half-made connection is dropped and the next call starts over, so without
+        this an index whose first calls time out would never warm up."""
+        if self._warming is None or self._warming.done():
+            self._warming = asyncio.get_running_loop().create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        try:
+            await asyncio.wait_for(self._load_scripts(), self.write_timeout_s)
+        except Exception as exc:
+            log.debug("hint index: warm-up failed: %r", exc)
+
+    async def _load_scripts(self) -> None:
+        for script in (_RUNS_LUA, _PUBLISH_LUA, _WITHDRAW_LUA):
+            await self._client.script_load(script)
 
     async def _pipeline(self, build: Callable[[Any], None]) -> list[Any]:
         async with self._client.pipeline(transaction=False) as pipe:
@@ -399,6 +419,10 @@ class RedisHintIndex:
         return None if result is None else _text(result)
 
     async def close(self) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._warming
         try:
             await self._client.aclose()
         except Exception as exc:
@@ -422,11 +446,6 @@ def tenant_tag(tenant: str | None) -> str:
 class RedisClusterHintIndex(RedisHintIndex):
     """The shared index on a Redis Cluster: `client` is a `redis.asyncio.cluster.RedisCluster`;
     use `from_urls` with seed nodes (any few of the cluster's nodes)."""
-
-    def __init__(self, client: Any, *, refresh_timeout_s: float = 2.0, **kwargs: Any) -> None:
-        super().__init__(client, **kwargs)
-        self.refresh_timeout_s = refresh_timeout_s
-        self._refresh: asyncio.Task[None] | None = None
 
     @classmethod
     def from_urls(cls, urls: Sequence[str], **kwargs: Any) -> RedisClusterHintIndex:
@@ -467,24 +486,11 @@ class RedisClusterHintIndex(RedisHintIndex):
         except Exception:  # no slot map yet (not initialized, or a refresh pending)
             return "?"
 
-    def _after_error(self) -> None:
-        if self._refresh is None or self._refresh.done():
-            self._refresh = asyncio.get_running_loop().create_task(self._refresh_slots())
-
-    async def _refresh_slots(self) -> None:
-        """Re-read the slot map (a failover or a migration moved slots), outside any request's
-        budget: within one, a refresh would be cut short and never finish."""
-        try:
-            await asyncio.wait_for(self._client.initialize(), self.refresh_timeout_s)
-        except Exception as exc:
-            log.debug("hint index: slot map refresh failed: %r", exc)
-
-    async def close(self) -> None:
-        if self._refresh is not None:
-            self._refresh.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._refresh
-        await super().close()
+    async def _load_scripts(self) -> None:
+        # The slot map first (a failover or a migration moved slots); SCRIPT LOAD then goes to
+        # every master.
+        await self._client.initialize()
+        await super()._load_scripts()
 
 
 _PUBLISH_LUA = """
