@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import tempfile
@@ -46,6 +47,8 @@ from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = ["HintsBenchReport", "LayoutResult", "LevelResult", "bench_hints", "compare_layouts"]
+
+log = logging.getLogger(__name__)
 
 _WORKLOAD = Workload()
 _FLEET = Fleet()
@@ -252,6 +255,7 @@ def bench_hints(
                     level = asyncio.run(_level_with_cpu(index, masters, target, n, seconds,
                                                         publish_fraction, lookups_per_request))
                     report.levels.append(level)
+                    log.info("%s N=%d: %s", target, n, level)
                     # Past saturation: the achieved rate falls well short of the offered.
                     if level.achieved_writes_per_s < 0.7 * level.offered_writes_per_s:
                         break
@@ -259,6 +263,7 @@ def bench_hints(
             with ExitStack() as stack:
                 server, masters = _start("cluster-3", Path(tmp) / "layouts", stack)
                 report.layouts = asyncio.run(compare_layouts(server, masters))
+                log.info("layouts: %s", report.layouts)
     report.load_average = os.getloadavg()
     return report
 
