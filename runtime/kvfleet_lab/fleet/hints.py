@@ -108,6 +108,20 @@ class _SpreadLayoutIndex(RedisClusterHintIndex):
     def _block_key(self, h: bytes, tenant: str | None = None) -> str:
         return f"{self.namespace}:b:{h.hex()}"
 
+    async def publish(self, host: str, hashes: Sequence[bytes], *,
+                      tenant: str | None = None) -> None:
+        # Keys in many slots: no script; a cluster pipeline (one round trip per master).
+        expiry = self.clock() + self.ttl_s
+        ttl = max(1, int(self.ttl_s))
+
+        def build(pipe: Any) -> None:
+            for h in hashes:
+                key = self._block_key(h)
+                pipe.zadd(key, {host: expiry})
+                pipe.expire(key, ttl)
+
+        await self._run(build, self.write_timeout_s)
+
     async def lookup_runs(
         self, hashes: Sequence[bytes], *, tenant: str | None = None
     ) -> dict[str, int]:
