@@ -3,6 +3,8 @@
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+# redis-cli joins the Redis Cluster the hint-index tests start (`redis-cli --cluster create`).
+command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 if [ ${#need[@]} -gt 0 ]; then
   echo "system-deps: installing ${need[*]}"

@@ -298,9 +298,9 @@ class PeerService:
     def _on_event(self, event: BlockEvent) -> None:
         # Called under the index's lock from either thread; the publisher only queues.
         if event.kind == "stored":
-            self.publisher.offer_stored(event.block_hashes)
+            self.publisher.offer_stored(event.block_hashes, tenant=event.key.tenant_id)
         else:
-            self.publisher.offer_removed(event.block_hashes)
+            self.publisher.offer_removed(event.block_hashes, tenant=event.key.tenant_id)
 
     def _held(self, hashes: Sequence[bytes], tenant: str) -> int:
         return self.index.held(hashes, tenant) if self.enabled else 0

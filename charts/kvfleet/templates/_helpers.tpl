@@ -132,7 +132,9 @@ external URL, or a key of an existing Secret (a URL with a password stays out of
 Nothing when no Redis is configured (the runtime then keeps an in-process hint index).
 */}}
 {{- define "kvfleet.redisUrlEnv" -}}
-{{- if and .Values.redis.bundled.enabled .Values.redis.bundled.auth.enabled -}}
+{{- if .Values.redis.cluster.seedUrls -}}
+{{- include "kvfleet.redisClusterEnv" . -}}
+{{- else if and .Values.redis.bundled.enabled .Values.redis.bundled.auth.enabled -}}
 {{- /* The password from its Secret, into the URL by the kubelet's $(VAR) expansion: it never
 appears in the pod spec. */}}
 - name: KVFLEET_REDIS_PASSWORD
@@ -155,6 +157,27 @@ appears in the pod spec. */}}
 - name: KVFLEET_REDIS_URL
   value: {{ .Values.redis.external.url | quote }}
 {{- end -}}
+{{- end -}}
+
+{{/*
+A Redis Cluster's seed URLs as KVFLEET_REDIS_CLUSTER_URLS (replicas and routers read it), with the
+cluster's password from its Secret put into each URL by the kubelet's $(VAR) expansion.
+*/}}
+{{- define "kvfleet.redisClusterEnv" -}}
+{{- $auth := .Values.redis.cluster.auth -}}
+{{- if $auth.existingSecret }}
+- name: KVFLEET_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $auth.existingSecret }}
+      key: {{ $auth.secretKey }}
+{{- end }}
+{{- $urls := list -}}
+{{- range .Values.redis.cluster.seedUrls -}}
+{{- $urls = append $urls (ternary (regexReplaceAll "^(rediss?://)" . "${1}:$(KVFLEET_REDIS_PASSWORD)@") . (not (empty $auth.existingSecret))) -}}
+{{- end }}
+- name: KVFLEET_REDIS_CLUSTER_URLS
+  value: {{ join "," $urls | quote }}
 {{- end -}}
 
 {{/* Whether the monitoring.coreos.com objects are rendered: create=always, or auto and the API exists. */}}

@@ -42,6 +42,18 @@ def router(
     redis_url: Annotated[
         str | None, typer.Option(help="Hint index for the cache-aware override (redis://...).")
     ] = None,
+    redis_cluster_urls: Annotated[
+        str | None,
+        typer.Option(envvar="KVFLEET_REDIS_CLUSTER_URLS",
+                     help="Hint index on a Redis Cluster: seed node URLs, comma-separated "
+                     "(wins over --redis-url)."),
+    ] = None,
+    hint_lookup_budget_s: Annotated[
+        float,
+        typer.Option(envvar="KVFLEET_HINT_LOOKUP_BUDGET_S",
+                     help="A hint lookup slower than this is skipped (override off for that "
+                     "request)."),
+    ] = 0.002,
     k: Annotated[int, typer.Option(help="Home replicas per tenant (config overrides).")] = 3,
     occupancy_threshold: Annotated[
         float, typer.Option(help="Spill when every home's KV occupancy is at or above this.")
@@ -67,7 +79,12 @@ def router(
 
     from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
     from kvfleet_runtime.auth import read_router_secret
-    from kvfleet_runtime.fleet.index import RedisHintIndex
+    from kvfleet_runtime.fleet.index import (
+        HintIndex,
+        RedisClusterHintIndex,
+        RedisHintIndex,
+        split_seed_urls,
+    )
     from kvfleet_runtime.router import FleetView, RouterState, create_router_app
     from kvfleet_runtime.routing import load_api_keys
     from kvfleet_runtime.tokenizer import load_tokenizer
@@ -92,6 +109,17 @@ def router(
         own_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
     except ValueError as exc:
         fail(f"--tokenizer: {exc}")
+    if not hint_lookup_budget_s > 0:
+        fail(f"--hint-lookup-budget-s must be > 0, got {hint_lookup_budget_s}")
+    budget = {"lookup_budget_s": hint_lookup_budget_s}
+    index: HintIndex | None = (
+        RedisHintIndex.from_url(redis_url, **budget) if redis_url else None)
+    seeds = split_seed_urls(redis_cluster_urls or "")
+    if seeds:
+        try:
+            index = RedisClusterHintIndex.from_urls(seeds, **budget)
+        except ValueError as exc:
+            fail(f"--redis-cluster-urls: {exc}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     view = FleetView(
         static_replicas=replicas,
@@ -103,7 +131,7 @@ def router(
     state = RouterState(
         view=view,
         keys=api_keys,
-        index=RedisHintIndex.from_url(redis_url) if redis_url else None,
+        index=index,
         poll_interval_s=poll_interval_s,
         tokenizer=own_tokenizer,
         router_secret=router_secret,

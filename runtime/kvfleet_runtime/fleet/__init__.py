@@ -1,6 +1,7 @@
 """The fleet tier (T2): global hint index, hint publishing, and authenticated peer KV transfer.
 
     index = RedisHintIndex.from_url(url) if url else EmbeddedHintIndex()
+    # or a Redis Cluster: RedisClusterHintIndex.from_urls([seed, ...])
     # or, no Redis but the peers are known: PeerProbeHintIndex(secret, peers, self_host)
     publisher = HintPublisher(index, host=replica_name); publisher.start()
     fetcher = PeerFetcher(session, secret, index, self_host=replica_name)
@@ -24,6 +25,7 @@ from kvfleet_runtime.fleet.index import (
     EmbeddedHintIndex,
     HintIndex,
     HintIndexStats,
+    RedisClusterHintIndex,
     RedisHintIndex,
     best_peer,
     leading_runs,
@@ -63,6 +65,7 @@ __all__ = [
     "PeerProbeHintIndex",
     "PeerTier",
     "PublisherStats",
+    "RedisClusterHintIndex",
     "RedisHintIndex",
     "best_peer",
     "hint_index_for",

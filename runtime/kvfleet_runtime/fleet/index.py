@@ -23,16 +23,34 @@ Three implementations with one contract (`HintIndex`):
   Lua script walks the blocks in chain order, intersects the live hosts and stops at the first
   block nobody holds, returning only {host: run length}, so a 2,000-token prompt costs one
   small reply instead of 125 (a pipelined reply costs ~0.2 ms per block in pure-Python
-  redis-py). It runs under `lookup_budget_s`. The keys of one lookup must live on one Redis
-  (no Cluster slot spreading). After a failure the index stops asking Redis for a backoff
-  period (doubling to `max_backoff_s`), so an outage costs each request nothing, not a timeout.
-  Host names and clocks: expiry is the publisher's wall clock; skew between hosts only shifts
-  staleness, which is already allowed.
+  redis-py). It runs under `lookup_budget_s`. After a failure the index stops asking Redis for a
+  backoff period (doubling to `max_backoff_s`), so an outage costs each request nothing, not a
+  timeout. Host names and clocks: expiry is the publisher's wall clock; skew between hosts only
+  shifts staleness, which is already allowed.
+- `RedisClusterHintIndex` (redis.asyncio.cluster), the same on a Redis Cluster. A Lua script may
+  only touch keys of one slot, so a block key carries its tenant's hash tag:
+
+      {ns}:b:{t<tenant digest>}:<hash hex>   (the tag: 16 hex digits of blake2b(tenant))
+
+  Every block of one tenant's chains lives in one slot, and a lookup stays one EVALSHA to one
+  master. The alternative, block keys spread over all slots and one pipelined round trip per
+  shard in parallel with the runs computed here, was measured on the same workload and lost
+  (`kvfleet bench hints --layouts`; docs/fleet.md). The price: one tenant's whole hint traffic
+  lands on one shard, so a hot tenant loads one master, never all of them. Backoff is per
+  shard (a dead master turns off the lookups of its own slots only), and after an error the
+  slot map is refreshed in the background, outside any request's budget, so lookups find the
+  promoted replica as soon as the cluster has one.
+
+After any error either index reconnects and loads its scripts in the background (under the write
+timeout), outside any request's budget: a 2 ms budget cannot hold a connect, AUTH and a script
+load, and a call cut short drops its half-made connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -44,9 +62,12 @@ __all__ = [
     "EmbeddedHintIndex",
     "HintIndex",
     "HintIndexStats",
+    "RedisClusterHintIndex",
     "RedisHintIndex",
     "best_peer",
     "leading_runs",
+    "split_seed_urls",
+    "tenant_tag",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,18 +90,24 @@ class HintIndexStats:
 class HintIndex(Protocol):
     stats: HintIndexStats
 
-    async def publish(self, host: str, hashes: Sequence[bytes]) -> None:
-        """Announce that `host` holds `hashes`; best effort."""
+    async def publish(
+        self, host: str, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> None:
+        """Announce that `host` holds `hashes` (blocks of `tenant`'s chains); best effort.
+        `tenant` places the keys on Redis Cluster (one tenant, one slot); a lookup finds a
+        block only under the tenant it was published for."""
 
-    async def withdraw(self, host: str, hashes: Sequence[bytes]) -> None:
-        """Announce that `host` dropped `hashes`; best effort."""
+    async def withdraw(
+        self, host: str, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> None:
+        """Announce that `host` dropped `hashes` (published for `tenant`); best effort."""
 
     async def lookup(
         self, hashes: Sequence[bytes], *, tenant: str | None = None
     ) -> list[frozenset[str]]:
         """Hosts listed for each hash (same length as `hashes`); all empty on any failure.
         `tenant`: whose chain `hashes` is (the peer-probe index needs it for the credential;
-        the others ignore it)."""
+        Redis Cluster for the slot; the others ignore it)."""
 
     async def lookup_runs(
         self, hashes: Sequence[bytes], *, tenant: str | None = None
@@ -139,7 +166,9 @@ class EmbeddedHintIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    async def publish(self, host: str, hashes: Sequence[bytes]) -> None:
+    async def publish(
+        self, host: str, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> None:
         expiry = self.clock() + self.ttl_s
         if len(self._blocks) + len(hashes) > self.max_entries:
             self._sweep()
@@ -152,7 +181,9 @@ class EmbeddedHintIndex:
             entry[host] = expiry
         self.stats.num_published += len(hashes)
 
-    async def withdraw(self, host: str, hashes: Sequence[bytes]) -> None:
+    async def withdraw(
+        self, host: str, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> None:
         for h in hashes:
             entry = self._blocks.get(h)
             if entry is not None:
@@ -222,9 +253,13 @@ class RedisHintIndex:
         self.clock = clock
         self.monotonic = monotonic
         self.stats = HintIndexStats()
-        self._down_until = 0.0
-        self._next_backoff_s = backoff_s
+        # Per shard ("" for one Redis): until when it is not asked, and its next backoff.
+        self._down_until: dict[str, float] = {}
+        self._next_backoff_s: dict[str, float] = {}
         self._runs_script = client.register_script(_RUNS_LUA)
+        self._publish_script = client.register_script(_PUBLISH_LUA)
+        self._withdraw_script = client.register_script(_WITHDRAW_LUA)
+        self._warming: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisHintIndex:
@@ -242,14 +277,37 @@ class RedisHintIndex:
 
     @property
     def available(self) -> bool:
-        """False while backing off after an error."""
-        return self.monotonic() >= self._down_until
+        """False while backing off after an error (on every shard, for a cluster)."""
+        now = self.monotonic()
+        return not self._down_until or any(now >= t for t in self._down_until.values())
 
-    def _block_key(self, h: bytes) -> str:
+    def _block_key(self, h: bytes, tenant: str | None = None) -> str:
         return f"{self.namespace}:b:{h.hex()}"
 
     def _host_key(self, host: str) -> str:
         return f"{self.namespace}:h:{host}"
+
+    def _shard(self, key: str) -> str:
+        """Which backoff `key`'s calls share: one Redis is one shard."""
+        return ""
+
+    def _after_error(self) -> None:
+        """A call failed: reconnect and load the scripts in the background, under the write
+        timeout. A request's budget (2 ms) cannot hold a connect, AUTH and a script load; cut
+        short, the half-made connection is dropped and the next call starts over, so without
+        this an index whose first calls time out would never warm up."""
+        if self._warming is None or self._warming.done():
+            self._warming = asyncio.get_running_loop().create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        try:
+            await asyncio.wait_for(self._load_scripts(), self.write_timeout_s)
+        except Exception as exc:
+            log.debug("hint index: warm-up failed: %r", exc)
+
+    async def _load_scripts(self) -> None:
+        for script in (_RUNS_LUA, _PUBLISH_LUA, _WITHDRAW_LUA):
+            await self._client.script_load(script)
 
     async def _pipeline(self, build: Callable[[Any], None]) -> list[Any]:
         async with self._client.pipeline(transaction=False) as pipe:
@@ -257,52 +315,61 @@ class RedisHintIndex:
             result: list[Any] = await pipe.execute()
         return result
 
-    async def _run(self, build: Callable[[Any], None], timeout_s: float) -> list[Any] | None:
-        return await self._call(lambda: self._pipeline(build), timeout_s)
+    async def _run(
+        self, build: Callable[[Any], None], timeout_s: float, shard: str = ""
+    ) -> list[Any] | None:
+        result: list[Any] | None = await self._call(
+            lambda: self._pipeline(build), timeout_s, shard)
+        return result
 
     async def _call(
-        self, make: Callable[[], Awaitable[list[Any]]], timeout_s: float
-    ) -> list[Any] | None:
-        if not self.available:
+        self, make: Callable[[], Awaitable[Any]], timeout_s: float, shard: str = ""
+    ) -> Any:
+        """`make()`'s result, or None when it failed, timed out or was not tried (backoff)."""
+        if self.monotonic() < self._down_until.get(shard, 0.0):
             self.stats.num_skipped += 1
             return None
         try:
             result = await asyncio.wait_for(make(), timeout_s)
         except Exception as exc:
-            # Any failure (timeout, connection refused or reset, server error) is a
-            # non-answer; the backoff keeps an outage from costing every request a timeout.
+            # Any failure (timeout, connection refused or reset, server error, a slot moving)
+            # is a non-answer; the backoff keeps an outage from costing every request a timeout.
             self.stats.num_errors += 1
-            self._down_until = self.monotonic() + self._next_backoff_s
-            self._next_backoff_s = min(self._next_backoff_s * 2, self.max_backoff_s)
+            backoff_s = self._next_backoff_s.get(shard, self.backoff_s)
+            self._down_until[shard] = self.monotonic() + backoff_s
+            self._next_backoff_s[shard] = min(backoff_s * 2, self.max_backoff_s)
             log.debug("hint index call failed: %r", exc)
+            self._after_error()
             return None
-        self._next_backoff_s = self.backoff_s
+        self._down_until.pop(shard, None)
+        self._next_backoff_s.pop(shard, None)
         return result
 
-    async def publish(self, host: str, hashes: Sequence[bytes]) -> None:
+    async def publish(
+        self, host: str, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> None:
         if not hashes:
             return
-        expiry = self.clock() + self.ttl_s
+        expiry = repr(self.clock() + self.ttl_s)
         ttl = max(1, int(self.ttl_s))
-
-        def build(pipe: Any) -> None:
-            for h in hashes:
-                key = self._block_key(h)
-                pipe.zadd(key, {host: expiry})
-                pipe.expire(key, ttl)
-
-        if await self._run(build, self.write_timeout_s) is not None:
+        keys = [self._block_key(h, tenant) for h in hashes]
+        # One script call, one reply: a pipeline of ZADD + EXPIRE per block costs a parsed
+        # reply per command (and, on a cluster, a slot computation per command) in Python.
+        done = await self._call(
+            lambda: self._publish_script(keys=keys, args=[expiry, host, ttl]),
+            self.write_timeout_s, self._shard(keys[0]))
+        if done is not None:
             self.stats.num_published += len(hashes)
 
-    async def withdraw(self, host: str, hashes: Sequence[bytes]) -> None:
+    async def withdraw(
+        self, host: str, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> None:
         if not hashes:
             return
-
-        def build(pipe: Any) -> None:
-            for h in hashes:
-                pipe.zrem(self._block_key(h), host)
-
-        if await self._run(build, self.write_timeout_s) is not None:
+        keys = [self._block_key(h, tenant) for h in hashes]
+        done = await self._call(lambda: self._withdraw_script(keys=keys, args=[host]),
+                                self.write_timeout_s, self._shard(keys[0]))
+        if done is not None:
             self.stats.num_withdrawn += len(hashes)
 
     async def lookup(
@@ -312,12 +379,13 @@ class RedisHintIndex:
         if not hashes:
             return []
         now = self.clock()
+        keys = [self._block_key(h, tenant) for h in hashes]
 
         def build(pipe: Any) -> None:
-            for h in hashes:
-                pipe.zrangebyscore(self._block_key(h), f"({now!r}", "+inf")
+            for key in keys:
+                pipe.zrangebyscore(key, f"({now!r}", "+inf")
 
-        result = await self._run(build, self.lookup_budget_s)
+        result = await self._run(build, self.lookup_budget_s, self._shard(keys[0]))
         if result is None:
             return [frozenset()] * len(hashes)
         return [frozenset(_text(m) for m in members) for members in result]
@@ -328,10 +396,11 @@ class RedisHintIndex:
         self.stats.num_lookups += 1
         if not hashes:
             return {}
-        keys = [self._block_key(h) for h in hashes]
+        keys = [self._block_key(h, tenant) for h in hashes]
         now = repr(self.clock())
         flat = await self._call(
-            lambda: self._runs_script(keys=keys, args=[now]), self.lookup_budget_s
+            lambda: self._runs_script(keys=keys, args=[now]), self.lookup_budget_s,
+            self._shard(keys[0]),
         )
         if not flat:
             return {}
@@ -339,20 +408,105 @@ class RedisHintIndex:
 
     async def register_host(self, host: str, url: str) -> None:
         ttl = max(1, int(self.ttl_s))
-        await self._run(
-            lambda pipe: pipe.set(self._host_key(host), url, ex=ttl), self.write_timeout_s
-        )
+        key = self._host_key(host)
+        await self._call(lambda: self._client.set(key, url, ex=ttl), self.write_timeout_s,
+                         self._shard(key))
 
     async def host_url(self, host: str) -> str | None:
-        result = await self._run(lambda pipe: pipe.get(self._host_key(host)), self.write_timeout_s)
-        return None if not result or result[0] is None else _text(result[0])
+        key = self._host_key(host)
+        result = await self._call(lambda: self._client.get(key), self.write_timeout_s,
+                                  self._shard(key))
+        return None if result is None else _text(result)
 
     async def close(self) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._warming
         try:
             await self._client.aclose()
         except Exception as exc:
             log.debug("closing the hint index: %r", exc)
 
+
+def split_seed_urls(text: str) -> tuple[str, ...]:
+    """Seed URLs of a Redis Cluster from a comma- or space-separated list; checked by
+    `RedisClusterHintIndex.from_urls`."""
+    return tuple(u for u in text.replace(",", " ").split() if u)
+
+
+def tenant_tag(tenant: str | None) -> str:
+    """The Redis Cluster hash tag of `tenant`'s block keys (braces included). A digest, not the
+    name: names may hold braces, and digests spread tenants evenly over the 16,384 slots."""
+    if tenant is None:
+        return "{t-}"
+    return "{t" + hashlib.blake2b(tenant.encode(), digest_size=8).hexdigest() + "}"
+
+
+class RedisClusterHintIndex(RedisHintIndex):
+    """The shared index on a Redis Cluster: `client` is a `redis.asyncio.cluster.RedisCluster`;
+    use `from_urls` with seed nodes (any few of the cluster's nodes)."""
+
+    @classmethod
+    def from_urls(cls, urls: Sequence[str], **kwargs: Any) -> RedisClusterHintIndex:
+        """`urls`: seed nodes, `redis://[[user]:password@]host:port` each (one cluster, one
+        password; the first URL's credentials are used)."""
+        from urllib.parse import urlsplit
+
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        if not urls:
+            raise ValueError("a Redis Cluster needs at least one seed URL")
+        parts = [urlsplit(u) for u in urls]
+        for url, part in zip(urls, parts, strict=True):
+            if part.scheme not in ("redis", "rediss") or not part.hostname:
+                raise ValueError(f"a Redis Cluster seed must be redis://host:port, got {url!r}")
+        first = parts[0]
+        connect_timeout_s = kwargs.pop("connect_timeout_s", 0.5)
+        client = RedisCluster(
+            startup_nodes=[ClusterNode(p.hostname or "", p.port or 6379) for p in parts],
+            username=first.username or None,
+            password=first.password or None,
+            ssl=first.scheme == "rediss",
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=kwargs.get("write_timeout_s", 0.5),
+            # Retries belong to the caller's budget, not to the client: one try, then backoff.
+            retry=Retry(NoBackoff(), 0),
+        )
+        return cls(client, **kwargs)
+
+    def _block_key(self, h: bytes, tenant: str | None = None) -> str:
+        return f"{self.namespace}:b:{tenant_tag(tenant)}:{h.hex()}"
+
+    def _shard(self, key: str) -> str:
+        try:
+            return str(self._client.get_node_from_key(key).name)
+        except Exception:  # no slot map yet (not initialized, or a refresh pending)
+            return "?"
+
+    async def _load_scripts(self) -> None:
+        # The slot map first (a failover or a migration moved slots); SCRIPT LOAD then goes to
+        # every master.
+        await self._client.initialize()
+        await super()._load_scripts()
+
+
+_PUBLISH_LUA = """
+for _, key in ipairs(KEYS) do
+  redis.call('ZADD', key, ARGV[1], ARGV[2])
+  redis.call('EXPIRE', key, ARGV[3])
+end
+return #KEYS
+"""
+
+_WITHDRAW_LUA = """
+for _, key in ipairs(KEYS) do
+  redis.call('ZREM', key, ARGV[1])
+end
+return #KEYS
+"""
 
 _RUNS_LUA = """
 local bound = '(' .. ARGV[1]

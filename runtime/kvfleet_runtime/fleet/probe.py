@@ -98,10 +98,14 @@ class PeerProbeHintIndex:
             self._own_session = True
         return self._session
 
-    async def publish(self, host: str, hashes: Sequence[bytes]) -> None:
+    async def publish(
+        self, host: str, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> None:
         return None
 
-    async def withdraw(self, host: str, hashes: Sequence[bytes]) -> None:
+    async def withdraw(
+        self, host: str, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> None:
         return None
 
     async def register_host(self, host: str, url: str) -> None:

@@ -5,7 +5,8 @@ cache's listener, on whatever thread caused the event. A background task flushes
 `flush_interval_s` (or sooner when `batch_size` hashes are pending). Later offers of a hash replace
 earlier ones (a store then an evict in one interval sends only the withdrawal). Past `max_pending`
 hashes, new offers are dropped and counted: a lost hint costs one missed T2 opportunity or one
-stale lookup, never correctness.
+stale lookup, never correctness. Each hash carries the tenant it was stored for, and a flush sends
+one publish (and one withdraw) per tenant: on Redis Cluster a tenant's keys share one slot.
 
 Re-publishing keeps hints of long-lived blocks alive past their TTL: the replica re-offers the
 blocks of every local hit, and `refresh_after_s` suppresses re-sending a hash published recently.
@@ -58,7 +59,8 @@ class HintPublisher:
         self.max_recent = max_recent
         self.clock = clock
         self.stats = PublisherStats()
-        self._pending: OrderedDict[bytes, bool] = OrderedDict()  # hash -> stored?
+        # hash -> (stored?, tenant)
+        self._pending: OrderedDict[bytes, tuple[bool, str | None]] = OrderedDict()
         self._recent: OrderedDict[bytes, float] = OrderedDict()  # hash -> last published at
         self._lock = threading.Lock()
         self._wake = asyncio.Event()
@@ -67,9 +69,11 @@ class HintPublisher:
 
     # -- producers (any thread) --------------------------------------------------------------
 
-    def offer_stored(self, hashes: Iterable[bytes], *, refresh: bool = False) -> None:
-        """Hashes now held here. With `refresh`, skip those published in the last
-        `refresh_after_s` (used to keep hints of hit blocks alive)."""
+    def offer_stored(
+        self, hashes: Iterable[bytes], *, refresh: bool = False, tenant: str | None = None
+    ) -> None:
+        """Hashes (of `tenant`'s chains) now held here. With `refresh`, skip those published in
+        the last `refresh_after_s` (used to keep hints of hit blocks alive)."""
         now = self.clock()
         with self._lock:
             for h in hashes:
@@ -77,20 +81,20 @@ class HintPublisher:
                     last = self._recent.get(h)
                     if last is not None and now - last < self.refresh_after_s:
                         continue
-                self._offer(h, True)
+                self._offer(h, True, tenant)
         self._poke()
 
-    def offer_removed(self, hashes: Iterable[bytes]) -> None:
+    def offer_removed(self, hashes: Iterable[bytes], *, tenant: str | None = None) -> None:
         with self._lock:
             for h in hashes:
                 self._recent.pop(h, None)
-                self._offer(h, False)
+                self._offer(h, False, tenant)
         self._poke()
 
-    def _offer(self, h: bytes, stored: bool) -> None:
+    def _offer(self, h: bytes, stored: bool, tenant: str | None) -> None:
         self.stats.num_offered += 1
         if h in self._pending or len(self._pending) < self.max_pending:
-            self._pending[h] = stored
+            self._pending[h] = (stored, tenant)
         else:
             self.stats.num_dropped += 1
 
@@ -121,7 +125,8 @@ class HintPublisher:
         return len(self._pending)
 
     async def flush(self) -> None:
-        """Send everything pending now (one publish and one withdraw call per batch)."""
+        """Send everything pending now (per batch, one publish and one withdraw call per
+        tenant)."""
         while True:
             with self._lock:
                 if not self._pending:
@@ -130,19 +135,23 @@ class HintPublisher:
                     self._pending.popitem(last=False)
                     for _ in range(min(self.batch_size, len(self._pending)))
                 ]
-            stored = [h for h, s in batch if s]
-            removed = [h for h, s in batch if not s]
+            stored: dict[str | None, list[bytes]] = {}
+            removed: dict[str | None, list[bytes]] = {}
+            for h, (is_stored, tenant) in batch:
+                (stored if is_stored else removed).setdefault(tenant, []).append(h)
+            for tenant, hashes in stored.items():
+                await self.index.publish(self.host, hashes, tenant=tenant)
             if stored:
-                await self.index.publish(self.host, stored)
                 now = self.clock()
                 with self._lock:
-                    for h in stored:
-                        self._recent[h] = now
-                        self._recent.move_to_end(h)
+                    for hashes in stored.values():
+                        for h in hashes:
+                            self._recent[h] = now
+                            self._recent.move_to_end(h)
                     while len(self._recent) > self.max_recent:
                         self._recent.popitem(last=False)
-            if removed:
-                await self.index.withdraw(self.host, removed)
+            for tenant, hashes in removed.items():
+                await self.index.withdraw(self.host, hashes, tenant=tenant)
             self.stats.num_flushes += 1
 
     async def _run(self) -> None:

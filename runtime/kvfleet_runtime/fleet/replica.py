@@ -125,14 +125,14 @@ class PeerTier:
         if self.publisher is None:
             return
         if event.kind == "stored":
-            self.publisher.offer_stored(event.block_hashes)
+            self.publisher.offer_stored(event.block_hashes, tenant=event.key.tenant_id)
         else:
-            self.publisher.offer_removed(event.block_hashes)
+            self.publisher.offer_removed(event.block_hashes, tenant=event.key.tenant_id)
 
     def on_local_hit(self, hit: Hit) -> None:
         """Keep the hints of blocks in use alive (re-published at most every refresh period)."""
         if self.publisher is not None:
-            self.publisher.offer_stored(hit.blocks, refresh=True)
+            self.publisher.offer_stored(hit.blocks, refresh=True, tenant=hit.key.tenant_id)
 
     async def fill(self, key: CacheKey, token_ids: Sequence[int], local_blocks: int) -> int:
         """Fetch the blocks after the first `local_blocks` from the best peer and import them;

@@ -28,16 +28,19 @@ What it adds to the replica's aiohttp app:
   list resolves peer names to URLs before the index's own registry. The load report carries T3's
   measured read bandwidth for the operator (`nvme`).
 
-The hint index (`hint_index_for`): Redis when `KVFLEET_REDIS_URL` is set; else, when a fleet config
-is configured, the peer probe (`fleet.probe`: each lookup asks the config's other replicas
-directly, so replicas on one machine share blocks over T2 with nothing installed); else the
-embedded in-process index (which only sees this process: no T2 between processes).
+The hint index (`hint_index_for`): Redis Cluster when `KVFLEET_REDIS_CLUSTER_URLS` is set, Redis
+when `KVFLEET_REDIS_URL` is; else, when a fleet config is configured, the peer probe
+(`fleet.probe`: each lookup asks the config's other replicas directly, so replicas on one machine
+share blocks over T2 with nothing installed); else the embedded in-process index (which only sees
+this process: no T2 between processes).
 
 Environment (all optional; none of the first four set -> no fleet tier):
 
     KVFLEET_FLEET_NAME      this replica's name in the fleet (default $POD_NAME, else hostname)
     KVFLEET_REDIS_URL       hint index; unset -> the peer probe (with a fleet config) or the
                             embedded in-process index
+    KVFLEET_REDIS_CLUSTER_URLS  hint index on a Redis Cluster: seed node URLs, comma-separated
+                            (wins over KVFLEET_REDIS_URL)
     KVFLEET_PEER_SECRET     shared T2 secret, or KVFLEET_PEER_SECRET_FILE (default
                             /etc/kvfleet/peer/token when present); none -> T2 refused both ways
     KVFLEET_FLEET_CONFIG    fleet config file (default /etc/kvfleet/fleet/fleet.yaml when present)
@@ -64,7 +67,13 @@ from aiohttp import web
 
 from kvfleet_runtime.cache import BlockEvent, CacheKey
 from kvfleet_runtime.configwatch import ConfigFileWatcher
-from kvfleet_runtime.fleet.index import EmbeddedHintIndex, HintIndex, RedisHintIndex
+from kvfleet_runtime.fleet.index import (
+    EmbeddedHintIndex,
+    HintIndex,
+    RedisClusterHintIndex,
+    RedisHintIndex,
+    split_seed_urls,
+)
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
@@ -91,6 +100,7 @@ DEFAULT_REDIS_BUDGET_S = 0.002
 _ENABLING = (
     "KVFLEET_FLEET_NAME",
     "KVFLEET_REDIS_URL",
+    "KVFLEET_REDIS_CLUSTER_URLS",
     "KVFLEET_PEER_SECRET",
     "KVFLEET_PEER_SECRET_FILE",
 )
@@ -102,6 +112,8 @@ class FleetSettings:
     peer_url: str
     secret: bytes | None = None
     redis_url: str | None = None
+    redis_cluster_urls: tuple[str, ...] = ()
+    """Seed nodes of a Redis Cluster holding the hint index (wins over `redis_url`)."""
     fleet_config: Path | None = None
     fetch_timeout_s: float = 2.0
     max_concurrent_fetches: int = 4
@@ -149,6 +161,7 @@ class FleetSettings:
             peer_url=environ.get("KVFLEET_PEER_URL") or f"http://{host}:{port}",
             secret=secret,
             redis_url=environ.get("KVFLEET_REDIS_URL") or None,
+            redis_cluster_urls=split_seed_urls(environ.get("KVFLEET_REDIS_CLUSTER_URLS", "")),
             fleet_config=config_path,
             hint_lookup_budget_s=budget_s,
         )
@@ -195,6 +208,11 @@ def hint_index_for(
     fleet config is configured and `peers` reads its replica list: {name: URL}); else the
     embedded in-process index. The configured lookup budget reaches Redis and the probe."""
     budget = settings.hint_lookup_budget_s
+    if settings.redis_cluster_urls:
+        return RedisClusterHintIndex.from_urls(
+            settings.redis_cluster_urls,
+            lookup_budget_s=DEFAULT_REDIS_BUDGET_S if budget is None else budget,
+        )
     if settings.redis_url:
         return RedisHintIndex.from_url(
             settings.redis_url, lookup_budget_s=DEFAULT_REDIS_BUDGET_S if budget is None else budget
@@ -210,7 +228,10 @@ def hint_index_for(
 
 
 def hint_index_kind(index: HintIndex) -> str:
-    """The kind of `index`: "redis", "peer-probe" or "embedded" (for logs and reports)."""
+    """The kind of `index`: "redis-cluster", "redis", "peer-probe" or "embedded" (for logs and
+    reports)."""
+    if isinstance(index, RedisClusterHintIndex):
+        return "redis-cluster"
     if isinstance(index, RedisHintIndex):
         return "redis"
     if isinstance(index, PeerProbeHintIndex):
@@ -257,9 +278,9 @@ class FleetTier:
 
     def _publish(self, event: BlockEvent) -> None:
         if event.kind == "stored":
-            self.publisher.offer_stored(event.block_hashes)
+            self.publisher.offer_stored(event.block_hashes, tenant=event.key.tenant_id)
         else:
-            self.publisher.offer_removed(event.block_hashes)
+            self.publisher.offer_removed(event.block_hashes, tenant=event.key.tenant_id)
 
     def _peers(self) -> dict[str, str]:
         """The fleet config's ready replicas other than this one: {name: T2 URL}."""
@@ -289,7 +310,7 @@ class FleetTier:
             chain = self.cache.block_hashes(key, token_ids[: usable_blocks * BLOCK_SIZE])
             local = self.held.leading(chain)
             if local:
-                self.publisher.offer_stored(chain[:local], refresh=True)
+                self.publisher.offer_stored(chain[:local], refresh=True, tenant=tenant_id)
             if usable_blocks - local >= self.settings.min_fetch_blocks:
                 await tier.fill(key, token_ids[: usable_blocks * BLOCK_SIZE], local)
         except Exception:  # the fleet tier never fails a request: the engine prefills instead

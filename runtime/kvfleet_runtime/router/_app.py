@@ -244,7 +244,7 @@ async def _matched_tokens(state: RouterState, tenant: str, prompt: Any, *,
         hashes = block_hashes(key, token_ids)
     except ValueError:
         return {}
-    runs = await state.index.lookup_runs(hashes)
+    runs = await state.index.lookup_runs(hashes, tenant=tenant)
     if not runs and getattr(state.index, "available", True) is False:
         state.m_hint_errors.inc()
     return {host: n * BLOCK_SIZE for host, n in runs.items() if host in view.replicas}
