@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvfleet_runtime.api import AppRunner
 from kvfleet_runtime.fleet import EmbeddedHintIndex
 from kvfleet_runtime.router import FleetView, RouterState, create_router_app
 from kvfleet_runtime.routing import parse_api_keys
@@ -150,7 +151,7 @@ async def start_router() -> AsyncIterator[StartRouter]:
         state = RouterState(
             view=view, keys=KEYS, index=index, poll_interval_s=3600, config_poll_s=0.05
         )
-        runner = web.AppRunner(create_router_app(state))
+        runner = AppRunner(create_router_app(state))
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()

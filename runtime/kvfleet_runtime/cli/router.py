@@ -63,9 +63,7 @@ def router(
 
     With KVFLEET_ROUTER_SECRET[_FILE] it signs each request's tenant for its replica.
     Replicas holding that secret accept a tenant only so signed (docs/security.md)."""
-    from aiohttp import web
-
-    from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
+    from kvfleet_runtime.api import run_app
     from kvfleet_runtime.auth import read_router_secret
     from kvfleet_runtime.fleet.index import RedisHintIndex
     from kvfleet_runtime.router import FleetView, RouterState, create_router_app
@@ -108,5 +106,4 @@ def router(
         tokenizer=own_tokenizer,
         router_secret=router_secret,
     )
-    web.run_app(create_router_app(state), host=host, port=port, print=None,
-                handler_cancellation=CANCEL_ON_DISCONNECT)
+    run_app(create_router_app(state), host=host, port=port)

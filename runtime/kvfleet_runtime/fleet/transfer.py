@@ -80,7 +80,7 @@ import numpy as np
 import xxhash
 from aiohttp import web
 
-from kvfleet_runtime.api import ApiError, error_response, parse_json
+from kvfleet_runtime.api import ApiError, error_response, parse_json, read_body
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
 from kvfleet_runtime.fleet._receive import BodyReader, post
 from kvfleet_runtime.fleet.index import HintIndex, best_peer
@@ -118,6 +118,13 @@ whatever the socket cannot take at once."""
 MAX_IDLE_SEND_BUFFERS = 4
 """Send buffers kept for reuse (two per stream: one on the wire, one being gathered)."""
 MAX_HEADER_BYTES = 1 << 22
+DEFAULT_PEER_BODY_BYTES = 16 << 20
+"""Largest request body on the peer routes: a block request for `max_tokens` (2**20) ids is
+~11 MB of JSON, a full held probe ~0.3 MB."""
+DEFAULT_PEER_BODY_TIMEOUT_S = 10.0
+"""A peer's request body must arrive within this (408 after): the OpenAI routes' bound. A peer
+announcing 1,000 bytes and sending 8 would otherwise hold the connection for as long as it likes;
+peers sit on the cluster network, where 16 MiB takes well under a second."""
 _TOKEN_DOMAIN = b"kvfleet-t2-v1\x00"
 
 
@@ -204,12 +211,14 @@ def _error(status: int, message: str) -> web.Response:
     return error_response(status, message, code=_ERROR_CODES.get(status))
 
 
-async def _body(request: web.Request) -> Any:
-    """The JSON body within the shared bounds (numbers, depth, Unicode); ValueError if not."""
-    try:
-        return parse_json(await request.read())
-    except ApiError as exc:
-        raise ValueError(exc.message) from None
+async def _body(request: web.Request, limit_bytes: int, timeout_s: float) -> Any:
+    """The JSON body within the shared bounds (size, time, encoding; numbers, depth, Unicode):
+    an `ApiError` (400, 408, 413) otherwise."""
+    return parse_json(await read_body(request, limit_bytes, timeout_s))
+
+
+def _refusal(exc: ApiError) -> web.Response:
+    return error_response(exc.status, exc.message, code=exc.code, headers=exc.headers)
 
 
 def _parse_request(body: Any, max_tokens: int) -> tuple[CacheKey, list[int], int, int]:
@@ -248,6 +257,8 @@ def peer_routes(
     on_served: Callable[[int], None] | None = None,
     buffers: BufferPool | None = None,
     held: Callable[[Sequence[bytes], str], int] | None = None,
+    max_body_bytes: int = DEFAULT_PEER_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_PEER_BODY_TIMEOUT_S,
 ) -> list[web.RouteDef]:
     """The T2 endpoint and the held probe for an aiohttp app:
     `app.add_routes(peer_routes(source, secret, held=...))`.
@@ -256,7 +267,8 @@ def peer_routes(
     for `tenant` (or the platform); None -> the probe answers 503. `secret=None` (or empty) keeps
     the routes but refuses every request. `on_served(bytes)` is called after each complete
     transfer (for metrics). Send buffers come from `buffers` (by default a pool keeping
-    `MAX_IDLE_SEND_BUFFERS`)."""
+    `MAX_IDLE_SEND_BUFFERS`). A request body over `max_body_bytes`, or not received within
+    `body_timeout_s`, is refused (413, 408) like the OpenAI routes' bodies."""
     pool = BufferPool(MAX_IDLE_SEND_BUFFERS) if buffers is None else buffers
 
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -265,8 +277,10 @@ def peer_routes(
             return tenant
         try:
             key, token_ids, start_block, max_blocks = _parse_request(
-                await _body(request), max_tokens
+                await _body(request, max_body_bytes, body_timeout_s), max_tokens
             )
+        except ApiError as exc:
+            return _refusal(exc)
         except (ValueError, json.JSONDecodeError) as exc:
             return _error(400, str(exc))
         if key.tenant_id != tenant:
@@ -286,7 +300,9 @@ def peer_routes(
         if held is None:
             return _error(503, "this replica does not answer held probes")
         try:
-            hashes = _parse_held(await _body(request))
+            hashes = _parse_held(await _body(request, max_body_bytes, body_timeout_s))
+        except ApiError as exc:
+            return _refusal(exc)
         except (ValueError, json.JSONDecodeError) as exc:
             return _error(400, str(exc))
         return web.json_response({"leading_blocks": held(hashes, tenant)})

@@ -62,8 +62,10 @@ from prometheus_client import (
 
 from kvfleet_runtime.api import (
     ApiError,
+    ListenerLimits,
     error_middleware,
     error_response,
+    handler_args,
     is_client_gone,
     parse_json,
     read_body,
@@ -143,6 +145,9 @@ class RouterState:
     """Larger bodies are refused with 413 before anything is forwarded (the replicas' default)."""
     body_read_timeout_s: float = 10.0
     """A body must arrive within this time, or the request is refused with 408."""
+    header_read_timeout_s: float = ListenerLimits().header_timeout_s
+    """A request head must be complete within this; also the idle keep-alive time
+    (`api.ListenerLimits`)."""
     spill_window: int = 1000
     poll_interval_s: float = 0.5
     config_poll_s: float = 1.0
@@ -277,7 +282,8 @@ def _decide(
 
 def create_router_app(state: RouterState) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware(log)], client_max_size=_HARD_MAX_BODY_BYTES
+        middlewares=[error_middleware(log)], client_max_size=_HARD_MAX_BODY_BYTES,
+        handler_args=handler_args(ListenerLimits(header_timeout_s=state.header_read_timeout_s)),
     )
 
     def authenticate(request: web.Request) -> str:

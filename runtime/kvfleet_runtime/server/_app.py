@@ -49,8 +49,10 @@ from kvfleet_runtime.api import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ListenerLimits,
     error_middleware,
     error_response,
+    handler_args,
     read_json,
     refused_fields,
 )
@@ -424,8 +426,10 @@ def create_app(replica: Replica, *, watch: bool = True,
                auth: ReplicaAuth | None = None) -> web.Application:
     """The replica's app. `auth` None: no router secret (tenant `default` on loopback only)."""
     authenticate = auth_middleware(auth or ReplicaAuth(), error_response)
+    limits = ListenerLimits(header_timeout_s=replica.config.header_read_timeout_s)
     app = web.Application(middlewares=[error_middleware(log), authenticate],
-                          client_max_size=_HARD_MAX_BODY_BYTES)
+                          client_max_size=_HARD_MAX_BODY_BYTES,
+                          handler_args=handler_args(limits))
     h = _handlers(replica)
     app.router.add_post("/v1/completions", h["completions"])
     app.router.add_post("/v1/chat/completions", h["chat"])

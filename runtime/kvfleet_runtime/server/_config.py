@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvfleet_runtime.api import ListenerLimits
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
@@ -107,6 +108,10 @@ class ReplicaConfig(_Strict):
     set), the replica refuses to start on weights with another digest."""
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
+    header_read_timeout_s: float = Field(default=ListenerLimits().header_timeout_s, gt=0,
+                                         le=3600)
+    """A request head must be complete within this (slow headers are cut), which is also how
+    long an idle keep-alive connection stays open (`api.ListenerLimits`). Needs a restart."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpu_threads: int = Field(default=0, ge=0)
     """torch intra-op threads; 0 keeps torch's default. On a shared or small CPU, 1 is often

@@ -16,7 +16,7 @@ import torch
 import yaml
 from aiohttp import web
 
-from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
+from kvfleet_runtime.api import CANCEL_ON_DISCONNECT, AppRunner
 from kvfleet_runtime.auth import sign_assertion
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.server import Replica, ReplicaAuth, build_replica, create_app, load_config
@@ -68,8 +68,8 @@ class ServerThread:
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         # As `kvfleet replica` serves it: a client that goes away cancels its handler.
-        self.runner = web.AppRunner(create_app(self.replica, auth=self.auth),
-                                    handler_cancellation=CANCEL_ON_DISCONNECT)
+        self.runner = AppRunner(create_app(self.replica, auth=self.auth),
+                                handler_cancellation=CANCEL_ON_DISCONNECT)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())

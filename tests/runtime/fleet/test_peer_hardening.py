@@ -1,0 +1,75 @@
+"""The peer routes (`/kv/v1/blocks`, `/kv/v1/held`) under hostile input from a peer holding a
+valid credential (issue 25), on loopback: bad encodings, slow bodies, all in the envelope."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+from aiohttp import web
+
+from kvfleet_runtime.api import AppRunner, ListenerLimits, error_middleware, handler_args
+from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
+from kvfleet_runtime.fleet import CacheBlockSource, peer_routes, peer_token
+from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
+from tests.rawhttp import RawAnswer, exchange, request
+from tests.runtime.fleet.conftest import free_port
+
+SECRET = b"peer-hardening-secret"
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
+PEER_HEADERS = {TENANT_HEADER: "tenant-a",
+                "Authorization": "Bearer " + peer_token(SECRET, "tenant-a"),
+                "Content-Type": "application/json"}
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    port: int
+
+
+@pytest.fixture
+async def peer() -> AsyncIterator[Peer]:
+    cache = PrefixCache(CacheConfig(num_t0_blocks=16, admit_min_sightings=1), LAYOUT,
+                        clock=time.monotonic)
+    app = web.Application(middlewares=[error_middleware(log)],
+                          handler_args=handler_args(ListenerLimits(header_timeout_s=1.0)))
+    app.add_routes(peer_routes(CacheBlockSource(cache), SECRET, held=lambda hashes, tenant: 0,
+                               body_timeout_s=0.5))
+    runner = AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield Peer(port)
+    await runner.cleanup()
+
+
+async def raw(peer: Peer, data: bytes | list[bytes], **kw: float) -> RawAnswer | None:
+    return await asyncio.to_thread(exchange, peer.port, data, **kw)
+
+
+def no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    for record in caplog.records:
+        assert record.exc_info is None, record.getMessage()
+        assert record.levelno < logging.ERROR, record.getMessage()
+
+
+@pytest.mark.parametrize("path", [T2_PATH, HELD_PATH])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_peer_body_with_a_bad_content_encoding_is_a_400_in_the_envelope(
+    peer: Peer, caplog: pytest.LogCaptureFixture, path: str, encoding: str
+) -> None:
+    # Fails before issue 25: 500 internal_error and an ERROR traceback.
+    caplog.set_level(logging.DEBUG)
+    answer = await raw(peer, request("POST", path, b"not a gzip stream",
+                                     {**PEER_HEADERS, "Content-Encoding": encoding}))
+    assert answer is not None and answer.status == 400, answer
+    assert answer.error["code"] == "invalid_body_encoding"
+    no_traceback(caplog)
+    answer = await raw(peer, request("POST", HELD_PATH, b'{"block_hashes": ["ab"]}',
+                                     PEER_HEADERS))
+    assert answer is not None and answer.status == 200 and answer.json() == {"leading_blocks": 0}
