@@ -7,6 +7,8 @@ import asyncio
 import json
 import logging
 import urllib.parse
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +66,50 @@ async def test_bad_json_after_a_good_encoding_is_still_named(
                                        {**AUTH, "Content-Encoding": "gzip"}))
     assert answer is not None and answer.status == 400 and json.loads(answer.body)
     assert answer.error["code"] == "invalid_json"
+
+
+# ---- config input (items 5 and 6) ------------------------------------------------------------
+
+DEEP = "replicas: " + "[" * 5000 + "]" * 5000 + "\n"
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8))
+
+
+@pytest.mark.parametrize(("text", "why"), [(DEEP, "nests deeper than 32 levels"),
+                                           (LAUGHS, "aliases")])
+async def test_a_hostile_fleet_config_is_refused_in_one_line_and_the_next_valid_one_applies(
+    replicas: list[FakeReplica], start_router: StartRouter, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture, text: str, why: str
+) -> None:
+    # Fails before issue 25: RecursionError kills the router's poll task (later files are never
+    # applied, /readyz says nothing); the laughs stall the event loop and log ~2 GB.
+    caplog.set_level(logging.DEBUG)
+    path = tmp_path / "fleet.yaml"
+    reps = [{"name": r.name, "url": r.url} for r in replicas]
+    path.write_text(json.dumps({"replicas": reps, "home_sets": {"acme": ["r2"]}, "generation": 1}))
+    router = await start_router(replicas[:1], config_path=path)
+    await router.refresh()
+    path.write_text(text)
+
+    async def readyz() -> dict[str, Any]:
+        async with router.session.get(router.url + "/readyz") as r:
+            return dict(await r.json())
+
+    for _ in range(200):
+        if (await readyz())["config_error"]:
+            break
+        await asyncio.sleep(0.05)
+    reason = (await readyz())["config_error"]
+    assert reason and why in reason and "\n" not in reason and len(reason) <= 500
+    refusals = [r for r in caplog.records if "fleet config rejected" in r.getMessage()]
+    assert len(refusals) == 1 and len(refusals[0].getMessage()) < 1000
+    status, _, body = await router.post({"prompt": "x"})
+    assert status == 200 and body["replica"] == "r2"  # the last good config routes
+    path.write_text(json.dumps({"replicas": reps, "home_sets": {"acme": ["r4"]}, "generation": 2}))
+    for _ in range(200):
+        config = router.state.view.config
+        if config is not None and config.generation == 2:
+            break
+        await asyncio.sleep(0.05)
+    _, _, body = await router.post({"prompt": "x"})
+    assert body["replica"] == "r4" and (await readyz())["config_error"] is None

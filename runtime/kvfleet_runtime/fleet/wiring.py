@@ -368,6 +368,8 @@ class FleetTier:
             return
         watcher = self._watcher
         new = next_fleet_config(path, content, self.config, watcher)
+        if watcher is not None and watcher.error:
+            self.replica.config_errors["fleet"] = watcher.error
         if new is None:
             return
         self.config = new
@@ -380,6 +382,7 @@ class FleetTier:
         self.apply_tiers(new)
         if content is not None and watcher is not None:
             watcher.accept(content)
+        self.replica.config_errors.pop("fleet", None)
 
     def apply_tiers(self, config: FleetConfig) -> None:
         """Every tier toggle of the fleet config, live."""
@@ -409,6 +412,8 @@ class FleetTier:
                 content = await asyncio.to_thread(self._watcher.poll)
                 if content is not None:
                     await asyncio.to_thread(self._reload_config, content)
+                elif not self._watcher.error:
+                    self.replica.config_errors.pop("fleet", None)
             await asyncio.sleep(self.settings.config_poll_s)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:

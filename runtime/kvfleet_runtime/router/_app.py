@@ -495,6 +495,8 @@ def create_router_app(state: RouterState) -> web.Application:
                 "ready_replicas": sorted(ready),
                 "spill_rate": state.spill_rate,
                 "config_generation": state.view.config.generation if state.view.config else None,
+                # The last good config routes; this says why the file on disk is not it.
+                "config_error": state.view.config_error or None,
             },
             status=200 if ok else 503,
         )

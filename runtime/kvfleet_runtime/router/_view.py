@@ -66,14 +66,32 @@ class FleetView:
 
     # -- config ------------------------------------------------------------------------------
 
+    @property
+    def config_error(self) -> str:
+        """Why the fleet config file on disk is not in force ("" when it is)."""
+        return self._watcher.error if self._watcher is not None else ""
+
     def reload_config(self, content: bytes | None = None) -> bool:
         """Load the config (`content`: what the watcher read, else the file); on a parse error,
         or a config that drops the generation in force (`check_successor`), keep the last good
-        config. True if applied."""
+        config. True if applied. Parses on the calling thread (`reload_config_async` from the
+        event loop)."""
         if self.config_path is None:
             return False
+        return self._install(next_fleet_config(self.config_path, content, self.config,
+                                               self._watcher), content)
+
+    async def reload_config_async(self, content: bytes | None = None) -> bool:
+        """`reload_config` with the parse on a worker thread (a file at the parser's bounds
+        takes a while to refuse) and the change applied on the event loop."""
+        if self.config_path is None:
+            return False
+        new = await asyncio.to_thread(next_fleet_config, self.config_path, content, self.config,
+                                      self._watcher)
+        return self._install(new, content)
+
+    def _install(self, new: FleetConfig | None, content: bytes | None) -> bool:
         watcher = self._watcher
-        new = next_fleet_config(self.config_path, content, self.config, watcher)
         if new is None:
             self.config_errors += 1
             return False
@@ -220,7 +238,7 @@ class FleetView:
                 next_config = now + config_poll_s
                 content = await asyncio.to_thread(self._watcher.poll)
                 if content is not None:
-                    self.reload_config(content)
+                    await self.reload_config_async(content)
             if now >= next_load:
                 next_load = now + poll_interval_s
                 with contextlib.suppress(Exception):

@@ -47,9 +47,9 @@ from kvfleet_runtime.api import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    ListenerLimits,
     ModelCard,
     ModelList,
-    ListenerLimits,
     error_middleware,
     error_response,
     handler_args,
@@ -125,6 +125,9 @@ class Replica:
     """Polls of the config file so far (0 without one)."""
     config_applied_at_poll: int = 0
     """The poll at which the config in force was applied (0: the one it started with)."""
+    config_errors: dict[str, str] = field(default_factory=dict)
+    """Why the file now on disk is not in force, per file ("replica"; the fleet tier adds
+    "fleet"), shown by /readyz; empty once a valid file applies. The last good config serves."""
     before_submit: Callable[[str, list[int]], Awaitable[None]] | None = None
     """Set by the fleet tier (`kvfleet_runtime.fleet.wiring`): fetch the prompt's prefix from a
     peer before the engine looks it up. Never raises; on any failure the engine prefills."""
@@ -264,16 +267,22 @@ async def watch_config(replica: Replica) -> None:
         content = await asyncio.to_thread(watcher.poll)
         replica.config_polls = watcher.num_polls
         if content is None:
+            if not watcher.error:
+                replica.config_errors.pop("replica", None)
             continue
         try:
-            new = load_config(path, overrides=replica.overrides, content=content)
-        except ValueError as exc:
-            watcher.reject(content)
+            # Off the event loop: a file at the parser's bounds takes a while to refuse.
+            new = await asyncio.to_thread(load_config, path, overrides=replica.overrides,
+                                          content=content)
+        except (ValueError, RecursionError, MemoryError) as exc:
+            watcher.reject(content, str(exc))
             replica.reloads.labels("rejected").inc()
+            replica.config_errors["replica"] = watcher.error
             log.log(logging.DEBUG if watcher.repeated else logging.ERROR,
-                    "config reload rejected, keeping the last good config: %s", exc)
+                    "config reload rejected, keeping the last good config: %s", watcher.error)
             continue
         pending = await asyncio.to_thread(apply_config, replica, new)
+        replica.config_errors.pop("replica", None)
         watcher.accept(content)
         replica.config_applied_at_poll = watcher.applied_at_poll
         replica.reloads.labels("applied").inc()
@@ -408,7 +417,8 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
                 "weights_digest": replica.loaded.weights_digest,
                 "restart_pending": replica.restart_pending,
                 "config_polls": replica.config_polls,
-                "config_applied_at_poll": replica.config_applied_at_poll}
+                "config_applied_at_poll": replica.config_applied_at_poll,
+                "config_errors": dict(replica.config_errors)}
         return web.json_response(body, status=200 if replica.ready else 503)
 
     async def openapi(request: web.Request) -> web.StreamResponse:

@@ -7,13 +7,17 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import time
 import urllib.parse
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+import yaml
 
 from tests.rawhttp import exchange, request
 
-from .conftest import RunningReplica, as_router
+from .conftest import TEST_CONFIG, RunningReplica, as_router
 
 NOT_GZIP = b"this is not a gzip stream at all"
 
@@ -67,3 +71,68 @@ def test_a_well_formed_gzip_body_is_still_accepted(running: RunningReplica) -> N
                "Content-Encoding": "gzip"}
     answer = exchange(port(running), request("POST", "/v1/completions", body, headers))
     assert answer is not None and answer.status == 200, answer
+
+
+# ---- config input (items 5 and 6) ------------------------------------------------------------
+
+DEEP = "limits:\n  max_tokens: " + "[" * 5000 + "]" * 5000 + "\n"
+"""Deep enough that PyYAML's recursive composer raised RecursionError (which killed the watcher
+before issue 25)."""
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8))
+"""Nested anchors: ~600 bytes that expand to 10**9 strings."""
+
+
+def _wait(pred: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _readyz(running: RunningReplica) -> dict[str, Any]:
+    answer = exchange(port(running), request("GET", "/readyz"))
+    assert answer is not None and answer.status == 200, answer
+    return dict(answer.json())
+
+
+@pytest.mark.parametrize(("text", "why"), [(DEEP, "nests deeper than 32 levels"),
+                                           (LAUGHS, "aliases")])
+def test_a_hostile_config_file_is_refused_in_one_line_and_the_next_valid_one_applies(
+    running: RunningReplica, caplog: pytest.LogCaptureFixture, text: str, why: str
+) -> None:
+    # Fails before issue 25: the deep file kills the watcher silently (the next valid file is
+    # never applied, /readyz says nothing); the laughs stall the loop and log ~2 GB.
+    caplog.set_level(logging.DEBUG)
+    replica = running.replica
+    try:
+        running.config_path.write_text(text)
+        _wait(lambda: "replica" in _readyz(running)["config_errors"], "the refusal")
+        reason = _readyz(running)["config_errors"]["replica"]
+        assert why in reason and str(running.config_path) in reason and "\n" not in reason
+        refusals = [r for r in caplog.records if "config reload rejected" in r.getMessage()]
+        assert len(refusals) == 1 and len(refusals[0].getMessage()) < 1000
+        still_serving(running)
+        changed = json.loads(json.dumps(TEST_CONFIG))
+        changed["limits"]["max_tokens"] = 5
+        running.config_path.write_text(yaml.safe_dump(changed))
+        _wait(lambda: replica.config.limits.max_tokens == 5, "the next valid file")
+        assert _readyz(running)["config_errors"] == {}
+    finally:
+        running.config_path.write_text(yaml.safe_dump(TEST_CONFIG))
+        _wait(lambda: replica.config.limits.max_tokens == 32, "the test config")
+
+
+def test_a_config_field_error_names_the_field_in_one_short_line(
+    running: RunningReplica
+) -> None:
+    replica = running.replica
+    try:
+        running.config_path.write_text("limits:\n  max_tokens: &x " + "y" * 100_000 + "\n")
+        _wait(lambda: "replica" in _readyz(running)["config_errors"], "the refusal")
+        reason = _readyz(running)["config_errors"]["replica"]
+        assert "limits.max_tokens" in reason and len(reason) <= 500
+    finally:
+        running.config_path.write_text(yaml.safe_dump(TEST_CONFIG))
+        _wait(lambda: replica.config.limits.max_tokens == 32 and
+              not replica.config_errors, "the test config")
