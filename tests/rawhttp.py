@@ -90,3 +90,30 @@ def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] |
     if content_length and body is not None:
         lines.append(f"Content-Length: {len(body)}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+TLS_HELLO = bytes.fromhex("16030100a5010000a10303") + bytes(range(32)) + b"\x00" * 64
+"""The start of a TLS ClientHello, as a client that speaks HTTPS to an HTTP port sends it."""
+
+
+def malformed(path: str) -> dict[str, bytes]:
+    """Requests aiohttp's HTTP parser itself refuses (issue 25 item 8), by name."""
+    post = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    return {
+        "header_over_8k": request("GET", "/healthz", headers={"X-Big": "a" * 9000}),
+        "ten_thousand_headers": ("GET /healthz HTTP/1.1\r\nHost: x\r\n"
+                                 + "".join(f"X-H{i}: v\r\n" for i in range(10_000))
+                                 + "\r\n").encode(),
+        "url_of_100k": f"GET /{'u' * 100_000} HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
+        "negative_content_length": (post + "Content-Length: -5\r\n\r\n{}").encode(),
+        "huge_content_length": (post + "Content-Length: 99999999999999999999999\r\n\r\n").encode(),
+        "length_and_chunked": (post + "Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+                               "2\r\n{}\r\n0\r\n\r\n").encode(),
+        "bad_chunk_size": (post + "Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n").encode(),
+        "unknown_method": b"FR\x00B /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+        "bad_version": b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n",
+        "space_in_header_name": b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Name: v\r\n\r\n",
+        "nul_in_header": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+        "tls_on_http_port": TLS_HELLO,
+        "garbage": b"\xff\xfe\xfd hello\r\n\r\n",
+    }

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.rawhttp import RawAnswer, exchange, request
+from tests.rawhttp import RawAnswer, exchange, malformed, request
 from tests.router.conftest import FakeReplica, RouterHandle, StartRouter
 
 NOT_GZIP = b"this is not a gzip stream at all"
@@ -113,3 +113,23 @@ async def test_a_hostile_fleet_config_is_refused_in_one_line_and_the_next_valid_
         await asyncio.sleep(0.05)
     _, _, body = await router.post({"prompt": "x"})
     assert body["replica"] == "r4" and (await readyz())["config_error"] is None
+
+
+# ---- aiohttp's parser refusals (item 8) ------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(malformed("/v1/completions")))
+async def test_requests_the_http_parser_refuses_are_4xx_in_the_envelope_and_one_log_line(
+    replicas: list[FakeReplica], start_router: StartRouter, caplog: pytest.LogCaptureFixture,
+    name: str
+) -> None:
+    # Fails before issue 25: plain-text 400s and an ERROR traceback for each.
+    caplog.set_level(logging.DEBUG)
+    router = await start_router(replicas)
+    caplog.clear()
+    answer = await raw(router, malformed("/v1/completions")[name])
+    assert answer is not None and 400 <= answer.status < 500, answer
+    assert answer.error["code"] == "malformed_request"
+    no_traceback(caplog)
+    own = [r.getMessage() for r in caplog.records if r.name != "aiohttp.access"]
+    assert len(own) <= 1 and all("\n" not in m and len(m) < 400 for m in own), own
+    await still_serving(router)

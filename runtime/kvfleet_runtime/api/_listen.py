@@ -90,8 +90,13 @@ def _input_error(exc: BaseException | None) -> bool:
 
 
 def _reason(exc: BaseException | None, fallback: str | None) -> str:
+    """The parser's reason and the offending bytes, one line (aiohttp writes the bytes on a line
+    of their own under the reason, and a caret under them)."""
     text = getattr(exc, "message", None) or (str(exc) if exc is not None else "") or fallback
-    return one_line(text or "bad request")
+    lines = [line.strip() for line in str(text or "bad request").splitlines() if line.strip()]
+    lines = [line for line in lines if set(line) != {"^"}]
+    head = lines[0].rstrip(":") if lines else "bad request"
+    return one_line(f"{head}: {lines[1]}" if len(lines) > 1 else head)
 
 
 class BoundedServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -117,8 +122,10 @@ class EnvelopeRequestHandler(RequestHandler):
             return super().handle_error(request, status, exc, message)
         status = min(status, 499)
         if isinstance(exc, LineTooLong):
-            status = 414 if "status line" in str(exc).lower() or "request line" in str(
-                exc).lower() else 431
+            # nginx's answers: 414 for the URL, 431 for a header
+            line = exc.args[0] if exc.args else b""
+            is_url = isinstance(line, bytes | bytearray | str) and line[:1] in (b"/", "/")
+            status = 414 if is_url else 431
         reason = _reason(exc, message)
         first = self._request_count == 1 and isinstance(exc, BadHttpMethod)
         log.log(logging.DEBUG if first else logging.INFO,

@@ -16,7 +16,7 @@ from kvfleet_runtime.api import AppRunner, ListenerLimits, error_middleware, han
 from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
 from kvfleet_runtime.fleet import CacheBlockSource, peer_routes, peer_token
 from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
-from tests.rawhttp import RawAnswer, exchange, request
+from tests.rawhttp import RawAnswer, exchange, malformed, request
 from tests.runtime.fleet.conftest import free_port
 
 SECRET = b"peer-hardening-secret"
@@ -73,3 +73,17 @@ async def test_peer_body_with_a_bad_content_encoding_is_a_400_in_the_envelope(
     answer = await raw(peer, request("POST", HELD_PATH, b'{"block_hashes": ["ab"]}',
                                      PEER_HEADERS))
     assert answer is not None and answer.status == 200 and answer.json() == {"leading_blocks": 0}
+
+
+@pytest.mark.parametrize("name", sorted(malformed(T2_PATH)))
+async def test_requests_the_http_parser_refuses_are_4xx_in_the_envelope_on_the_peer_port(
+    peer: Peer, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    # Fails before issue 25: plain-text 400s and an ERROR traceback for each.
+    caplog.set_level(logging.DEBUG)
+    answer = await raw(peer, malformed(T2_PATH)[name])
+    assert answer is not None and 400 <= answer.status < 500, answer
+    assert answer.error["code"] == "malformed_request"
+    no_traceback(caplog)
+    own = [r.getMessage() for r in caplog.records if r.name != "aiohttp.access"]
+    assert len(own) <= 1 and all("\n" not in m and len(m) < 400 for m in own), own

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.rawhttp import exchange, request
+from tests.rawhttp import exchange, malformed, request
 
 from .conftest import TEST_CONFIG, RunningReplica, as_router
 
@@ -136,3 +136,30 @@ def test_a_config_field_error_names_the_field_in_one_short_line(
         running.config_path.write_text(yaml.safe_dump(TEST_CONFIG))
         _wait(lambda: replica.config.limits.max_tokens == 32 and
               not replica.config_errors, "the test config")
+
+
+# ---- aiohttp's parser refusals (item 8) ------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(malformed("/v1/completions")))
+def test_requests_the_http_parser_refuses_are_4xx_in_the_envelope_and_one_log_line(
+    running: RunningReplica, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    # Fails before issue 25: plain-text 400s and an ERROR traceback for each.
+    caplog.set_level(logging.DEBUG)
+    answer = exchange(port(running), malformed("/v1/completions")[name])
+    assert answer is not None and 400 <= answer.status < 500, answer
+    assert answer.error["code"] == "malformed_request"
+    no_traceback(caplog)
+    own = [r.getMessage() for r in caplog.records if r.name != "aiohttp.access"]
+    assert len(own) <= 1 and all("\n" not in m and len(m) < 400 for m in own), own
+    still_serving(running)
+
+
+def test_header_limits_are_nginx_and_envoy_values(running: RunningReplica) -> None:
+    ok = exchange(port(running), request("GET", "/healthz", headers={
+        **{f"X-H{i}": "v" for i in range(90)}, "X-Big": "a" * 8000}))
+    assert ok is not None and ok.status == 200
+    for headers in ({f"X-H{i}": "v" for i in range(101)}, {"X-Big": "a" * 8200}):
+        refused = exchange(port(running), request("GET", "/healthz", headers=headers))
+        assert refused is not None and refused.status in (400, 431), refused
+        assert refused.error["code"] == "malformed_request"
