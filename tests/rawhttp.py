@@ -109,7 +109,8 @@ def malformed(path: str) -> dict[str, bytes]:
         "huge_content_length": (post + "Content-Length: 99999999999999999999999\r\n\r\n").encode(),
         "length_and_chunked": (post + "Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
                                "2\r\n{}\r\n0\r\n\r\n").encode(),
-        "bad_chunk_size": (post + "Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n").encode(),
+        "bad_chunk_size": (post + "Transfer-Encoding: chunked\r\n\r\n"
+                           "zz\r\n{}\r\n0\r\n\r\n").encode(),
         "unknown_method": b"FR\x00B /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
         "bad_version": b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n",
         "space_in_header_name": b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Name: v\r\n\r\n",
