@@ -118,3 +118,19 @@ def malformed(path: str) -> dict[str, bytes]:
         "tls_on_http_port": TLS_HELLO,
         "garbage": b"\xff\xfe\xfd hello\r\n\r\n",
     }
+
+
+def cut_while_sending(port: int, pieces: list[bytes], pause_s: float) -> bool:
+    """Send `pieces` `pause_s` apart (a slow client); True when the server closed the connection
+    before the last piece went out, without answering anything."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.settimeout(pause_s)
+        for piece in pieces:
+            try:
+                conn.sendall(piece)
+                return not conn.recv(65536)  # b"": closed; bytes: it answered instead
+            except TimeoutError:
+                continue  # still open, nothing said: send the next piece
+            except OSError:
+                return True
+    return False

@@ -147,9 +147,11 @@ async def start_router() -> AsyncIterator[StartRouter]:
 
     async def start(reps: list[FakeReplica], **view_kwargs: Any) -> RouterHandle:
         index = view_kwargs.pop("index", None)
+        state_kwargs = view_kwargs.pop("state", {})  # RouterState settings (timeouts)
         view = FleetView(static_replicas={r.name: r.url for r in reps}, **view_kwargs)
         state = RouterState(
-            view=view, keys=KEYS, index=index, poll_interval_s=3600, config_poll_s=0.05
+            view=view, keys=KEYS, index=index, poll_interval_s=3600, config_poll_s=0.05,
+            **state_kwargs,
         )
         runner = AppRunner(create_router_app(state))
         await runner.setup()

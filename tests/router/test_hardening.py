@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.rawhttp import RawAnswer, exchange, malformed, request
+from tests.rawhttp import RawAnswer, cut_while_sending, exchange, malformed, request
 from tests.router.conftest import FakeReplica, RouterHandle, StartRouter
 
 NOT_GZIP = b"this is not a gzip stream at all"
@@ -133,3 +133,27 @@ async def test_requests_the_http_parser_refuses_are_4xx_in_the_envelope_and_one_
     own = [r.getMessage() for r in caplog.records if r.name != "aiohttp.access"]
     assert len(own) <= 1 and all("\n" not in m and len(m) < 400 for m in own), own
     await still_serving(router)
+
+
+# ---- deadlines (item 7) ----------------------------------------------------------------------
+
+async def test_slow_headers_are_cut_at_the_head_deadline(
+    replicas: list[FakeReplica], start_router: StartRouter
+) -> None:
+    # Fails before issue 25: slow heads stayed open (aiohttp's keep-alive timer is an hour).
+    router = await start_router(replicas, state={"header_read_timeout_s": 1.0})
+    head = request("POST", "/v1/completions", b"{}", AUTH)
+    pieces = [head[i:i + 1] for i in range(len(head) - 4)]
+    # ~16 s to send it all at 0.2 s a byte: the 1 s deadline cuts it long before
+    assert await asyncio.to_thread(cut_while_sending, port(router), pieces, 0.2)
+    await still_serving(router)
+
+
+async def test_a_body_that_never_arrives_is_408_at_the_deadline(
+    replicas: list[FakeReplica], start_router: StartRouter
+) -> None:
+    router = await start_router(replicas, state={"body_read_timeout_s": 0.5})
+    head = request("POST", "/v1/completions", b"", {**AUTH, "Content-Length": "1000"},
+                   content_length=False)
+    answer = await raw(router, [head, b'{"prompt": '])
+    assert answer is not None and answer.status == 408 and answer.error["code"] == "body_timeout"

@@ -57,6 +57,13 @@ def router(
                      "for the cache-aware override only while the replicas report this "
                      "tokenizer."),
     ] = None,
+    header_read_timeout_s: Annotated[
+        float, typer.Option(help="A request head must arrive within this (also the idle "
+                            "keep-alive time).")
+    ] = 60.0,
+    body_read_timeout_s: Annotated[
+        float, typer.Option(help="A request body must arrive within this (408 after).")
+    ] = 10.0,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
     """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware).
@@ -74,6 +81,10 @@ def router(
         fail(f"--k must be in [1, 16], got {k}")
     if not 0 < occupancy_threshold <= 1:
         fail(f"--occupancy-threshold must be in (0, 1], got {occupancy_threshold}")
+    for name, value in (("--header-read-timeout-s", header_read_timeout_s),
+                        ("--body-read-timeout-s", body_read_timeout_s)):
+        if not 0 < value <= 3600:
+            fail(f"{name} must be in (0, 3600], got {value}")
     if poll_interval_s <= 0:
         fail(f"--poll-interval-s must be > 0, got {poll_interval_s}")
     if recompute_s_per_token is not None and recompute_s_per_token <= 0:
@@ -105,5 +116,7 @@ def router(
         poll_interval_s=poll_interval_s,
         tokenizer=own_tokenizer,
         router_secret=router_secret,
+        header_read_timeout_s=header_read_timeout_s,
+        body_read_timeout_s=body_read_timeout_s,
     )
     run_app(create_router_app(state), host=host, port=port)

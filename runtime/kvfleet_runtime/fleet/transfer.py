@@ -88,6 +88,8 @@ from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_PEER_BODY_BYTES",
+    "DEFAULT_PEER_BODY_TIMEOUT_S",
     "MAX_PROBE_BLOCKS",
     "BlockSource",
     "BufferPool",

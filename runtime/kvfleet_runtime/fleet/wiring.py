@@ -44,6 +44,7 @@ Environment (all optional; none of the first four set -> no fleet tier):
     KVFLEET_PEER_URL        URL peers use for this replica (default http://$POD_IP:<port>)
     KVFLEET_HINT_LOOKUP_BUDGET_S   hint lookup budget (default 0.002 with Redis, 0.05 for the
                                    peer probe)
+    KVFLEET_PEER_BODY_TIMEOUT_S    deadline of a peer's request body (default 10)
 """
 
 from __future__ import annotations
@@ -68,7 +69,12 @@ from kvfleet_runtime.fleet.index import EmbeddedHintIndex, HintIndex, RedisHintI
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
-from kvfleet_runtime.fleet.transfer import ExportedRun, PeerFetcher, peer_routes
+from kvfleet_runtime.fleet.transfer import (
+    DEFAULT_PEER_BODY_TIMEOUT_S,
+    ExportedRun,
+    PeerFetcher,
+    peer_routes,
+)
 from kvfleet_runtime.fleetconfig import FleetConfig, next_fleet_config
 from kvfleet_runtime.nvme import mode_for
 from kvfleet_runtime.wire import (
@@ -112,6 +118,8 @@ class FleetSettings:
     hint_lookup_budget_s: float | None = None
     """A hint lookup slower than this answers "nobody" (the request recomputes). None: the
     index's default (2 ms for Redis, `probe.DEFAULT_PROBE_BUDGET_S` for the peer probe)."""
+    peer_body_timeout_s: float = DEFAULT_PEER_BODY_TIMEOUT_S
+    """A peer's request body (`/kv/v1/blocks`, `/kv/v1/held`) must arrive within this (408)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, port: int) -> FleetSettings | None:
@@ -144,6 +152,15 @@ class FleetSettings:
             ) from None
         if budget_s is not None and not budget_s > 0:
             raise ValueError(f"KVFLEET_HINT_LOOKUP_BUDGET_S must be > 0, got {budget!r}")
+        body_timeout = environ.get("KVFLEET_PEER_BODY_TIMEOUT_S")
+        try:
+            body_timeout_s = float(body_timeout) if body_timeout else DEFAULT_PEER_BODY_TIMEOUT_S
+        except ValueError:
+            raise ValueError(
+                f"KVFLEET_PEER_BODY_TIMEOUT_S must be seconds, got {body_timeout!r}") from None
+        if not 0 < body_timeout_s <= 600:
+            raise ValueError(f"KVFLEET_PEER_BODY_TIMEOUT_S must be in (0, 600], got "
+                             f"{body_timeout!r}")
         return cls(
             name=name,
             peer_url=environ.get("KVFLEET_PEER_URL") or f"http://{host}:{port}",
@@ -151,6 +168,7 @@ class FleetSettings:
             redis_url=environ.get("KVFLEET_REDIS_URL") or None,
             fleet_config=config_path,
             hint_lookup_budget_s=budget_s,
+            peer_body_timeout_s=body_timeout_s,
         )
 
 
@@ -454,6 +472,7 @@ def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings
             _GatedSource(source, fleet.serving_peers),
             settings.secret,
             held=fleet.held_for_peers,
+            body_timeout_s=settings.peer_body_timeout_s,
         )
     )
 

@@ -16,7 +16,7 @@ from kvfleet_runtime.api import AppRunner, ListenerLimits, error_middleware, han
 from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
 from kvfleet_runtime.fleet import CacheBlockSource, peer_routes, peer_token
 from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
-from tests.rawhttp import RawAnswer, exchange, malformed, request
+from tests.rawhttp import RawAnswer, cut_while_sending, exchange, malformed, request
 from tests.runtime.fleet.conftest import free_port
 
 SECRET = b"peer-hardening-secret"
@@ -87,3 +87,27 @@ async def test_requests_the_http_parser_refuses_are_4xx_in_the_envelope_on_the_p
     no_traceback(caplog)
     own = [r.getMessage() for r in caplog.records if r.name != "aiohttp.access"]
     assert len(own) <= 1 and all("\n" not in m and len(m) < 400 for m in own), own
+
+
+# ---- deadlines (item 7) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", [T2_PATH, HELD_PATH])
+async def test_a_peer_body_that_never_arrives_is_408_at_the_deadline(
+    peer: Peer, path: str
+) -> None:
+    # Fails before issue 25: a valid peer promising 1,000 bytes and sending 8 held the
+    # connection for as long as it liked (no deadline on the peer routes).
+    head = request("POST", path, b"", {**PEER_HEADERS, "Content-Length": "1000"},
+                   content_length=False)
+    answer = await asyncio.wait_for(raw(peer, [head, b'{"key": '], timeout_s=30.0), 30)
+    assert answer is not None and answer.status == 408, answer
+    assert answer.error["code"] == "body_timeout"
+
+
+async def test_slow_headers_are_cut_at_the_head_deadline(peer: Peer) -> None:
+    # Fails before issue 25: a head sent a byte at a time stayed open indefinitely (aiohttp's
+    # default keep-alive timer is an hour). The fixture's head deadline is 1 s.
+    head = request("GET", "/healthz")
+    pieces = [head[i:i + 1] for i in range(len(head) - 4)]
+    # ~8 s to send it all at 0.2 s a byte: the 1 s deadline cuts it long before
+    assert await asyncio.to_thread(cut_while_sending, peer.port, pieces, 0.2)
