@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvfleet_runtime.routing import rendezvous_top_k
 from tests.rawhttp import RawAnswer, cut_while_sending, exchange, malformed, request
 from tests.router.conftest import FakeReplica, RouterHandle, StartRouter
 
@@ -101,7 +102,8 @@ async def test_a_hostile_fleet_config_is_refused_in_one_line_and_the_next_valid_
         await asyncio.sleep(0.05)
     reason = (await readyz())["config_error"]
     assert reason and why in reason and "\n" not in reason and len(reason) <= 500
-    refusals = [r for r in caplog.records if "fleet config rejected" in r.getMessage()]
+    refusals = [r for r in caplog.records
+                if "fleet config rejected" in r.getMessage() and r.levelno >= logging.INFO]
     assert len(refusals) == 1 and len(refusals[0].getMessage()) < 1000
     status, _, body = await router.post({"prompt": "x"})
     assert status == 200 and body["replica"] == "r2"  # the last good config routes
@@ -157,3 +159,83 @@ async def test_a_body_that_never_arrives_is_408_at_the_deadline(
                    content_length=False)
     answer = await raw(router, [head, b'{"prompt": '])
     assert answer is not None and answer.status == 408 and answer.error["code"] == "body_timeout"
+
+
+# ---- replicas that take a request and fail it (items 3, 4; deliverable 4) --------------------
+
+FAST = {"upstream_first_byte_timeout_s": 0.5, "replica_backoff_s": 60.0}
+NAMES = [f"r{i}" for i in range(5)]
+
+
+def home_of(tenant: str) -> str:
+    return rendezvous_top_k(tenant, NAMES, 3)[0]
+
+
+async def sse_events(router: RouterHandle, body: dict[str, Any]) -> tuple[int, list[Any]]:
+    async with router.session.post(router.url + "/v1/completions", json=body,
+                                   headers={"Authorization": "Bearer sk-acme"}) as r:
+        text = (await r.read()).decode()
+    events = [line[5:].strip() for line in text.split("\n") if line.startswith("data:")]
+    return r.status, [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+@pytest.mark.parametrize("fault", ["stall", "html_500"])
+async def test_a_replica_that_takes_the_request_and_fails_it_is_failed_over_and_backed_off(
+    replicas: list[FakeReplica], start_router: StartRouter, fault: str
+) -> None:
+    # Fails before issue 25: "stall" held the request until the client gave up (no time to
+    # first byte bound) and the replica stayed ready; "html_500" passed the HTML page through.
+    home = next(r for r in replicas if r.name == home_of("acme"))
+    home.fault = fault
+    router = await start_router(replicas, state=FAST)
+    await router.refresh()
+    status, _, body = await router.post({"prompt": "hi"})
+    assert status == 200 and body["replica"] != home.name, body
+    await router.refresh()  # its load report still says ready: the back-off holds it out
+    assert not next(x for x in router.state.view.loads() if x.name == home.name).ready
+    seen = len(home.seen)
+    status, _, body = await router.post({"prompt": "hi"})
+    assert status == 200 and body["replica"] != home.name and len(home.seen) == seen
+
+
+async def test_when_every_replica_answers_html_the_client_gets_the_envelope(
+    replicas: list[FakeReplica], start_router: StartRouter
+) -> None:
+    for r in replicas:
+        r.fault = "html_500"
+    router = await start_router(replicas, state=FAST)
+    await router.refresh()
+    status, _, body = await router.post({"prompt": "hi"})
+    assert status == 503 and body["error"]["code"] == "no_replica"
+    assert "not JSON" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("fault", ["sse_stall", "cut_before_token"])
+async def test_a_stream_that_delivered_no_token_fails_over(
+    replicas: list[FakeReplica], start_router: StartRouter, fault: str
+) -> None:
+    # Fails before issue 25: the replica's 200 and role chunk went straight to the client, so
+    # the stream stalled ("sse_stall") or was cut with no token and no error.
+    home = next(r for r in replicas if r.name == home_of("acme"))
+    home.fault = fault
+    router = await start_router(replicas, state=FAST)
+    await router.refresh()
+    status, events = await sse_events(router, {"prompt": "hi", "stream": True})
+    assert status == 200 and events[-1] == "[DONE]" and len(events) == 6
+    assert all("error" not in e for e in events if e != "[DONE]")
+
+
+async def test_a_stream_cut_after_a_token_ends_with_an_error_event(
+    replicas: list[FakeReplica], start_router: StartRouter
+) -> None:
+    # Fails before issue 25: the router closed the client's connection with no error.
+    home = next(r for r in replicas if r.name == home_of("acme"))
+    home.fault = "cut_after_token"
+    router = await start_router(replicas, state=FAST)
+    await router.refresh()
+    status, events = await sse_events(router, {"prompt": "hi", "stream": True})
+    assert status == 200
+    assert [e["choices"][0].get("text") for e in events[1:3]] == ["he", "llo"]
+    last = events[-1]
+    assert set(last) == {"error"} and last["error"]["code"] == "upstream_failed"
+    assert last["error"]["type"] == "server_error" and "mid-stream" in last["error"]["message"]

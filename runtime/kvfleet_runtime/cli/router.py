@@ -64,6 +64,16 @@ def router(
     body_read_timeout_s: Annotated[
         float, typer.Option(help="A request body must arrive within this (408 after).")
     ] = 10.0,
+    upstream_first_byte_timeout_s: Annotated[
+        float, typer.Option(help="A replica must answer (a stream: its first token) within "
+                            "this, or the request fails over and the replica backs off.")
+    ] = 60.0,
+    upstream_read_timeout_s: Annotated[
+        float, typer.Option(help="Longest gap in a replica's stream once a token is out.")
+    ] = 60.0,
+    replica_backoff_s: Annotated[
+        float, typer.Option(help="How long a replica that did not answer stays out.")
+    ] = 30.0,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
     """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware).
@@ -82,7 +92,10 @@ def router(
     if not 0 < occupancy_threshold <= 1:
         fail(f"--occupancy-threshold must be in (0, 1], got {occupancy_threshold}")
     for name, value in (("--header-read-timeout-s", header_read_timeout_s),
-                        ("--body-read-timeout-s", body_read_timeout_s)):
+                        ("--body-read-timeout-s", body_read_timeout_s),
+                        ("--upstream-first-byte-timeout-s", upstream_first_byte_timeout_s),
+                        ("--upstream-read-timeout-s", upstream_read_timeout_s),
+                        ("--replica-backoff-s", replica_backoff_s)):
         if not 0 < value <= 3600:
             fail(f"{name} must be in (0, 3600], got {value}")
     if poll_interval_s <= 0:
@@ -118,5 +131,8 @@ def router(
         router_secret=router_secret,
         header_read_timeout_s=header_read_timeout_s,
         body_read_timeout_s=body_read_timeout_s,
+        upstream_first_byte_timeout_s=upstream_first_byte_timeout_s,
+        upstream_read_timeout_s=upstream_read_timeout_s,
+        replica_backoff_s=replica_backoff_s,
     )
     run_app(create_router_app(state), host=host, port=port)

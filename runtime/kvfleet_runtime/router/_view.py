@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,8 @@ class _Replica:
     report: LoadReport | None = None
     inflight: int = 0
     inflight_tokens: int = 0
+    down_until: float = 0.0
+    """`time.monotonic()` before which the replica is out of decisions whatever it reports."""
 
 
 @dataclass
@@ -155,8 +159,11 @@ class FleetView:
         """Decision inputs: the last report of each replica plus this router's own in-flight
         requests (so a burst does not land on one replica between two reports)."""
         out = []
+        now = time.monotonic()
         for r in self.replicas.values():
             rep = r.report
+            if rep is not None and r.down_until > now:
+                rep = dataclasses.replace(rep, ready=False)
             if rep is None:
                 out.append(ReplicaLoad(r.name, 0.0, 0.0, ready=False))
                 continue
@@ -183,9 +190,13 @@ class FleetView:
             r.inflight = max(0, r.inflight - 1)
             r.inflight_tokens = max(0, r.inflight_tokens - tokens)
 
-    def mark_down(self, name: str) -> None:
-        """A proxied request could not reach the replica: not ready until its next report."""
+    def mark_down(self, name: str, backoff_s: float | None = None) -> None:
+        """A proxied request could not reach the replica: not ready until its next report, or
+        (`backoff_s`) for that long whatever its reports say (it took a request and did not
+        answer, or answered garbage: its reports cannot be trusted for a while)."""
         r = self.replicas.get(name)
+        if r is not None and backoff_s is not None:
+            r.down_until = time.monotonic() + backoff_s
         if r is not None and r.report is not None:
             r.report = LoadReport(
                 False,
