@@ -404,6 +404,10 @@ def test_monitoring_objects_need_their_api(render: Render) -> None:
     present = render(MONITORING, api_versions=MONITORING_APIS)
     assert len(present.of_kind("ServiceMonitor")) == 1
     assert len(present.of_kind("PrometheusRule")) == 1
+    # The scrape presents the metrics token: replicas show per-tenant series only to it.
+    (endpoint,) = present.of_kind("ServiceMonitor")[0]["spec"]["endpoints"]
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {
+        "name": "kvfleet-auth", "key": "metrics-token"}}
     never = render(MONITORING, set=["monitoring.create=never"], api_versions=MONITORING_APIS)
     assert not never.of_kind("ServiceMonitor") and not never.of_kind("PrometheusRule")
     always = render(MONITORING, set=["monitoring.create=always"])

@@ -24,7 +24,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,6 +37,7 @@ from prometheus_client import (
     Counter,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 from pydantic import BaseModel, ValidationError
 
 from kvfleet_runtime.api import (
@@ -346,7 +347,25 @@ def _is_union_tag(part: int | str) -> bool:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _handlers(replica: Replica) -> dict[str, Handler]:
+TENANT_LABEL = "tenant"
+"""The label that names a tenant: series carrying it are shown only to the metrics token."""
+
+
+class _FleetWideMetrics:
+    """The registry without per-tenant series (what an anonymous scrape of /metrics gets)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            samples = [s for s in family.samples if TENANT_LABEL not in s.labels]
+            if samples or not family.samples:
+                family.samples = samples
+                yield family
+
+
+def _handlers(replica: Replica, auth: ReplicaAuth) -> dict[str, Handler]:
     async def completions_handler(request: web.Request) -> web.StreamResponse:
         tenant = _tenant(request)
         data = await _json_body(request, replica.config.limits)
@@ -405,7 +424,10 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
             InvalidateAccepted(model_version=body.model_version).model_dump(), status=202)
 
     async def metrics(request: web.Request) -> web.StreamResponse:
-        resp = web.Response(body=generate_latest(replica.registry))
+        # Tenant names and their hit figures only with the scrape credential (issue 25).
+        full = auth.sees_tenant_metrics(request)
+        source = replica.registry if full else _FleetWideMetrics(replica.registry)
+        resp = web.Response(body=generate_latest(source))
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
@@ -435,12 +457,13 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
 def create_app(replica: Replica, *, watch: bool = True,
                auth: ReplicaAuth | None = None) -> web.Application:
     """The replica's app. `auth` None: no router secret (tenant `default` on loopback only)."""
-    authenticate = auth_middleware(auth or ReplicaAuth(), error_response)
+    auth = auth or ReplicaAuth()
+    authenticate = auth_middleware(auth, error_response)
     limits = ListenerLimits(header_timeout_s=replica.config.header_read_timeout_s)
     app = web.Application(middlewares=[error_middleware(log), authenticate],
                           client_max_size=_HARD_MAX_BODY_BYTES,
                           handler_args=handler_args(limits))
-    h = _handlers(replica)
+    h = _handlers(replica, auth)
     app.router.add_post("/v1/completions", h["completions"])
     app.router.add_post("/v1/chat/completions", h["chat"])
     app.router.add_get("/v1/models", h["models"])

@@ -24,6 +24,7 @@ from kvfleet_runtime.wire import ASSERTION_HEADER, TENANT_HEADER
 
 ROUTER_SECRET = b"test-router-secret"
 OPERATOR_TOKEN = b"test-operator-token"
+METRICS_TOKEN = b"test-metrics-token"
 
 TEST_CONFIG: dict[str, Any] = {
     "model_id": "tiny",
@@ -109,6 +110,7 @@ def running(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     overrides = {"model_dir": str(model_dir)}
     config = load_config(config_path, environ={}, overrides=overrides)
     replica = build_replica(config, config_path=config_path, overrides=overrides)
-    auth = ReplicaAuth(router_secret=ROUTER_SECRET, operator_token=OPERATOR_TOKEN)
+    auth = ReplicaAuth(router_secret=ROUTER_SECRET, operator_token=OPERATOR_TOKEN,
+                       metrics_token=METRICS_TOKEN)
     with ServerThread(replica, auth) as server:
         yield RunningReplica(replica, f"http://127.0.0.1:{server.port}", config_path)

@@ -17,7 +17,7 @@ import yaml
 
 from tests.rawhttp import exchange, malformed, request
 
-from .conftest import TEST_CONFIG, RunningReplica, as_router
+from .conftest import METRICS_TOKEN, OPERATOR_TOKEN, TEST_CONFIG, RunningReplica, as_router
 
 NOT_GZIP = b"this is not a gzip stream at all"
 
@@ -164,3 +164,29 @@ def test_header_limits_are_nginx_and_envoy_values(running: RunningReplica) -> No
         refused = exchange(port(running), request("GET", "/healthz", headers=headers))
         assert refused is not None and refused.status in (400, 431), refused
         assert refused.error["code"] == "malformed_request"
+
+
+# ---- /metrics (item 1) -----------------------------------------------------------------------
+
+def test_metrics_show_tenant_names_and_figures_only_to_the_scrape_token(
+    running: RunningReplica
+) -> None:
+    # Fails before issue 25: every tenant's name and hit figures for anyone.
+    still_serving(running)  # tenant "default" has figures now
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 1}).encode()
+    answer = exchange(port(running), request("POST", "/v1/completions", body, {
+        **signed(running, "/v1/completions", "secret-tenant"), "Content-Type": "application/json"}))
+    assert answer is not None and answer.status == 200
+
+    def scrape(headers: dict[str, str]) -> str:
+        got = exchange(port(running), request("GET", "/metrics", headers=headers))
+        assert got is not None and got.status == 200
+        return got.body.decode()
+
+    for headers in ({}, {"Authorization": "Bearer " + OPERATOR_TOKEN.decode()},
+                    {"Authorization": "Bearer wrong"}):
+        text = scrape(headers)
+        assert "secret-tenant" not in text and 'tenant="' not in text
+        assert "kvfleet_cache_tier_used_blocks" in text  # fleet-wide series stay public
+    full = scrape({"Authorization": "Bearer " + METRICS_TOKEN.decode()})
+    assert 'kvfleet_cache_lookup_tokens_total{tenant="secret-tenant"}' in full
