@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -25,6 +28,37 @@ def _parse_replicas(items: list[str]) -> dict[str, str]:
     return replicas
 
 
+REDIS_URL_ENV = "KVFLEET_REDIS_URL"
+REDIS_PASSWORD_ENV = "KVFLEET_REDIS_PASSWORD"
+REDIS_PASSWORD_FILE_ENV = "KVFLEET_REDIS_PASSWORD_FILE"
+
+
+def redis_url_from(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """The hint index URL: `--redis-url` (which must not hold a password: argv is in every
+    process listing) or `KVFLEET_REDIS_URL`, with the password from `KVFLEET_REDIS_PASSWORD` or
+    the file `KVFLEET_REDIS_PASSWORD_FILE` when the URL has none."""
+    if flag is not None and urllib.parse.urlsplit(flag).password:
+        raise ValueError(f"--redis-url must not hold a password (it would show in the process "
+                         f"list): set {REDIS_URL_ENV}, or {REDIS_PASSWORD_ENV}[_FILE]")
+    url = flag or environ.get(REDIS_URL_ENV) or None
+    if url is None:
+        return None
+    password = environ.get(REDIS_PASSWORD_ENV) or None
+    path = environ.get(REDIS_PASSWORD_FILE_ENV)
+    if password is None and path:
+        try:
+            password = Path(path).read_text(encoding="utf-8").strip() or None
+        except OSError as exc:
+            raise ValueError(f"{REDIS_PASSWORD_FILE_ENV} {path}: {exc.strerror or exc}") from None
+    parts = urllib.parse.urlsplit(url)
+    if password is None or parts.password:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = urllib.parse.quote(parts.username or "", safe="")
+    auth = f"{user}:{urllib.parse.quote(password, safe='')}@"
+    return urllib.parse.urlunsplit(parts._replace(netloc=auth + host))
+
+
 @app.command()
 def router(
     keys: Annotated[
@@ -40,7 +74,10 @@ def router(
         typer.Option(help="NAME=URL of a replica; used when no fleet config lists replicas."),
     ] = None,
     redis_url: Annotated[
-        str | None, typer.Option(help="Hint index for the cache-aware override (redis://...).")
+        str | None, typer.Option(help="Hint index for the cache-aware override (redis://host...)"
+                                 "; default $KVFLEET_REDIS_URL. A password goes in "
+                                 "KVFLEET_REDIS_URL or KVFLEET_REDIS_PASSWORD[_FILE], never "
+                                 "on the command line.")
     ] = None,
     k: Annotated[int, typer.Option(help="Home replicas per tenant (config overrides).")] = 3,
     occupancy_threshold: Annotated[
@@ -103,6 +140,10 @@ def router(
     if recompute_s_per_token is not None and recompute_s_per_token <= 0:
         fail(f"--recompute-s-per-token must be > 0, got {recompute_s_per_token}")
     replicas = _parse_replicas(replica or [])
+    try:
+        redis_url = redis_url_from(redis_url, os.environ)
+    except ValueError as exc:
+        fail(str(exc))
     if fleet_config is None and not replicas:
         fail("give --fleet-config or at least one --replica NAME=URL")
     try:

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -17,7 +18,7 @@ from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
 from kvfleet_runtime.fleet import CacheBlockSource, peer_routes, peer_token
 from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
 from tests.rawhttp import RawAnswer, cut_while_sending, exchange, malformed, request
-from tests.runtime.fleet.conftest import free_port
+from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess, free_port
 
 SECRET = b"peer-hardening-secret"
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
@@ -111,3 +112,33 @@ async def test_slow_headers_are_cut_at_the_head_deadline(peer: Peer) -> None:
     pieces = [head[i:i + 1] for i in range(len(head) - 4)]
     # ~8 s to send it all at 0.2 s a byte: the 1 s deadline cuts it long before
     assert await asyncio.to_thread(cut_while_sending, peer.port, pieces, 0.2)
+
+
+# ---- the router's Redis password (deliverable 5) ---------------------------------------------
+
+async def test_the_router_reaches_a_password_protected_redis_with_the_password_from_a_file(
+    tmp_path: Path
+) -> None:
+    # Issue 25: the router's Redis password by file (or environment), never in argv; against a
+    # real redis-server with requirepass.
+    from kvfleet_runtime.cli.router import redis_url_from
+    from kvfleet_runtime.fleet.index import RedisHintIndex
+
+    if not Path(REDIS_SERVER).exists():
+        pytest.skip("redis-server is not installed")
+    server = RedisProcess(free_port(), tmp_path, password="from-a-file")
+    server.start()
+    try:
+        secret = tmp_path / "password"
+        secret.write_text("from-a-file\n")
+        url = redis_url_from(f"redis://127.0.0.1:{server.port}/0",
+                             {"KVFLEET_REDIS_PASSWORD_FILE": str(secret)})
+        assert url is not None and "from-a-file" in url
+        index = RedisHintIndex.from_url(url)
+        try:
+            await index.publish("r0", [b"\x01" * 16])
+            assert await index.lookup_runs([b"\x01" * 16]) == {"r0": 1}
+        finally:
+            await index.close()
+    finally:
+        server.stop()
