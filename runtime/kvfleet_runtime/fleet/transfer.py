@@ -4,7 +4,8 @@ Protocol (version 1), one HTTP request per block run:
 
     POST /kv/v1/blocks
     X-Kvfleet-Tenant: <tenant>
-    Authorization: Bearer <hex HMAC-SHA256(fleet secret, "kvfleet-t2-v1\\0" + tenant)>
+    Authorization: Bearer v2.<expires_s>.<hex HMAC-SHA256(fleet secret, "kvfleet-t2-v2\\0" + tenant
+                                 + "\\0" + expires_s)>   (`peer_token`; minutes at most)
     {"key": {CacheKey fields}, "token_ids": [...], "start_block": m, "max_blocks": n}
 
 The credential is scoped to one tenant and checked in constant time (`hmac.compare_digest`); the
@@ -71,8 +72,10 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
@@ -81,6 +84,7 @@ import xxhash
 from aiohttp import web
 
 from kvfleet_runtime.api import ApiError, error_response, parse_json, read_body
+from kvfleet_runtime.auth import MAX_CLOCK_SKEW_S
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
 from kvfleet_runtime.fleet._receive import BodyReader, post
 from kvfleet_runtime.fleet.index import HintIndex, best_peer
@@ -90,6 +94,8 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_PEER_BODY_BYTES",
     "DEFAULT_PEER_BODY_TIMEOUT_S",
+    "DEFAULT_PEER_TOKEN_TTL_S",
+    "MAX_PEER_TOKEN_TTL_S",
     "MAX_PROBE_BLOCKS",
     "BlockSource",
     "BufferPool",
@@ -97,6 +103,7 @@ __all__ = [
     "FetchStats",
     "FetchedRun",
     "PeerFetcher",
+    "PeerSecrets",
     "chunk_checksum",
     "peer_routes",
     "peer_token",
@@ -127,12 +134,77 @@ DEFAULT_PEER_BODY_TIMEOUT_S = 10.0
 """A peer's request body must arrive within this (408 after): the OpenAI routes' bound. A peer
 announcing 1,000 bytes and sending 8 would otherwise hold the connection for as long as it likes;
 peers sit on the cluster network, where 16 MiB takes well under a second."""
-_TOKEN_DOMAIN = b"kvfleet-t2-v1\x00"
+_TOKEN_DOMAIN = b"kvfleet-t2-v2\x00"
+DEFAULT_PEER_TOKEN_TTL_S = 60.0
+"""A peer credential is minted per request and good for this long: checked once, when a
+transfer starts, so a transfer in flight is never dropped by its credential expiring."""
+MAX_PEER_TOKEN_TTL_S = 300.0
+"""Credentials that claim a longer life are refused (a leaked one is worth minutes at most)."""
 
 
-def peer_token(secret: bytes, tenant_id: str) -> str:
-    """The tenant-scoped bearer credential a peer presents for `tenant_id`."""
-    return hmac.new(secret, _TOKEN_DOMAIN + tenant_id.encode("utf-8"), hashlib.sha256).hexdigest()
+def peer_token(secret: bytes, tenant_id: str, *, now_s: float | None = None,
+               ttl_s: float = DEFAULT_PEER_TOKEN_TTL_S) -> str:
+    """The tenant-scoped bearer credential a peer presents for `tenant_id`, expiring `ttl_s`
+    from `now_s` (wall clock): `v2.<expires_s>.<hex HMAC-SHA256(secret, domain | tenant | NUL |
+    expires_s)>`."""
+    expires = int((time.time() if now_s is None else now_s) + ttl_s)
+    return f"v2.{expires}.{_token_mac(secret, tenant_id, expires)}"
+
+
+def _token_mac(secret: bytes, tenant_id: str, expires: int) -> str:
+    message = _TOKEN_DOMAIN + tenant_id.encode("utf-8") + b"\x00" + str(expires).encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+class PeerSecrets:
+    """The fleet's peer secrets, one per line of the secret file: the first signs, every one is
+    accepted. A rotation without dropping a transfer: "old, new" everywhere (accept both), then
+    "new, old" (sign with the new), then "new" (docs/security.md). `reload` picks up an edited
+    file (the fleet tier calls it every config poll)."""
+
+    def __init__(self, secrets: Sequence[bytes], path: Path | None = None) -> None:
+        if not secrets or not all(secrets):
+            raise ValueError("peer secrets must be non-empty")
+        self.accepted = tuple(secrets)
+        self.path = path
+        self._raw: bytes | None = None
+
+    @property
+    def signing(self) -> bytes:
+        return self.accepted[0]
+
+    @staticmethod
+    def parse(raw: bytes) -> tuple[bytes, ...]:
+        return tuple(line.strip() for line in raw.splitlines() if line.strip())
+
+    @classmethod
+    def from_file(cls, path: Path) -> PeerSecrets | None:
+        """None when the file holds no secret."""
+        raw = path.read_bytes()
+        secrets = cls.parse(raw)
+        if not secrets:
+            return None
+        out = cls(secrets, path)
+        out._raw = raw
+        return out
+
+    def reload(self) -> bool:
+        """Re-read the file; True when the secrets changed. A missing or empty file keeps the
+        secrets in force (a Secret volume update swaps a symlink, never empties the file)."""
+        if self.path is None:
+            return False
+        try:
+            raw = self.path.read_bytes()
+        except OSError:
+            return False
+        if raw == self._raw:
+            return False
+        self._raw = raw
+        secrets = self.parse(raw)
+        if not secrets or secrets == self.accepted:
+            return False
+        self.accepted = secrets
+        return True
 
 
 def chunk_checksum(data: memoryview, first_block: int) -> int:
@@ -252,7 +324,7 @@ def _parse_request(body: Any, max_tokens: int) -> tuple[CacheKey, list[int], int
 
 def peer_routes(
     source: BlockSource,
-    secret: bytes | None,
+    secret: bytes | PeerSecrets | None,
     *,
     max_tokens: int = 1 << 20,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -312,15 +384,28 @@ def peer_routes(
     return [web.post(T2_PATH, handle), web.post(HELD_PATH, handle_held)]
 
 
-def _authenticate(request: web.Request, secret: bytes | None) -> str | web.Response:
+def _authenticate(request: web.Request,
+                  secret: bytes | PeerSecrets | None) -> str | web.Response:
     """The tenant the request's credential is for, or the error response to send."""
     if not secret:
         return _error(503, "peer transfer is disabled: no fleet secret configured")
+    accepted = secret.accepted if isinstance(secret, PeerSecrets) else (secret,)
     tenant = request.headers.get(TENANT_HEADER, "")
     presented = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    expected = peer_token(secret, tenant)
-    # compare_digest over the ASCII bytes: constant time in the presented value.
-    if not tenant or not hmac.compare_digest(presented.encode(), expected.encode()):
+    version, _, rest = presented.partition(".")
+    expires_text, _, mac = rest.partition(".")
+    now = time.time()
+    if not tenant or version != "v2" or not expires_text.isdigit() or len(expires_text) > 12:
+        return _error(401, "peer credential missing or invalid")
+    expires = int(expires_text)
+    if not now - MAX_CLOCK_SKEW_S <= expires <= now + MAX_PEER_TOKEN_TTL_S + MAX_CLOCK_SKEW_S:
+        return _error(401, "peer credential expired (or claims too long a life)")
+    # compare_digest over the ASCII bytes: constant time in the presented value; every accepted
+    # secret is tried, so which one matched (a rotation's old or new) does not show in the time.
+    matched = False
+    for key in accepted:
+        matched |= hmac.compare_digest(mac.encode(), _token_mac(key, tenant, expires).encode())
+    if not matched:
         return _error(401, "peer credential missing or invalid")
     return tenant
 

@@ -73,6 +73,7 @@ from kvfleet_runtime.fleet.transfer import (
     DEFAULT_PEER_BODY_TIMEOUT_S,
     ExportedRun,
     PeerFetcher,
+    PeerSecrets,
     peer_routes,
 )
 from kvfleet_runtime.fleetconfig import FleetConfig, next_fleet_config
@@ -118,6 +119,9 @@ class FleetSettings:
     hint_lookup_budget_s: float | None = None
     """A hint lookup slower than this answers "nobody" (the request recomputes). None: the
     index's default (2 ms for Redis, `probe.DEFAULT_PROBE_BUDGET_S` for the peer probe)."""
+    secrets: PeerSecrets | None = None
+    """Every accepted peer secret (`secret` is the first, the one that signs); re-read from
+    the secret file at every config poll, so a rotation needs no restart."""
     peer_body_timeout_s: float = DEFAULT_PEER_BODY_TIMEOUT_S
     """A peer's request body (`/kv/v1/blocks`, `/kv/v1/held`) must arrive within this (408)."""
 
@@ -126,15 +130,17 @@ class FleetSettings:
         secret_file = environ.get("KVFLEET_PEER_SECRET_FILE")
         if not any(environ.get(name) for name in _ENABLING) and not DEFAULT_SECRET_FILE.exists():
             return None
-        secret: bytes | None = environ.get("KVFLEET_PEER_SECRET", "").encode() or None
+        raw = environ.get("KVFLEET_PEER_SECRET", "").encode()
+        secrets = PeerSecrets(PeerSecrets.parse(raw)) if PeerSecrets.parse(raw) else None
         path = Path(secret_file) if secret_file else DEFAULT_SECRET_FILE
-        if secret is None and path.exists():
+        if secrets is None and path.exists():
             try:
-                secret = path.read_bytes().strip() or None
+                secrets = PeerSecrets.from_file(path)
             except OSError as exc:
                 raise ValueError(f"cannot read the peer secret {path}: {exc}") from exc
-        elif secret is None and secret_file:
+        elif secrets is None and secret_file:
             raise ValueError(f"KVFLEET_PEER_SECRET_FILE {secret_file} does not exist")
+        secret = secrets.signing if secrets is not None else None
         name = environ.get("KVFLEET_FLEET_NAME") or environ.get("POD_NAME") or socket.gethostname()
         host = environ.get("POD_IP") or socket.gethostname()
         config = environ.get("KVFLEET_FLEET_CONFIG")
@@ -165,6 +171,7 @@ class FleetSettings:
             name=name,
             peer_url=environ.get("KVFLEET_PEER_URL") or f"http://{host}:{port}",
             secret=secret,
+            secrets=secrets,
             redis_url=environ.get("KVFLEET_REDIS_URL") or None,
             fleet_config=config_path,
             hint_lookup_budget_s=budget_s,
@@ -426,6 +433,9 @@ class FleetTier:
             if now >= next_register:
                 next_register = now + self.settings.register_every_s
                 await self.index.register_host(self.settings.name, self.settings.peer_url)
+            secrets = self.settings.secrets
+            if secrets is not None and await asyncio.to_thread(secrets.reload):
+                self._rotate(secrets)
             if self._watcher is not None:
                 content = await asyncio.to_thread(self._watcher.poll)
                 if content is not None:
@@ -433,6 +443,16 @@ class FleetTier:
                 elif not self._watcher.error:
                     self.replica.config_errors.pop("fleet", None)
             await asyncio.sleep(self.settings.config_poll_s)
+
+    def _rotate(self, secrets: PeerSecrets) -> None:
+        """The peer secret file changed: sign with its first secret from now on (the routes
+        already accept every one of them: they hold the same `PeerSecrets`)."""
+        self.settings.secret = secrets.signing
+        if self.tier is not None:
+            self.tier.fetcher.secret = secrets.signing
+        if isinstance(self.index, PeerProbeHintIndex):
+            self.index.secret = secrets.signing
+        log.info("peer secrets reloaded: %d accepted", len(secrets.accepted))
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         self.session = aiohttp.ClientSession()
@@ -470,7 +490,7 @@ def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings
     app.add_routes(
         peer_routes(
             _GatedSource(source, fleet.serving_peers),
-            settings.secret,
+            settings.secrets or settings.secret,
             held=fleet.held_for_peers,
             body_timeout_s=settings.peer_body_timeout_s,
         )

@@ -16,6 +16,7 @@ from aiohttp import web
 from kvfleet_runtime.api import AppRunner, ListenerLimits, error_middleware, handler_args
 from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
 from kvfleet_runtime.fleet import CacheBlockSource, peer_routes, peer_token
+from kvfleet_runtime.fleet.transfer import PeerSecrets
 from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
 from tests.rawhttp import RawAnswer, cut_while_sending, exchange, malformed, request
 from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess, free_port
@@ -142,3 +143,81 @@ async def test_the_router_reaches_a_password_protected_redis_with_the_password_f
             await index.close()
     finally:
         server.stop()
+
+
+# ---- peer credentials expire and rotate (deliverable 5) --------------------------------------
+
+def held_headers(secret: bytes, tenant: str = "tenant-a", **kw: float) -> dict[str, str]:
+    return {TENANT_HEADER: tenant, "Content-Type": "application/json",
+            "Authorization": "Bearer " + peer_token(secret, tenant, **kw)}
+
+
+HELD_BODY = b'{"block_hashes": ["ab"]}'
+
+
+async def test_expired_long_lived_and_old_style_peer_credentials_are_refused(peer: Peer) -> None:
+    # Fails before issue 25: the credential was a fixed HMAC per tenant that never expired.
+    import hashlib
+    import hmac as hmac_module
+    now = time.time()
+    old_style = hmac_module.new(SECRET, b"kvfleet-t2-v1\x00tenant-a", hashlib.sha256).hexdigest()
+    for headers in (held_headers(SECRET, now_s=now - 120),   # expired a minute ago
+                    held_headers(SECRET, ttl_s=3600),        # claims an hour
+                    {**PEER_HEADERS, "Authorization": "Bearer " + old_style}):
+        answer = await raw(peer, request("POST", HELD_PATH, HELD_BODY, headers))
+        assert answer is not None and answer.status == 401, answer
+        assert answer.error["code"] == "invalid_peer_credential"
+    answer = await raw(peer, request("POST", HELD_PATH, HELD_BODY, held_headers(SECRET)))
+    assert answer is not None and answer.status == 200
+
+
+async def test_peer_secrets_rotate_without_dropping_a_request_in_flight(tmp_path: Path) -> None:
+    old, new = b"old-peer-secret", b"new-peer-secret"
+    path = tmp_path / "token"
+    path.write_bytes(old + b"\n")
+    secrets = PeerSecrets.from_file(path)
+    assert secrets is not None
+    cache = PrefixCache(CacheConfig(num_t0_blocks=16, admit_min_sightings=1), LAYOUT,
+                        clock=time.monotonic)
+    app = web.Application(middlewares=[error_middleware(log)])
+    app.add_routes(peer_routes(CacheBlockSource(cache), secrets, held=lambda hashes, t: 0))
+    runner = AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    async def status(secret: bytes) -> int:
+        got = await asyncio.to_thread(exchange, port, request("POST", HELD_PATH, HELD_BODY,
+                                                               held_headers(secret)))
+        assert got is not None
+        return got.status
+
+    try:
+        assert (await status(old), await status(new)) == (200, 401)
+        path.write_bytes(old + b"\n" + new + b"\n")  # step 1: accept both, sign with the old
+        assert secrets.reload() and secrets.signing == old
+        assert (await status(old), await status(new)) == (200, 200)
+        path.write_bytes(new + b"\n" + old + b"\n")  # step 2: sign with the new
+        assert secrets.reload() and secrets.signing == new
+        # A request authenticated under the old secret, its body still on the way when the old
+        # secret is dropped (step 3): it completes.
+        head = request("POST", HELD_PATH, b"", {**held_headers(old),
+                                                 "Content-Length": str(len(HELD_BODY))},
+                       content_length=False)
+
+        def in_flight() -> RawAnswer | None:
+            import socket
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+                conn.sendall(head)
+                time.sleep(0.3)
+                path.write_bytes(new + b"\n")
+                assert secrets.reload()
+                conn.sendall(HELD_BODY)
+                from tests.rawhttp import read_answer
+                return read_answer(conn)
+
+        answer = await asyncio.to_thread(in_flight)
+        assert answer is not None and answer.status == 200, answer
+        assert (await status(old), await status(new)) == (401, 200)
+    finally:
+        await runner.cleanup()
