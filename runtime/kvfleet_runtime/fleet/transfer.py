@@ -395,7 +395,9 @@ def _authenticate(request: web.Request,
     version, _, rest = presented.partition(".")
     expires_text, _, mac = rest.partition(".")
     now = time.time()
-    if not tenant or version != "v2" or not expires_text.isdigit() or len(expires_text) > 12:
+    if (not tenant or version != "v2" or not expires_text.isdigit() or len(expires_text) > 12
+            or not mac.isascii() or not _encodable(tenant)):
+        # (aiohttp hands undecodable header bytes on as surrogates: never encode those)
         return _error(401, "peer credential missing or invalid")
     expires = int(expires_text)
     if not now - MAX_CLOCK_SKEW_S <= expires <= now + MAX_PEER_TOKEN_TTL_S + MAX_CLOCK_SKEW_S:
@@ -408,6 +410,14 @@ def _authenticate(request: web.Request,
     if not matched:
         return _error(401, "peer credential missing or invalid")
     return tenant
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse_held(body: Any) -> list[bytes]:

@@ -23,9 +23,13 @@ from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess, free_port
 
 SECRET = b"peer-hardening-secret"
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
-PEER_HEADERS = {TENANT_HEADER: "tenant-a",
-                "Authorization": "Bearer " + peer_token(SECRET, "tenant-a"),
-                "Content-Type": "application/json"}
+
+
+def peer_headers() -> dict[str, str]:
+    """A valid peer's headers, the credential minted now (credentials expire: one minted at
+    import would not outlive a long test session)."""
+    return {TENANT_HEADER: "tenant-a", "Content-Type": "application/json",
+            "Authorization": "Bearer " + peer_token(SECRET, "tenant-a")}
 log = logging.getLogger(__name__)
 
 
@@ -68,12 +72,12 @@ async def test_peer_body_with_a_bad_content_encoding_is_a_400_in_the_envelope(
     # Fails before issue 25: 500 internal_error and an ERROR traceback.
     caplog.set_level(logging.DEBUG)
     answer = await raw(peer, request("POST", path, b"not a gzip stream",
-                                     {**PEER_HEADERS, "Content-Encoding": encoding}))
+                                     {**peer_headers(), "Content-Encoding": encoding}))
     assert answer is not None and answer.status == 400, answer
     assert answer.error["code"] == "invalid_body_encoding"
     no_traceback(caplog)
     answer = await raw(peer, request("POST", HELD_PATH, b'{"block_hashes": ["ab"]}',
-                                     PEER_HEADERS))
+                                     peer_headers()))
     assert answer is not None and answer.status == 200 and answer.json() == {"leading_blocks": 0}
 
 
@@ -99,7 +103,7 @@ async def test_a_peer_body_that_never_arrives_is_408_at_the_deadline(
 ) -> None:
     # Fails before issue 25: a valid peer promising 1,000 bytes and sending 8 held the
     # connection for as long as it liked (no deadline on the peer routes).
-    head = request("POST", path, b"", {**PEER_HEADERS, "Content-Length": "1000"},
+    head = request("POST", path, b"", {**peer_headers(), "Content-Length": "1000"},
                    content_length=False)
     answer = await asyncio.wait_for(raw(peer, [head, b'{"key": '], timeout_s=30.0), 30)
     assert answer is not None and answer.status == 408, answer
@@ -163,7 +167,7 @@ async def test_expired_long_lived_and_old_style_peer_credentials_are_refused(pee
     old_style = hmac_module.new(SECRET, b"kvfleet-t2-v1\x00tenant-a", hashlib.sha256).hexdigest()
     for headers in (held_headers(SECRET, now_s=now - 120),   # expired a minute ago
                     held_headers(SECRET, ttl_s=3600),        # claims an hour
-                    {**PEER_HEADERS, "Authorization": "Bearer " + old_style}):
+                    {**peer_headers(), "Authorization": "Bearer " + old_style}):
         answer = await raw(peer, request("POST", HELD_PATH, HELD_BODY, headers))
         assert answer is not None and answer.status == 401, answer
         assert answer.error["code"] == "invalid_peer_credential"
