@@ -15,11 +15,16 @@ from kvfleet_runtime.wire import ASSERTION_HEADER, TENANT_HEADER
 
 ROUTER_SECRET = "router-secret-under-test"
 OPERATOR_TOKEN = "operator-token-under-test"
+METRICS_TOKEN = "metrics-token-under-test"
+"""What Prometheus presents to scrape per-tenant series (as the chart's ServiceMonitor does)."""
 
-ENV = {"KVFLEET_ROUTER_SECRET": ROUTER_SECRET, "KVFLEET_OPERATOR_TOKEN": OPERATOR_TOKEN}
+ENV = {"KVFLEET_ROUTER_SECRET": ROUTER_SECRET, "KVFLEET_OPERATOR_TOKEN": OPERATOR_TOKEN,
+       "KVFLEET_METRICS_TOKEN": METRICS_TOKEN}
 """For a replica process (router processes need only KVFLEET_ROUTER_SECRET; extra is harmless)."""
 
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+SCRAPE_AUTHORIZATION = {"type": "Bearer", "credentials": METRICS_TOKEN}
+"""A Prometheus scrape config's `authorization` for the replicas."""
 
 
 def as_router(tenant: str, url: str, *, audience: str = "", method: str = "POST"

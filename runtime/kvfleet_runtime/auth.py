@@ -27,6 +27,9 @@ Three credentials, three secrets (each a Secret the chart generates; see docs/se
   hash, so a per-request nonce would make every request miss vLLM's prefix cache. kvfleet's
   connector inside vLLM recomputes the MAC (`verify_cache_salt`) and leaves a request whose salt
   does not verify alone (no load, no store), never filing it under another tenant.
+- **Metrics token** (Prometheus -> replica): `Authorization: Bearer <token>` on `GET /metrics`
+  adds the per-tenant series (tenant names and their cache figures); without it `/metrics` has
+  only fleet-wide series. Its own secret, so the scraper can read and do nothing else.
 - **Peer credential** (replica -> replica, T2): `fleet.transfer.peer_token`, a tenant-scoped HMAC
   under the fleet's peer secret; not here.
 
@@ -57,6 +60,9 @@ __all__ = [
     "MAX_ASSERTION_TTL_S",
     "MAX_CLOCK_SKEW_S",
     "MAX_SALTED_TENANT_CHARS",
+    "METRICS_TOKEN_ENV",
+    "METRICS_TOKEN_FILE",
+    "METRICS_TOKEN_FILE_ENV",
     "OPERATOR_TOKEN_ENV",
     "OPERATOR_TOKEN_FILE",
     "OPERATOR_TOKEN_FILE_ENV",
@@ -69,6 +75,7 @@ __all__ = [
     "TenantAssertion",
     "bearer_matches",
     "cache_salt",
+    "read_metrics_token",
     "read_operator_token",
     "read_router_secret",
     "read_secret",
@@ -95,6 +102,9 @@ ROUTER_SECRET_FILE = Path("/etc/kvfleet/router-secret/secret")
 OPERATOR_TOKEN_ENV = "KVFLEET_OPERATOR_TOKEN"
 OPERATOR_TOKEN_FILE_ENV = "KVFLEET_OPERATOR_TOKEN_FILE"
 OPERATOR_TOKEN_FILE = Path("/etc/kvfleet/operator-token/token")
+METRICS_TOKEN_ENV = "KVFLEET_METRICS_TOKEN"
+METRICS_TOKEN_FILE_ENV = "KVFLEET_METRICS_TOKEN_FILE"
+METRICS_TOKEN_FILE = Path("/etc/kvfleet/metrics-token/token")
 """Where the chart mounts the operator token (operator and replicas)."""
 
 _DOMAIN = b"kvfleet-tenant-assertion-v1"
@@ -337,3 +347,10 @@ def read_operator_token(environ: Mapping[str, str] | None = None) -> bytes | Non
     mounted file; None when none is configured."""
     return read_secret(os.environ if environ is None else environ, OPERATOR_TOKEN_ENV,
                        OPERATOR_TOKEN_FILE_ENV, OPERATOR_TOKEN_FILE)
+
+
+def read_metrics_token(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The scrape token: `KVFLEET_METRICS_TOKEN`, `KVFLEET_METRICS_TOKEN_FILE` or the chart's
+    mounted file; None when none is configured (then no scrape sees per-tenant series)."""
+    return read_secret(os.environ if environ is None else environ, METRICS_TOKEN_ENV,
+                       METRICS_TOKEN_FILE_ENV, METRICS_TOKEN_FILE)

@@ -13,10 +13,14 @@ import logging
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvfleet_runtime.configwatch import ConfigFileWatcher
+from kvfleet_runtime.configwatch import (
+    MAX_CONFIG_BYTES,
+    ConfigFileWatcher,
+    one_line_error,
+    parse_config_text,
+)
 from kvfleet_runtime.wire import Engine
 
 log = logging.getLogger(__name__)
@@ -83,12 +87,12 @@ class FleetConfig(_Strict):
     platform_prefixes: tuple[str, ...] = ()
 
 
-def parse_fleet_config(text: str, source: str = "<fleet config>") -> FleetConfig:
-    """Parse YAML or JSON text; raises ValueError naming the source and the offending field."""
-    try:
-        data = yaml.safe_load(text) if text.strip() else {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{source}: not valid YAML/JSON: {exc}") from exc
+def parse_fleet_config(text: str | bytes, source: str = "<fleet config>") -> FleetConfig:
+    """Parse YAML or JSON text within the config bounds (`configwatch.parse_config_text`);
+    raises ValueError, one line naming the source and the offending field."""
+    data = parse_config_text(text, source) if text.strip() else {}
+    if data is None:
+        data = {}
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a mapping at top level, got {type(data).__name__}")
     try:
@@ -98,12 +102,13 @@ def parse_fleet_config(text: str, source: str = "<fleet config>") -> FleetConfig
             f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
             for err in exc.errors()
         )
-        raise ValueError(f"{source}: {problems}") from exc
+        raise ValueError(one_line_error(f"{source}: {problems}")) from None
 
 
 def load_fleet_config(path: Path) -> FleetConfig:
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ValueError(f"cannot read fleet config {path}: {exc.strerror or exc}") from exc
     return parse_fleet_config(text, str(path))
@@ -139,18 +144,16 @@ def next_fleet_config(
     stays, the watcher hands the content out again until the file changes, and the refusal is
     logged once, then at debug. The caller calls `watcher.accept(content)` once it applied it."""
     try:
-        if content is None:
-            new = load_fleet_config(path)
-        else:
-            new = parse_fleet_config(content.decode("utf-8", errors="replace"), str(path))
+        new = load_fleet_config(path) if content is None else parse_fleet_config(content,
+                                                                                 str(path))
         return check_successor(in_force, new, str(path))
-    except ValueError as exc:
+    except (ValueError, RecursionError, MemoryError) as exc:
         repeated = False
         if content is not None and watcher is not None:
-            watcher.reject(content)
+            watcher.reject(content, str(exc))
             repeated = watcher.repeated
         log.log(logging.DEBUG if repeated else logging.ERROR,
-                "fleet config rejected, keeping the last good one: %s", exc)
+                "fleet config rejected, keeping the last good one: %s", one_line_error(str(exc)))
         return None
 
 

@@ -42,6 +42,7 @@ import aiohttp
 import torch
 from aiohttp import web
 
+from kvfleet_runtime.api import AppRunner, ListenerLimits, error_middleware, handler_args
 from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent, CacheKey
 from kvfleet_runtime.configwatch import ConfigFileWatcher
 from kvfleet_runtime.fleet import (
@@ -208,9 +209,11 @@ class PeerService:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         settings = self.settings
-        app = web.Application()
+        # The listener's limits and error envelope (`kvfleet_runtime.api`), as on a replica.
+        app = web.Application(middlewares=[error_middleware(log)],
+                              handler_args=handler_args(ListenerLimits()))
         app.add_routes(peer_routes(_Source(self), settings.secret, held=self._held))
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = AppRunner(app, access_log=None)
         await self._runner.setup()
         # Bound here so that port 0 ("any free port", for tests) is known before publishing.
         family = socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET

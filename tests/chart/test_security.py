@@ -115,11 +115,13 @@ def _secret_volumes(out: Rendered, deployment: str) -> set[tuple[str, str]]:
 def test_each_pod_mounts_only_the_credentials_it_uses(render: Render) -> None:
     out = render(DEFAULT)
     secret = out.get("Secret", "kvfleet-auth")
-    assert set(secret["data"]) == {"router-secret", "operator-token"}
-    router_secret, operator_token = (base64.b64decode(secret["data"][k]) for k in (
-        "router-secret", "operator-token"))
-    assert len(router_secret) == len(operator_token) == 48 and router_secret != operator_token
-    auth = {("kvfleet-auth", "router-secret"), ("kvfleet-auth", "operator-token")}
+    assert set(secret["data"]) == {"router-secret", "operator-token", "metrics-token"}
+    router_secret, operator_token, metrics_token = (base64.b64decode(secret["data"][k]) for k in (
+        "router-secret", "operator-token", "metrics-token"))
+    assert len(router_secret) == len(operator_token) == len(metrics_token) == 48
+    assert len({router_secret, operator_token, metrics_token}) == 3
+    auth = {("kvfleet-auth", "router-secret"), ("kvfleet-auth", "operator-token"),
+            ("kvfleet-auth", "metrics-token")}
     assert _secret_volumes(out, "kvfleet-replica") & auth == auth
     assert _secret_volumes(out, "kvfleet-router") & auth == {("kvfleet-auth", "router-secret")}
     assert _secret_volumes(out, "kvfleet-operator") == {("kvfleet-auth", "operator-token")}

@@ -28,6 +28,10 @@ E2E_NODE_LABEL = "kvfleet.dev/e2e-node"
 NUM_E2E_NODES = 2
 
 
+METRICS_TOKEN_KEY = "metrics-token"
+"""The chart's `auth.metricsTokenKey` (values.yaml)."""
+
+
 def wait_for(check: Callable[[], Any], what: str, timeout_s: float,
              on_timeout: Callable[[], str] | None = None) -> Any:
     """Poll `check` until truthy; on timeout fail with `what`, the last value, `on_timeout()`."""
@@ -150,6 +154,8 @@ class Prometheus:
         binary = shutil.which("prometheus") or "/usr/bin/prometheus"
         self.targets = work_dir / "targets.json"
         self.targets.write_text("[]")
+        self.token = work_dir / "metrics-token"
+        self.token.write_text("")
         config = work_dir / "prometheus.yml"
         config.write_text(json.dumps({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -158,6 +164,9 @@ class Prometheus:
                 "scrape_interval": "1s",
                 "scrape_timeout": "1s",
                 "file_sd_configs": [{"files": [str(self.targets)], "refresh_interval": "1s"}],
+                # Per-tenant series only for the chart's scrape token (docs/security.md), as
+                # its ServiceMonitor presents it; copied from a replica's Secret volume.
+                "authorization": {"type": "Bearer", "credentials_file": str(self.token)},
             }],
         }))
         self.port = free_port()
@@ -170,6 +179,12 @@ class Prometheus:
                  f"prometheus {self.url}/-/ready", 60, self.process.log_tail)
 
     def set_targets(self, pods: list[PodProcess]) -> None:
+        for pod in pods:
+            for volume in pod.live:
+                for key, path in volume.items or []:
+                    if volume.kind == "Secret" and key == METRICS_TOKEN_KEY and (
+                            volume.local / path).exists():
+                        self.token.write_bytes((volume.local / path).read_bytes())
         groups = [{"targets": [f"{p.ip}:{p.port}"],
                    "labels": {"namespace": p.namespace, "pod": p.name}}
                   for p in pods if p.port is not None]

@@ -63,6 +63,8 @@ class Prometheus:
             "scrape_interval": "1s",
             "scrape_timeout": "1s",
             "file_sd_configs": [{"files": [str(self.targets)], "refresh_interval": "1s"}],
+            # Per-tenant series only for the scrape token (docs/security.md).
+            "authorization": credentials.SCRAPE_AUTHORIZATION,
         }
         config.write_text(
             json.dumps({"global": {"scrape_interval": "1s"}, "scrape_configs": [scrape]}),

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvfleet_runtime.api import AppRunner
 from kvfleet_runtime.fleet import EmbeddedHintIndex
 from kvfleet_runtime.router import FleetView, RouterState, create_router_app
 from kvfleet_runtime.routing import parse_api_keys
@@ -50,6 +51,10 @@ class FakeReplica:
     seen: list[dict[str, Any]] = field(default_factory=list)
     delay_s: float = 0.0
     status: int = 200
+    fault: str = ""
+    """Injected failure: "stall" (never answers), "sse_stall" (SSE headers and the role chunk,
+    then nothing), "html_500" (a proxy's HTML error page), "cut_before_token" (the role chunk,
+    then the connection closes), "cut_after_token" (two tokens, then the connection closes)."""
     url: str = ""
     runner: web.AppRunner | None = None
 
@@ -59,6 +64,8 @@ class FakeReplica:
             self.seen.append({"headers": dict(request.headers), "body": body})
             if self.status != 200:
                 return web.json_response({"error": {"message": "busy"}}, status=self.status)
+            if self.fault:
+                return await self._faulty(request)
             await asyncio.sleep(self.delay_s)
             tenant = request.headers.get("X-Kvfleet-Tenant")
             if body.get("stream"):
@@ -74,6 +81,9 @@ class FakeReplica:
                 {"replica": self.name, "tenant": tenant}, headers={"X-Kvfleet-Cached-Tokens": "0"}
             )
 
+        async def chat(request: web.Request) -> web.StreamResponse:
+            return await completions(request)
+
         async def load(request: web.Request) -> web.StreamResponse:
             return web.json_response(self.load)
 
@@ -82,12 +92,35 @@ class FakeReplica:
 
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/v1/chat/completions", chat)
         app.router.add_get(LOAD_PATH, load)
         app.router.add_get("/v1/models", models)
         return app
 
+    async def _faulty(self, request: web.Request) -> web.StreamResponse:
+        if self.fault == "stall":
+            await asyncio.sleep(3600)
+        if self.fault == "html_500":
+            return web.Response(status=500, text="<html><body>500 oops</body></html>",
+                                content_type="text/html")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        await resp.write(f"data: {json.dumps(role)}\n\n".encode())
+        if self.fault == "sse_stall":
+            await asyncio.sleep(3600)
+        if self.fault == "cut_after_token":
+            for text in ("he", "llo"):
+                token = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
+                await resp.write(f"data: {json.dumps(token)}\n\n".encode())
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()  # the replica dies mid-answer
+        return resp
+
     async def start(self, port: int | None = None) -> None:
-        self.runner = web.AppRunner(self.app())
+        # As replicas run: a request the router closes cancels its handler (a stalled one too).
+        self.runner = web.AppRunner(self.app(), handler_cancellation=True)
         await self.runner.setup()
         port = port or free_port()
         await web.TCPSite(self.runner, "127.0.0.1", port).start()
@@ -146,11 +179,13 @@ async def start_router() -> AsyncIterator[StartRouter]:
 
     async def start(reps: list[FakeReplica], **view_kwargs: Any) -> RouterHandle:
         index = view_kwargs.pop("index", None)
+        state_kwargs = view_kwargs.pop("state", {})  # RouterState settings (timeouts)
         view = FleetView(static_replicas={r.name: r.url for r in reps}, **view_kwargs)
         state = RouterState(
-            view=view, keys=KEYS, index=index, poll_interval_s=3600, config_poll_s=0.05
+            view=view, keys=KEYS, index=index, poll_interval_s=3600, config_poll_s=0.05,
+            **state_kwargs,
         )
-        runner = web.AppRunner(create_router_app(state))
+        runner = AppRunner(create_router_app(state))
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -61,3 +61,24 @@ def test_bench_fleet_bad_flags(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "trace file not found" in result.output
     result = runner.invoke(app, ["bench", "fleet", "--t2-layout", "8,8", "--skip", "hit-rates"])
     assert result.exit_code == 2 and "LAYERS,KV_HEADS,HEAD_DIM" in result.output
+
+
+def test_a_redis_password_on_the_command_line_is_refused(keys: Path) -> None:
+    # Issue 25: a password in argv shows in the pod's process list.
+    result = CliRunner().invoke(app, ["router", "--keys", str(keys), "--replica",
+                                      "r0=http://a:1", "--redis-url", "redis://:hunter2@r:6379/0"])
+    assert result.exit_code == 2 and "must not hold a password" in result.output
+    assert "hunter2" not in result.output
+
+
+def test_the_redis_password_comes_from_the_environment_or_a_file(tmp_path: Path) -> None:
+    from kvfleet_runtime.cli.router import redis_url_from
+
+    secret = tmp_path / "password"
+    secret.write_text("p@ss/word\n")
+    assert redis_url_from(None, {}) is None
+    assert redis_url_from(None, {"KVFLEET_REDIS_URL": "redis://:a@r:1/0"}) == "redis://:a@r:1/0"
+    assert redis_url_from("redis://r:1/0", {"KVFLEET_REDIS_PASSWORD": "b"}) == "redis://:b@r:1/0"
+    assert redis_url_from(None, {"KVFLEET_REDIS_URL": "redis://r:1/0",
+                                 "KVFLEET_REDIS_PASSWORD_FILE": str(secret)}) == (
+        "redis://:p%40ss%2Fword@r:1/0")

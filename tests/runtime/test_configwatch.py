@@ -108,3 +108,44 @@ def test_a_fleet_config_that_drops_the_generation_in_force_is_refused() -> None:
     assert check_successor(current, parse_fleet_config('{"generation": 1}')).generation == 1
     assert check_successor(None, cut_short) is cut_short
     assert check_successor(parse_fleet_config("{}"), cut_short) is cut_short
+
+
+# ---- bounded config text (issue 25) ----------------------------------------------------------
+
+def test_config_text_is_bounded_in_size_depth_and_expanded_aliases() -> None:
+    from kvfleet_runtime.configwatch import (
+        MAX_CONFIG_BYTES,
+        MAX_CONFIG_DEPTH,
+        parse_config_text,
+    )
+
+    assert parse_config_text("a: 1\nb: [1, 2]", "f") == {"a": 1, "b": [1, 2]}
+    assert parse_config_text("base: &b {x: 1}\nuse: *b", "f") == {"base": {"x": 1},
+                                                                   "use": {"x": 1}}
+    nested = "a: " + "[" * (MAX_CONFIG_DEPTH - 1) + "]" * (MAX_CONFIG_DEPTH - 1)
+    assert parse_config_text(nested, "f") is not None
+    laughs = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n"
+        for i in range(8))
+    for text, why in [("a: " + "[" * 10_000, "nests deeper than 32 levels"),
+                      (laughs, "expands to more than"),
+                      ("x" * (MAX_CONFIG_BYTES + 1), "larger than"),
+                      ("a: {b: 1", "not valid YAML/JSON at line 1")]:
+        with pytest.raises(ValueError) as err:
+            parse_config_text(text, "f.yaml")
+        message = str(err.value)
+        assert message.startswith("f.yaml: ") and why in message, message
+        assert "\n" not in message and len(message) <= 500
+
+
+def test_a_reverted_file_clears_the_rejection(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("a: 1\n")
+    watcher = ConfigFileWatcher(path, settle_s=0)
+    path.write_text("a: [\n")
+    content = watcher.poll()
+    assert content is not None
+    watcher.reject(content, "c.yaml: not valid")
+    assert watcher.error == "c.yaml: not valid"
+    path.write_text("a: 1\n")
+    assert watcher.poll() is None and watcher.error == ""

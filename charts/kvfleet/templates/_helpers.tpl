@@ -126,8 +126,8 @@ true
 {{- end -}}
 
 {{/*
-The Redis URL as the environment variable KVFLEET_REDIS_URL, which the chart's own arguments use
-(`--redis-url $(KVFLEET_REDIS_URL)`; Kubernetes expands it): the bundled Redis' Service, an
+The Redis URL as the environment variable KVFLEET_REDIS_URL, which the router and the replicas
+read from their environment (never from argv, where a password would show in the process list): the bundled Redis' Service, an
 external URL, or a key of an existing Secret (a URL with a password stays out of the pod spec).
 Nothing when no Redis is configured (the runtime then keeps an in-process hint index).
 */}}

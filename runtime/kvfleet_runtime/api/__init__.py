@@ -2,6 +2,7 @@
 
     _errors   the one error envelope and the middleware that makes every error use it
     _body     JSON request bodies read within size, time, number, depth and Unicode bounds
+    _listen   the listener: parser limits, the head deadline, parser refusals in the envelope
     _openai   request and response models; which OpenAI fields are supported, ignored, refused
     _stop     stop strings matched on streamed text (nothing after a stop is ever sent)
 """
@@ -14,6 +15,13 @@ from kvfleet_runtime.api._errors import (
     error_middleware,
     error_response,
     is_client_gone,
+    one_line,
+)
+from kvfleet_runtime.api._listen import (
+    AppRunner,
+    ListenerLimits,
+    handler_args,
+    run_app,
 )
 from kvfleet_runtime.api._openai import (
     MAX_N,
@@ -46,6 +54,7 @@ __all__ = [
     "MAX_STOP_SEQUENCES",
     "PROMPT_TAGS",
     "ApiError",
+    "AppRunner",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
     "ChatMessage",
@@ -54,6 +63,7 @@ __all__ = [
     "DetokenizeRequest",
     "DetokenizeResponse",
     "ErrorResponse",
+    "ListenerLimits",
     "ModelCard",
     "ModelList",
     "StopMatcher",
@@ -65,9 +75,12 @@ __all__ = [
     "error_body",
     "error_middleware",
     "error_response",
+    "handler_args",
     "is_client_gone",
+    "one_line",
     "parse_json",
     "read_body",
     "read_json",
     "refused_fields",
+    "run_app",
 ]

@@ -4,6 +4,9 @@
   it arrives and refused at the first byte over (413);
 - time: the whole body must arrive within `timeout_s` (a client announcing 100 bytes and sending
   10 would otherwise hold the connection open): 408;
+- framing and encoding: a body aiohttp cannot decode (a `Content-Encoding: gzip` or `deflate`
+  body that is not, a bad chunk size, a connection cut mid-body) is 400 `invalid_body_encoding`,
+  never the 500 and traceback that aiohttp's own `RequestPayloadError` would give;
 - integers: at most `MAX_INT_DIGITS` digits (Python refuses to parse more than 4,300 with a
   ValueError, and a 4,000-digit one is never a meaningful request field); floats must be finite
   (`1e999`, `NaN`, `Infinity` are refused);
@@ -21,8 +24,9 @@ import time
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from kvfleet_runtime.api._errors import ApiError
+from kvfleet_runtime.api._errors import ApiError, one_line
 
 __all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "parse_json", "read_body", "read_json"]
 
@@ -53,6 +57,12 @@ async def read_body(request: web.Request, limit_bytes: int, timeout_s: float) ->
                            f"({size} bytes received"
                            + (f" of {length} announced)" if length is not None else ")"),
                            code="body_timeout", headers={"Connection": "close"}) from None
+        except (web.RequestPayloadError, HttpProcessingError) as exc:
+            encoding = request.headers.get("Content-Encoding")
+            raise ApiError(400, "request body could not be read"
+                           + (f" (Content-Encoding {one_line(encoding, 40)})" if encoding else "")
+                           + f": {one_line(_reason(exc))}", code="invalid_body_encoding",
+                           headers={"Connection": "close"}) from None
         if not chunk:
             break
         size += len(chunk)
@@ -61,6 +71,12 @@ async def read_body(request: web.Request, limit_bytes: int, timeout_s: float) ->
                            code="body_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _reason(exc: BaseException) -> str:
+    """aiohttp's message without its `400, message:` prefix."""
+    cause = exc.__cause__ if isinstance(exc, web.RequestPayloadError) and exc.__cause__ else exc
+    return getattr(cause, "message", None) or str(cause) or type(cause).__name__
 
 
 async def read_json(request: web.Request, limit_bytes: int, timeout_s: float) -> Any:

@@ -27,6 +27,7 @@ __all__ = [
     "error_middleware",
     "error_response",
     "is_client_gone",
+    "one_line",
 ]
 
 CANCEL_ON_DISCONNECT = True
@@ -72,6 +73,21 @@ def error_response(status: int, message: str, *, param: str | None = None,
                    ) -> web.Response:
     return web.json_response(error_body(status, message, param=param, code=code),
                              status=status, headers=headers)
+
+
+MAX_MESSAGE_CHARS = 200
+"""Longest piece of client-sent text quoted in an error message or a log line: a refusal costs
+the server one short line whatever the client sent (a 2 GB value is quoted as 200 characters)."""
+
+
+def one_line(text: object, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`text` as one printable line of at most `limit` characters (quoted client input, a
+    parser's message): control characters and newlines escaped, the rest cut with `...`."""
+    raw = text if isinstance(text, str) else str(text)
+    if len(raw) > 4 * limit:
+        raw = raw[: 4 * limit]  # the escaping below is linear: never run it over a huge input
+    flat = raw.encode("unicode_escape", errors="backslashreplace").decode("ascii")
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def is_client_gone(exc: BaseException) -> bool:

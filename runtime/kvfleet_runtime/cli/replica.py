@@ -64,9 +64,7 @@ def replica(
     Tenants come only from the router, signed with KVFLEET_ROUTER_SECRET[_FILE].
     Without it: only the tenant "default", on loopback.
     Cache control needs KVFLEET_OPERATOR_TOKEN[_FILE] (docs/security.md)."""
-    from aiohttp import web
-
-    from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
+    from kvfleet_runtime.api import run_app
     from kvfleet_runtime.fleet.wiring import attach_fleet, settings_from_env
     from kvfleet_runtime.server import (
         CONFIG_ENV,
@@ -99,5 +97,4 @@ def replica(
     app = create_app(rep, auth=auth)
     if fleet is not None:  # the fleet tier (issue 6): T2 endpoint, load report, hints
         attach_fleet(app, rep, fleet)
-    web.run_app(app, host=cfg.host, port=cfg.port, print=None,
-                handler_cancellation=CANCEL_ON_DISCONNECT)
+    run_app(app, host=cfg.host, port=cfg.port)

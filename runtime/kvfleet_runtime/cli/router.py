@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -25,6 +28,37 @@ def _parse_replicas(items: list[str]) -> dict[str, str]:
     return replicas
 
 
+REDIS_URL_ENV = "KVFLEET_REDIS_URL"
+REDIS_PASSWORD_ENV = "KVFLEET_REDIS_PASSWORD"
+REDIS_PASSWORD_FILE_ENV = "KVFLEET_REDIS_PASSWORD_FILE"
+
+
+def redis_url_from(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """The hint index URL: `--redis-url` (which must not hold a password: argv is in every
+    process listing) or `KVFLEET_REDIS_URL`, with the password from `KVFLEET_REDIS_PASSWORD` or
+    the file `KVFLEET_REDIS_PASSWORD_FILE` when the URL has none."""
+    if flag is not None and urllib.parse.urlsplit(flag).password:
+        raise ValueError(f"--redis-url must not hold a password (it would show in the process "
+                         f"list): set {REDIS_URL_ENV}, or {REDIS_PASSWORD_ENV}[_FILE]")
+    url = flag or environ.get(REDIS_URL_ENV) or None
+    if url is None:
+        return None
+    password = environ.get(REDIS_PASSWORD_ENV) or None
+    path = environ.get(REDIS_PASSWORD_FILE_ENV)
+    if password is None and path:
+        try:
+            password = Path(path).read_text(encoding="utf-8").strip() or None
+        except OSError as exc:
+            raise ValueError(f"{REDIS_PASSWORD_FILE_ENV} {path}: {exc.strerror or exc}") from None
+    parts = urllib.parse.urlsplit(url)
+    if password is None or parts.password:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = urllib.parse.quote(parts.username or "", safe="")
+    auth = f"{user}:{urllib.parse.quote(password, safe='')}@"
+    return urllib.parse.urlunsplit(parts._replace(netloc=auth + host))
+
+
 @app.command()
 def router(
     keys: Annotated[
@@ -40,7 +74,10 @@ def router(
         typer.Option(help="NAME=URL of a replica; used when no fleet config lists replicas."),
     ] = None,
     redis_url: Annotated[
-        str | None, typer.Option(help="Hint index for the cache-aware override (redis://...).")
+        str | None, typer.Option(help="Hint index for the cache-aware override (redis://host...)"
+                                 "; default $KVFLEET_REDIS_URL. A password goes in "
+                                 "KVFLEET_REDIS_URL or KVFLEET_REDIS_PASSWORD[_FILE], never "
+                                 "on the command line.")
     ] = None,
     redis_cluster_urls: Annotated[
         str | None,
@@ -69,15 +106,30 @@ def router(
                      "for the cache-aware override only while the replicas report this "
                      "tokenizer."),
     ] = None,
+    header_read_timeout_s: Annotated[
+        float, typer.Option(help="A request head must arrive within this (also the idle "
+                            "keep-alive time).")
+    ] = 60.0,
+    body_read_timeout_s: Annotated[
+        float, typer.Option(help="A request body must arrive within this (408 after).")
+    ] = 10.0,
+    upstream_first_byte_timeout_s: Annotated[
+        float, typer.Option(help="A replica must answer (a stream: its first token) within "
+                            "this, or the request fails over and the replica backs off.")
+    ] = 60.0,
+    upstream_read_timeout_s: Annotated[
+        float, typer.Option(help="Longest gap in a replica's stream once a token is out.")
+    ] = 60.0,
+    replica_backoff_s: Annotated[
+        float, typer.Option(help="How long a replica that did not answer stays out.")
+    ] = 30.0,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
     """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware).
 
     With KVFLEET_ROUTER_SECRET[_FILE] it signs each request's tenant for its replica.
     Replicas holding that secret accept a tenant only so signed (docs/security.md)."""
-    from aiohttp import web
-
-    from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
+    from kvfleet_runtime.api import run_app
     from kvfleet_runtime.auth import read_router_secret
     from kvfleet_runtime.fleet.index import (
         HintIndex,
@@ -93,11 +145,22 @@ def router(
         fail(f"--k must be in [1, 16], got {k}")
     if not 0 < occupancy_threshold <= 1:
         fail(f"--occupancy-threshold must be in (0, 1], got {occupancy_threshold}")
+    for name, value in (("--header-read-timeout-s", header_read_timeout_s),
+                        ("--body-read-timeout-s", body_read_timeout_s),
+                        ("--upstream-first-byte-timeout-s", upstream_first_byte_timeout_s),
+                        ("--upstream-read-timeout-s", upstream_read_timeout_s),
+                        ("--replica-backoff-s", replica_backoff_s)):
+        if not 0 < value <= 3600:
+            fail(f"{name} must be in (0, 3600], got {value}")
     if poll_interval_s <= 0:
         fail(f"--poll-interval-s must be > 0, got {poll_interval_s}")
     if recompute_s_per_token is not None and recompute_s_per_token <= 0:
         fail(f"--recompute-s-per-token must be > 0, got {recompute_s_per_token}")
     replicas = _parse_replicas(replica or [])
+    try:
+        redis_url = redis_url_from(redis_url, os.environ)
+    except ValueError as exc:
+        fail(str(exc))
     if fleet_config is None and not replicas:
         fail("give --fleet-config or at least one --replica NAME=URL")
     try:
@@ -135,6 +198,10 @@ def router(
         poll_interval_s=poll_interval_s,
         tokenizer=own_tokenizer,
         router_secret=router_secret,
+        header_read_timeout_s=header_read_timeout_s,
+        body_read_timeout_s=body_read_timeout_s,
+        upstream_first_byte_timeout_s=upstream_first_byte_timeout_s,
+        upstream_read_timeout_s=upstream_read_timeout_s,
+        replica_backoff_s=replica_backoff_s,
     )
-    web.run_app(create_router_app(state), host=host, port=port, print=None,
-                handler_cancellation=CANCEL_ON_DISCONNECT)
+    run_app(create_router_app(state), host=host, port=port)

@@ -4,7 +4,8 @@ Protocol (version 1), one HTTP request per block run:
 
     POST /kv/v1/blocks
     X-Kvfleet-Tenant: <tenant>
-    Authorization: Bearer <hex HMAC-SHA256(fleet secret, "kvfleet-t2-v1\\0" + tenant)>
+    Authorization: Bearer v2.<expires_s>.<hex HMAC-SHA256(fleet secret, "kvfleet-t2-v2\\0" + tenant
+                                 + "\\0" + expires_s)>   (`peer_token`; minutes at most)
     {"key": {CacheKey fields}, "token_ids": [...], "start_block": m, "max_blocks": n}
 
 The credential is scoped to one tenant and checked in constant time (`hmac.compare_digest`); the
@@ -71,8 +72,10 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
@@ -80,7 +83,8 @@ import numpy as np
 import xxhash
 from aiohttp import web
 
-from kvfleet_runtime.api import ApiError, error_response, parse_json
+from kvfleet_runtime.api import ApiError, error_response, parse_json, read_body
+from kvfleet_runtime.auth import MAX_CLOCK_SKEW_S
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
 from kvfleet_runtime.fleet._receive import BodyReader, post
 from kvfleet_runtime.fleet.index import HintIndex, best_peer
@@ -88,6 +92,10 @@ from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_PEER_BODY_BYTES",
+    "DEFAULT_PEER_BODY_TIMEOUT_S",
+    "DEFAULT_PEER_TOKEN_TTL_S",
+    "MAX_PEER_TOKEN_TTL_S",
     "MAX_PROBE_BLOCKS",
     "BlockSource",
     "BufferPool",
@@ -95,6 +103,7 @@ __all__ = [
     "FetchStats",
     "FetchedRun",
     "PeerFetcher",
+    "PeerSecrets",
     "chunk_checksum",
     "peer_routes",
     "peer_token",
@@ -118,12 +127,84 @@ whatever the socket cannot take at once."""
 MAX_IDLE_SEND_BUFFERS = 4
 """Send buffers kept for reuse (two per stream: one on the wire, one being gathered)."""
 MAX_HEADER_BYTES = 1 << 22
-_TOKEN_DOMAIN = b"kvfleet-t2-v1\x00"
+DEFAULT_PEER_BODY_BYTES = 16 << 20
+"""Largest request body on the peer routes: a block request for `max_tokens` (2**20) ids is
+~11 MB of JSON, a full held probe ~0.3 MB."""
+DEFAULT_PEER_BODY_TIMEOUT_S = 10.0
+"""A peer's request body must arrive within this (408 after): the OpenAI routes' bound. A peer
+announcing 1,000 bytes and sending 8 would otherwise hold the connection for as long as it likes;
+peers sit on the cluster network, where 16 MiB takes well under a second."""
+_TOKEN_DOMAIN = b"kvfleet-t2-v2\x00"
+DEFAULT_PEER_TOKEN_TTL_S = 60.0
+"""A peer credential is minted per request and good for this long: checked once, when a
+transfer starts, so a transfer in flight is never dropped by its credential expiring."""
+MAX_PEER_TOKEN_TTL_S = 300.0
+"""Credentials that claim a longer life are refused (a leaked one is worth minutes at most)."""
 
 
-def peer_token(secret: bytes, tenant_id: str) -> str:
-    """The tenant-scoped bearer credential a peer presents for `tenant_id`."""
-    return hmac.new(secret, _TOKEN_DOMAIN + tenant_id.encode("utf-8"), hashlib.sha256).hexdigest()
+def peer_token(secret: bytes, tenant_id: str, *, now_s: float | None = None,
+               ttl_s: float = DEFAULT_PEER_TOKEN_TTL_S) -> str:
+    """The tenant-scoped bearer credential a peer presents for `tenant_id`, expiring `ttl_s`
+    from `now_s` (wall clock): `v2.<expires_s>.<hex HMAC-SHA256(secret, domain | tenant | NUL |
+    expires_s)>`."""
+    expires = int((time.time() if now_s is None else now_s) + ttl_s)
+    return f"v2.{expires}.{_token_mac(secret, tenant_id, expires)}"
+
+
+def _token_mac(secret: bytes, tenant_id: str, expires: int) -> str:
+    message = _TOKEN_DOMAIN + tenant_id.encode("utf-8") + b"\x00" + str(expires).encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+class PeerSecrets:
+    """The fleet's peer secrets, one per line of the secret file: the first signs, every one is
+    accepted. A rotation without dropping a transfer: "old, new" everywhere (accept both), then
+    "new, old" (sign with the new), then "new" (docs/security.md). `reload` picks up an edited
+    file (the fleet tier calls it every config poll)."""
+
+    def __init__(self, secrets: Sequence[bytes], path: Path | None = None) -> None:
+        if not secrets or not all(secrets):
+            raise ValueError("peer secrets must be non-empty")
+        self.accepted = tuple(secrets)
+        self.path = path
+        self._raw: bytes | None = None
+
+    @property
+    def signing(self) -> bytes:
+        return self.accepted[0]
+
+    @staticmethod
+    def parse(raw: bytes) -> tuple[bytes, ...]:
+        return tuple(line.strip() for line in raw.splitlines() if line.strip())
+
+    @classmethod
+    def from_file(cls, path: Path) -> PeerSecrets | None:
+        """None when the file holds no secret."""
+        raw = path.read_bytes()
+        secrets = cls.parse(raw)
+        if not secrets:
+            return None
+        out = cls(secrets, path)
+        out._raw = raw
+        return out
+
+    def reload(self) -> bool:
+        """Re-read the file; True when the secrets changed. A missing or empty file keeps the
+        secrets in force (a Secret volume update swaps a symlink, never empties the file)."""
+        if self.path is None:
+            return False
+        try:
+            raw = self.path.read_bytes()
+        except OSError:
+            return False
+        if raw == self._raw:
+            return False
+        self._raw = raw
+        secrets = self.parse(raw)
+        if not secrets or secrets == self.accepted:
+            return False
+        self.accepted = secrets
+        return True
 
 
 def chunk_checksum(data: memoryview, first_block: int) -> int:
@@ -204,12 +285,14 @@ def _error(status: int, message: str) -> web.Response:
     return error_response(status, message, code=_ERROR_CODES.get(status))
 
 
-async def _body(request: web.Request) -> Any:
-    """The JSON body within the shared bounds (numbers, depth, Unicode); ValueError if not."""
-    try:
-        return parse_json(await request.read())
-    except ApiError as exc:
-        raise ValueError(exc.message) from None
+async def _body(request: web.Request, limit_bytes: int, timeout_s: float) -> Any:
+    """The JSON body within the shared bounds (size, time, encoding; numbers, depth, Unicode):
+    an `ApiError` (400, 408, 413) otherwise."""
+    return parse_json(await read_body(request, limit_bytes, timeout_s))
+
+
+def _refusal(exc: ApiError) -> web.Response:
+    return error_response(exc.status, exc.message, code=exc.code, headers=exc.headers)
 
 
 def _parse_request(body: Any, max_tokens: int) -> tuple[CacheKey, list[int], int, int]:
@@ -241,13 +324,15 @@ def _parse_request(body: Any, max_tokens: int) -> tuple[CacheKey, list[int], int
 
 def peer_routes(
     source: BlockSource,
-    secret: bytes | None,
+    secret: bytes | PeerSecrets | None,
     *,
     max_tokens: int = 1 << 20,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_served: Callable[[int], None] | None = None,
     buffers: BufferPool | None = None,
     held: Callable[[Sequence[bytes], str], int] | None = None,
+    max_body_bytes: int = DEFAULT_PEER_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_PEER_BODY_TIMEOUT_S,
 ) -> list[web.RouteDef]:
     """The T2 endpoint and the held probe for an aiohttp app:
     `app.add_routes(peer_routes(source, secret, held=...))`.
@@ -256,7 +341,8 @@ def peer_routes(
     for `tenant` (or the platform); None -> the probe answers 503. `secret=None` (or empty) keeps
     the routes but refuses every request. `on_served(bytes)` is called after each complete
     transfer (for metrics). Send buffers come from `buffers` (by default a pool keeping
-    `MAX_IDLE_SEND_BUFFERS`)."""
+    `MAX_IDLE_SEND_BUFFERS`). A request body over `max_body_bytes`, or not received within
+    `body_timeout_s`, is refused (413, 408) like the OpenAI routes' bodies."""
     pool = BufferPool(MAX_IDLE_SEND_BUFFERS) if buffers is None else buffers
 
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -265,8 +351,10 @@ def peer_routes(
             return tenant
         try:
             key, token_ids, start_block, max_blocks = _parse_request(
-                await _body(request), max_tokens
+                await _body(request, max_body_bytes, body_timeout_s), max_tokens
             )
+        except ApiError as exc:
+            return _refusal(exc)
         except (ValueError, json.JSONDecodeError) as exc:
             return _error(400, str(exc))
         if key.tenant_id != tenant:
@@ -286,7 +374,9 @@ def peer_routes(
         if held is None:
             return _error(503, "this replica does not answer held probes")
         try:
-            hashes = _parse_held(await _body(request))
+            hashes = _parse_held(await _body(request, max_body_bytes, body_timeout_s))
+        except ApiError as exc:
+            return _refusal(exc)
         except (ValueError, json.JSONDecodeError) as exc:
             return _error(400, str(exc))
         return web.json_response({"leading_blocks": held(hashes, tenant)})
@@ -294,17 +384,40 @@ def peer_routes(
     return [web.post(T2_PATH, handle), web.post(HELD_PATH, handle_held)]
 
 
-def _authenticate(request: web.Request, secret: bytes | None) -> str | web.Response:
+def _authenticate(request: web.Request,
+                  secret: bytes | PeerSecrets | None) -> str | web.Response:
     """The tenant the request's credential is for, or the error response to send."""
     if not secret:
         return _error(503, "peer transfer is disabled: no fleet secret configured")
+    accepted = secret.accepted if isinstance(secret, PeerSecrets) else (secret,)
     tenant = request.headers.get(TENANT_HEADER, "")
     presented = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    expected = peer_token(secret, tenant)
-    # compare_digest over the ASCII bytes: constant time in the presented value.
-    if not tenant or not hmac.compare_digest(presented.encode(), expected.encode()):
+    version, _, rest = presented.partition(".")
+    expires_text, _, mac = rest.partition(".")
+    now = time.time()
+    if (not tenant or version != "v2" or not expires_text.isdigit() or len(expires_text) > 12
+            or not mac.isascii() or not _encodable(tenant)):
+        # (aiohttp hands undecodable header bytes on as surrogates: never encode those)
+        return _error(401, "peer credential missing or invalid")
+    expires = int(expires_text)
+    if not now - MAX_CLOCK_SKEW_S <= expires <= now + MAX_PEER_TOKEN_TTL_S + MAX_CLOCK_SKEW_S:
+        return _error(401, "peer credential expired (or claims too long a life)")
+    # compare_digest over the ASCII bytes: constant time in the presented value; every accepted
+    # secret is tried, so which one matched (a rotation's old or new) does not show in the time.
+    matched = False
+    for key in accepted:
+        matched |= hmac.compare_digest(mac.encode(), _token_mac(key, tenant, expires).encode())
+    if not matched:
         return _error(401, "peer credential missing or invalid")
     return tenant
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse_held(body: Any) -> list[bytes]:

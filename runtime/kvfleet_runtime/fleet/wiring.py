@@ -47,6 +47,7 @@ Environment (all optional; none of the first four set -> no fleet tier):
     KVFLEET_PEER_URL        URL peers use for this replica (default http://$POD_IP:<port>)
     KVFLEET_HINT_LOOKUP_BUDGET_S   hint lookup budget (default 0.002 with Redis, 0.05 for the
                                    peer probe)
+    KVFLEET_PEER_BODY_TIMEOUT_S    deadline of a peer's request body (default 10)
 """
 
 from __future__ import annotations
@@ -77,7 +78,13 @@ from kvfleet_runtime.fleet.index import (
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
-from kvfleet_runtime.fleet.transfer import ExportedRun, PeerFetcher, peer_routes
+from kvfleet_runtime.fleet.transfer import (
+    DEFAULT_PEER_BODY_TIMEOUT_S,
+    ExportedRun,
+    PeerFetcher,
+    PeerSecrets,
+    peer_routes,
+)
 from kvfleet_runtime.fleetconfig import FleetConfig, next_fleet_config
 from kvfleet_runtime.nvme import mode_for
 from kvfleet_runtime.wire import (
@@ -124,21 +131,28 @@ class FleetSettings:
     hint_lookup_budget_s: float | None = None
     """A hint lookup slower than this answers "nobody" (the request recomputes). None: the
     index's default (2 ms for Redis, `probe.DEFAULT_PROBE_BUDGET_S` for the peer probe)."""
+    secrets: PeerSecrets | None = None
+    """Every accepted peer secret (`secret` is the first, the one that signs); re-read from
+    the secret file at every config poll, so a rotation needs no restart."""
+    peer_body_timeout_s: float = DEFAULT_PEER_BODY_TIMEOUT_S
+    """A peer's request body (`/kv/v1/blocks`, `/kv/v1/held`) must arrive within this (408)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, port: int) -> FleetSettings | None:
         secret_file = environ.get("KVFLEET_PEER_SECRET_FILE")
         if not any(environ.get(name) for name in _ENABLING) and not DEFAULT_SECRET_FILE.exists():
             return None
-        secret: bytes | None = environ.get("KVFLEET_PEER_SECRET", "").encode() or None
+        raw = environ.get("KVFLEET_PEER_SECRET", "").encode()
+        secrets = PeerSecrets(PeerSecrets.parse(raw)) if PeerSecrets.parse(raw) else None
         path = Path(secret_file) if secret_file else DEFAULT_SECRET_FILE
-        if secret is None and path.exists():
+        if secrets is None and path.exists():
             try:
-                secret = path.read_bytes().strip() or None
+                secrets = PeerSecrets.from_file(path)
             except OSError as exc:
                 raise ValueError(f"cannot read the peer secret {path}: {exc}") from exc
-        elif secret is None and secret_file:
+        elif secrets is None and secret_file:
             raise ValueError(f"KVFLEET_PEER_SECRET_FILE {secret_file} does not exist")
+        secret = secrets.signing if secrets is not None else None
         name = environ.get("KVFLEET_FLEET_NAME") or environ.get("POD_NAME") or socket.gethostname()
         host = environ.get("POD_IP") or socket.gethostname()
         config = environ.get("KVFLEET_FLEET_CONFIG")
@@ -156,14 +170,25 @@ class FleetSettings:
             ) from None
         if budget_s is not None and not budget_s > 0:
             raise ValueError(f"KVFLEET_HINT_LOOKUP_BUDGET_S must be > 0, got {budget!r}")
+        body_timeout = environ.get("KVFLEET_PEER_BODY_TIMEOUT_S")
+        try:
+            body_timeout_s = float(body_timeout) if body_timeout else DEFAULT_PEER_BODY_TIMEOUT_S
+        except ValueError:
+            raise ValueError(
+                f"KVFLEET_PEER_BODY_TIMEOUT_S must be seconds, got {body_timeout!r}") from None
+        if not 0 < body_timeout_s <= 600:
+            raise ValueError(f"KVFLEET_PEER_BODY_TIMEOUT_S must be in (0, 600], got "
+                             f"{body_timeout!r}")
         return cls(
             name=name,
             peer_url=environ.get("KVFLEET_PEER_URL") or f"http://{host}:{port}",
             secret=secret,
+            secrets=secrets,
             redis_url=environ.get("KVFLEET_REDIS_URL") or None,
             redis_cluster_urls=split_seed_urls(environ.get("KVFLEET_REDIS_CLUSTER_URLS", "")),
             fleet_config=config_path,
             hint_lookup_budget_s=budget_s,
+            peer_body_timeout_s=body_timeout_s,
         )
 
 
@@ -389,6 +414,8 @@ class FleetTier:
             return
         watcher = self._watcher
         new = next_fleet_config(path, content, self.config, watcher)
+        if watcher is not None and watcher.error:
+            self.replica.config_errors["fleet"] = watcher.error
         if new is None:
             return
         self.config = new
@@ -401,6 +428,7 @@ class FleetTier:
         self.apply_tiers(new)
         if content is not None and watcher is not None:
             watcher.accept(content)
+        self.replica.config_errors.pop("fleet", None)
 
     def apply_tiers(self, config: FleetConfig) -> None:
         """Every tier toggle of the fleet config, live."""
@@ -426,11 +454,26 @@ class FleetTier:
             if now >= next_register:
                 next_register = now + self.settings.register_every_s
                 await self.index.register_host(self.settings.name, self.settings.peer_url)
+            secrets = self.settings.secrets
+            if secrets is not None and await asyncio.to_thread(secrets.reload):
+                self._rotate(secrets)
             if self._watcher is not None:
                 content = await asyncio.to_thread(self._watcher.poll)
                 if content is not None:
                     await asyncio.to_thread(self._reload_config, content)
+                elif not self._watcher.error:
+                    self.replica.config_errors.pop("fleet", None)
             await asyncio.sleep(self.settings.config_poll_s)
+
+    def _rotate(self, secrets: PeerSecrets) -> None:
+        """The peer secret file changed: sign with its first secret from now on (the routes
+        already accept every one of them: they hold the same `PeerSecrets`)."""
+        self.settings.secret = secrets.signing
+        if self.tier is not None:
+            self.tier.fetcher.secret = secrets.signing
+        if isinstance(self.index, PeerProbeHintIndex):
+            self.index.secret = secrets.signing
+        log.info("peer secrets reloaded: %d accepted", len(secrets.accepted))
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         self.session = aiohttp.ClientSession()
@@ -468,8 +511,9 @@ def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings
     app.add_routes(
         peer_routes(
             _GatedSource(source, fleet.serving_peers),
-            settings.secret,
+            settings.secrets or settings.secret,
             held=fleet.held_for_peers,
+            body_timeout_s=settings.peer_body_timeout_s,
         )
     )
 

@@ -44,7 +44,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -63,9 +63,13 @@ from prometheus_client import (
 from kvfleet_runtime import __version__
 from kvfleet_runtime.api import (
     ApiError,
+    ListenerLimits,
+    error_body,
     error_middleware,
     error_response,
+    handler_args,
     is_client_gone,
+    one_line,
     parse_json,
     read_body,
 )
@@ -140,10 +144,26 @@ class RouterState:
     max_attempts: int = 3
     upstream_connect_timeout_s: float = 1.0
     upstream_timeout_s: float = 600.0
+    """Longest a proxied request may take in all (a stream included)."""
+    upstream_first_byte_timeout_s: float = 60.0
+    """A replica must answer (a non-streamed answer whole, a stream its first token) within
+    this, or the request fails over and the replica is kept out for `replica_backoff_s`:
+    nginx's `proxy_read_timeout`. A non-streamed generation longer than this needs a larger
+    value (or `stream: true`)."""
+    upstream_read_timeout_s: float = 60.0
+    """Once a stream's first token is out: the longest gap between two reads before the stream
+    is ended with an error event (nginx's `proxy_read_timeout`)."""
+    replica_backoff_s: float = 30.0
+    """How long a replica that took its request and did not answer (or answered a non-JSON 5xx)
+    stays out of decisions, whatever its load reports say: Envoy's outlier detection
+    `base_ejection_time`."""
     max_body_bytes: int = 1 << 20
     """Larger bodies are refused with 413 before anything is forwarded (the replicas' default)."""
     body_read_timeout_s: float = 10.0
     """A body must arrive within this time, or the request is refused with 408."""
+    header_read_timeout_s: float = ListenerLimits().header_timeout_s
+    """A request head must be complete within this; also the idle keep-alive time
+    (`api.ListenerLimits`)."""
     spill_window: int = 1000
     poll_interval_s: float = 0.5
     config_poll_s: float = 1.0
@@ -278,7 +298,8 @@ def _decide(
 
 def create_router_app(state: RouterState) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware(log)], client_max_size=_HARD_MAX_BODY_BYTES
+        middlewares=[error_middleware(log)], client_max_size=_HARD_MAX_BODY_BYTES,
+        handler_args=handler_args(ListenerLimits(header_timeout_s=state.header_read_timeout_s)),
     )
 
     def authenticate(request: web.Request) -> str:
@@ -364,88 +385,136 @@ def create_router_app(state: RouterState) -> web.Application:
                 headers[ASSERTION_HEADER] = sign_assertion(
                     state.router_secret, tenant, audience=name, method="POST", path=path,
                     now_s=time.time())
-            timeout = aiohttp.ClientTimeout(
-                total=state.upstream_timeout_s, sock_connect=state.upstream_connect_timeout_s
-            )
             state.view.begin(name, prompt_tokens)
             state.m_overhead.observe(time.perf_counter() - started)
-            out: list[web.StreamResponse] = []
+            attempt = _Attempt(name, decision)
             try:
-                async with state.session.post(
-                    replica.url + path, data=data, headers=headers, timeout=timeout
-                ) as upstream:
-                    if upstream.status == 503:
-                        state.m_requests.labels(name, "overloaded").inc()
-                        last_error = f"replica {name} is overloaded"
-                        continue
-                    try:
-                        return await _stream_back(request, upstream, decision, out)
-                    except _ClientGone:
-                        # Closing the upstream connection is how the replica learns to cancel.
-                        upstream.close()
-                        state.m_requests.labels(name, "client_abort").inc()
-                        log.debug("client went away; closed the request to replica %s", name)
-                        return out[0]
+                return await _attempt(request, replica.url + path, data, headers, attempt)
+            except _Failover as exc:
+                state.m_requests.labels(name, exc.outcome).inc()
+                if exc.back_off:
+                    state.view.mark_down(name, backoff_s=state.replica_backoff_s)
+                    log.warning("replica %s: %s; marked down for %g s", name, exc.detail,
+                                state.replica_backoff_s)
+                elif exc.outcome == "unreachable":
+                    state.view.mark_down(name)
+                last_error = f"replica {name}: {exc.detail}"
+                continue
+            except _ClientGone:
+                state.m_requests.labels(name, "client_abort").inc()
+                log.debug("client went away; closed the request to replica %s", name)
+                assert attempt.out is not None
+                return attempt.out
             except asyncio.CancelledError:
                 # The client went away (handler cancellation), waiting for the replica or
                 # mid-answer: the upstream request is closed, and the replica cancels.
                 state.m_requests.labels(name, "client_abort").inc()
                 log.debug("client went away; closed the request to replica %s", name)
                 raise
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                if out:
-                    # Bytes already went to the client: nothing is safe to retry. Drop the
-                    # connection so the client sees a truncated stream, never a spliced one.
-                    state.m_requests.labels(name, "broken").inc()
-                    log.warning("replica %s failed mid-response (%s); dropping the client "
-                                "connection", name, exc)
-                    if request.transport is not None:
-                        request.transport.close()
-                    return out[0]
-                state.m_requests.labels(name, "unreachable").inc()
-                state.view.mark_down(name)
-                last_error = f"replica {name} is unreachable"
-                continue
             finally:
                 state.view.end(name, prompt_tokens)
         return _error(503, last_error, "no_replica", {"Retry-After": "1"})
 
-    async def _stream_back(
-        request: web.Request,
-        upstream: aiohttp.ClientResponse,
-        decision: RouteDecision,
-        out: list[web.StreamResponse],
-    ) -> web.StreamResponse:
-        headers = {
-            h: upstream.headers[h] for h in _FORWARD_RESPONSE_HEADERS if h in upstream.headers
-        }
-        headers.update(
-            {h: v for h, v in upstream.headers.items() if h.lower().startswith("x-kvfleet-")}
-        )
-        headers["X-Kvfleet-Replica"] = decision.replica
-        headers["X-Kvfleet-Route"] = decision.reason
-        resp = web.StreamResponse(status=upstream.status, headers=headers)
-        out.append(resp)
+    async def _attempt(request: web.Request, url: str, data: bytes, headers: dict[str, str],
+                       attempt: _Attempt) -> web.StreamResponse:
+        """One replica's try. Raises `_Failover` while nothing went to the client (the caller
+        tries the next replica); once the answer started, a failure ends it in the stream."""
+        assert state.session is not None
+        loop = asyncio.get_running_loop()
+        first_byte_by = loop.time() + state.upstream_first_byte_timeout_s
+        timeout = aiohttp.ClientTimeout(total=state.upstream_timeout_s,
+                                        sock_connect=state.upstream_connect_timeout_s)
         try:
-            await resp.prepare(request)
-        except Exception as exc:
-            if is_client_gone(exc):
-                raise _ClientGone from exc
-            raise
-        async for chunk in upstream.content.iter_any():
+            upstream = await asyncio.wait_for(
+                state.session.post(url, data=data, headers=headers, timeout=timeout),
+                state.upstream_first_byte_timeout_s)
+        except TimeoutError:
+            raise _Failover("first_byte_timeout", "no answer within "
+                            f"{state.upstream_first_byte_timeout_s:g} s", back_off=True) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _Failover("unreachable", f"unreachable ({type(exc).__name__})") from None
+        # Closing (not releasing) on every path out: a request that did not finish is how the
+        # replica learns to cancel its sequence.
+        try:
+            if upstream.status == 503:
+                raise _Failover("overloaded", "overloaded")
+            kind = upstream.headers.get("Content-Type", "")
+            if upstream.status >= 500 and not kind.startswith("application/json"):
+                raise _Failover("bad_gateway", f"HTTP {upstream.status} that is not JSON "
+                                f"({one_line(kind or 'no content type', 60)})", back_off=True)
+            if upstream.status == 200 and kind.startswith("text/event-stream"):
+                return await _relay_stream(request, upstream, attempt, first_byte_by)
             try:
-                await resp.write(chunk)
-            except Exception as exc:
-                if is_client_gone(exc):
-                    raise _ClientGone from exc
-                raise
-        try:
-            await resp.write_eof()
-        except Exception as exc:
-            if is_client_gone(exc):
-                raise _ClientGone from exc
-            raise
-        state.m_requests.labels(decision.replica, str(upstream.status)).inc()
+                answer = await asyncio.wait_for(upstream.read(),
+                                                max(0.0, first_byte_by - loop.time()))
+            except TimeoutError:
+                raise _Failover("first_byte_timeout", "answer not complete within "
+                                f"{state.upstream_first_byte_timeout_s:g} s",
+                                back_off=True) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                raise _Failover("broken", f"answer cut ({type(exc).__name__})",
+                                back_off=True) from None
+            resp = web.Response(status=upstream.status, body=answer,
+                                headers=_answer_headers(upstream, attempt.decision))
+            state.m_requests.labels(attempt.name, str(upstream.status)).inc()
+            return resp
+        finally:
+            upstream.close()
+
+    async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
+                            attempt: _Attempt, first_byte_by: float) -> web.StreamResponse:
+        """SSE: events are held back until one carries a token (or the end), so a replica that
+        fails before its first token is failed over like a non-streamed request; after that, a
+        cut is an error event in the stream (OpenAI's shape), never a silent close."""
+        loop = asyncio.get_running_loop()
+        held: list[bytes] = []
+        pending = b""
+        while True:
+            left_s = first_byte_by - loop.time()
+            try:
+                if left_s <= 0:
+                    raise TimeoutError
+                chunk = await asyncio.wait_for(upstream.content.readany(), left_s)
+            except TimeoutError:
+                raise _Failover("first_byte_timeout", "no token within "
+                                f"{state.upstream_first_byte_timeout_s:g} s",
+                                back_off=True) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                raise _Failover("broken", f"stream cut before its first token "
+                                f"({type(exc).__name__})", back_off=True) from None
+            if not chunk:
+                raise _Failover("broken", "stream ended before its first token", back_off=True)
+            held.append(chunk)
+            pending += chunk
+            if _has_token(pending) or len(pending) > _MAX_HELD_STREAM_BYTES:
+                break
+            pending = pending[pending.rfind(b"\n\n") + 2:] if b"\n\n" in pending else pending
+        resp = web.StreamResponse(status=200, headers=_answer_headers(upstream, attempt.decision))
+        attempt.out = resp
+        await _client_write(resp.prepare(request))
+        for chunk in held:
+            await _client_write(resp.write(chunk))
+        while True:
+            try:
+                chunk = await asyncio.wait_for(upstream.content.readany(),
+                                               state.upstream_read_timeout_s)
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                why = (f"no data for {state.upstream_read_timeout_s:g} s"
+                       if isinstance(exc, TimeoutError) else type(exc).__name__)
+                state.m_requests.labels(attempt.name, "broken").inc()
+                log.warning("replica %s failed mid-stream (%s); ending the stream with an "
+                            "error event", attempt.name, why)
+                event = error_body(502, f"the replica failed mid-stream ({why}); the answer "
+                                   "is incomplete", code="upstream_failed")
+                with contextlib.suppress(Exception):
+                    await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+                    await resp.write_eof()
+                return resp
+            if not chunk:
+                break
+            await _client_write(resp.write(chunk))
+        await _client_write(resp.write_eof())
+        state.m_requests.labels(attempt.name, "200").inc()
         return resp
 
     async def from_a_replica(path: str) -> web.Response:
@@ -514,6 +583,8 @@ def create_router_app(state: RouterState) -> web.Application:
                 "ready_replicas": sorted(ready),
                 "spill_rate": state.spill_rate,
                 "config_generation": state.view.config.generation if state.view.config else None,
+                # The last good config routes; this says why the file on disk is not it.
+                "config_error": state.view.config_error or None,
             },
             status=200 if ok else 503,
         )
@@ -532,6 +603,76 @@ def create_router_app(state: RouterState) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.cleanup_ctx.append(_lifecycle(state))
     return app
+
+
+@dataclass(slots=True)
+class _Attempt:
+    name: str
+    decision: RouteDecision
+    out: web.StreamResponse | None = None
+    """The client's response once it started (nothing can be retried after that)."""
+
+
+class _Failover(Exception):
+    """This replica's try failed before anything went to the client: try the next one."""
+
+    def __init__(self, outcome: str, detail: str, *, back_off: bool = False) -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+        self.detail = detail
+        self.back_off = back_off
+        """The replica's own reports cannot be trusted for this (it says ready and does not
+        answer): keep it out of decisions for `RouterState.replica_backoff_s`."""
+
+
+_MAX_HELD_STREAM_BYTES = 1 << 16
+"""Stream bytes held back waiting for a token (the opening role chunks are ~200 bytes each)."""
+
+
+def _has_token(pending: bytes) -> bool:
+    """Whether one of the complete SSE events in `pending` carries a token, a finish, an error
+    or the end: once it goes to the client, the answer is committed."""
+    for event in pending.split(b"\n\n")[:-1]:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return True
+            try:
+                data = json.loads(payload)
+            except ValueError:
+                return True  # not ours to judge: pass it on
+            if not isinstance(data, dict) or "error" in data:
+                return True
+            for choice in data.get("choices") or []:
+                if not isinstance(choice, dict):
+                    return True
+                delta = choice.get("delta")
+                delta = delta if isinstance(delta, dict) else {}
+                if (choice.get("text") or delta.get("content") or delta.get("tool_calls")
+                        or choice.get("finish_reason") or choice.get("logprobs")):
+                    return True
+    return False
+
+
+def _answer_headers(upstream: aiohttp.ClientResponse, decision: RouteDecision) -> dict[str, str]:
+    headers = {h: upstream.headers[h] for h in _FORWARD_RESPONSE_HEADERS if h in upstream.headers}
+    headers.update(
+        {h: v for h, v in upstream.headers.items() if h.lower().startswith("x-kvfleet-")})
+    headers["X-Kvfleet-Replica"] = decision.replica
+    headers["X-Kvfleet-Route"] = decision.reason
+    return headers
+
+
+async def _client_write(step: Awaitable[Any]) -> None:
+    """A write to the client; one that went away raises `_ClientGone`."""
+    try:
+        await step
+    except Exception as exc:
+        if is_client_gone(exc):
+            raise _ClientGone from exc
+        raise
 
 
 def _salted_body(body: dict[str, Any], secret: bytes | None, tenant: str) -> bytes:

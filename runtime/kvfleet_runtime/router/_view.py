@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,8 @@ class _Replica:
     report: LoadReport | None = None
     inflight: int = 0
     inflight_tokens: int = 0
+    down_until: float = 0.0
+    """`time.monotonic()` before which the replica is out of decisions whatever it reports."""
 
 
 @dataclass
@@ -66,14 +70,32 @@ class FleetView:
 
     # -- config ------------------------------------------------------------------------------
 
+    @property
+    def config_error(self) -> str:
+        """Why the fleet config file on disk is not in force ("" when it is)."""
+        return self._watcher.error if self._watcher is not None else ""
+
     def reload_config(self, content: bytes | None = None) -> bool:
         """Load the config (`content`: what the watcher read, else the file); on a parse error,
         or a config that drops the generation in force (`check_successor`), keep the last good
-        config. True if applied."""
+        config. True if applied. Parses on the calling thread (`reload_config_async` from the
+        event loop)."""
         if self.config_path is None:
             return False
+        return self._install(next_fleet_config(self.config_path, content, self.config,
+                                               self._watcher), content)
+
+    async def reload_config_async(self, content: bytes | None = None) -> bool:
+        """`reload_config` with the parse on a worker thread (a file at the parser's bounds
+        takes a while to refuse) and the change applied on the event loop."""
+        if self.config_path is None:
+            return False
+        new = await asyncio.to_thread(next_fleet_config, self.config_path, content, self.config,
+                                      self._watcher)
+        return self._install(new, content)
+
+    def _install(self, new: FleetConfig | None, content: bytes | None) -> bool:
         watcher = self._watcher
-        new = next_fleet_config(self.config_path, content, self.config, watcher)
         if new is None:
             self.config_errors += 1
             return False
@@ -137,8 +159,11 @@ class FleetView:
         """Decision inputs: the last report of each replica plus this router's own in-flight
         requests (so a burst does not land on one replica between two reports)."""
         out = []
+        now = time.monotonic()
         for r in self.replicas.values():
             rep = r.report
+            if rep is not None and r.down_until > now:
+                rep = dataclasses.replace(rep, ready=False)
             if rep is None:
                 out.append(ReplicaLoad(r.name, 0.0, 0.0, ready=False))
                 continue
@@ -165,9 +190,13 @@ class FleetView:
             r.inflight = max(0, r.inflight - 1)
             r.inflight_tokens = max(0, r.inflight_tokens - tokens)
 
-    def mark_down(self, name: str) -> None:
-        """A proxied request could not reach the replica: not ready until its next report."""
+    def mark_down(self, name: str, backoff_s: float | None = None) -> None:
+        """A proxied request could not reach the replica: not ready until its next report, or
+        (`backoff_s`) for that long whatever its reports say (it took a request and did not
+        answer, or answered garbage: its reports cannot be trusted for a while)."""
         r = self.replicas.get(name)
+        if r is not None and backoff_s is not None:
+            r.down_until = time.monotonic() + backoff_s
         if r is not None and r.report is not None:
             r.report = LoadReport(
                 False,
@@ -220,7 +249,7 @@ class FleetView:
                 next_config = now + config_poll_s
                 content = await asyncio.to_thread(self._watcher.poll)
                 if content is not None:
-                    self.reload_config(content)
+                    await self.reload_config_async(content)
             if now >= next_load:
                 next_load = now + poll_interval_s
                 with contextlib.suppress(Exception):

@@ -24,7 +24,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,6 +37,7 @@ from prometheus_client import (
     Counter,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 from pydantic import BaseModel, ValidationError
 
 from kvfleet_runtime import __version__
@@ -49,12 +50,14 @@ from kvfleet_runtime.api import (
     CompletionResponse,
     DetokenizeRequest,
     ErrorResponse,
+    ListenerLimits,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     error_middleware,
     error_response,
+    handler_args,
     read_json,
     refused_fields,
 )
@@ -127,6 +130,9 @@ class Replica:
     """Polls of the config file so far (0 without one)."""
     config_applied_at_poll: int = 0
     """The poll at which the config in force was applied (0: the one it started with)."""
+    config_errors: dict[str, str] = field(default_factory=dict)
+    """Why the file now on disk is not in force, per file ("replica"; the fleet tier adds
+    "fleet"), shown by /readyz; empty once a valid file applies. The last good config serves."""
     before_submit: Callable[[str, list[int]], Awaitable[None]] | None = None
     """Set by the fleet tier (`kvfleet_runtime.fleet.wiring`): fetch the prompt's prefix from a
     peer before the engine looks it up. Never raises; on any failure the engine prefills."""
@@ -266,16 +272,22 @@ async def watch_config(replica: Replica) -> None:
         content = await asyncio.to_thread(watcher.poll)
         replica.config_polls = watcher.num_polls
         if content is None:
+            if not watcher.error:
+                replica.config_errors.pop("replica", None)
             continue
         try:
-            new = load_config(path, overrides=replica.overrides, content=content)
-        except ValueError as exc:
-            watcher.reject(content)
+            # Off the event loop: a file at the parser's bounds takes a while to refuse.
+            new = await asyncio.to_thread(load_config, path, overrides=replica.overrides,
+                                          content=content)
+        except (ValueError, RecursionError, MemoryError) as exc:
+            watcher.reject(content, str(exc))
             replica.reloads.labels("rejected").inc()
+            replica.config_errors["replica"] = watcher.error
             log.log(logging.DEBUG if watcher.repeated else logging.ERROR,
-                    "config reload rejected, keeping the last good config: %s", exc)
+                    "config reload rejected, keeping the last good config: %s", watcher.error)
             continue
         pending = await asyncio.to_thread(apply_config, replica, new)
+        replica.config_errors.pop("replica", None)
         watcher.accept(content)
         replica.config_applied_at_poll = watcher.applied_at_poll
         replica.reloads.labels("applied").inc()
@@ -340,7 +352,25 @@ def _is_union_tag(part: int | str) -> bool:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _handlers(replica: Replica) -> dict[str, Handler]:
+TENANT_LABEL = "tenant"
+"""The label that names a tenant: series carrying it are shown only to the metrics token."""
+
+
+class _FleetWideMetrics:
+    """The registry without per-tenant series (what an anonymous scrape of /metrics gets)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            samples = [s for s in family.samples if TENANT_LABEL not in s.labels]
+            if samples or not family.samples:
+                family.samples = samples
+                yield family
+
+
+def _handlers(replica: Replica, auth: ReplicaAuth) -> dict[str, Handler]:
     async def completions_handler(request: web.Request) -> web.StreamResponse:
         tenant = _tenant(request)
         data = await _json_body(request, replica.config.limits)
@@ -423,7 +453,10 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
             InvalidateAccepted(model_version=body.model_version).model_dump(), status=202)
 
     async def metrics(request: web.Request) -> web.StreamResponse:
-        resp = web.Response(body=generate_latest(replica.registry))
+        # Tenant names and their hit figures only with the scrape credential (issue 25).
+        full = auth.sees_tenant_metrics(request)
+        source = replica.registry if full else _FleetWideMetrics(replica.registry)
+        resp = web.Response(body=generate_latest(source))
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
@@ -435,7 +468,8 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
                 "weights_digest": replica.loaded.weights_digest,
                 "restart_pending": replica.restart_pending,
                 "config_polls": replica.config_polls,
-                "config_applied_at_poll": replica.config_applied_at_poll}
+                "config_applied_at_poll": replica.config_applied_at_poll,
+                "config_errors": dict(replica.config_errors)}
         return web.json_response(body, status=200 if replica.ready else 503)
 
     async def openapi(request: web.Request) -> web.StreamResponse:
@@ -453,10 +487,13 @@ def _handlers(replica: Replica) -> dict[str, Handler]:
 def create_app(replica: Replica, *, watch: bool = True,
                auth: ReplicaAuth | None = None) -> web.Application:
     """The replica's app. `auth` None: no router secret (tenant `default` on loopback only)."""
-    authenticate = auth_middleware(auth or ReplicaAuth(), error_response)
+    auth = auth or ReplicaAuth()
+    authenticate = auth_middleware(auth, error_response)
+    limits = ListenerLimits(header_timeout_s=replica.config.header_read_timeout_s)
     app = web.Application(middlewares=[error_middleware(log), authenticate],
-                          client_max_size=_HARD_MAX_BODY_BYTES)
-    h = _handlers(replica)
+                          client_max_size=_HARD_MAX_BODY_BYTES,
+                          handler_args=handler_args(limits))
+    h = _handlers(replica, auth)
     app.router.add_post("/v1/completions", h["completions"])
     app.router.add_post("/v1/chat/completions", h["chat"])
     app.router.add_get("/v1/models", h["models"])

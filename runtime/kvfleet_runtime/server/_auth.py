@@ -6,7 +6,8 @@ What each route needs (docs/security.md has the reasoning):
     GET  /cache/stats       the operator token; or, for ?tenant=T, an assertion for T
     POST /cache/invalidate  the operator token
     /kv/v1/...              the peer credential (checked by `fleet.transfer` itself)
-    everything else         open: probes, /metrics, /v1/models, /openapi.json, the load report
+    GET  /metrics           open, without per-tenant series; with them for the metrics token
+    everything else         open: probes, /v1/models, /openapi.json, the load report
 
 A replica with no router secret ("open": the demo and a laptop) serves tenant requests only from
 loopback and only for the tenant `default` (a request without `X-Kvfleet-Tenant` is `default`);
@@ -31,6 +32,7 @@ from kvfleet_runtime.auth import (
     AssertionRefused,
     ReplayCache,
     bearer_matches,
+    read_metrics_token,
     read_operator_token,
     read_router_secret,
     verify_assertion,
@@ -57,6 +59,8 @@ class ReplicaAuth:
     router_secret: bytes | None = None
     operator_token: bytes | None = None
     name: str | None = None
+    metrics_token: bytes | None = None
+    """Shows the per-tenant series on /metrics (`auth.read_metrics_token`); None: nobody."""
     clock: Callable[[], float] = time.time
     """Wall clock (assertion expiries are wall-clock times, shared with the router's host)."""
     max_nonces: int = DEFAULT_MAX_NONCES
@@ -72,7 +76,14 @@ class ReplicaAuth:
         env = os.environ if environ is None else environ
         name = env.get("KVFLEET_FLEET_NAME") or env.get("POD_NAME") or None
         return cls(router_secret=read_router_secret(env), operator_token=read_operator_token(env),
-                   name=name)
+                   name=name, metrics_token=read_metrics_token(env))
+
+    def sees_tenant_metrics(self, request: web.Request) -> bool:
+        """Whether `request` may read per-tenant series: it presents the metrics token; or, on a
+        replica with no secrets at all (the laptop), it comes from loopback (as cache control)."""
+        if self.metrics_token:
+            return bearer_matches(request.headers.get("Authorization"), self.metrics_token)
+        return not self.router_secret and _is_loopback(request.remote)
 
     @property
     def mode(self) -> str:

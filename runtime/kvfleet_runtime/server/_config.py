@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvfleet_runtime.api import ListenerLimits
+from kvfleet_runtime.configwatch import MAX_CONFIG_BYTES, one_line_error, parse_config_text
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
@@ -107,6 +108,10 @@ class ReplicaConfig(_Strict):
     set), the replica refuses to start on weights with another digest."""
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
+    header_read_timeout_s: float = Field(default=ListenerLimits().header_timeout_s, gt=0,
+                                         le=3600)
+    """A request head must be complete within this (slow headers are cut), which is also how
+    long an idle keep-alive connection stays open (`api.ListenerLimits`). Needs a restart."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpu_threads: int = Field(default=0, ge=0)
     """torch intra-op threads; 0 keeps torch's default. On a shared or small CPU, 1 is often
@@ -207,10 +212,10 @@ def load_config(
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            text = Path(path).read_bytes() if content is None else content
-            loaded = yaml.safe_load(text) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"cannot read config file {path}: {exc}") from exc
+            text = _read_config(Path(path)) if content is None else content
+        except OSError as exc:
+            raise ValueError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+        loaded = parse_config_text(text, f"cannot read config file {path}") or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {path} must hold a mapping, got {type(loaded).__name__}")
         data = loaded
@@ -224,7 +229,18 @@ def load_config(
         return ReplicaConfig.model_validate(data)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {_quoted(e.get('input'))})"
             for e in exc.errors()
         )
-        raise ValueError(f"invalid replica config: {problems}") from exc
+        raise ValueError(one_line_error(f"invalid replica config: {problems}")) from None
+
+
+def _read_config(path: Path) -> bytes:
+    with path.open("rb") as f:
+        return f.read(MAX_CONFIG_BYTES + 1)
+
+
+def _quoted(value: Any, limit: int = 60) -> str:
+    """A config value quoted in an error: its repr, cut (the value may be an expanded alias)."""
+    text = repr(value) if not isinstance(value, dict | list) else f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

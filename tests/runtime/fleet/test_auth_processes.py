@@ -66,9 +66,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         keys = tmp / "keys.json"
         keys.write_text(json.dumps({"tenants": {"acme": ["sk-acme"], "globex": ["sk-globex"]}}))
         router_port = free_port()
-        router_env = {**base, "KVFLEET_ROUTER_SECRET": credentials.ROUTER_SECRET}
+        # The Redis URL (with its password) by environment: never in argv (issue 25).
+        router_env = {**base, "KVFLEET_ROUTER_SECRET": credentials.ROUTER_SECRET,
+                      "KVFLEET_REDIS_URL": server.url}
         procs.append(_spawn(["router", "--keys", str(keys), "--port", str(router_port),
-                             "--replica", f"r0={replica_url}", "--redis-url", server.url,
+                             "--replica", f"r0={replica_url}",
                              "--recompute-s-per-token", "1e-3", "--poll-interval-s", "0.2",
                              "--log-level", "WARNING"], router_env, tmp / "router.log"))
         router_url = f"http://127.0.0.1:{router_port}"

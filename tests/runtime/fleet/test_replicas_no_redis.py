@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +39,8 @@ class Replica:
     name: str
     url: str
     popen: subprocess.Popen[bytes]
+    log: Path
+    fleet_config: Path
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,8 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rep
             }
             args = ["replica", "--model-dir", str(model_dir), "--port", str(port), "--host",
                     "127.0.0.1", "--model-id", "tiny", "--device", "cpu", "--log-level", "WARNING"]
-            out[name] = Replica(name, url, _spawn(args, env, tmp / f"{name}.log"))
+            out[name] = Replica(name, url, _spawn(args, env, tmp / f"{name}.log"),
+                                tmp / f"{name}.log", fleet_config)
             credentials.NAME_BY_URL[url] = name
         for replica in out.values():
             _wait_ready(replica.url, replica.popen)
@@ -175,3 +179,34 @@ def test_a_dead_peer_costs_nothing_but_its_blocks(replicas: dict[str, Replica]) 
     assert out == reference and headers["X-Kvfleet-Cached-Tokens"] == "0"
     out, _ = complete(b.url, prompt, tenant="acme")  # recomputed, or fetched from r0 by now
     assert out == reference
+
+
+def test_a_hostile_fleet_config_is_refused_in_one_line_and_the_next_valid_one_applies(
+    replicas: dict[str, Replica]
+) -> None:
+    # Fails before issue 25: the deep file's RecursionError kills the fleet tier's watcher (the
+    # next valid file, here generation 7, is never applied) and nothing says why.
+    r0 = replicas["r0"]
+    good = r0.fleet_config.read_text()
+    deep = "replicas: " + "[" * 5000 + "]" * 5000 + "\n"
+
+    def readyz() -> dict[str, Any]:
+        return dict(requests.get(r0.url + "/readyz", timeout=5).json())
+
+    def generation() -> Any:
+        return requests.get(r0.url + "/fleet/v1/load", timeout=5).json()["tiers"]["generation"]
+
+    try:
+        r0.fleet_config.write_text(deep)
+        wait_for(lambda: "fleet" in readyz()["config_errors"], "the refusal")
+        reason = readyz()["config_errors"]["fleet"]
+        assert "nests deeper than 32 levels" in reason and "\n" not in reason
+        lines = [line for line in r0.log.read_text().splitlines()
+                 if "fleet config rejected" in line]
+        assert len(lines) == 1 and len(lines[0]) < 1000
+        assert complete(r0.url, PROMPT, tenant="acme")[0]  # still serving, on the last good config
+        r0.fleet_config.write_text(json.dumps({**json.loads(good), "generation": 7}))
+        wait_for(lambda: generation() == 7, "the next valid file")
+        assert readyz()["config_errors"] == {}
+    finally:
+        r0.fleet_config.write_text(json.dumps({**json.loads(good), "generation": 8}))

@@ -16,7 +16,7 @@ import torch
 import yaml
 from aiohttp import web
 
-from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
+from kvfleet_runtime.api import CANCEL_ON_DISCONNECT, AppRunner
 from kvfleet_runtime.auth import sign_assertion
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.server import Replica, ReplicaAuth, build_replica, create_app, load_config
@@ -24,6 +24,7 @@ from kvfleet_runtime.wire import ASSERTION_HEADER, TENANT_HEADER
 
 ROUTER_SECRET = b"test-router-secret"
 OPERATOR_TOKEN = b"test-operator-token"
+METRICS_TOKEN = b"test-metrics-token"
 
 TEST_CONFIG: dict[str, Any] = {
     "model_id": "tiny",
@@ -68,8 +69,8 @@ class ServerThread:
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         # As `kvfleet replica` serves it: a client that goes away cancels its handler.
-        self.runner = web.AppRunner(create_app(self.replica, auth=self.auth),
-                                    handler_cancellation=CANCEL_ON_DISCONNECT)
+        self.runner = AppRunner(create_app(self.replica, auth=self.auth),
+                                handler_cancellation=CANCEL_ON_DISCONNECT)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())
@@ -109,6 +110,7 @@ def running(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     overrides = {"model_dir": str(model_dir)}
     config = load_config(config_path, environ={}, overrides=overrides)
     replica = build_replica(config, config_path=config_path, overrides=overrides)
-    auth = ReplicaAuth(router_secret=ROUTER_SECRET, operator_token=OPERATOR_TOKEN)
+    auth = ReplicaAuth(router_secret=ROUTER_SECRET, operator_token=OPERATOR_TOKEN,
+                       metrics_token=METRICS_TOKEN)
     with ServerThread(replica, auth) as server:
         yield RunningReplica(replica, f"http://127.0.0.1:{server.port}", config_path)

@@ -9,10 +9,8 @@
 - /etc/kvfleet/router/keys.yaml
 - --fleet-config
 - {{ printf "%s/fleet.yaml" .Values.fleetConfig.mountPath | quote }}
-{{- if include "kvfleet.redis.configured" . }}
-- --redis-url
-- $(KVFLEET_REDIS_URL)
-{{- end }}
+{{- /* No --redis-url: the router reads KVFLEET_REDIS_URL from its environment, so a password in
+the URL never reaches its argv (the process list). */}}
 {{- if include "kvfleet.router.tokenizer" . }}
 - --tokenizer
 - {{ .Values.replica.model.dir | quote }}
