@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvfleet_runtime.api import StopMatcher
@@ -44,10 +44,18 @@ def test_empty_stop_string_is_refused() -> None:
     stops=st.lists(st.text("abc", min_size=1, max_size=3), max_size=3),
     pieces=st.lists(st.text("abc", max_size=4), max_size=8),
 )
+@example(stops=["bac", "a"], pieces=["bb", "ba", "cb"])  # "a" completes first, "bac" starts first
 def test_sent_text_is_the_text_before_the_first_stop(stops: list[str], pieces: list[str]) -> None:
+    # Generation stops at the first piece that completes a stop string (as vLLM's and
+    # OpenAI's servers do), cut where the earliest stop string found by then starts: a
+    # longer stop string that starts earlier but would end later never completes.
     out, stopped = run(stops, pieces)
-    text = "".join(pieces)
-    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    expected = text[: min(cuts)] if cuts else text
-    assert "".join(out) == expected
-    assert stopped == bool(cuts)
+    text, expected, cut = "", None, False
+    for piece in pieces:
+        text += piece
+        cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if cuts:
+            expected, cut = text[: min(cuts)], True
+            break
+    assert "".join(out) == (text if expected is None else expected)
+    assert stopped == cut
