@@ -218,7 +218,7 @@ def _close_step(sched: Any) -> None:
 
 def _manager_lock(manager: Any) -> AbstractContextManager[Any]:
     lock = getattr(manager, "lock", None)
-    return nullcontext() if lock is None else lock  # type: ignore[no-any-return]
+    return nullcontext() if lock is None else lock
 
 
 def _vllm_rows(model: Any, max_len: int, sizes: list[int], reps: int, reqs: _Requests
