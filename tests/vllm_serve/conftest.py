@@ -86,6 +86,8 @@ class VllmServe:
     args: Sequence[str] = ()
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
+    peer_port: int = 0
+    """The connector's T2 port (`kvfleet.peer_port`), when it has one."""
     proc: subprocess.Popen[bytes] | None = None
 
     @property
