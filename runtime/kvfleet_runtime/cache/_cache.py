@@ -29,7 +29,7 @@ from prometheus_client.registry import CollectorRegistry
 from kvfleet_runtime.cache._allocator import CachedSlots
 from kvfleet_runtime.cache._config import CacheConfig, KVLayout
 from kvfleet_runtime.cache._index import BlockNode, Tier
-from kvfleet_runtime.cache._keys import BLOCK_SIZE, BlockHash, CacheKey
+from kvfleet_runtime.cache._keys import BLOCK_SIZE, BlockHash, CacheKey, usable_tokens
 from kvfleet_runtime.cache._manager import (
     BlockEvent,
     CacheManager,
@@ -51,7 +51,7 @@ from kvfleet_runtime.cache._pool import (
 from kvfleet_runtime.cache._stats import CacheStats
 from kvfleet_runtime.cache._store_queue import StoreQueue
 
-__all__ = ["EvictedRun", "Hit", "Miss", "PrefixCache"]
+__all__ = ["EvictedRun", "Hit", "Miss", "Prefix", "PrefixCache"]
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +71,26 @@ class Hit:
 @dataclass(slots=True, frozen=True)
 class Miss:
     """No block of the prompt is cached: prefill everything."""
+
+
+@dataclass(slots=True, eq=False)
+class Prefix:
+    """A request's prefix as `PrefixCache.prepare` placed it, held until `PrefixCache.finish`."""
+
+    key: CacheKey
+    kv: PagedBlocks
+    hit: Hit | None
+    """The lookup's hit (its refs held until `finish`), None on a miss."""
+    table: list[int]
+    """The hit's leading T0 blocks, shared: the head of the sequence's block table."""
+    num_blocks: int
+    """Usable matched blocks: `table`, then those `fill` copies in (the block holding the last
+    prompt token is never among them, `usable_tokens`)."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV is in the sequence's table once `fill` ran (block-aligned)."""
+    tier: str | None = None
+    """The coldest tier the placed KV came from ("t0", "t1"; None: nothing placed)."""
+    finished: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,7 +187,62 @@ class PrefixCache:
         """T0: the device block pool this cache's T0 lives in (the engine's KV), or None."""
         return self._pools[0]
 
-    # -- request path ----------------------------------------------------------------------
+    # -- request path: the pair --------------------------------------------------------------
+
+    def prepare(self, key: CacheKey, token_ids: Sequence[int], kv: PagedBlocks) -> Prefix:
+        """The start of a request: look its prompt up (counted once), and place the hit's
+        leading T0 blocks in `prefix.table`, shared (no copy; refs on the index and on `kv`).
+        The engine then takes the rest of its table from `kv` and calls `fill`. On an error
+        nothing stays held."""
+        hit = self.lookup(key, token_ids)
+        if not isinstance(hit, Hit):
+            return Prefix(key, kv, None, [], 0)
+        usable = min(hit.matched_tokens, usable_tokens(len(token_ids))) // BLOCK_SIZE
+        try:
+            shared = self.share_prefix(hit, kv, usable) if usable else []
+        except BaseException:
+            self.release(hit)
+            raise
+        return Prefix(key, kv, hit, shared, usable)
+
+    def fill(self, prefix: Prefix, table: Sequence[int]) -> int:
+        """Copy the hit's blocks that are not in `prefix.kv` (T1) into `table[len(prefix.table):
+        prefix.num_blocks]` (the sequence's fresh blocks); returns `prefix.cached_tokens`, the
+        tokens the engine resumes after. On an error the shared part still counts (raised after
+        `prefix` says so): the caller recomputes the rest."""
+        shared = len(prefix.table)
+        prefix.cached_tokens = shared * BLOCK_SIZE
+        prefix.tier = Tier.T0.label if shared else None
+        hit = prefix.hit
+        if hit is not None and shared < prefix.num_blocks:
+            self.copy_into(hit, prefix.kv, table, shared, prefix.num_blocks)
+            prefix.cached_tokens = prefix.num_blocks * BLOCK_SIZE
+            prefix.tier = Tier(hit.tier).label
+        return prefix.cached_tokens
+
+    def finish(
+        self,
+        prefix: Prefix,
+        token_ids: Sequence[int] | None = None,
+        table: Sequence[int] | None = None,
+    ) -> StoreOutcome | None:
+        """The request's prompt is computed into `table`: offer its full blocks (`store_blocks`,
+        hit or miss: every offer counts a sighting) and release the hit. Without `token_ids`
+        (cancelled, failed, cache switched): release only. Once per prefix; later calls do
+        nothing. The sequence keeps its own holds on `table` until it gives them back."""
+        if prefix.finished:
+            return None
+        prefix.finished = True
+        try:
+            n_full = len(token_ids) // BLOCK_SIZE * BLOCK_SIZE if token_ids is not None else 0
+            if token_ids is None or table is None or n_full == 0:
+                return None
+            return self.store_blocks(prefix.key, token_ids[:n_full], prefix.kv, table)
+        finally:
+            if prefix.hit is not None:
+                self.release(prefix.hit)
+
+    # -- request path: the primitives ------------------------------------------------------
 
     def block_hashes(self, key: CacheKey, token_ids: Sequence[int]) -> list[BlockHash]:
         """The chain this cache files the full blocks of `token_ids` under (platform prefixes
