@@ -237,7 +237,11 @@ class PrefixCache:
             n_full = len(token_ids) // BLOCK_SIZE * BLOCK_SIZE if token_ids is not None else 0
             if token_ids is None or table is None or n_full == 0:
                 return None
-            return self.store_blocks(prefix.key, token_ids[:n_full], prefix.kv, table)
+            hit = prefix.hit
+            # A hit of every full block already hashed the chain the store files them under.
+            chain = list(hit.blocks) if hit is not None and len(hit.blocks) * BLOCK_SIZE == (
+                n_full) else None
+            return self._store_blocks(prefix.key, token_ids[:n_full], prefix.kv, table, chain)
         finally:
             if prefix.hit is not None:
                 self.release(prefix.hit)
@@ -380,9 +384,23 @@ class PrefixCache:
         new blocks are indexed where they are, at once (STORED: no copy; the sequence and the
         cache then share them). Otherwise (the prefix continues a T1 chain, or another pool) the
         write is queued like `store`'s, holding the blocks until it is done."""
+        return self._store_blocks(key, token_ids, kv, table, None)
+
+    def _store_blocks(
+        self,
+        key: CacheKey,
+        token_ids: Sequence[int],
+        kv: PagedBlocks,
+        table: Sequence[int],
+        chain: list[BlockHash] | None,
+    ) -> StoreOutcome:
         with self._lock:
-            hashes, platform_blocks = self._manager.hashes(key, token_ids)
-            plan = self._manager.plan_store(key, list(hashes), platform_blocks)
+            if chain is None:
+                hashes, platform_blocks = self._manager.hashes(key, token_ids)
+                chain = list(hashes)
+            else:
+                platform_blocks = self._manager.platform_blocks(token_ids)
+            plan = self._manager.plan_store(key, chain, platform_blocks)
             if not isinstance(plan, StorePlan):
                 return plan
             if len(table) < len(plan.hashes):

@@ -75,6 +75,9 @@ class BlockNode:
     ref_count: int = 0
     last_tick: int = 0
     pinned: bool = False
+    floor: int = 0
+    """A floor of the sketch's estimate of this block, kept by the eviction ranking:
+    `(epoch + 1) << 8 | estimate`, valid while the sketch's reset count is `epoch` (0: none)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -196,15 +199,17 @@ class BlockIndex:
                     if node.tier != _GONE:
                         self._free_slot(node)
                         freed.append(node)
-                else:
-                    self._push(node)
+                elif (node.num_t0_children if node.tier == Tier.T0 else node.num_children) == 0:
+                    self._push(node)  # interior blocks are not evictable: nothing to queue
         return freed
 
     def touch(self, path: list[BlockNode]) -> None:
         self._tick += 1
+        tick = self._tick
         for node in path:
-            node.last_tick = self._tick
-            self._push(node)
+            node.last_tick = tick
+            if not node.ref_count:  # a referenced block is not evictable: nothing to queue
+                self._push(node)
 
     # -- eviction --------------------------------------------------------------------------
 

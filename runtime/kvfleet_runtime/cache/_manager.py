@@ -38,6 +38,7 @@ from kvfleet_runtime.cache._policy import (
     ThrashDetector,
     place,
 )
+from kvfleet_runtime.cache._ranking import note_floors
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
 
@@ -75,6 +76,10 @@ class StorePlan:
     platform_blocks: int
     placement: Placement
     priority: int
+    counts: Sequence[int] = ()
+    """The sketch's estimate of each block of `hashes` when the plan was made (empty: unknown),
+    in sketch epoch `epoch`: floors the eviction ranking keeps on the new nodes."""
+    epoch: int = -1
 
 
 @dataclass(slots=True)
@@ -253,7 +258,8 @@ class CacheManager:
         )
         priority = admitted * BLOCK_SIZE * sightings
         return StorePlan(
-            key, hashes[:admitted], len(resident), platform_blocks, placement, priority
+            key, hashes[:admitted], len(resident), platform_blocks, placement, priority,
+            counts, self.sketch.num_resets,
         )
 
     def note_dropped(self, plan: StorePlan) -> None:
@@ -284,6 +290,7 @@ class CacheManager:
                 held=held,
             )
             self._after(moves)
+            self._note_floors(plan, nodes, lo)
             commit.moves.extend(moves.moves)
             commit.nodes.extend(nodes)
             if nodes:
@@ -318,11 +325,16 @@ class CacheManager:
             nodes = index.adopt(
                 index.namespace(key), parent, plan.hashes[lo:hi], block_ids[lo:hi], pinned=pinned
             )
+            self._note_floors(plan, nodes, lo)
             commit.nodes.extend(nodes)
             self.events.append(BlockEvent("stored", key, tuple(n.block_hash for n in nodes)))
             parent = nodes[-1]
         self._tenant(plan.key.tenant_id).num_blocks_stored += len(commit.nodes)
         return commit
+
+    def _note_floors(self, plan: StorePlan, nodes: list[BlockNode], first: int) -> None:
+        if plan.epoch == self.sketch.num_resets and len(plan.counts) >= first + len(nodes):
+            note_floors(nodes, plan.counts[first : first + len(nodes)], plan.epoch)
 
     def reclaim(self, num_free: int) -> list[Move]:
         """Make room in T0 for in-flight work (`BlockIndex.reclaim`); the demotion copies."""
