@@ -52,6 +52,7 @@ from kvfleet_runtime.cache._keys import (
     block_hashes,
     iter_block_hashes,
     token_bytes,
+    usable_tokens,
 )
 from kvfleet_runtime.cache._manager import CacheManager, StorePlan
 from kvfleet_runtime.cache._policy import Placement
@@ -562,7 +563,7 @@ def bench_request_cpu(
         if theirs is not None:
             theirs.serve(theirs.make(tokens))
     hot = prompt()
-    expected_hit = (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    expected_hit = usable_tokens(prompt_tokens)
     samples: dict[str, list[int]] = {"hit": [], "miss": [], "vllm_hit": [], "vllm_miss": []}
     clock = time.perf_counter_ns
     for _ in range(rounds):

@@ -207,8 +207,7 @@ class GhostRanking:
                 del classes[old][h]
                 classes[k][h] = None
                 where[h] = k
-            if k < low:
-                low = k
+            low = min(low, k)
         excess = len(where) - self._limit
         while excess > 0:
             while not classes[low]:

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from kvfleet_runtime.cache import BlockEvent, CacheKey
+from kvfleet_runtime.cache import BlockEvent, CacheKey, usable_tokens
 from kvfleet_runtime.configwatch import ConfigFileWatcher
 from kvfleet_runtime.fleet.index import EmbeddedHintIndex, HintIndex, RedisHintIndex
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
@@ -280,8 +280,7 @@ class FleetTier:
             or self.replica.engine.cache is None
         ):
             return
-        # The engine always computes the last prompt token itself (its logits start decoding).
-        usable_blocks = (len(token_ids) - 1) // BLOCK_SIZE
+        usable_blocks = usable_tokens(len(token_ids)) // BLOCK_SIZE
         if usable_blocks < 1:
             return
         try:
