@@ -186,16 +186,24 @@ class BlockIndex:
     def _evictable_in(self, tier: int) -> Callable[[BlockNode], bool]:
         return self._evictable_t0 if tier == Tier.T0 else self._evictable_t1
 
-    def _evictable_t0(self, node: BlockNode) -> bool:
-        return self._evictable(node, Tier.T0)
+    # `_evictable` for one tier, spelled out: these run once per queued or popped victim.
+    @staticmethod
+    def _evictable_t0(node: BlockNode) -> bool:
+        return (node.tier == Tier.T0 and not node.ref_count and node.namespace.valid
+                and node.num_t0_children == 0)
 
-    def _evictable_t1(self, node: BlockNode) -> bool:
-        return self._evictable(node, Tier.T1)
+    @staticmethod
+    def _evictable_t1(node: BlockNode) -> bool:
+        return (node.tier == Tier.T1 and not node.ref_count and node.namespace.valid
+                and node.num_children == 0)
 
     def _push(self, node: BlockNode) -> None:
         tier = node.tier
-        if tier != _GONE and self._evictable(node, tier):
-            self.policy.push(node, self._evictable_in(tier))
+        if tier == Tier.T0:
+            if self._evictable_t0(node):
+                self.policy.push(node, self._evictable_t0)
+        elif tier == Tier.T1 and self._evictable_t1(node):
+            self.policy.push(node, self._evictable_t1)
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         """Rank eviction by another policy, handed every evictable block now (a lazy queue only
