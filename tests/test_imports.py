@@ -25,6 +25,8 @@ PACKAGES = {
 PURE_CACHE_CORE = [
     "kvfleet_runtime.cache._keys",
     "kvfleet_runtime.cache._index",
+    "kvfleet_runtime.cache._moves",
+    "kvfleet_runtime.cache._ranking",
     "kvfleet_runtime.cache._sketch",
     "kvfleet_runtime.cache._policy",
     "kvfleet_runtime.cache._store_queue",
@@ -221,9 +223,10 @@ def test_only_the_connector_module_imports_vllm() -> None:
         m for m in _sources()
         if any(n.split(".")[0] == "vllm" for n in _imports(m, top_level_only=False))
     )
-    # (the lab's BlockPool replay is the other one: it runs vLLM's own block pool as the baseline)
-    assert users == ["kvfleet_lab.cache.vllm_pool", "kvfleet_lab.vllm.bench",
-                     "kvfleet_vllm.connector"]
+    # (the lab's BlockPool replay and the cache bench are the others: they run vLLM's own block
+    # pool and KVCacheManager as the baselines, the bench only where vllm imports)
+    assert users == ["kvfleet_lab.cache.bench", "kvfleet_lab.cache.vllm_pool",
+                     "kvfleet_lab.vllm.bench", "kvfleet_vllm.connector"]
 
 
 def test_the_connector_bench_imports_vllm_only_when_it_runs() -> None:
@@ -312,3 +315,93 @@ def test_the_vllm_connector_uses_only_public_runtime_names(module: str) -> None:
         and any(part.startswith("_") for part in n.split(".")[1:])
     )
     assert private == [], f"{module} imports private runtime names: {private}"
+
+
+# The cache package's public surface: what the facades' users and the vLLM connector use. The
+# index, the sketch, admission, the pools and the store queue are the package's own.
+CACHE_EXPORTS = [
+    "BLOCK_SIZE",
+    "PLATFORM_TENANT",
+    "BlockEvent",
+    "BlockHash",
+    "BlockNode",
+    "BlockRefs",
+    "CacheConfig",
+    "CacheKey",
+    "CacheManager",
+    "CacheStats",
+    "Commit",
+    "EvictedRun",
+    "Hit",
+    "KVLayout",
+    "Miss",
+    "PagedBlocks",
+    "Prefix",
+    "PrefixCache",
+    "StoreOutcome",
+    "StorePlan",
+    "TenantStats",
+    "Tier",
+    "TierStats",
+    "block_events",
+    "block_hashes",
+    "key_digest",
+    "paired_runs",
+    "usable_tokens",
+]
+
+
+def test_the_cache_exports_only_its_door() -> None:
+    import kvfleet_runtime.cache as cache
+
+    assert sorted(cache.__all__) == sorted(CACHE_EXPORTS)
+    for name in CACHE_EXPORTS:  # every exported name resolves (the torch ones on first use)
+        assert getattr(cache, name) is not None, name
+
+
+@pytest.mark.parametrize(
+    "module",
+    [m for m in _product_modules() if not m.startswith("kvfleet_runtime.cache")],
+)
+def test_product_code_enters_the_cache_by_its_package(module: str) -> None:
+    private = sorted(
+        n for n in _imports(module, top_level_only=False)
+        if n.startswith("kvfleet_runtime.cache.") and n.split(".")[2].startswith("_")
+    )
+    assert private == [], f"{module} imports private cache modules: {private}"
+
+
+_BELOW_THE_MANAGER = {"index", "sketch", "admission"}
+
+
+def _reaches_below_the_manager(path: Path) -> list[str]:
+    """`<x>.manager.index` / `.sketch` / `.admission` (and `_manager.` alike) in a source."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in _BELOW_THE_MANAGER
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr in {"manager", "_manager"}
+        ):
+            found.append(f"{path.name}:{node.lineno} .{node.value.attr}.{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        m for m in _product_modules()
+        if not m.startswith("kvfleet_runtime.cache._manager")
+    ],
+)
+def test_nobody_reaches_through_the_cache_manager(module: str) -> None:
+    # CacheManager is the one door: the facade and the connector call its methods, never the
+    # index, the sketch or admission behind it.
+    assert _reaches_below_the_manager(_sources()[module]) == []
+
+
+def test_the_door_rule_would_catch_a_reach_through(tmp_path: Path) -> None:
+    leaky = tmp_path / "leaky.py"
+    leaky.write_text("def f(self):\n    return self.manager.index.match([])\n")
+    assert _reaches_below_the_manager(leaky) == ["leaky.py:2 .manager.index"]

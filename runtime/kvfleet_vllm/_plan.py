@@ -49,10 +49,11 @@ from kvfleet_runtime.cache import (
     CacheStats,
     Commit,
     KVLayout,
-    Placement,
     StoreOutcome,
     StorePlan,
     Tier,
+    block_events,
+    usable_tokens,
 )
 
 __all__ = ["ConnectorIndex", "FetchWant", "LoadPlan", "Reservation", "SavePlan"]
@@ -171,9 +172,7 @@ class ConnectorIndex:
         return len(path)
 
     def _limit_tokens(self, num_prompt_tokens: int) -> int:
-        # vLLM must compute at least the prompt's last token: a hit stops a block short of it.
-        vbs = self.vllm_block_size
-        return max(0, (num_prompt_tokens - 1) // vbs * vbs)
+        return usable_tokens(num_prompt_tokens, self.vllm_block_size)
 
     @_locked
     def num_matched(self, key: CacheKey, token_ids: Sequence[int], num_local_tokens: int) -> int:
@@ -183,7 +182,7 @@ class ConnectorIndex:
         if limit <= num_local_tokens:
             return 0
         hashes, _ = self.manager.hashes(key, token_ids[:limit], lookup=True)
-        path = self.manager.index.match(hashes)
+        path = self.manager.match(hashes)
         matched = self._usable(path) * BLOCK_SIZE // self.vllm_block_size * self.vllm_block_size
         return max(0, matched - num_local_tokens)
 
@@ -199,12 +198,12 @@ class ConnectorIndex:
         limit = self._limit_tokens(len(token_ids))
         hashes, _ = self.manager.hashes(key, token_ids[:limit], lookup=True)
         # Only what a load could read: pending (unwritten) and poisoned blocks are no hit.
-        matched = self.manager.index.match(hashes)
+        matched = self.manager.match(hashes)
         usable = [n.block_hash for n in matched[:self._usable(matched)]]
         if req_id in self._counted:
-            path = self.manager.index.match(usable)
+            path = self.manager.match(usable)
             if path:
-                self.manager.index.acquire(path)
+                self.manager.acquire(path)
         else:
             self._counted.add(req_id)
             self._count(key.tenant_id, "lookup_tokens", len(token_ids))
@@ -266,14 +265,14 @@ class ConnectorIndex:
         failed reserved them and they are still indexed), taken back for this request's own
         KV: without this, `plan_store` would find them resident and never store them again.
         None when there are none."""
-        path = self.manager.index.match(chain)
+        path = self.manager.match(chain)
         first = end = self._usable(path)
         while end < len(path) and path[end].block_hash in self._poisoned:
             end += 1
         if end == first:
             return None
         nodes = path[first:end]
-        self.manager.index.acquire(nodes)  # released by finish_commit when the step is done
+        self.manager.acquire(nodes)  # released by finish_commit when the step is done
         for node in nodes:
             self._poisoned.discard(node.block_hash)
         return Commit(nodes, first)
@@ -340,11 +339,7 @@ class ConnectorIndex:
     def _announce(self, nodes: Sequence[BlockNode]) -> None:
         if not self._listeners or not nodes:
             return
-        by_key: dict[CacheKey, list[BlockHash]] = {}
-        for node in nodes:
-            by_key.setdefault(node.namespace.key, []).append(node.block_hash)
-        for key, hashes in by_key.items():
-            event = BlockEvent("stored", key, tuple(hashes))
+        for event in block_events("stored", nodes):
             for listener in self._listeners:
                 listener(event)
 
@@ -359,7 +354,7 @@ class ConnectorIndex:
         limit = self._limit_tokens(len(token_ids))
         hashes, platform_blocks = self.manager.hashes(key, token_ids[:limit])
         chain = tuple(hashes)
-        path = self.manager.index.match(chain)
+        path = self.manager.match(chain)
         usable = self._usable(path)
         if usable < len(path):
             return None  # the next block is pending (written this step) or poisoned
@@ -371,19 +366,18 @@ class ConnectorIndex:
     @_locked
     def reserve(self, want: FetchWant, num_blocks: int) -> Reservation | None:
         """Index blocks `[want.start_block, + num_blocks)` of the chain as pending, with host
-        slots (as many as fit, evicting like any write; a fetched block counts one sighting, as
-        in `PrefixCache.import_blocks`). None when the chain changed since `want`, or no room."""
+        slots (as many as fit, evicting like any write; the import policy is
+        `CacheManager.plan_import`'s, as for `PrefixCache.import_blocks`). None when the chain
+        changed since `want`, or no room."""
         end = min(len(want.chain), want.start_block + num_blocks)
         chain = list(want.chain[:end])
         if end <= want.start_block:
             return None
-        for h in chain[want.start_block:]:
-            self.manager.sketch.increment(h)
-        resident = self.manager.index.match(chain)
-        if len(resident) != want.start_block or self._usable(resident) != len(resident):
+        plan = self.manager.plan_import(want.key, chain, want.platform_blocks,
+                                        start_block=want.start_block)
+        if plan is None or self._usable(self.manager.match(chain[:plan.start_block])) != (
+                plan.start_block):
             return None
-        plan = StorePlan(want.key, chain, want.start_block, want.platform_blocks,
-                         Placement.REUSED, priority=0)
         commit = self._commit(plan)
         self._drain_events()
         if not commit.nodes or commit.first_block != want.start_block:
@@ -416,11 +410,11 @@ class ConnectorIndex:
         No stats: serving a peer is not a lookup of this replica's. ValueError for a key the
         cache refuses."""
         hashes, _ = self.manager.hashes(key, token_ids)
-        path = self.manager.index.match(hashes)
+        path = self.manager.match(hashes)
         run = path[start_block:min(self._usable(path), start_block + max_blocks)]
         if not run:
             return None
-        self.manager.index.acquire(run)
+        self.manager.acquire(run)
         return run
 
     @_locked
@@ -432,7 +426,7 @@ class ConnectorIndex:
     def held(self, hashes: Sequence[bytes], tenant: str) -> int:
         """Leading blocks of the chain `hashes` visible here for `tenant` (or the platform):
         the held probe of peers whose hint index asks the replicas themselves."""
-        path = self.manager.index.match(BlockHash(h) for h in hashes)
+        path = self.manager.match(BlockHash(h) for h in hashes)
         for i, node in enumerate(path[:self._usable(path)]):
             if node.namespace.key.tenant_id not in (tenant, PLATFORM_TENANT):
                 return i
@@ -449,7 +443,7 @@ class ConnectorIndex:
         """Blocks some step, fetch or transfer in flight still references (0 once all are
         done)."""
         with self.lock:
-            return sum(1 for n in self.manager.index.nodes() if n.ref_count)
+            return self.manager.num_referenced_blocks()
 
     @property
     def num_steps_in_flight(self) -> int:

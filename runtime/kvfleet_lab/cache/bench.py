@@ -6,6 +6,9 @@
 - materialize bandwidth T1 -> device for a 2,000-token prefix of a realistic shape, as a ratio to
   one raw torch copy of the same bytes, next to a per-block copy loop (and the TP4 strided gather);
 - metadata bytes per indexed block, and per step of the (fixed-size) chain memo;
+- the cache's own CPU per request (`bench_request_cpu`): a 2,000-token prompt against an index of
+  100k blocks, hit and evicting miss, everything the cache does on the engine's request path,
+  next to vLLM's own `KVCacheManager` serving the same request on CPU when vllm imports here;
 - token hit rate on a Mooncake trace at 1%/3%/10% of its unique blocks: plain LRU, the shipped
   policy, Belady's offline optimum, the infinite cache, and a frequency ranking told each block's
   whole-trace popularity in advance (the ceiling of frequency ranking; `kvfleet_lab.cache.sim`).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import random
 import statistics
 import time
@@ -48,20 +52,24 @@ from kvfleet_runtime.cache._keys import (
     block_hashes,
     iter_block_hashes,
     token_bytes,
+    usable_tokens,
 )
 from kvfleet_runtime.cache._manager import CacheManager, StorePlan
 from kvfleet_runtime.cache._policy import Placement
 from kvfleet_runtime.cache._pool import TensorPool, execute_moves
 
 __all__ = [
+    "SECTIONS",
     "CacheBenchReport",
     "HitRateRow",
     "LookupLatency",
     "MaterializeBandwidth",
+    "RequestCpu",
     "bench_hit_rates",
     "bench_lookup",
     "bench_materialize",
     "bench_metadata",
+    "bench_request_cpu",
     "run_cache_bench",
 ]
 
@@ -142,8 +150,38 @@ class HitRateRow:
 
 
 @dataclass(slots=True)
+class RequestCpu:
+    """Seconds of CPU per request (medians over interleaved rounds, one process, one core)."""
+
+    prompt_tokens: int
+    num_index_blocks: int
+    num_requests: int
+    """Timed requests per figure (rounds x reps)."""
+    request_cpu_hit_s: float
+    """kvfleet: a full hit (all but the block holding the last prompt token) of a hot prompt."""
+    request_cpu_miss_s: float
+    """kvfleet: a prompt seen for the first time, the pool full (its blocks are evicted for it)."""
+    vllm_request_cpu_hit_s: float | None = None
+    vllm_request_cpu_miss_s: float | None = None
+    vllm_version: str | None = None
+    vllm_absent_reason: str | None = None
+    """Why vLLM's pair is missing (vllm does not import in this interpreter)."""
+
+    @property
+    def hit_ratio(self) -> float | None:
+        v = self.vllm_request_cpu_hit_s
+        return self.request_cpu_hit_s / v if v else None
+
+    @property
+    def miss_ratio(self) -> float | None:
+        v = self.vllm_request_cpu_miss_s
+        return self.request_cpu_miss_s / v if v else None
+
+
+@dataclass(slots=True)
 class CacheBenchReport:
     lookup: list[LookupLatency]
+    request_cpu: RequestCpu | None
     materialize: MaterializeBandwidth | None
     metadata_bytes_per_block: float
     metadata_num_blocks: int
@@ -157,6 +195,19 @@ class CacheBenchReport:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        if self.request_cpu is not None:
+            r = self.request_cpu
+            data.update(
+                request_cpu_hit_s=r.request_cpu_hit_s,
+                request_cpu_miss_s=r.request_cpu_miss_s,
+                request_cpu_hit_vs_vllm=r.hit_ratio,
+                request_cpu_miss_vs_vllm=r.miss_ratio,
+            )
+            if r.vllm_request_cpu_hit_s is not None:
+                data.update(
+                    vllm_request_cpu_hit_s=r.vllm_request_cpu_hit_s,
+                    vllm_request_cpu_miss_s=r.vllm_request_cpu_miss_s,
+                )
         if self.materialize is not None:
             m = self.materialize
             data["materialize"].update(
@@ -377,6 +428,213 @@ def bench_materialize(
     )
 
 
+_TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16")
+"""The request path's CPU does not depend on the KV's shape: T0 holds one element per token."""
+
+
+class _KvfleetServer:
+    """The engine's request path through the cache, without a model: prepare the prefix (lookup,
+    share the hit's T0 blocks, take the rest, copy what is not in T0), store the prompt's full
+    blocks where they are (the store's plan, its ghosts, adoption, events), give the blocks
+    back and release."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.cache = PrefixCache(CacheConfig(num_t0_blocks=num_blocks), _TINY, clock=time.monotonic)
+        kv = self.cache.device_kv
+        assert kv is not None
+        self.kv = kv
+        self.num_events = 0
+        self.cache.add_listener(self._on_event)  # the fleet tier's hint publisher listens here
+
+    def _on_event(self, event: object) -> None:
+        self.num_events += 1
+
+    def serve(self, tokens: list[int]) -> int:
+        """One request; returns the prompt tokens whose KV came from the cache."""
+        cache, kv = self.cache, self.kv
+        prefix = cache.prepare(BENCH_KEY, tokens, kv)
+        fresh = kv.take(-(-len(tokens) // BLOCK_SIZE) - len(prefix.table))
+        assert fresh is not None, "the bench pool is never short of evictable blocks"
+        table = prefix.table + fresh
+        cached = cache.fill(prefix, table)
+        cache.finish(prefix, tokens, table)
+        kv.give_back(table)
+        return cached
+
+
+class _VllmServer:
+    """vLLM's own `KVCacheManager` (one full-attention group, prefix caching on, SHA-256 block
+    hashes: its defaults) serving the same request as its scheduler drives it: the request's
+    block hashes, `get_computed_blocks`, `allocate_slots` (which caches the full blocks), and
+    `free` at the end."""
+
+    def __init__(self, num_blocks: int, max_model_len: int) -> None:
+        import torch as vllm_torch
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
+        from vllm.v1.request import Request
+
+        from vllm import SamplingParams
+
+        init_none_hash(sha256)
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=vllm_torch.float16
+        )
+        config = KVCacheConfig(
+            num_blocks=num_blocks + 1,  # vLLM keeps one as its null block
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+        )
+        self.manager = KVCacheManager(
+            config, max_model_len=max_model_len, scheduler_block_size=BLOCK_SIZE,
+            hash_block_size=BLOCK_SIZE, enable_caching=True,
+        )
+        self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self._params = SamplingParams(max_tokens=1)
+        self._request = Request
+        self._ids = itertools.count()
+
+    def make(self, tokens: list[int]) -> Any:
+        """A request as the engine core receives it, before it is hashed (outside the timing)."""
+        return self._request(f"r{next(self._ids)}", tokens, self._params, None)
+
+    def serve(self, request: Any) -> int:
+        manager = self.manager
+        request.block_hashes.extend(self._hasher(request))
+        blocks, num_computed, _ = manager.get_computed_blocks(request)
+        allocated = manager.allocate_slots(
+            request, request.num_tokens - num_computed, num_computed, blocks
+        )
+        assert allocated is not None, "the bench pool is never short of evictable blocks"
+        manager.free(request)
+        return int(num_computed)
+
+
+def _vllm_server(num_blocks: int, max_model_len: int) -> tuple[_VllmServer | None, str, str]:
+    try:
+        import vllm
+    except Exception as exc:  # vllm missing, or its torch does not load here
+        reason = f"{exc.__class__.__name__}: {exc}"
+        return None, "", f"vllm does not import in this interpreter ({reason})"
+    return _VllmServer(num_blocks, max_model_len), str(vllm.__version__), ""
+
+
+def _timed_rounds(
+    ours: _KvfleetServer,
+    theirs: _VllmServer | None,
+    hot: list[int],
+    prompt: Callable[[], list[int]],
+    expected_hit: int,
+    rounds: int,
+    reps: int,
+) -> dict[str, list[int]]:
+    """Interleaved rounds: the hot prompt's hits, then fresh prompts' misses, each request
+    timed on its own, kvfleet then vLLM on the same tokens."""
+    samples: dict[str, list[int]] = {"hit": [], "miss": [], "vllm_hit": [], "vllm_miss": []}
+    clock = time.perf_counter_ns
+    for _ in range(rounds):
+        # Untimed: (re)store the hot prompt, which the last round's misses may have evicted.
+        ours.serve(hot)
+        if theirs is not None:
+            theirs.serve(theirs.make(hot))
+        for _ in range(reps):
+            t0 = clock()
+            got = ours.serve(hot)
+            samples["hit"].append(clock() - t0)
+            assert got == expected_hit, f"kvfleet: a hit of {got} tokens, not {expected_hit}"
+            if theirs is not None:
+                request = theirs.make(hot)
+                t0 = clock()
+                got = theirs.serve(request)
+                samples["vllm_hit"].append(clock() - t0)
+                assert got == expected_hit, f"vLLM: a hit of {got} tokens, not {expected_hit}"
+        for _ in range(reps):
+            tokens = prompt()
+            t0 = clock()
+            got = ours.serve(tokens)
+            samples["miss"].append(clock() - t0)
+            assert got == 0, "kvfleet: a fresh prompt hit"
+            if theirs is not None:
+                request = theirs.make(tokens)
+                t0 = clock()
+                got = theirs.serve(request)
+                samples["vllm_miss"].append(clock() - t0)
+                assert got == 0, "vLLM: a fresh prompt hit"
+    return samples
+
+
+def bench_request_cpu(
+    *,
+    num_index_blocks: int = 100_000,
+    prompt_tokens: int = 2000,
+    rounds: int = 3,
+    reps: int = 400,
+    seed: int = 0,
+    with_vllm: bool = True,
+) -> RequestCpu:
+    """The cache's CPU per request against a full index of `num_index_blocks` blocks, hit (a hot
+    prompt) and miss (a prompt never seen, the pool full of other prompts: its blocks are
+    evicted for it), beside vLLM's `KVCacheManager` serving the same requests in the same
+    process. Rounds interleave the two (hit, then miss), so load on the box hits both alike;
+    the figures are medians over every timed request."""
+    rng = random.Random(seed)
+    blocks_per_prompt = -(-prompt_tokens // BLOCK_SIZE)
+    if num_index_blocks < 2 * blocks_per_prompt or prompt_tokens <= BLOCK_SIZE:
+        raise ValueError(
+            f"request-cpu: an index of {num_index_blocks} blocks must hold two prompts of "
+            f"{prompt_tokens} tokens (more than one block each)"
+        )
+
+    def prompt() -> list[int]:
+        return [rng.randrange(128_000) for _ in range(prompt_tokens)]
+
+    ours = _KvfleetServer(num_index_blocks)
+    theirs, version, absent = (
+        _vllm_server(num_index_blocks, 4 * prompt_tokens) if with_vllm else (None, "", "")
+    )
+    if not with_vllm:
+        absent = "not asked for"
+    # Fill both pools with other prompts, as a replica that has been serving for a while.
+    for _ in range(num_index_blocks // blocks_per_prompt):
+        tokens = prompt()
+        ours.serve(tokens)
+        if theirs is not None:
+            theirs.serve(theirs.make(tokens))
+    hot = prompt()
+    expected_hit = usable_tokens(prompt_tokens)
+    # As vLLM's engine core does once it is up (`freeze_gc_heap`): the collector stops
+    # scanning what start-up and the fill left (torch, vllm, both pools), so a collection's
+    # cost is not charged to whichever side happened to trigger it.
+    gc.collect()
+    gc.freeze()
+    try:
+        samples = _timed_rounds(ours, theirs, hot, prompt, expected_hit, rounds, reps)
+    finally:
+        gc.unfreeze()
+    assert ours.num_events > 0, "no block event reached the listener"
+
+    def median_s(name: str) -> float:
+        return statistics.median(samples[name]) / 1e9
+
+    return RequestCpu(
+        prompt_tokens=prompt_tokens,
+        num_index_blocks=len(ours.cache._manager.index),
+        num_requests=rounds * reps,
+        request_cpu_hit_s=median_s("hit"),
+        request_cpu_miss_s=median_s("miss"),
+        vllm_request_cpu_hit_s=median_s("vllm_hit") if theirs is not None else None,
+        vllm_request_cpu_miss_s=median_s("vllm_miss") if theirs is not None else None,
+        vllm_version=version or None,
+        vllm_absent_reason=absent or None,
+    )
+
+
 def bench_metadata(*, num_blocks: int = 100_000, chain_blocks: int = 125) -> float:
     """Bytes the index holds per block (nodes, hashes, maps, heaps), excluding fixed-size parts
     (the sketch, the slot allocators) that do not grow with the number of indexed blocks."""
@@ -440,6 +698,10 @@ def bench_hit_rates(
     return rows, len(requests), unique
 
 
+SECTIONS = ("lookup", "request-cpu", "materialize", "metadata", "hit-rates")
+"""What `run_cache_bench` can measure; a quick check of one figure names only its section."""
+
+
 def run_cache_bench(
     *,
     trace: Path,
@@ -447,23 +709,42 @@ def run_cache_bench(
     device: str = "cpu",
     lookup_reps: int = 200,
     materialize_reps: int = 5,
+    request_cpu_rounds: int = 3,
+    request_cpu_reps: int = 400,
     layout: KVLayout = LLAMA3_8B,
     index_blocks: int = 100_000,
     fractions: Sequence[float] = (0.01, 0.03, 0.10),
+    sections: Sequence[str] = SECTIONS,
 ) -> CacheBenchReport:
-    if not trace.is_file():
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    wanted = set(sections)
+    if "hit-rates" in wanted and not trace.is_file():
         raise ValueError(f"trace file not found: {trace} (a Mooncake-format JSONL file)")
     start = time.perf_counter()
-    lookup = bench_lookup(num_index_blocks=index_blocks, reps=lookup_reps)
-    materialize = bench_materialize(layout=layout, device=device, reps=materialize_reps)
-    per_block = bench_metadata(num_blocks=index_blocks)
+    lookup = bench_lookup(num_index_blocks=index_blocks, reps=lookup_reps) if (
+        "lookup" in wanted) else []
+    request_cpu = bench_request_cpu(
+        num_index_blocks=index_blocks, rounds=request_cpu_rounds, reps=request_cpu_reps
+    ) if "request-cpu" in wanted else None
+    materialize = bench_materialize(layout=layout, device=device, reps=materialize_reps) if (
+        "materialize" in wanted) else None
     memo_steps = CacheConfig(num_t0_blocks=1).hash_memo_entries
-    per_step = bench_memo_bytes_per_step(num_steps=memo_steps)
-    rows, num_requests, unique = bench_hit_rates(
-        trace, fractions=fractions, max_requests=max_requests
-    )
+    if "metadata" in wanted:
+        per_block = bench_metadata(num_blocks=index_blocks)
+        per_step = bench_memo_bytes_per_step(num_steps=memo_steps)
+    else:
+        per_block = per_step = 0.0
+    if "hit-rates" in wanted:
+        rows, num_requests, unique = bench_hit_rates(
+            trace, fractions=fractions, max_requests=max_requests
+        )
+    else:
+        rows, num_requests, unique = [], 0, 0
     return CacheBenchReport(
         lookup=lookup,
+        request_cpu=request_cpu,
         materialize=materialize,
         metadata_bytes_per_block=per_block,
         metadata_num_blocks=index_blocks,

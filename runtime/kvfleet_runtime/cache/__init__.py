@@ -10,13 +10,13 @@ Public facade (what the replica engine and the fleet tier code against)::
                         clock=time.monotonic, device_kv=kv, registry=prometheus_registry)
 
     # The engine's path: T0 is `kv` itself, one pool for in-flight sequences and cached prefixes
-    hit = cache.lookup(key, token_ids)            # -> Hit | Miss; a Hit holds refs on its blocks
-    shared = cache.share_prefix(hit, kv, n)       # the hit's T0 block ids, shared: no copy
-    table = shared + kv.take(need - len(shared))  # short of room: cached blocks are reclaimed
-    cache.copy_into(hit, kv, table, len(shared), n)   # T1 blocks: one copy per run, then T0
-    ...prefill token_ids[n * 16:] into table...
-    cache.store_blocks(key, token_ids, kv, table) # the prompt's full blocks, indexed in place
-    kv.give_back(table); cache.release(hit)       # at request end
+    prefix = cache.prepare(key, token_ids, kv)    # lookup, the hit's T0 blocks shared (refs)
+    table = prefix.table + kv.take(need - len(prefix.table))  # short: cached blocks reclaimed
+    n = cache.fill(prefix, table)                 # T1 blocks copied in, one copy per run
+    ...prefill token_ids[n:] into table...        # n <= usable_tokens(len(token_ids))
+    cache.finish(prefix, token_ids, table)        # full blocks indexed in place; refs released
+    kv.give_back(table)                           # at request end (cached blocks stay cached)
+    # (`lookup`, `share_prefix`, `copy_into`, `store_blocks`, `release`: the steps of the pair)
 
     # Tensors in, tensors out (benches, tests, TP shards):
     k, v = cache.materialize(hit, tp_degree=4, tp_rank=r)
@@ -39,36 +39,40 @@ token_ids)` (blake2b-128, see `_keys.py`). Thread-safety: `PrefixCache` takes on
 (the device pool's, which the engine's allocations take too); the store queue is a thread-safe
 bounded priority queue.
 
-Modules, top to bottom: `_cache` (facade, torch) -> `_manager` (admission, placement, stats) ->
-`_index` (radix index, tiers, refs, eviction) -> `_allocator` (free slots; `BlockRefs`, the
-device pool's ref counts shared by sequences and the cache); `_pool` holds the tensors; `_keys`,
-`_sketch`, `_policy`, `_store_queue`, `_stats`, `_metrics` and `_config` are pure. Importing this
-package does not import torch: `PrefixCache`, `Hit`, `Miss`, `PagedBlocks` and `TensorPool` load
-on first use. Replays (the lab's policy comparison, the fleet simulator) drive the shipped policy
-through `CacheManager.replay`, with no tensors.
+Modules, top to bottom: `_cache` (facade, torch) -> `_manager` (the one door to the index, the
+sketch and admission; placement, stats, events) -> `_index` (radix index, tiers, refs, eviction)
+-> `_moves` (`Move`, `Plan`: what the index plans and `_pool` carries out) and `_allocator` (free
+slots; `BlockRefs`, the device pool's ref counts shared by sequences and the cache); `_pool`
+holds the tensors; `_keys`, `_sketch`, `_policy`, `_ranking`, `_store_queue`, `_stats`,
+`_metrics` and `_config` are pure. Importing this package does not import torch: `PrefixCache`,
+`Prefix`, `Hit`, `Miss` and `PagedBlocks` load on first use. Replays (the lab's policy
+comparison, the fleet simulator) drive the shipped policy through `CacheManager.replay`, with
+no tensors.
 
 A second facade over `CacheManager` (the vLLM connector, `kvfleet_vllm`, whose pool is vLLM's
-host-pool file) drives the manager directly: `CacheManager.plan_store` -> `StorePlan`,
-`commit` -> `Commit` (its `BlockNode`s), `finish_commit`; `key_digest` validates a key's fields;
-`paired_runs` turns two id lists into runs of consecutive ids (one copy each).
+host-pool file) drives the manager through its own methods, never the index below it: `hashes`,
+`match` / `acquire` / `lookup` / `release`, `plan_store` or `plan_import` -> `StorePlan`, `commit`
+-> `Commit` (its `BlockNode`s), `finish_commit`, `drain_events`; `block_events` groups nodes
+into events; `key_digest` validates a key's fields; `paired_runs` turns two id lists into runs
+of consecutive ids (one copy each); `usable_tokens` is the last-prompt-token rule, for every
+tier and both facades.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvfleet_runtime.cache._allocator import paired_runs
+from kvfleet_runtime.cache._allocator import BlockRefs, paired_runs
 from kvfleet_runtime.cache._config import CacheConfig, KVLayout
-from kvfleet_runtime.cache._index import BlockIndex, BlockNode, Tier
+from kvfleet_runtime.cache._index import BlockNode
 from kvfleet_runtime.cache._keys import (
     BLOCK_SIZE,
     PLATFORM_TENANT,
     BlockHash,
     CacheKey,
-    ChainMemo,
     block_hashes,
-    iter_block_hashes,
     key_digest,
+    usable_tokens,
 )
 from kvfleet_runtime.cache._manager import (
     BlockEvent,
@@ -76,48 +80,47 @@ from kvfleet_runtime.cache._manager import (
     Commit,
     StoreOutcome,
     StorePlan,
+    block_events,
 )
-from kvfleet_runtime.cache._policy import Placement
-from kvfleet_runtime.cache._sketch import CountMinSketch
+from kvfleet_runtime.cache._moves import Tier
 from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
-from kvfleet_runtime.cache._store_queue import StoreQueue
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.cache._cache import EvictedRun, Hit, Miss, PrefixCache
-    from kvfleet_runtime.cache._pool import PagedBlocks, TensorPool
+    from kvfleet_runtime.cache._cache import EvictedRun, Hit, Miss, Prefix, PrefixCache
+    from kvfleet_runtime.cache._pool import PagedBlocks
 
+# What the facades' users (engine, server, fleet and local tiers, router) and the vLLM
+# connector use; the index, the sketch, admission, the pools and the store queue stay private
+# to the package (tests/test_imports.py holds this list).
 __all__ = [
     "BLOCK_SIZE",
     "PLATFORM_TENANT",
     "BlockEvent",
     "BlockHash",
-    "BlockIndex",
     "BlockNode",
+    "BlockRefs",
     "CacheConfig",
     "CacheKey",
     "CacheManager",
     "CacheStats",
-    "ChainMemo",
     "Commit",
-    "CountMinSketch",
     "EvictedRun",
     "Hit",
     "KVLayout",
     "Miss",
     "PagedBlocks",
-    "Placement",
+    "Prefix",
     "PrefixCache",
     "StoreOutcome",
     "StorePlan",
-    "StoreQueue",
     "TenantStats",
-    "TensorPool",
     "Tier",
     "TierStats",
+    "block_events",
     "block_hashes",
-    "iter_block_hashes",
     "key_digest",
     "paired_runs",
+    "usable_tokens",
 ]
 
 _TORCH_EXPORTS = {
@@ -125,8 +128,8 @@ _TORCH_EXPORTS = {
     "Hit": "_cache",
     "Miss": "_cache",
     "PagedBlocks": "_pool",
+    "Prefix": "_cache",
     "PrefixCache": "_cache",
-    "TensorPool": "_pool",
 }
 
 

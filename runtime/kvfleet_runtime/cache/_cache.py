@@ -19,8 +19,9 @@ and the cache's evictions are serialized), and request threads and a drain threa
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,7 @@ from prometheus_client.registry import CollectorRegistry
 from kvfleet_runtime.cache._allocator import CachedSlots
 from kvfleet_runtime.cache._config import CacheConfig, KVLayout
 from kvfleet_runtime.cache._index import BlockNode, Tier
-from kvfleet_runtime.cache._keys import BLOCK_SIZE, BlockHash, CacheKey
+from kvfleet_runtime.cache._keys import BLOCK_SIZE, BlockHash, CacheKey, usable_tokens
 from kvfleet_runtime.cache._manager import (
     BlockEvent,
     CacheManager,
@@ -37,7 +38,6 @@ from kvfleet_runtime.cache._manager import (
     StorePlan,
 )
 from kvfleet_runtime.cache._metrics import CacheCollector
-from kvfleet_runtime.cache._policy import Placement
 from kvfleet_runtime.cache._pool import (
     PagedBlocks,
     Pool,
@@ -51,7 +51,7 @@ from kvfleet_runtime.cache._pool import (
 from kvfleet_runtime.cache._stats import CacheStats
 from kvfleet_runtime.cache._store_queue import StoreQueue
 
-__all__ = ["EvictedRun", "Hit", "Miss", "PrefixCache"]
+__all__ = ["EvictedRun", "Hit", "Miss", "Prefix", "PrefixCache"]
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +71,26 @@ class Hit:
 @dataclass(slots=True, frozen=True)
 class Miss:
     """No block of the prompt is cached: prefill everything."""
+
+
+@dataclass(slots=True, eq=False)
+class Prefix:
+    """A request's prefix as `PrefixCache.prepare` placed it, held until `PrefixCache.finish`."""
+
+    key: CacheKey
+    kv: PagedBlocks
+    hit: Hit | None
+    """The lookup's hit (its refs held until `finish`), None on a miss."""
+    table: list[int]
+    """The hit's leading T0 blocks, shared: the head of the sequence's block table."""
+    num_blocks: int
+    """Usable matched blocks: `table`, then those `fill` copies in (the block holding the last
+    prompt token is never among them, `usable_tokens`)."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV is in the sequence's table once `fill` ran (block-aligned)."""
+    tier: str | None = None
+    """The coldest tier the placed KV came from ("t0", "t1"; None: nothing placed)."""
+    finished: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,7 +187,66 @@ class PrefixCache:
         """T0: the device block pool this cache's T0 lives in (the engine's KV), or None."""
         return self._pools[0]
 
-    # -- request path ----------------------------------------------------------------------
+    # -- request path: the pair --------------------------------------------------------------
+
+    def prepare(self, key: CacheKey, token_ids: Sequence[int], kv: PagedBlocks) -> Prefix:
+        """The start of a request: look its prompt up (counted once), and place the hit's
+        leading T0 blocks in `prefix.table`, shared (no copy; refs on the index and on `kv`).
+        The engine then takes the rest of its table from `kv` and calls `fill`. On an error
+        nothing stays held."""
+        hit = self.lookup(key, token_ids)
+        if not isinstance(hit, Hit):
+            return Prefix(key, kv, None, [], 0)
+        usable = min(hit.matched_tokens, usable_tokens(len(token_ids))) // BLOCK_SIZE
+        try:
+            shared = self.share_prefix(hit, kv, usable) if usable else []
+        except BaseException:
+            self.release(hit)
+            raise
+        return Prefix(key, kv, hit, shared, usable)
+
+    def fill(self, prefix: Prefix, table: Sequence[int]) -> int:
+        """Copy the hit's blocks that are not in `prefix.kv` (T1) into `table[len(prefix.table):
+        prefix.num_blocks]` (the sequence's fresh blocks); returns `prefix.cached_tokens`, the
+        tokens the engine resumes after. On an error the shared part still counts (raised after
+        `prefix` says so): the caller recomputes the rest."""
+        shared = len(prefix.table)
+        prefix.cached_tokens = shared * BLOCK_SIZE
+        prefix.tier = Tier.T0.label if shared else None
+        hit = prefix.hit
+        if hit is not None and shared < prefix.num_blocks:
+            self.copy_into(hit, prefix.kv, table, shared, prefix.num_blocks)
+            prefix.cached_tokens = prefix.num_blocks * BLOCK_SIZE
+            prefix.tier = Tier(hit.tier).label
+        return prefix.cached_tokens
+
+    def finish(
+        self,
+        prefix: Prefix,
+        token_ids: Sequence[int] | None = None,
+        table: Sequence[int] | None = None,
+    ) -> StoreOutcome | None:
+        """The request's prompt is computed into `table`: offer its full blocks (`store_blocks`,
+        hit or miss: every offer counts a sighting) and release the hit. Without `token_ids`
+        (cancelled, failed, cache switched): release only. Once per prefix; later calls do
+        nothing. The sequence keeps its own holds on `table` until it gives them back."""
+        if prefix.finished:
+            return None
+        prefix.finished = True
+        try:
+            n_full = len(token_ids) // BLOCK_SIZE * BLOCK_SIZE if token_ids is not None else 0
+            if token_ids is None or table is None or n_full == 0:
+                return None
+            hit = prefix.hit
+            # A hit of every full block already hashed the chain the store files them under.
+            chain = list(hit.blocks) if hit is not None and len(hit.blocks) * BLOCK_SIZE == (
+                n_full) else None
+            return self._store_blocks(prefix.key, token_ids[:n_full], prefix.kv, table, chain)
+        finally:
+            if prefix.hit is not None:
+                self.release(prefix.hit)
+
+    # -- request path: the primitives ------------------------------------------------------
 
     def block_hashes(self, key: CacheKey, token_ids: Sequence[int]) -> list[BlockHash]:
         """The chain this cache files the full blocks of `token_ids` under (platform prefixes
@@ -201,7 +280,7 @@ class PrefixCache:
         fresh tensor, never a view of the pool, so it stays valid after `release`."""
         heads = self._heads(tp_degree, tp_rank)
         layout = self.layout
-        with self._lock:
+        with self._operation():
             self._check_live(hit)
             path = hit._path
             moves = self._manager.promote(path)
@@ -216,8 +295,6 @@ class PrefixCache:
             out_k = torch.empty(shape, dtype=self.dtype, device=self.device)
             out_v = torch.empty(shape, dtype=self.dtype, device=self.device)
             self._gather(path, out_k, out_v, heads)
-            events = self._manager.drain_events()
-        self._dispatch(events)
         return out_k, out_v
 
     def release(self, hit: Hit) -> None:
@@ -290,7 +367,7 @@ class PrefixCache:
                     num_copies += copy_runs(
                         pool, [nodes[i].block_id for i in pos], kv, [dst[i] for i in pos]
                     )
-            if (self._is_t0(kv) and self._manager.index.t0_enabled and nodes
+            if (self._is_t0(kv) and self._manager.t0_enabled and nodes
                     and all(n.tier == Tier.T1 for n in nodes)):
                 parent = nodes[0].parent
                 if parent is None or parent.tier == Tier.T0:
@@ -305,9 +382,23 @@ class PrefixCache:
         new blocks are indexed where they are, at once (STORED: no copy; the sequence and the
         cache then share them). Otherwise (the prefix continues a T1 chain, or another pool) the
         write is queued like `store`'s, holding the blocks until it is done."""
-        with self._lock:
-            hashes, platform_blocks = self._manager.hashes(key, token_ids)
-            plan = self._manager.plan_store(key, list(hashes), platform_blocks)
+        return self._store_blocks(key, token_ids, kv, table, None)
+
+    def _store_blocks(
+        self,
+        key: CacheKey,
+        token_ids: Sequence[int],
+        kv: PagedBlocks,
+        table: Sequence[int],
+        chain: list[BlockHash] | None,
+    ) -> StoreOutcome:
+        with self._operation():
+            if chain is None:
+                hashes, platform_blocks = self._manager.hashes(key, token_ids)
+                chain = list(hashes)
+            else:
+                platform_blocks = self._manager.platform_blocks(token_ids)
+            plan = self._manager.plan_store(key, chain, platform_blocks)
             if not isinstance(plan, StorePlan):
                 return plan
             if len(table) < len(plan.hashes):
@@ -318,8 +409,7 @@ class PrefixCache:
             commit = self._manager.commit_in_place(plan, ids) if self._is_t0(kv) else None
             if commit is not None:
                 self._manager.finish_commit(commit)
-                events = self._manager.drain_events()
-                outcome = StoreOutcome.STORED
+                return StoreOutcome.STORED
             else:
                 kv.share(ids)
                 pending = _Pending(plan, src=kv, src_ids=ids)
@@ -327,10 +417,7 @@ class PrefixCache:
                 if dropped is not None:
                     self._manager.note_dropped(dropped.plan)
                     dropped.let_go()
-                events = []
-                outcome = StoreOutcome.DROPPED if dropped is pending else StoreOutcome.QUEUED
-        self._dispatch(events)
-        return outcome
+                return StoreOutcome.DROPPED if dropped is pending else StoreOutcome.QUEUED
 
     # -- background ------------------------------------------------------------------------
 
@@ -342,7 +429,7 @@ class PrefixCache:
         while max_entries is None or done < max_entries:
             # Pop under the cache lock: an `invalidate` between the pop and the write would
             # miss the popped plan and let it re-index blocks of the invalidated version.
-            with self._lock:
+            with self._operation():
                 pending = self._queue.pop()
                 if pending is None:
                     break
@@ -351,8 +438,6 @@ class PrefixCache:
                     written += self._write(pending)
                 finally:
                     pending.let_go()
-                events = self._manager.drain_events()
-            self._dispatch(events)
         return written
 
     def _write(self, pending: _Pending) -> int:
@@ -386,7 +471,7 @@ class PrefixCache:
         hold blocks), then evict unreferenced cached T0 blocks in victim order until that many
         are free or nothing more can go (demotions copy to T1 first, under the lock, so no block
         is handed out before its data left)."""
-        with self._lock:
+        with self._operation():
             while (pending := self._queue.pop()) is not None:
                 try:
                     self._write(pending)
@@ -395,8 +480,6 @@ class PrefixCache:
             moves = self._manager.reclaim(num_blocks)
             self._capture_evicted()
             execute_moves(self._pools, moves)
-            events = self._manager.drain_events()
-        self._dispatch(events)
 
     # -- control plane ---------------------------------------------------------------------
 
@@ -404,14 +487,12 @@ class PrefixCache:
         """Make every block of a weights version unreachable now (and its slots reclaimable, at
         once or at the release of the hits that hold them); drops its pending writes. Returns the
         number of blocks removed from the index."""
-        with self._lock:
+        with self._operation():
             removed = self._manager.invalidate(weights_digest)
             for pending in self._queue.remove_if(
                 lambda p: p.plan.key.weights_digest == weights_digest
             ):
                 pending.let_go()
-            events = self._manager.drain_events()
-        self._dispatch(events)
         return removed
 
     def stats(self, tenant: str | None = None) -> CacheStats:
@@ -432,23 +513,20 @@ class PrefixCache:
 
     @property
     def t1_enabled(self) -> bool:
-        return bool(self.config.num_t1_blocks) and self._manager.index.t1_enabled
+        return bool(self.config.num_t1_blocks) and self._manager.t1_enabled
 
     def set_t1_enabled(self, enabled: bool) -> int:
         """T1 on or off, live (the fleet config's `tiers.t1_host`). Off: every T1 block becomes
         unreachable at once and its slot is freed (at the release of the in-flight hits that
         hold it, which keep reading correct data meanwhile); stores and demotions stop using T1.
         Returns the blocks removed. The pool stays allocated, so turning it on again is free."""
-        with self._lock:
-            removed = self._manager.set_t1_enabled(enabled)
-            events = self._manager.drain_events()
-        self._dispatch(events)
-        return removed
+        with self._operation():
+            return self._manager.set_t1_enabled(enabled)
 
     @property
     def t0_enabled(self) -> bool:
         """T0 is here and on (the fleet config's `tiers.t0_device`)."""
-        return self._pools[0] is not None and self._manager.index.t0_enabled
+        return self._pools[0] is not None and self._manager.t0_enabled
 
     def set_t0_enabled(self, enabled: bool) -> tuple[int, int]:
         """T0 on or off, live (the fleet config's `tiers.t0_device`). Off: stores are no longer
@@ -459,13 +537,11 @@ class PrefixCache:
         ends). On: stores are indexed in place again. Returns (blocks demoted to T1, blocks
         removed from the index). The engine's pool is untouched: T0 off only means the cache
         keeps none of it."""
-        with self._lock:
+        with self._operation():
             demoted, removed, moves = self._manager.set_t0_enabled(enabled)
             # Copy out before the lock is released: the freed T0 slots may be taken right after.
             self._capture_evicted()
             execute_moves(self._pools, moves)
-            events = self._manager.drain_events()
-        self._dispatch(events)
         return demoted, removed
 
     def set_eviction_sink(self, sink: Callable[[EvictedRun], None] | None) -> None:
@@ -511,7 +587,7 @@ class PrefixCache:
         else:
             target = self.device if device is None else torch.device(device)
         with self._lock:
-            nodes = [self._manager.index.get(h) for h in hashes]
+            nodes = [self._manager.get(h) for h in hashes]
             path = [n for n in nodes if n is not None]
             if len(path) != len(hashes) or not path:
                 return None
@@ -530,21 +606,12 @@ class PrefixCache:
         in `store`). Synchronous: it was fetched because a request wants it now. Counts as one
         sighting and then competes for room like any write. Returns blocks written."""
         self._check_kv(k, v, len(token_ids), "import_blocks")
-        with self._lock:
+        with self._operation():
             hashes, platform_blocks = self._manager.hashes(key, token_ids)
-            chain = list(hashes)
-            for h in chain:
-                self._manager.sketch.increment(h)
-            resident = self._manager.index.match(chain)
-            if len(resident) == len(chain):
+            plan = self._manager.plan_import(key, list(hashes), platform_blocks)
+            if plan is None:
                 return 0
-            plan = StorePlan(
-                key, chain, len(resident), platform_blocks, Placement.REUSED, priority=0
-            )
-            written = self._write(_Pending(plan, k, v))
-            events = self._manager.drain_events()
-        self._dispatch(events)
-        return written
+            return self._write(_Pending(plan, k, v))
 
     # -- internals -------------------------------------------------------------------------
 
@@ -632,8 +699,23 @@ class PrefixCache:
             read_blocks_into(pool, k, v, [n.block_id for n in nodes], range(len(nodes)),
                              slice(None))
             hashes = tuple(n.block_hash for n in nodes)
-            sightings = tuple(self._manager.sketch.estimate_many(hashes))
+            sightings = tuple(self._manager.sightings(hashes))
             self._evicted_runs.append(EvictedRun(key, hashes, sightings, k, v))
+
+    @contextlib.contextmanager
+    def _operation(self) -> Iterator[None]:
+        """One operation under the cache lock: the block events it caused go to the listeners,
+        and what the host tier dropped to the eviction sink, once the lock is released (even
+        when it fails: a withdrawal must reach the hint index)."""
+        self._lock.acquire()
+        try:
+            yield
+        finally:
+            try:
+                events = self._manager.drain_events()
+            finally:
+                self._lock.release()
+            self._dispatch(events)
 
     def _dispatch(self, events: list[BlockEvent]) -> None:
         for event in events:

@@ -14,7 +14,7 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
 - only leaves are dropped: an interior block is never evicted before its descendants;
 - every slot of every tier is either free or held by exactly one block;
 - a block demoted T0 -> T1 by an operation is not evicted by the same operation (its copy has
-  not run yet: `_Plan.held`).
+  not run yet: `Plan.held`).
 
 The index decides what is evictable (unreferenced, valid, a leaf of its tier) and carries out
 evictions, demotions and promotions; which evictable block goes first, and whether a newcomer may
@@ -25,26 +25,15 @@ T0 -> T1 must win the same duel in T1, as a candidate of its own weight.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvfleet_runtime.cache._allocator import BlockAllocator, Slots
 from kvfleet_runtime.cache._keys import BlockHash, CacheKey
+from kvfleet_runtime.cache._moves import Move, Plan, Tier
 from kvfleet_runtime.cache._ranking import EvictionPolicy
 
-__all__ = ["BlockIndex", "BlockNode", "Move", "Namespace", "Tier", "TierCounters"]
-
-
-class Tier(enum.IntEnum):
-    T0 = 0
-    """Device memory (HBM; CPU tensors when there is no GPU)."""
-    T1 = 1
-    """Host DRAM (pinned when CUDA is present)."""
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
+__all__ = ["BlockIndex", "BlockNode", "Move", "Namespace", "Plan", "Tier", "TierCounters"]
 
 
 _GONE = -1
@@ -75,16 +64,9 @@ class BlockNode:
     ref_count: int = 0
     last_tick: int = 0
     pinned: bool = False
-
-
-@dataclass(slots=True, frozen=True)
-class Move:
-    """Copy block `src_id` of `src_tier` into `dst_id` of `dst_tier` (executed in list order)."""
-
-    src_tier: Tier
-    src_id: int
-    dst_tier: Tier
-    dst_id: int
+    floor: int = 0
+    """A floor of the sketch's estimate of this block, kept by the eviction ranking:
+    `(epoch + 1) << 8 | estimate`, valid while the sketch's reset count is `epoch` (0: none)."""
 
 
 @dataclass(slots=True)
@@ -94,20 +76,6 @@ class TierCounters:
     num_demotions: int = 0
     num_promotions: int = 0
     num_stored: int = 0
-
-
-@dataclass(slots=True)
-class _Plan:
-    moves: list[Move] = field(default_factory=list)
-    dropped: list[BlockNode] = field(default_factory=list)
-    dropped_from: list[int] = field(default_factory=list)
-    """The tier each `dropped` block left (its slot still holds its data until `moves` run)."""
-    held: list[BlockNode] = field(default_factory=list)
-    """Blocks demoted T0 -> T1 by this plan, each holding one extra ref until the plan is
-    complete (`BlockIndex.release_held`): a later eviction of the same plan must not drop one
-    from T1 before its copy has run. Its T1 slot would be read for the eviction sink (T3) before
-    the data is there, and handed to a second block (two moves into one slot, and two blocks
-    holding it once `_order_demotions` renumbers them)."""
 
 
 class BlockIndex:
@@ -196,15 +164,17 @@ class BlockIndex:
                     if node.tier != _GONE:
                         self._free_slot(node)
                         freed.append(node)
-                else:
-                    self._push(node)
+                elif (node.num_t0_children if node.tier == Tier.T0 else node.num_children) == 0:
+                    self._push(node)  # interior blocks are not evictable: nothing to queue
         return freed
 
     def touch(self, path: list[BlockNode]) -> None:
         self._tick += 1
+        tick = self._tick
         for node in path:
-            node.last_tick = self._tick
-            self._push(node)
+            node.last_tick = tick
+            if not node.ref_count:  # a referenced block is not evictable: nothing to queue
+                self._push(node)
 
     # -- eviction --------------------------------------------------------------------------
 
@@ -216,16 +186,24 @@ class BlockIndex:
     def _evictable_in(self, tier: int) -> Callable[[BlockNode], bool]:
         return self._evictable_t0 if tier == Tier.T0 else self._evictable_t1
 
-    def _evictable_t0(self, node: BlockNode) -> bool:
-        return self._evictable(node, Tier.T0)
+    # `_evictable` for one tier, spelled out: these run once per queued or popped victim.
+    @staticmethod
+    def _evictable_t0(node: BlockNode) -> bool:
+        return (node.tier == Tier.T0 and not node.ref_count and node.namespace.valid
+                and node.num_t0_children == 0)
 
-    def _evictable_t1(self, node: BlockNode) -> bool:
-        return self._evictable(node, Tier.T1)
+    @staticmethod
+    def _evictable_t1(node: BlockNode) -> bool:
+        return (node.tier == Tier.T1 and not node.ref_count and node.namespace.valid
+                and node.num_children == 0)
 
     def _push(self, node: BlockNode) -> None:
         tier = node.tier
-        if tier != _GONE and self._evictable(node, tier):
-            self.policy.push(node, self._evictable_in(tier))
+        if tier == Tier.T0:
+            if self._evictable_t0(node):
+                self.policy.push(node, self._evictable_t0)
+        elif tier == Tier.T1 and self._evictable_t1(node):
+            self.policy.push(node, self._evictable_t1)
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         """Rank eviction by another policy, handed every evictable block now (a lazy queue only
@@ -246,7 +224,7 @@ class BlockIndex:
             node.pinned = False
         node.tier = _GONE
 
-    def _drop(self, node: BlockNode, plan: _Plan) -> None:
+    def _drop(self, node: BlockNode, plan: Plan) -> None:
         """Remove a leaf from the index and free its slot."""
         assert node.num_children == 0 and node.ref_count == 0
         tier = node.tier
@@ -264,7 +242,7 @@ class BlockIndex:
         plan.dropped_from.append(tier)
 
     def _reserve(
-        self, tier: int, n: int, candidate_weights: Sequence[int] | None, plan: _Plan
+        self, tier: int, n: int, candidate_weights: Sequence[int] | None, plan: Plan
     ) -> list[int]:
         """Up to `n` free slots of `tier`, evicting victims that lose the policy's duel.
 
@@ -299,7 +277,7 @@ class BlockIndex:
             self._push(node)
         return ids
 
-    def _evict(self, victim: BlockNode, plan: _Plan) -> bool:
+    def _evict(self, victim: BlockNode, plan: Plan) -> bool:
         """Free the victim's slot: demote T0 -> T1 if T1 admits it, else drop it if it is a leaf.
         False when neither is possible (an interior T0 block T1 cannot take)."""
         if victim.tier == Tier.T0 and self.allocators[Tier.T1].num_blocks:
@@ -312,7 +290,7 @@ class BlockIndex:
                 self._move_to_t1(victim, got[0], plan)
                 if victim.parent is not None:
                     self._push(victim.parent)
-                victim.ref_count += 1  # until the plan is complete (`_Plan.held`)
+                victim.ref_count += 1  # until the plan is complete (`Plan.held`)
                 plan.held.append(victim)
                 return True
         if victim.num_children:
@@ -331,7 +309,7 @@ class BlockIndex:
         tier: Tier,
         pinned: bool,
         held: list[BlockNode] | None = None,
-    ) -> tuple[list[BlockNode], _Plan]:
+    ) -> tuple[list[BlockNode], Plan]:
         """Index new blocks below `parent` (the chain's resident prefix), as many as fit.
 
         The returned nodes are referenced (the caller writes their data, then releases them), so
@@ -339,7 +317,7 @@ class BlockIndex:
         more before it carries out the moves (a write in segments) collects the demoted blocks
         there and releases them with `release_held` once its last step is planned; without it,
         they are released when this insert is planned."""
-        plan = _Plan()
+        plan = Plan()
         if parent is not None:
             tier = max(tier, Tier(parent.tier))  # monotone tiers along a chain
             parent.ref_count += 1
@@ -382,16 +360,16 @@ class BlockIndex:
         return nodes, plan
 
     def release_held(self, nodes: list[BlockNode]) -> None:
-        """End the holds of demoted blocks (`_Plan.held`): they are evictable in T1 again."""
+        """End the holds of demoted blocks (`Plan.held`): they are evictable in T1 again."""
         for node in nodes:
             node.ref_count -= 1
         for node in nodes:
             self._push(node)
         nodes.clear()
 
-    def promote(self, path: list[BlockNode]) -> _Plan:
+    def promote(self, path: list[BlockNode]) -> Plan:
         """Move the T1 suffix of a referenced path into T0, as far as T0 has room."""
-        plan = _Plan()
+        plan = Plan()
         # Not detached blocks (T1 turned off under an in-flight hit): they leave at release.
         t1_nodes = [n for n in path if n.tier == Tier.T1 and n.namespace.valid]
         if not t1_nodes or not self.allocators[Tier.T0].num_blocks or not self.t0_enabled:
@@ -428,7 +406,7 @@ class BlockIndex:
             self._free_or_detach(node, detached)
         return gone
 
-    def disable_t0(self) -> tuple[_Plan, list[BlockNode]]:
+    def disable_t0(self) -> tuple[Plan, list[BlockNode]]:
         """Turn T0 off: no more T0 slots for the cache, and every T0 block leaves T0 now.
 
         Root first, a T0 block is demoted to T1 by copy when T1 is on and takes it (it must win
@@ -442,7 +420,7 @@ class BlockIndex:
         Returns the plan (the demotion copies, and the T1 blocks evicted to make room for them:
         carry out its moves before anyone may take a T0 slot) and the blocks removed."""
         self.t0_enabled = False
-        plan = _Plan()
+        plan = Plan()
         children: dict[int, list[BlockNode]] = {}
         for node in self._nodes.values():
             if node.parent is not None:
@@ -475,9 +453,9 @@ class BlockIndex:
         self.release_held(plan.held)
         return plan, gone
 
-    def _demote_for_drain(self, node: BlockNode, plan: _Plan) -> bool:
+    def _demote_for_drain(self, node: BlockNode, plan: Plan) -> bool:
         """Demote one T0 block to T1 for `disable_t0`, if T1 takes it (held until the drain is
-        planned, `_Plan.held`)."""
+        planned, `Plan.held`)."""
         if not self.t1_enabled or not self.allocators[Tier.T1].num_blocks:
             return False
         weights = self.policy.candidate_weights([node.block_hash])
@@ -490,7 +468,7 @@ class BlockIndex:
         plan.held.append(node)  # keeps the ref taken above
         return True
 
-    def _move_to_t1(self, node: BlockNode, slot: int, plan: _Plan) -> None:
+    def _move_to_t1(self, node: BlockNode, slot: int, plan: Plan) -> None:
         """Move `node` from its T0 block to T1 slot `slot` (the copy is `plan`'s move): the T0
         block is freed, a pin is dropped, the parent counts one T0 child less."""
         plan.moves.append(Move(Tier.T0, node.block_id, Tier.T1, slot))
@@ -644,11 +622,11 @@ class BlockIndex:
                 node.parent.num_t0_children += 1
             self.counters[Tier.T1].num_promotions += 1
 
-    def reclaim(self, num_free: int) -> _Plan:
+    def reclaim(self, num_free: int) -> Plan:
         """Evict T0 victims, in the policy's order, until T0 has `num_free` free slots (in-flight
         work needs them) or nothing more can go: demoted to T1 when T1 admits them, else dropped.
         Victims a sequence still holds are passed over (evicting them would free nothing)."""
-        plan = _Plan()
+        plan = Plan()
         slots = self.allocators[Tier.T0]
         skipped: list[BlockNode] = []
         demoted: list[BlockNode] = []
@@ -666,7 +644,7 @@ class BlockIndex:
         self.release_held(plan.held)
         return plan
 
-    def _order_demotions(self, demoted: list[BlockNode], plan: _Plan) -> None:
+    def _order_demotions(self, demoted: list[BlockNode], plan: Plan) -> None:
         """Victims go leaf first, so a demoted chain would land in T1 slots in reverse order and
         a later T1 hit would cost one copy per block. The copies have not run yet: hand the same
         T1 slots out again in chain order (root first, chain by chain), so each chain is one run."""

@@ -40,6 +40,7 @@ __all__ = [
     "key_digest",
     "platform_key",
     "token_bytes",
+    "usable_tokens",
 ]
 
 
@@ -68,6 +69,14 @@ class CacheKey(NamedTuple):
     kv_dtype: str
     rope_config_hash: str
     attn_impl_id: str
+
+
+def usable_tokens(num_prompt_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    """The leading whole blocks of a prompt, in tokens, that any cache tier may supply: the
+    engine always computes the last prompt token itself (its logits give the first output
+    token), so a block that ends on it is never a hit. `block_size`: the engine's block (vLLM's
+    may be a multiple of the cache's)."""
+    return max(0, (num_prompt_tokens - 1) // block_size * block_size)
 
 
 def validate_weights_digest(weights_digest: str) -> str:

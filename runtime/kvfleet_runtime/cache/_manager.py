@@ -18,7 +18,7 @@ from typing import Literal
 
 from kvfleet_runtime.cache._allocator import Slots
 from kvfleet_runtime.cache._config import CacheConfig
-from kvfleet_runtime.cache._index import BlockIndex, BlockNode, Move, Tier, _Plan
+from kvfleet_runtime.cache._index import BlockIndex, BlockNode
 from kvfleet_runtime.cache._keys import (
     BLOCK_SIZE,
     PLATFORM_TENANT,
@@ -30,6 +30,7 @@ from kvfleet_runtime.cache._keys import (
     platform_key,
     validate_weights_digest,
 )
+from kvfleet_runtime.cache._moves import Move, Plan, Tier
 from kvfleet_runtime.cache._policy import (
     AdaptiveRanking,
     Admission,
@@ -38,10 +39,19 @@ from kvfleet_runtime.cache._policy import (
     ThrashDetector,
     place,
 )
+from kvfleet_runtime.cache._ranking import note_floors
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
 
-__all__ = ["BlockEvent", "CacheManager", "Commit", "StoreOutcome", "StorePlan", "check_key"]
+__all__ = [
+    "BlockEvent",
+    "CacheManager",
+    "Commit",
+    "StoreOutcome",
+    "StorePlan",
+    "block_events",
+    "check_key",
+]
 
 
 class StoreOutcome(enum.Enum):
@@ -75,6 +85,10 @@ class StorePlan:
     platform_blocks: int
     placement: Placement
     priority: int
+    counts: Sequence[int] = ()
+    """The sketch's estimate of each block of `hashes` when the plan was made (empty: unknown),
+    in sketch epoch `epoch`: floors the eviction ranking keeps on the new nodes."""
+    epoch: int = -1
 
 
 @dataclass(slots=True)
@@ -88,6 +102,16 @@ class Commit:
     moves: list[Move] = field(default_factory=list)
     adopted: bool = False
     """The nodes were indexed in place in the engine's blocks: no data to write."""
+
+
+def block_events(
+    kind: Literal["stored", "removed"], nodes: Iterable[BlockNode]
+) -> list[BlockEvent]:
+    """`nodes`' blocks as events of `kind`, one per key, keys and blocks in the nodes' order."""
+    by_key: dict[CacheKey, list[BlockHash]] = {}
+    for node in nodes:
+        by_key.setdefault(node.namespace.key, []).append(node.block_hash)
+    return [BlockEvent(kind, key, tuple(hashes)) for key, hashes in by_key.items()]
 
 
 def check_key(key: CacheKey) -> CacheKey:
@@ -212,6 +236,35 @@ class CacheManager:
         # Blocks of an invalidated version were withdrawn from the hint index at invalidation.
         assert all(not n.namespace.valid for n in freed)
 
+    def match(self, hashes: Iterable[BlockHash]) -> list[BlockNode]:
+        """The longest cached chain along `hashes`, from the first block on: no refs, no stats."""
+        return self.index.match(hashes)
+
+    def acquire(self, path: list[BlockNode]) -> None:
+        """Refs on a matched path without counting a lookup (a re-admission, a peer's read);
+        `release` drops them."""
+        self.index.acquire(path)
+
+    def get(self, block_hash: BlockHash) -> BlockNode | None:
+        """The indexed block with this chain hash, if any (no refs)."""
+        return self.index.get(block_hash)
+
+    def sightings(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The sketch's current sighting estimate of each block."""
+        return self.sketch.estimate_many(hashes)
+
+    def num_referenced_blocks(self) -> int:
+        """Indexed blocks some request, write or transfer still references."""
+        return sum(1 for n in self.index.nodes() if n.ref_count)
+
+    @property
+    def t0_enabled(self) -> bool:
+        return self.index.t0_enabled
+
+    @property
+    def t1_enabled(self) -> bool:
+        return self.index.t1_enabled
+
     # -- store -----------------------------------------------------------------------------
 
     def plan_store(
@@ -253,11 +306,35 @@ class CacheManager:
         )
         priority = admitted * BLOCK_SIZE * sightings
         return StorePlan(
-            key, hashes[:admitted], len(resident), platform_blocks, placement, priority
+            key, hashes[:admitted], len(resident), platform_blocks, placement, priority,
+            counts, self.sketch.num_resets,
         )
 
     def note_dropped(self, plan: StorePlan) -> None:
         self._tenant(plan.key.tenant_id).num_store_drops += 1
+
+    def plan_import(
+        self,
+        key: CacheKey,
+        chain: list[BlockHash],
+        platform_blocks: int,
+        *,
+        start_block: int | None = None,
+    ) -> StorePlan | None:
+        """The one import policy, for KV fetched from a peer (T2) or read back from NVMe (T3)
+        because a request wants it now: every block of `chain` counts one sighting, and the
+        blocks beyond the resident prefix are written without admission (they compete for room
+        like any write). None when nothing is left to write, or when the resident prefix is
+        not `start_block` blocks long (the chain changed since the fetch was planned)."""
+        counts = [self.sketch.increment(h) for h in chain]
+        resident = self.index.match(chain)
+        start = len(resident)
+        if start == len(chain) or (start_block is not None and start != start_block):
+            return None
+        return StorePlan(
+            key, chain, start, platform_blocks, Placement.REUSED, 0, counts,
+            self.sketch.num_resets,
+        )
 
     def commit(self, plan: StorePlan) -> Commit:
         """Index the plan's new blocks (as many as fit) and say where their data goes."""
@@ -284,6 +361,7 @@ class CacheManager:
                 held=held,
             )
             self._after(moves)
+            self._note_floors(plan, nodes, lo)
             commit.moves.extend(moves.moves)
             commit.nodes.extend(nodes)
             if nodes:
@@ -318,11 +396,16 @@ class CacheManager:
             nodes = index.adopt(
                 index.namespace(key), parent, plan.hashes[lo:hi], block_ids[lo:hi], pinned=pinned
             )
+            self._note_floors(plan, nodes, lo)
             commit.nodes.extend(nodes)
             self.events.append(BlockEvent("stored", key, tuple(n.block_hash for n in nodes)))
             parent = nodes[-1]
         self._tenant(plan.key.tenant_id).num_blocks_stored += len(commit.nodes)
         return commit
+
+    def _note_floors(self, plan: StorePlan, nodes: list[BlockNode], first: int) -> None:
+        if plan.epoch == self.sketch.num_resets and len(plan.counts) >= first + len(nodes):
+            note_floors(nodes, plan.counts[first : first + len(nodes)], plan.epoch)
 
     def reclaim(self, num_free: int) -> list[Move]:
         """Make room in T0 for in-flight work (`BlockIndex.reclaim`); the demotion copies."""
@@ -359,7 +442,7 @@ class CacheManager:
         self._after(plan)
         return plan.moves
 
-    def _after(self, plan: _Plan) -> None:
+    def _after(self, plan: Plan) -> None:
         """Account for the blocks an operation dropped and queue their withdrawal events."""
         if not plan.dropped:
             return
@@ -371,30 +454,28 @@ class CacheManager:
                 (node, last) for node, tier in zip(plan.dropped, plan.dropped_from, strict=True)
                 if tier == last
             )
-        by_key: dict[CacheKey, list[BlockHash]] = {}
-        for node in plan.dropped:
-            by_key.setdefault(node.namespace.key, []).append(node.block_hash)
-            self._tenant(node.namespace.key.tenant_id).num_evictions += 1
-        for key, hashes in by_key.items():
-            self.events.append(BlockEvent("removed", key, tuple(hashes)))
+        self._withdraw(plan.dropped)
+
+    def _withdraw(self, nodes: Iterable[BlockNode], *, invalidated: bool = False) -> None:
+        """The one way blocks leave the hint index: a "removed" event per key, each block
+        counted against its tenant (an eviction, or an invalidation)."""
+        for event in block_events("removed", nodes):
+            stats = self._tenant(event.key.tenant_id)
+            if invalidated:
+                stats.num_invalidated += len(event.block_hashes)
+            else:
+                stats.num_evictions += len(event.block_hashes)
+            self.events.append(event)
 
     # -- invalidation and stats ------------------------------------------------------------
 
     def invalidate(self, weights_digest: str) -> int:
         validate_weights_digest(weights_digest)
-        stale_keys = {
-            n.namespace.key
-            for n in self.index.nodes()
-            if n.namespace.key.weights_digest == weights_digest
-        }
-        withdrawn: dict[CacheKey, list[BlockHash]] = {k: [] for k in stale_keys}
-        for node in self.index.nodes():
-            if node.namespace.key in withdrawn:
-                withdrawn[node.namespace.key].append(node.block_hash)
+        stale = [
+            n for n in self.index.nodes() if n.namespace.key.weights_digest == weights_digest
+        ]
         num_unindexed, _ = self.index.invalidate(weights_digest)
-        for key, hashes in withdrawn.items():
-            self.events.append(BlockEvent("removed", key, tuple(hashes)))
-            self._tenant(key.tenant_id).num_invalidated += len(hashes)
+        self._withdraw(stale, invalidated=True)
         return num_unindexed
 
     def set_t1_enabled(self, enabled: bool) -> int:
@@ -407,12 +488,7 @@ class CacheManager:
         if not self.index.t1_enabled:
             return 0
         gone = self.index.disable_t1()
-        by_key: dict[CacheKey, list[BlockHash]] = {}
-        for node in gone:
-            by_key.setdefault(node.namespace.key, []).append(node.block_hash)
-            self._tenant(node.namespace.key.tenant_id).num_evictions += 1
-        for key, hashes in by_key.items():
-            self.events.append(BlockEvent("removed", key, tuple(hashes)))
+        self._withdraw(gone)
         return len(gone)
 
     def set_t0_enabled(self, enabled: bool) -> tuple[int, int, list[Move]]:
@@ -427,12 +503,7 @@ class CacheManager:
             return 0, 0, []
         plan, gone = self.index.disable_t0()
         self._after(plan)  # T1 blocks evicted to make room for the demotions
-        by_key: dict[CacheKey, list[BlockHash]] = {}
-        for node in gone:
-            by_key.setdefault(node.namespace.key, []).append(node.block_hash)
-            self._tenant(node.namespace.key.tenant_id).num_evictions += 1
-        for key, hashes in by_key.items():
-            self.events.append(BlockEvent("removed", key, tuple(hashes)))
+        self._withdraw(gone)
         num_demoted = sum(1 for m in plan.moves if m.src_tier == Tier.T0)
         return num_demoted, len(gone), plan.moves
 

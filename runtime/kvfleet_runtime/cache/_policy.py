@@ -180,19 +180,33 @@ class GhostRanking:
     def offer(self, hashes: Sequence[bytes], counts: Sequence[int]) -> None:
         """One sighting of a chain (with each block's count after it): tail first, so the
         chain's head is the most recent, as the index touches it."""
+        mask = self.sample - 1
+        self.replay([(h, c) for h, c in zip(hashes, counts, strict=True) if not h[-1] & mask])
+
+    def replay(self, sampled: Sequence[tuple[bytes, int]]) -> int:
+        """`match` then `offer` in one pass, over the chain's sampled blocks only (with their
+        counts, head first; every ghost of a cache samples alike, so `AdaptiveRanking` filters
+        once for all): returns what `match` would have. The lookups of the offer see the ghost
+        as it was before it (a chain's hashes are distinct and nothing leaves before the end),
+        so the leading run they find present is the match."""
         where, classes = self._where, self._classes
         top = len(classes)
-        mask = self.sample - 1
         low = self._low
-        for h, count in zip(reversed(hashes), reversed(counts), strict=True):
-            if h[-1] & mask:
-                continue
-            k = min(max(count, 1), top) - 1
+        first_absent = len(sampled)
+        for i in range(len(sampled) - 1, -1, -1):
+            h, count = sampled[i]
+            k = (count if count < top else top) - 1 if count > 1 else 0
             old = where.get(h)
-            if old is not None:
+            if old is None:
+                first_absent = i
+                classes[k][h] = None
+                where[h] = k
+            elif old == k:
+                classes[k].move_to_end(h)
+            else:
                 del classes[old][h]
-            classes[k][h] = None
-            where[h] = k
+                classes[k][h] = None
+                where[h] = k
             low = min(low, k)
         excess = len(where) - self._limit
         while excess > 0:
@@ -202,6 +216,7 @@ class GhostRanking:
             del where[h]
             excess -= 1
         self._low = low
+        return first_absent * self.sample
 
     def __len__(self) -> int:
         return len(self._where)
@@ -229,10 +244,14 @@ class AdaptiveRanking:
     num_ghost_hit_blocks: int = 0
     """Blocks the current ranking's ghost matched beyond what the cache itself held: evicted or
     refused blocks that came back (ARC's ghost hits)."""
+    _sample: int = field(default=1, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.ghosts:
             raise ValueError("AdaptiveRanking needs at least one ghost ranking")
+        if len({g.sample for g in self.ghosts}) != 1:
+            raise ValueError("AdaptiveRanking's ghosts must sample alike (one filter for all)")
+        self._sample = self.ghosts[0].sample
         if not 0.0 < self.decay < 1.0 or self.margin < 0.0:
             raise ValueError(f"need 0 < decay < 1 and margin >= 0, got {self.decay}, {self.margin}")
         self.scores = [0.0] * len(self.ghosts)
@@ -253,12 +272,14 @@ class AdaptiveRanking:
         """Score every ghost on this chain, then replay it into them; True when the ranking in
         use changed."""
         decay = self.decay
+        mask = self._sample - 1
+        sampled = [(h, c) for h, c in zip(hashes, counts, strict=True) if not h[-1] & mask]
+        scores = self.scores
         for i, ghost in enumerate(self.ghosts):
-            hit = ghost.match(hashes)
+            hit = ghost.replay(sampled)
             if i == self.current and hit > resident_blocks:
                 self.num_ghost_hit_blocks += hit - resident_blocks
-            self.scores[i] = self.scores[i] * decay + hit
-            ghost.offer(hashes, counts)
+            scores[i] = scores[i] * decay + hit
         best = max(range(len(self.ghosts)), key=self.scores.__getitem__)
         if best != self.current and self.scores[best] > (1.0 + self.margin) * self.scores[
             self.current

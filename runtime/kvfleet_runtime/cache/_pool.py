@@ -26,8 +26,8 @@ import torch
 
 from kvfleet_runtime.cache._allocator import BlockRefs, paired_runs
 from kvfleet_runtime.cache._config import KVLayout
-from kvfleet_runtime.cache._index import Move
 from kvfleet_runtime.cache._keys import BLOCK_SIZE
+from kvfleet_runtime.cache._moves import Move
 
 __all__ = [
     "PagedBlocks",

@@ -33,7 +33,7 @@ from kvfleet_runtime.cache._sketch import CountMinSketch
 if TYPE_CHECKING:  # the index imports this module: the node type is only needed for checking
     from kvfleet_runtime.cache._index import BlockNode
 
-__all__ = ["EvictionPolicy", "RankedEviction", "VictimQueue"]
+__all__ = ["EvictionPolicy", "RankedEviction", "VictimQueue", "note_floors"]
 
 Evictable = Callable[["BlockNode"], bool]
 
@@ -47,6 +47,16 @@ _COMPACT_MIN_ENTRIES = 1024
 """A queue is compacted (stale entries dropped) once it holds this many entries more than 4x
 the valid ones it held after its last compaction: lazy entries stay bounded without a scan per
 push."""
+
+
+def note_floors(nodes: Iterable[BlockNode], counts: Iterable[int], epoch: int) -> None:
+    """Record what the sketch said of new nodes' blocks: `counts[i]` is an estimate of
+    `nodes[i]`'s block taken in sketch epoch `epoch` (`CountMinSketch.num_resets`). Counters
+    only grow within an epoch, so it stays a floor of the estimate until the next reset
+    (`VictimQueue.node_frequency`)."""
+    base = (epoch + 1) << 8
+    for node, count in zip(nodes, counts, strict=False):
+        node.floor = base | count
 
 
 class EvictionPolicy(Protocol):
@@ -90,11 +100,25 @@ class VictimQueue:
         cap = self.max_frequency
         return freq if cap is None or freq <= cap else cap
 
+    def node_frequency(self, node: BlockNode) -> int:
+        """`frequency` of the node's block, without asking the sketch when the node's floor
+        (`BlockNode.floor`, this epoch) already reaches the cap: under plain recency (cap 1)
+        that is every block counted since the last reset, so victims cost no estimate."""
+        cap = self.max_frequency
+        sketch = self.sketch
+        if cap is not None:
+            floor = node.floor
+            if floor >> 8 == sketch.num_resets + 1 and floor & 0xFF >= cap:
+                return cap
+        freq = sketch.estimate(node.block_hash)
+        node.floor = ((sketch.num_resets + 1) << 8) | freq
+        return freq if cap is None or freq <= cap else cap
+
     def _weight(self, node: BlockNode) -> int:
         """Frequency scaled by 2^(sketch resets so far). Every reset halves all counters, so
         ordering by f * 2^resets_at_push ranks entries pushed in different epochs exactly as
         their aged frequencies would, without ever re-keying the heap."""
-        return self.frequency(node.block_hash) << self.sketch.num_resets
+        return self.node_frequency(node) << self.sketch.num_resets
 
     def _entry(self, node: BlockNode) -> _Entry:
         return (node.pinned, self._weight(node), node.last_tick, next(self._seq), node)
@@ -167,7 +191,7 @@ class RankedEviction:
         return freqs if cap is None else [min(f, cap) for f in freqs]
 
     def outranks(self, victim: BlockNode, weight: int) -> bool:
-        return self._queues[0].frequency(victim.block_hash) > weight
+        return self._queues[0].node_frequency(victim) > weight
 
     def fill(self, tier: int, nodes: Iterable[BlockNode]) -> None:
         self._queues[tier].fill(nodes)

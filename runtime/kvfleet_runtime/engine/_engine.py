@@ -1,17 +1,18 @@
 """The engine: continuous batching over the reference model, prefilling only what the cache lacks.
 
-Per request: `lookup` the prompt in the prefix cache (takes refs); the hit's T0 blocks go into the
-request's block table as they are (T0 is this engine's own KV: no copy, the blocks are shared and
-never written, since computation resumes at the first unmatched block); fresh blocks for the rest
-(the cache gives back unreferenced cached blocks when the pool is short); the hit's T1 blocks are
-copied into the first fresh ones, one copy per run; prefill the unmatched suffix in block-aligned
-chunks, decode, index the prompt's full blocks in the cache where they are (`store_blocks`, after
-the first token is on its way), give the blocks back and `release` the hit's refs when the
-request ends. Every cache failure degrades to recompute. With T0 turned off (the cache's
+Per request, through the cache's request-level pair: `prepare` looks the prompt up and puts the
+hit's T0 blocks into the request's block table as they are (T0 is this engine's own KV: no copy,
+the blocks are shared and never written, since computation resumes at the first unmatched
+block); fresh blocks for the rest (the cache gives back unreferenced cached blocks when the pool
+is short); `fill` copies the hit's T1 blocks into the first fresh ones, one copy per run; prefill
+the unmatched suffix in block-aligned chunks, decode; `finish` indexes the prompt's full blocks
+in the cache where they are and releases the hit's refs (after the first token is on its way);
+the blocks go back when the request ends. The cache applies the last-prompt-token rule
+(`usable_tokens`). Every cache failure degrades to recompute. With T0 turned off (the cache's
 `set_t0_enabled(False)`, the fleet config's `tiers.t0_device`), the same calls need no other path
-here: a hit has no T0 blocks to share, so all of it is copied from T1, and `store_blocks` queues a
-copy into T1 (QUEUED, for the drain task) instead of indexing the blocks in place; a sequence
-already running on shared T0 blocks keeps them until it ends.
+here: a hit has no T0 blocks to share, so all of it is copied from T1, and `finish` queues a copy
+into T1 (QUEUED, for the drain task) instead of indexing the blocks in place; a sequence already
+running on shared T0 blocks keeps them until it ends.
 
 Concurrency: one asyncio scheduler task admits requests between steps; each step runs on one
 dedicated worker thread (torch releases the GIL, so the HTTP server stays responsive). All model
@@ -59,7 +60,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch import Tensor
 
-from kvfleet_runtime.cache import CacheKey, Hit, PrefixCache, StoreOutcome, Tier
+from kvfleet_runtime.cache import CacheKey, Prefix, PrefixCache, StoreOutcome, usable_tokens
 from kvfleet_runtime.engine._batch import DecodeBatch
 from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams, sample_batch
 from kvfleet_runtime.model import DecodeGraphs, LoadedModel, PagedKV, Transformer
@@ -214,15 +215,12 @@ class _Sequence:
     sampler: Sampler
     stream: RequestStream | None = None
     table: list[int] = field(default_factory=list)
-    hit: Hit | None = None
-    hit_cache: PrefixCache | None = None
-    """The cache that holds `hit`'s refs (the engine's cache may be switched off meanwhile)."""
+    prefix: Prefix | None = None
+    """The prompt's prefix as the cache prepared it (its refs held until `finish`)."""
+    prefix_cache: PrefixCache | None = None
+    """The cache that holds `prefix` (the engine's cache may be switched off meanwhile)."""
     looked_up: bool = False
     """The cache was asked once (admission may wait for room and retry without asking again)."""
-    prefix_blocks: int = 0
-    """Leading blocks of the table that come from the hit (shared T0 blocks, then T1 copies)."""
-    shared_blocks: int = 0
-    """Of those, the hit's T0 blocks placed in the table as they are."""
     cached_tokens: int = 0
     cache_tier: str | None = None
     prefill_pos: int = 0
@@ -538,7 +536,7 @@ class Engine:
         Bounded: the other's prefill ends within a few steps, or it is cancelled and leaves."""
         if seq.looked_up or self.cache is None:
             return False
-        usable = (len(seq.prompt) - 1) // BLOCK_SIZE  # the last token is always computed
+        usable = usable_tokens(len(seq.prompt)) // BLOCK_SIZE
         for other in self._running:
             if other.output or other.cancelled or other.key != seq.key:
                 continue
@@ -558,57 +556,37 @@ class Engine:
             self.metrics.waiting.set(len(self._waiting))
 
     def _restore_prefix(self, seq: _Sequence) -> None:
-        """Lookup, and place the hit's T0 blocks at the head of the table (shared, no copy); any
-        failure means recompute."""
-        n = len(seq.prompt)
-        self.metrics.prompt_tokens.inc(n)
+        """Look the prompt up and place the hit's T0 blocks at the head of the table (shared,
+        no copy); any failure means recompute."""
+        self.metrics.prompt_tokens.inc(len(seq.prompt))
         cache = self.cache  # one read: the config watcher may switch it between steps
         if cache is None:
             return
-        # At least the last prompt token is computed: its logits give the first output token.
-        usable_max = ((n - 1) // BLOCK_SIZE) * BLOCK_SIZE
         try:
-            hit = cache.lookup(seq.key, seq.prompt)
+            prefix = cache.prepare(seq.key, seq.prompt, self.kv)
         except Exception:
-            self.metrics.cache_errors.labels("lookup").inc()
+            self.metrics.cache_errors.labels("prepare").inc()
             log.exception("cache lookup failed; recomputing")
             return
-        if not isinstance(hit, Hit):
-            return
-        seq.hit, seq.hit_cache = hit, cache
-        usable_blocks = min(hit.matched_tokens, usable_max) // BLOCK_SIZE
-        if usable_blocks == 0:
-            return
-        try:
-            seq.table = cache.share_prefix(hit, self.kv, usable_blocks)
-            seq.shared_blocks = len(seq.table)
-        except Exception:
-            self.metrics.cache_errors.labels("materialize").inc()
-            log.exception("cache share failed; recomputing")
-            return
-        seq.prefix_blocks = usable_blocks
+        seq.prefix, seq.prefix_cache = prefix, cache
+        seq.table = list(prefix.table)
 
     def _copy_prefix(self, seq: _Sequence) -> None:
         """Copy the hit's blocks that are not in this pool (T1) into the sequence's first fresh
         blocks, then resume computation after the hit; a failed copy recomputes them."""
-        if seq.hit is None or seq.hit_cache is None or seq.prefix_blocks == 0:
+        prefix, cache = seq.prefix, seq.prefix_cache
+        if prefix is None or cache is None or prefix.num_blocks == 0:
             return
-        shared = seq.shared_blocks
-        done = shared
-        if done < seq.prefix_blocks:
-            try:
-                seq.hit_cache.copy_into(seq.hit, self.kv, seq.table, done, seq.prefix_blocks)
-                done = seq.prefix_blocks
-            except Exception:
-                self.metrics.cache_errors.labels("materialize").inc()
-                log.exception("cache copy failed; recomputing the copied part")
-        if done == 0:
+        try:
+            cache.fill(prefix, seq.table)
+        except Exception:
+            self.metrics.cache_errors.labels("materialize").inc()
+            log.exception("cache copy failed; recomputing the copied part")
+        if prefix.cached_tokens == 0:
             return
-        usable = done * BLOCK_SIZE
-        seq.cached_tokens = usable
-        seq.prefill_pos = usable
-        seq.cache_tier = Tier(seq.hit.tier).label if done > shared else Tier.T0.label
-        self.metrics.cached_tokens.inc(usable)
+        seq.cached_tokens = seq.prefill_pos = prefix.cached_tokens
+        seq.cache_tier = prefix.tier
+        self.metrics.cached_tokens.inc(prefix.cached_tokens)
 
     def _prefill_chunks(self, plan: list[tuple[_Sequence, int]]) -> None:
         """Prefill the next `n` prompt tokens of each planned sequence: one packed forward for
@@ -641,15 +619,16 @@ class Engine:
 
     def _store_prompt(self, seq: _Sequence) -> None:
         """Offer the prompt's full blocks to the cache (after the first token is out): indexed
-        where they are, no copy, and shared with this sequence until it ends.
+        where they are, no copy, and shared with this sequence until it ends; the prefix's
+        refs are released (the sequence's own holds keep its blocks).
 
-        Offered on hits too: every offer counts a sighting, and sightings decide admission."""
-        n_full = (len(seq.prompt) // BLOCK_SIZE) * BLOCK_SIZE
-        cache = self.cache
-        if cache is None or n_full == 0:
+        Offered on hits too: every offer counts a sighting, and sightings decide admission. Not
+        offered to a cache switched in since the lookup (its next request is)."""
+        prefix, cache = seq.prefix, seq.prefix_cache
+        if prefix is None or cache is None or cache is not self.cache:
             return
         try:
-            outcome = cache.store_blocks(seq.key, seq.prompt[:n_full], self.kv, seq.table)
+            outcome = cache.finish(prefix, seq.prompt, seq.table)
         except Exception:
             self.metrics.cache_errors.labels("store").inc()
             log.exception("cache store failed; continuing without it")
@@ -722,13 +701,13 @@ class Engine:
         """Give back the table's blocks (cached ones stay cached) and the hit's refs."""
         self.kv.give_back(seq.table)
         seq.table = []
-        if seq.hit is not None and seq.hit_cache is not None:
+        if seq.prefix is not None and seq.prefix_cache is not None:
             try:
-                seq.hit_cache.release(seq.hit)
+                seq.prefix_cache.finish(seq.prefix)  # releases what `finish` has not yet
             except Exception:
                 self.metrics.cache_errors.labels("release").inc()
                 log.exception("cache release failed")
-            seq.hit, seq.hit_cache = None, None
+            seq.prefix, seq.prefix_cache = None, None
 
     def _finished_event(self, seq: _Sequence, reason: FinishReason,
                         error: str | None = None) -> None:

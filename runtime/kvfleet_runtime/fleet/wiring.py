@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from kvfleet_runtime.cache import BlockEvent, CacheKey
+from kvfleet_runtime.cache import BlockEvent, CacheKey, usable_tokens
 from kvfleet_runtime.configwatch import ConfigFileWatcher
 from kvfleet_runtime.fleet.index import (
     EmbeddedHintIndex,
@@ -326,8 +326,7 @@ class FleetTier:
             or self.replica.engine.cache is None
         ):
             return
-        # The engine always computes the last prompt token itself (its logits start decoding).
-        usable_blocks = (len(token_ids) - 1) // BLOCK_SIZE
+        usable_blocks = usable_tokens(len(token_ids)) // BLOCK_SIZE
         if usable_blocks < 1:
             return
         try:

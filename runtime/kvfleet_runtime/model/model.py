@@ -46,8 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvfleet_runtime.architectures import ATTN_IMPLS, PRESETS, ModelArgs
-from kvfleet_runtime.cache._allocator import BlockRefs
-from kvfleet_runtime.cache._pool import PagedBlocks
+from kvfleet_runtime.cache import BlockRefs, PagedBlocks
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvfleet_runtime.wire import BLOCK_SIZE
+from kvfleet_runtime.cache import usable_tokens
 
 if TYPE_CHECKING:
     from kvfleet_runtime.server._app import Replica
@@ -19,10 +19,9 @@ __all__ = ["fill_from_nvme", "invalidate_local", "usable_prompt"]
 
 
 def usable_prompt(token_ids: Sequence[int]) -> list[int]:
-    """The whole blocks of a prompt a tier may supply: the engine computes the last prompt token
-    itself (its logits start decoding), so a block ending on it is not usable."""
-    usable_blocks = max((len(token_ids) - 1) // BLOCK_SIZE, 0)
-    return list(token_ids[: usable_blocks * BLOCK_SIZE])
+    """The whole blocks of a prompt a tier may supply (`usable_tokens`: never the block holding
+    the last prompt token, which the engine computes itself)."""
+    return list(token_ids[: usable_tokens(len(token_ids))])
 
 
 async def fill_from_nvme(replica: Replica, tenant: str, token_ids: Sequence[int]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from kvfleet_lab.cache.bench import (
     bench_materialize,
     bench_memo_bytes_per_step,
     bench_metadata,
+    bench_request_cpu,
 )
 from kvfleet_runtime.cache import KVLayout
 from kvfleet_runtime.cli import app
@@ -57,3 +59,39 @@ def test_missing_trace_is_one_clear_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["bench", "cache", "--trace", str(tmp_path / "nope.jsonl")])
     assert result.exit_code == 2
     assert "trace not found" in result.output
+
+
+def test_request_cpu_serves_hits_and_evicting_misses_on_tiny_sizes() -> None:
+    r = bench_request_cpu(num_index_blocks=64, prompt_tokens=160, rounds=2, reps=3)
+    # Timings are not asserted: the bench itself checks every hit and miss it times.
+    assert r.num_requests == 6 and r.num_index_blocks == 64
+    assert r.request_cpu_hit_s > 0 and r.request_cpu_miss_s > 0
+    if importlib.util.find_spec("vllm") is None:
+        # vLLM's pair is absent with the reason, never zeros or a made-up figure.
+        assert r.vllm_request_cpu_hit_s is None and r.vllm_request_cpu_miss_s is None
+        assert r.vllm_absent_reason is not None and "vllm does not import" in r.vllm_absent_reason
+        assert r.hit_ratio is None and r.miss_ratio is None
+    else:
+        assert r.vllm_request_cpu_hit_s is not None and r.vllm_request_cpu_hit_s > 0
+        assert r.hit_ratio == pytest.approx(r.request_cpu_hit_s / r.vllm_request_cpu_hit_s)
+    with pytest.raises(ValueError, match="must hold two prompts"):
+        bench_request_cpu(num_index_blocks=10, prompt_tokens=160, rounds=1, reps=1)
+
+
+def test_request_cpu_section_alone_in_json() -> None:
+    result = CliRunner().invoke(app, [
+        "bench", "cache", "--only", "request-cpu", "--index-blocks", "512", "--request-reps",
+        "2", "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["request_cpu_hit_s"] > 0 and data["request_cpu_miss_s"] > 0
+    assert data["lookup"] == [] and data["hit_rates"] == [] and data["materialize"] is None
+    if importlib.util.find_spec("vllm") is None:
+        assert "vllm_request_cpu_hit_s" not in data and "vllm_request_cpu_miss_s" not in data
+        assert "vllm does not import" in data["request_cpu"]["vllm_absent_reason"]
+
+
+def test_unknown_section_is_one_clear_line() -> None:
+    result = CliRunner().invoke(app, ["bench", "cache", "--only", "lookup,nope"])
+    assert result.exit_code == 2 and "unknown section(s) nope" in result.output

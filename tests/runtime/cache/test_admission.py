@@ -7,9 +7,11 @@ from collections.abc import Callable
 
 import pytest
 
-from kvfleet_runtime.cache import CacheConfig, CountMinSketch, Placement, StoreQueue
+from kvfleet_runtime.cache import CacheConfig
 from kvfleet_runtime.cache._manager import CacheManager, StoreOutcome, StorePlan
-from kvfleet_runtime.cache._policy import ThrashDetector, place
+from kvfleet_runtime.cache._policy import Placement, ThrashDetector, place
+from kvfleet_runtime.cache._sketch import CountMinSketch
+from kvfleet_runtime.cache._store_queue import StoreQueue
 
 from .conftest import make_key
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_runtime.cache import BlockHash, BlockIndex, CountMinSketch, Tier
+from kvfleet_runtime.cache import BlockHash, Tier
 from kvfleet_runtime.cache._allocator import BlockAllocator, contiguous_runs, paired_runs
-from kvfleet_runtime.cache._index import BlockNode, Move, Namespace
+from kvfleet_runtime.cache._index import BlockIndex, BlockNode, Move, Namespace
 from kvfleet_runtime.cache._ranking import RankedEviction
+from kvfleet_runtime.cache._sketch import CountMinSketch
 from tests.runtime.cache.conftest import DIGEST_A, DIGEST_B, make_key
 
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, ChainMemo, block_hashes, iter_block_hashes
-from kvfleet_runtime.cache._keys import key_digest, platform_key
+from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, block_hashes
+from kvfleet_runtime.cache._keys import ChainMemo, iter_block_hashes, key_digest, platform_key
 from tests.runtime.cache.conftest import make_key
 
 KEY = CacheKey(

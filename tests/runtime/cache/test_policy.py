@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_runtime.cache import CacheConfig, CountMinSketch
+from kvfleet_runtime.cache import CacheConfig
 from kvfleet_runtime.cache._index import BlockIndex
 from kvfleet_runtime.cache._manager import CacheManager, StorePlan
 from kvfleet_runtime.cache._policy import AdaptiveRanking, GhostRanking
 from kvfleet_runtime.cache._ranking import RankedEviction
+from kvfleet_runtime.cache._sketch import CountMinSketch
 from tests.runtime.cache.conftest import make_key
 from tests.runtime.cache.test_index import chain, h, put
 

@@ -404,7 +404,7 @@ async def test_cache_failure_degrades_to_recompute(
         cache.fail_materialize = True
         out, cached = await run(engine, "acme", prompt)
         assert (out, cached) == (expected, 0)
-        assert engine.metrics.cache_errors.labels("materialize")._value.get() == 1
+        assert engine.metrics.cache_errors.labels("prepare")._value.get() == 1
         assert cache.num_held == 0
     finally:
         await engine.stop()

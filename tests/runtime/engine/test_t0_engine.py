@@ -90,7 +90,7 @@ async def test_cancelling_a_waiting_hit_and_a_running_hit_gives_every_ref_back(
             if engine._waiting and engine._waiting[0].looked_up:
                 break
         (seq,) = engine._waiting
-        assert seq.table == [0, 1] and seq.hit is not None  # holds its prefix while it waits
+        assert seq.table == [0, 1] and seq.prefix is not None  # holds its prefix while it waits
         assert [kv.refs.ref_count(b) for b in (0, 1)] == [1, 1]
         waiting.cancel()
         events = [e async for e in waiting]
