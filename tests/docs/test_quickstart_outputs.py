@@ -28,7 +28,12 @@ from kvfleet_runtime.routing import parse_api_keys
 from kvfleet_runtime.server import ReplicaAuth, build_replica
 from kvfleet_runtime.server._config import ReplicaConfig
 from tests.router.test_openai_fleet import RouterThread
-from tests.runtime.server.conftest import OPERATOR_TOKEN, ROUTER_SECRET, ServerThread
+from tests.runtime.server.conftest import (
+    METRICS_TOKEN,
+    OPERATOR_TOKEN,
+    ROUTER_SECRET,
+    ServerThread,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = (ROOT / "docs" / "quickstart.md").read_text()
@@ -86,7 +91,8 @@ def fleet(checkpoint: tuple[Path, str]) -> Iterator[tuple[str, str]]:
         {"model_dir": str(checkpoint[0]), "model_id": "demo-small", "device": "cpu"})
     with contextlib.ExitStack() as stack:
         replica = stack.enter_context(ServerThread(build_replica(config), ReplicaAuth(
-            router_secret=ROUTER_SECRET, operator_token=OPERATOR_TOKEN, name="r0")))
+            router_secret=ROUTER_SECRET, operator_token=OPERATOR_TOKEN, name="r0",
+            metrics_token=METRICS_TOKEN)))
         state = RouterState(
             view=FleetView(static_replicas={"r0": f"http://127.0.0.1:{replica.port}"}),
             keys=parse_api_keys({"tenants": {"acme": ["sk-acme-1"]}}),
@@ -119,7 +125,9 @@ def test_step_6_cached_tokens_stats_and_metrics(fleet: tuple[str, str]) -> None:
     assert shown is not None
     for field, value in re.findall(r'"(\w+)": ([0-9.]+)', shown.group(1)):
         assert stats[field] == pytest.approx(float(value), abs=1e-4), (field, stats)
-    metrics = _get(f"{replica}/metrics").decode()
+    assert "Authorization: Bearer $MTOKEN" in text  # per-tenant series need the metrics token
+    assert b'tenant="acme"' not in _get(f"{replica}/metrics")
+    metrics = _get(f"{replica}/metrics", METRICS_TOKEN).decode()
     for line in re.findall(r"^(kvfleet_cache_\w+_tokens_total\{tenant=\"acme\"\} [0-9.]+)$", text,
                            flags=re.M):
         name, value = line.rsplit(" ", 1)
