@@ -9,6 +9,7 @@
 #                                the python (scripts/vllm-cpu-entry.py, see there why)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/locked-env.sh"
 case "${1:-scheduler}" in
     scheduler) name=""; lock="$KVFLEET_ROOT/requirements-vllm.lock"; entry="" ;;
     serve) name="serve-"; lock="$KVFLEET_ROOT/requirements-vllm-serve.lock"
@@ -17,25 +18,5 @@ case "${1:-scheduler}" in
 esac
 digest=$(cat "$lock" $entry | sha256sum | cut -c1-12)
 env_dir="$KVFLEET_HOME/vllm-envs/$name$digest"
-uv="$KVFLEET_HOME/tools/bin/uv"
-if [ ! -x "$uv" ]; then
-    "$KVFLEET_ROOT/scripts/bootstrap.sh" >&2  # installs uv (and the main venv) first
-fi
-if [ ! -f "$env_dir/.complete" ]; then
-    start=$(date +%s)
-    mkdir -p "$KVFLEET_HOME/vllm-envs"
-    exec 9>"$KVFLEET_HOME/vllm-envs/.lock"
-    flock 9
-    if [ ! -f "$env_dir/.complete" ]; then
-        rm -rf "$env_dir"
-        "$uv" venv -q --python 3.11 "$env_dir" >&2
-        "$uv" pip sync -q --python "$env_dir/bin/python" "$lock" >&2
-        if [ -n "$entry" ]; then
-            { echo "#!$env_dir/bin/python"; cat "$entry"; } >"$env_dir/bin/vllm"
-            chmod +x "$env_dir/bin/vllm"
-        fi
-        touch "$env_dir/.complete"
-        echo "vllm env: built $env_dir in $(( $(date +%s) - start )) s" >&2
-    fi
-fi
+locked_env "$env_dir" "$lock" "$entry"
 echo "$env_dir/bin/python"
