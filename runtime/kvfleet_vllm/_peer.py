@@ -53,6 +53,8 @@ from kvfleet_runtime.fleet import (
     HintIndex,
     HintPublisher,
     PeerFetcher,
+    PeerProbeHintIndex,
+    PeerSecrets,
     best_peer,
     hint_index_for,
     peer_routes,
@@ -212,7 +214,9 @@ class PeerService:
         # The listener's limits and error envelope (`kvfleet_runtime.api`), as on a replica.
         app = web.Application(middlewares=[error_middleware(log)],
                               handler_args=handler_args(ListenerLimits()))
-        app.add_routes(peer_routes(_Source(self), settings.secret, held=self._held))
+        # The routes hold the same `PeerSecrets` the poll reloads: a rotation needs no restart.
+        app.add_routes(peer_routes(_Source(self), settings.secrets or settings.secret,
+                                   held=self._held))
         self._runner = AppRunner(app, access_log=None)
         await self._runner.setup()
         # Bound here so that port 0 ("any free port", for tests) is known before publishing.
@@ -263,11 +267,25 @@ class PeerService:
             if loop.time() >= next_register:
                 next_register = loop.time() + self.settings.register_every_s
                 await self.hints.register_host(self.settings.name, self.settings.peer_url)
+            secrets = self.settings.secrets
+            if secrets is not None and await asyncio.to_thread(secrets.reload):
+                self._rotate(secrets)
             # A poll that sees new content waits for the file to settle: off the loop.
             if self._watcher is not None:
                 content = await asyncio.to_thread(self._watcher.poll)
                 if content is not None:
                     self._reload_config(content)
+
+    def _rotate(self, secrets: PeerSecrets) -> None:
+        """The peer secret file changed: sign with its first secret from now on (the routes
+        already accept every one of them), as a kvfleet replica's fleet tier does."""
+        self.settings.secret = secrets.signing
+        if self._fetcher is not None:
+            self._fetcher.secret = secrets.signing
+        if isinstance(self.hints, PeerProbeHintIndex):
+            self.hints.secret = secrets.signing
+        log.info("kvfleet T2 %s: peer secrets reloaded, %d accepted", self.settings.name,
+                 len(secrets.accepted))
 
     def _reload_config(self, content: bytes | None = None) -> None:
         """Apply the fleet config: `content` as the watcher read it, else the file (startup)."""

@@ -306,6 +306,46 @@ def test_every_fetch_failure_recomputes(engine, failure, monkeypatch):
             peer.close()
 
 
+def test_a_rotated_peer_secret_file_signs_without_a_restart(engine, tmp_path, monkeypatch):
+    """The connector re-reads its peer secret file at every poll, as a kvfleet replica does: a
+    fetch signed with the old secret is refused by a peer that moved on; once the file says
+    "new, old" the next fetch is signed with the new one and succeeds, with no restart."""
+    secret_file = tmp_path / "peer-secret"
+    secret_file.write_text("old-secret\n")
+    monkeypatch.delenv("KVFLEET_PEER_SECRET")
+    monkeypatch.setenv("KVFLEET_PEER_SECRET_FILE", str(secret_file))
+    peer = KvfleetPeer(secret="new-secret")
+    try:
+        s, w, views = engine()
+        conn = sup.connector_of(s)
+        svc = conn.peers
+        key = conn.model_key.key("tenant-a")
+        first, second = PROMPT, [(i * 13 + 7) % 500 for i in range(100)]
+        for prompt in (first, second):
+            peer.hold(key, prompt)
+            publish(conn, "kvfleet-b", peer.url, block_hashes(key, prompt))
+        s.add_request(sup.request("a", first))
+        schedule_through_fetch(s, w, views)
+        assert svc.stats.outcomes == {"refused": 1}  # signed with the old secret
+        while s.has_unfinished_requests():
+            sup.step(s, [w], [views])
+
+        secret_file.write_text("new-secret\nold-secret\n")
+        deadline = time.monotonic() + 30
+        while svc.settings.secret != b"new-secret" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert svc.settings.secret == b"new-secret"
+        assert svc.settings.secrets is not None
+        assert svc.settings.secrets.accepted == (b"new-secret", b"old-secret")
+        s.add_request(sup.request("b", second))
+        outs = schedule_through_fetch(s, w, views)
+        assert svc.stats.outcomes == {"refused": 1, "ok": 1}
+        (load, _), = outs[-1].kv_connector_metadata.loads
+        assert load.chain_blocks == (0, 1, 2, 3, 4, 5)
+    finally:
+        peer.close()
+
+
 def test_no_peer_holds_more_costs_no_step(engine):
     s, w, views = engine()
     a = sup.request("a", PROMPT)

@@ -39,6 +39,7 @@ from kvfleet_runtime.fleet.transfer import (
     FetchedRun,
     FetchStats,
     PeerFetcher,
+    PeerSecrets,
     peer_routes,
     peer_token,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "HintPublisher",
     "PeerFetcher",
     "PeerProbeHintIndex",
+    "PeerSecrets",
     "PeerTier",
     "PublisherStats",
     "RedisClusterHintIndex",
