@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -33,15 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from tests import credentials
+from tests.support import free_port
 
 TENANTS = ("acme", "globex", "initech")
 _SYSTEM_WORDS = "you are a careful assistant for {t}; answer briefly and cite the policy. "
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str, timeout_s: float = 2.0) -> bytes:

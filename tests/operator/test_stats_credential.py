@@ -19,7 +19,7 @@ import pytest
 from kvfleet_operator.api import CacheStatsSource, MetricsSpec
 from kvfleet_operator.metrics import DeploymentPods, read_cache_stats, read_hit_rates
 from tests import credentials
-from tests.operator.replicas import free_port
+from tests.support import free_port
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +17,7 @@ from kvfleet_runtime.fleet import EmbeddedHintIndex
 from kvfleet_runtime.router import FleetView, RouterState, create_router_app
 from kvfleet_runtime.routing import parse_api_keys
 from kvfleet_runtime.wire import LOAD_PATH
+from tests.support import free_port
 
 KEYS = parse_api_keys({"tenants": {"acme": ["sk-acme"], "globex": ["sk-globex"]}})
 KEY_FIELDS = {
@@ -30,10 +29,6 @@ KEY_FIELDS = {
 }
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

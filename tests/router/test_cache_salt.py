@@ -25,8 +25,9 @@ from kvfleet_runtime.fleetconfig import AffinitySettings, FleetConfig, ReplicaEn
 from kvfleet_runtime.router import vllm_load_report
 from kvfleet_runtime.routing import parse_api_keys
 from kvfleet_runtime.wire import CACHE_SALT_FIELD, MAX_CACHE_SALT_CHARS
+from tests.support import free_port
 
-from .conftest import FakeReplica, RouterHandle, StartRouter, free_port
+from .conftest import FakeReplica, RouterHandle, StartRouter
 
 SECRET = b"router-secret-cache-salt-tests"
 

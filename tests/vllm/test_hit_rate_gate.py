@@ -27,7 +27,8 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 from kvfleet_operator.api import MetricsSpec
 from kvfleet_operator.metrics import DeploymentPods, read_hit_rates
-from tests.operator.replicas import Prometheus, free_port
+from tests.operator.replicas import Prometheus
+from tests.support import free_port
 from tests.vllm import _support as sup
 
 NAMESPACE, POD = "llm", "llm-vllm-0"

@@ -535,7 +535,8 @@ def test_with_redis_the_replicas_share_one_hint_index(engine, tmp_path, monkeypa
     from pathlib import Path as _Path
 
     from kvfleet_runtime.fleet import RedisHintIndex
-    from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess, free_port
+    from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess
+    from tests.support import free_port
 
     if not _Path(REDIS_SERVER).exists():
         pytest.skip("redis-server is not installed (apt-get install redis-server)")

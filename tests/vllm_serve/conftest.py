@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from tests.support import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
 START_TIMEOUT_S = 900.0
@@ -31,10 +32,6 @@ KV_CACHE_BYTES = 64 << 20
 """vLLM's own KV (T0) on CPU; without a size its CPU worker reserves 0.92 of the machine's RAM."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from kvfleet_runtime.cache import CacheKey
+from tests.support import FakeClock
 
 DIGEST_A = "sha256:" + "a" * 64
 DIGEST_B = "sha256:" + "b" * 64
@@ -14,17 +13,6 @@ DIGEST_B = "sha256:" + "b" * 64
 
 def make_key(tenant: str = "tenant-a", digest: str = DIGEST_A) -> CacheKey:
     return CacheKey(tenant, "tiny-model", digest, "float32", "rope-1", "sdpa-v1")
-
-
-@dataclass
-class FakeClock:
-    now_s: float = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: float) -> None:
-        self.now_s += seconds
 
 
 @pytest.fixture

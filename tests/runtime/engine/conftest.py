@@ -11,20 +11,16 @@ import torch
 
 from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
 from kvfleet_runtime.engine import CacheKeyFields, Engine, EngineConfig
-from kvfleet_runtime.model import LoadedModel, ModelArgs, generate_checkpoint, load_checkpoint
+from kvfleet_runtime.model import LoadedModel, load_checkpoint
+from tests.support import tiny_dir
+
+__all__ = ["EngineFactory", "loaded", "make_cache", "make_engine", "tiny_dir"]
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_cpu_thread() -> None:
     # A tiny model on a small shared CPU: one intra-op thread is faster than a spinning team.
     torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-engine")
-    generate_checkpoint(out, ModelArgs.from_preset("tiny"), seed=0)
-    return out
 
 
 @pytest.fixture(scope="session")

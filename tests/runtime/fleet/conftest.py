@@ -14,24 +14,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests.support import free_port
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port never handed out before in this session: the kernel may give the same
-    ephemeral port to two calls in a row, and two replicas told one port make the second fail to
-    bind while its readiness probe reaches the first."""
-    for _ in range(64):
-        with contextlib.closing(socket.socket()) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no fresh loopback port in 64 tries")
 
 
 @dataclass

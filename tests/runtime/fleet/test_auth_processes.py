@@ -27,8 +27,9 @@ from kvfleet_runtime.fleet import RedisHintIndex
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.wire import ASSERTION_HEADER
 from tests import credentials
-from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess, free_port
+from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess
 from tests.runtime.fleet.test_replicas import _spawn, _wait_ready
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 

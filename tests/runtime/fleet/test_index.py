@@ -16,17 +16,10 @@ from kvfleet_runtime.fleet import (
     best_peer,
     leading_runs,
 )
-from tests.runtime.fleet.conftest import RedisProcess, free_port
+from tests.runtime.fleet.conftest import RedisProcess
+from tests.support import FakeClock, free_port
 
 H = [bytes([i]) * 16 for i in range(8)]
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.mark.parametrize(
@@ -54,7 +47,7 @@ def test_best_peer_is_longest_then_smallest_name_never_self() -> None:
 async def index_and_clock(
     request: pytest.FixtureRequest,
 ) -> AsyncIterator[tuple[HintIndex, FakeClock]]:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     index: HintIndex
     if request.param == "embedded":
         index = EmbeddedHintIndex(ttl_s=60, clock=clock)
@@ -82,9 +75,9 @@ async def test_publish_lookup_withdraw_expire(index_and_clock: tuple[HintIndex, 
     ]
     await index.withdraw("r1", H[1:2])
     assert await index.lookup(H[:3]) == [frozenset({"r1", "r2"}), frozenset(), frozenset({"r1"})]
-    clock.now += 30
+    clock.advance(30)
     await index.publish("r2", H[2:3])  # refreshed later: outlives r1's entry
-    clock.now += 31
+    clock.advance(31)
     assert await index.lookup(H[:3]) == [frozenset(), frozenset(), frozenset({"r2"})]
     assert await index.lookup([]) == []
 
@@ -110,12 +103,12 @@ async def test_host_urls(index_and_clock: tuple[HintIndex, FakeClock]) -> None:
 
 
 async def test_embedded_index_is_bounded() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     index = EmbeddedHintIndex(ttl_s=10, clock=clock, max_entries=4)
     await index.publish("r1", H[:4])
     await index.publish("r1", H[4:6])  # full: new hashes dropped
     assert len(index) == 4
-    clock.now += 11
+    clock.advance(11)
     await index.publish("r1", H[4:6])  # the sweep frees the expired ones
     assert len(index) == 2
     assert await index.lookup(H[4:6]) == [frozenset({"r1"})] * 2

@@ -21,17 +21,10 @@ from kvfleet_lab.fleet.redis_servers import (
 )
 from kvfleet_runtime.fleet import HintPublisher, RedisClusterHintIndex
 from kvfleet_runtime.fleet.index import tenant_tag
+from tests.support import FakeClock
 
 H = [bytes([i]) * 16 for i in range(8)]
 PASSWORD = "cluster-secret"
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _start(tmp: Path) -> Iterator[RedisCluster]:
@@ -66,7 +59,7 @@ def _index(cluster: RedisCluster, namespace: str, **kwargs: object) -> RedisClus
 async def index_and_clock(
     cluster: RedisCluster, request: pytest.FixtureRequest
 ) -> AsyncIterator[tuple[RedisClusterHintIndex, FakeClock]]:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     index = _index(cluster, request.node.name, ttl_s=60, clock=clock)
     try:
         yield index, clock
@@ -90,9 +83,9 @@ async def test_publish_lookup_withdraw_expire(
     assert await index.lookup_runs(H[:3], tenant="globex") == {}
     await index.withdraw("r1", H[1:2], tenant="acme")
     assert await index.lookup_runs(H[:3], tenant="acme") == {"r1": 1, "r2": 1}
-    clock.now += 30
+    clock.advance(30)
     await index.publish("r2", H[2:3], tenant="acme")
-    clock.now += 31
+    clock.advance(31)
     assert await index.lookup(H[:3], tenant="acme") == [
         frozenset(), frozenset(), frozenset({"r2"})]
     assert await index.lookup([], tenant="acme") == []

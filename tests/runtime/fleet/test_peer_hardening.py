@@ -19,7 +19,8 @@ from kvfleet_runtime.fleet import CacheBlockSource, peer_routes, peer_token
 from kvfleet_runtime.fleet.transfer import PeerSecrets
 from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
 from tests.rawhttp import RawAnswer, cut_while_sending, exchange, malformed, request
-from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess, free_port
+from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess
+from tests.support import free_port
 
 SECRET = b"peer-hardening-secret"
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")

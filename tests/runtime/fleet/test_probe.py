@@ -29,7 +29,6 @@ from kvfleet_runtime.fleet import (
 )
 from kvfleet_runtime.fleet.wiring import FleetSettings, _HeldBlocks, hint_index_for
 from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER
-from tests.runtime.fleet.conftest import free_port
 from tests.runtime.fleet.test_transfer import (
     KEY_A,
     KEY_B,
@@ -42,6 +41,7 @@ from tests.runtime.fleet.test_transfer import (
     start_app,
     store,
 )
+from tests.support import free_port
 
 
 @dataclass

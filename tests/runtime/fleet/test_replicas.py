@@ -25,7 +25,8 @@ from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.routing import rendezvous_top_k
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
 from tests import credentials
-from tests.runtime.fleet.conftest import RedisProcess, free_port
+from tests.runtime.fleet.conftest import RedisProcess
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -25,8 +25,8 @@ from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.router._app import prompt_token_ids
 from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER, parse_load_report
 from tests import credentials
-from tests.runtime.fleet.conftest import free_port
 from tests.runtime.fleet.test_replicas import PROMPT, _spawn, _wait_ready, complete, held_blocks
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from kvfleet_runtime.fleet import (
     peer_token,
 )
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
-from tests.runtime.fleet.conftest import free_port
+from tests.support import free_port
 
 SECRET = b"fleet-secret-for-tests"
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")

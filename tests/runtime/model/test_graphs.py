@@ -18,21 +18,12 @@ from kvfleet_runtime.engine import (
 )
 from kvfleet_runtime.model import (
     DecodeGraphs,
-    ModelArgs,
     PagedKV,
     Transformer,
-    generate_checkpoint,
     load_checkpoint,
 )
 from kvfleet_runtime.model._graphs import bucket
 from kvfleet_runtime.wire import BLOCK_SIZE
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-graphs")
-    generate_checkpoint(out, ModelArgs.from_preset("tiny"), seed=0)
-    return out
 
 
 @pytest.fixture(scope="module")

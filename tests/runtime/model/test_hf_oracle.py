@@ -46,7 +46,7 @@ from kvfleet_runtime.model import (
     load_checkpoint,
     weights_digest,
 )
-from tests.runtime.fleet.conftest import free_port
+from tests.support import free_port
 
 VOCAB = 300
 PROMPT_LEN = 40

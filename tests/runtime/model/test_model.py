@@ -23,13 +23,6 @@ from kvfleet_runtime.wire import BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    generate_checkpoint(out, ModelArgs.from_preset("tiny"), seed=0)
-    return out
-
-
-@pytest.fixture(scope="module")
 def model(tiny_dir: Path) -> Transformer:
     return load_checkpoint(tiny_dir, device=torch.device("cpu")).model
 

@@ -25,9 +25,9 @@ from kvfleet_runtime.fleet import peer_token
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER
 from tests import credentials
-from tests.runtime.fleet.conftest import free_port
 from tests.runtime.fleet.test_replicas import PROMPT, _spawn, _wait_ready, complete
 from tests.runtime.fleet.test_replicas_no_redis import chain
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 
