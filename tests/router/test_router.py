@@ -11,12 +11,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
+from kvfleet_runtime.api import AppRunner
 from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.fleet import EmbeddedHintIndex
-from kvfleet_runtime.router import prompt_token_ids
+from kvfleet_runtime.router import FleetView, RouterState, create_router_app, prompt_token_ids
 from kvfleet_runtime.routing import rendezvous_top_k
-from tests.router.conftest import KEY_FIELDS, FakeReplica, StartRouter
+from tests.router.conftest import KEY_FIELDS, KEYS, FakeReplica, StartRouter
+from tests.support import free_port
 
 NAMES = [f"r{i}" for i in range(5)]
 
@@ -252,11 +255,28 @@ def test_router_and_routing_core_do_not_import_torch(module: str) -> None:
     assert result.returncode == 0, result.stderr or f"{module} imported torch"
 
 
-async def test_upstream_session_is_closed_cleanly(
-    replicas: list[FakeReplica], start_router: StartRouter
-) -> None:
-    router = await start_router(replicas)
-    assert isinstance(router.state.session, aiohttp.ClientSession)
+async def test_upstream_session_is_closed_cleanly(replicas: list[FakeReplica]) -> None:
+    # The router's own upstream session (none given), used for a request, then the app shut down:
+    # the session and its pooled connections are closed and the state holds no session.
+    view = FleetView(static_replicas={r.name: r.url for r in replicas})
+    state = RouterState(view=view, keys=KEYS, poll_interval_s=3600, config_poll_s=0.05)
+    runner = AppRunner(create_router_app(state))
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        upstream = state.session
+        assert isinstance(upstream, aiohttp.ClientSession) and not upstream.closed
+        async with aiohttp.ClientSession() as client, client.post(
+            f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "hi"},
+            headers={"Authorization": "Bearer sk-acme"},
+        ) as r:
+            assert r.status == 200, await r.text()
+        assert sum(len(rep.seen) for rep in replicas) == 1
+    finally:
+        await runner.cleanup()
+    assert upstream.closed and upstream.connector is None
+    assert state.session is None
 
 
 def test_fleet_view_join_and_leave_move_about_one_nth_of_tenants(tmp_path: Path) -> None:
