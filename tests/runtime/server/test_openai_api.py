@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from kvfleet_runtime.tokenizer import ByteTokenizer
+from kvfleet_runtime.wire import BLOCK_SIZE
 
 from .conftest import TEST_CONFIG, RunningReplica, as_router
 from .test_api import _wait_for, client, get, post
@@ -46,6 +47,13 @@ def test_chat_stream_with_usage_equals_the_whole_answer(running: RunningReplica)
                                                          {"type": "text", "text": "me"}]}]
     whole = c.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
                                       temperature=0)
+    assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0  # a prompt never sent before
+    # The second sighting stores the prompt (TEST_CONFIG's admit_min_sightings), so the stream
+    # below hits every whole block but the one holding the last prompt token.
+    c.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    expected_cached = (whole.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert expected_cached > 0, "the prompt must span a whole block for the hit to show"
     chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
                                             temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
@@ -60,7 +68,7 @@ def test_chat_stream_with_usage_equals_the_whole_answer(running: RunningReplica)
     assert usage.prompt_tokens == whole.usage.prompt_tokens  # type: ignore[union-attr]
     assert usage.completion_tokens == 6
     assert usage.prompt_tokens_details is not None
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    assert usage.prompt_tokens_details.cached_tokens == expected_cached
 
 
 def test_models_retrieve(running: RunningReplica) -> None:
