@@ -10,7 +10,6 @@ import base64
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -25,17 +24,12 @@ import yaml
 
 from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, dump_fleet_config
 from tests.chart.conftest import Render
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 
 POD_NAME = "kvfleet-replica-7d9f6c5b4-x2x4q"
 API_KEY = "sk-acme-1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _kubelet_env(container: dict[str, Any], fields: dict[str, str]) -> dict[str, str]:
@@ -122,7 +116,7 @@ def test_chart_containers_serve_a_cached_prefix_through_the_router(
     digest = generate_checkpoint(staging, ModelArgs.from_preset("tiny"), seed=0)
     (tmp_path / "models").mkdir()
     staging.rename(tmp_path / "models" / digest)
-    replica_port, router_port = _free_port(), _free_port()
+    replica_port, router_port = free_port(), free_port()
     out = render(
         "default-values.yaml",
         set=[

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,6 +19,7 @@ import pytest
 
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from tests.images.conftest import ROOT, VERSION, Container, stop
+from tests.support import free_port
 
 pytestmark = [pytest.mark.image, pytest.mark.slow]
 
@@ -34,12 +34,6 @@ FREEZE = (
     "import importlib.metadata as m, json;"
     "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _locked() -> dict[str, str]:
@@ -123,7 +117,7 @@ def test_runtime_image_serves_a_completion_through_the_router(
 ) -> None:
     model_dir = tmp_path / "tiny"
     digest = generate_checkpoint(model_dir, ModelArgs.from_preset("tiny"), seed=0)
-    replica_port, router_port = _free_port(), _free_port()
+    replica_port, router_port = free_port(), free_port()
     replica_url = f"http://127.0.0.1:{replica_port}"
     router_url = f"http://127.0.0.1:{router_port}"
     # The chart's mounts: the model volume, the replica's config, the fleet config, the peer

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +16,7 @@ from typer.testing import CliRunner
 from kvfleet_runtime.auth import sign_assertion
 from kvfleet_runtime.cli import app
 from kvfleet_runtime.wire import ASSERTION_HEADER
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support import free_port
 
 
 def test_model_generate_prints_the_digest(tmp_path: Path) -> None:
@@ -55,7 +49,7 @@ def test_kvfleet_replica_serves_with_config_file_and_env(tmp_path: Path) -> None
     CliRunner().invoke(app, ["model", "generate", "--out", str(model_dir)])
     config = tmp_path / "replica.yaml"
     config.write_text("cpu_threads: 1\nlimits: {max_tokens: 4}\n")
-    port = _free_port()
+    port = free_port()
     digest = CliRunner().invoke(app, ["model", "generate", "--out", str(model_dir)]).output
     env = {**os.environ, "KVFLEET_REPLICA_MODEL_ID": "cli-tiny",
            "KVFLEET_WEIGHTS_DIGEST": digest.split()[-1], "KVFLEET_ROUTER_SECRET": "cli-secret"}
