@@ -17,17 +17,10 @@ from kvfleet_runtime.auth import (
     sign_assertion,
     verify_assertion,
 )
+from tests.support import FakeClock
 
 SECRET = b"router-secret-for-tests"
 NOW = 1_800_000_000.0
-
-
-class Clock:
-    def __init__(self, now_s: float) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 def sign(tenant: str = "acme", *, secret: bytes = SECRET, audience: str = "r0",
@@ -41,7 +34,8 @@ def verify(value: str | None, tenant: str = "acme", *, method: str = "POST",
            path: str = "/v1/completions", own_name: str | None = "r0", now_s: float = NOW,
            replays: ReplayCache | None = None) -> TenantAssertion | AssertionRefused:
     return verify_assertion(SECRET, value, tenant, method=method, path=path, own_name=own_name,
-                            replays=ReplayCache(16, Clock(now_s)) if replays is None else replays,
+                            replays=ReplayCache(16, FakeClock(now_s)) if replays is None
+                            else replays,
                             now_s=now_s)
 
 
@@ -50,7 +44,7 @@ def reason(result: TenantAssertion | AssertionRefused) -> str:
 
 
 def test_a_fresh_assertion_verifies_once() -> None:
-    replays = ReplayCache(16, Clock(NOW))
+    replays = ReplayCache(16, FakeClock(NOW))
     value = sign()
     first = verify(value, replays=replays)
     assert isinstance(first, TenantAssertion)
@@ -99,14 +93,14 @@ def test_a_tampered_field_fails_the_mac() -> None:
 
 
 def test_a_forged_assertion_is_not_remembered() -> None:
-    replays = ReplayCache(1, Clock(NOW))
+    replays = ReplayCache(1, FakeClock(NOW))
     assert reason(verify(sign(secret=b"x"), replays=replays)) == "forged"
     assert len(replays) == 0
     assert reason(verify(sign(), replays=replays)) == "ok"
 
 
 def test_the_replay_cache_is_bounded_and_forgets_expired_nonces() -> None:
-    clock = Clock(NOW)
+    clock = FakeClock(NOW)
     cache = ReplayCache(2, clock)
     assert [cache.admit("a", NOW + 1), cache.admit("b", NOW + 5), cache.admit("a", NOW + 1)] == [
         True, True, False]
@@ -120,7 +114,7 @@ def test_the_replay_cache_is_bounded_and_forgets_expired_nonces() -> None:
 
 
 def test_a_full_replay_cache_refuses_with_503() -> None:
-    replays = ReplayCache(1, Clock(NOW))
+    replays = ReplayCache(1, FakeClock(NOW))
     assert reason(verify(sign(), replays=replays)) == "ok"
     busy = verify(sign(), replays=replays)
     assert isinstance(busy, AssertionRefused) and (busy.reason, busy.status) == ("busy", 503)
