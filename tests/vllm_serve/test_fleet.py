@@ -198,22 +198,30 @@ def fleet(serve_model: Path, serve_dir: Path) -> Iterator[Fleet]:
 
 
 def send(fleet: Fleet, to: VllmServe, tokens: list[int]) -> str:
-    """acme's completion through the router, once the router sends acme to `to` (it reloads its
-    fleet config within a second or so; a request it still sent elsewhere, as its
-    `X-Kvfleet-Replica` header says, is sent again)."""
+    """acme's completion through the router, once the router sends acme to `to`. The router
+    reloads its fleet config within a second or so; until it does, a short probe (no full block
+    in any cache) is sent instead of `tokens`, so no other replica ever computes them (a
+    discarded answer from the old home would sit in its prefix cache, and the next test's
+    "first request" there would be a local hit)."""
     client = openai.OpenAI(base_url=fleet.router_url + "/v1", api_key="sk-acme", max_retries=0,
                            timeout=120)
+
+    def served_by(prompt_tokens: list[int], max_tokens: int) -> tuple[str | None, str]:
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt_tokens, max_tokens=max_tokens, temperature=0)
+        return raw.headers.get("x-kvfleet-replica"), raw.parse().choices[0].text
+
     for _ in range(60):
         try:
-            raw = client.completions.with_raw_response.create(
-                model=MODEL, prompt=tokens, max_tokens=8, temperature=0)
+            replica, _ = served_by([1, 2, 3, 4], 1)
         except openai.APIStatusError as exc:
             if exc.status_code != 503:  # the router has not seen the replica healthy yet
                 raise
-            time.sleep(0.5)
-            continue
-        if raw.headers.get("x-kvfleet-replica") == to.name:
-            return raw.parse().choices[0].text
+            replica = None
+        if replica == to.name:
+            replica, text = served_by(tokens, 8)
+            assert replica == to.name, f"the router moved acme from {to.name} to {replica}"
+            return text
         time.sleep(0.5)
     raise AssertionError(f"the router never sent acme to {to.name}")
 
