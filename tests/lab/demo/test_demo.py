@@ -107,9 +107,10 @@ def test_quick_demo_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
 
 def test_ctrl_c_mid_run_leaves_no_child(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "out"
-    # Enough work that the run is surely still going when the signal comes.
+    # Enough work that the run is surely still going when the signal comes (400 requests
+    # were, until the engine's per-step cost fell: then a run could end within the 3 s).
     proc = subprocess.Popen(
-        [*CLI, "demo", "--quick", "--requests", "400", "--model-dir", str(tiny_model_dir),
+        [*CLI, "demo", "--quick", "--requests", "4000", "--model-dir", str(tiny_model_dir),
          "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
