@@ -535,9 +535,12 @@ def _timed_rounds(
     reps: int,
 ) -> dict[str, list[int]]:
     """Interleaved rounds: the hot prompt's hits, then fresh prompts' misses, each request
-    timed on its own, kvfleet then vLLM on the same tokens."""
+    timed on its own, kvfleet then vLLM on the same tokens. Timed in this thread's CPU time, not
+    wall time: on a shared box a request that is descheduled midway would otherwise be charged
+    the other processes' time (a long request more often than a short one, so loaded-box ratios
+    drifted from 2.7x to 50x)."""
     samples: dict[str, list[int]] = {"hit": [], "miss": [], "vllm_hit": [], "vllm_miss": []}
-    clock = time.perf_counter_ns
+    clock = time.thread_time_ns
     for _ in range(rounds):
         # Untimed: (re)store the hot prompt, which the last round's misses may have evicted.
         ours.serve(hot)

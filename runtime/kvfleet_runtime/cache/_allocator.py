@@ -57,6 +57,10 @@ class BlockAllocator:
     def is_free(self, block_id: int) -> bool:
         return bool(self._is_free[block_id])
 
+    def all_free(self, ids: Sequence[int]) -> bool:
+        is_free = self._is_free
+        return all(is_free[i] for i in ids)
+
     def in_use(self, block_id: int) -> bool:
         """Held outside the index? Never: a plain pool's slots belong to the index alone."""
         return False
@@ -75,6 +79,9 @@ class Slots(Protocol):
     def allocate(self, n: int) -> list[int] | None: ...
     def free(self, ids: Sequence[int]) -> None: ...
     def is_free(self, block_id: int) -> bool: ...
+    def all_free(self, ids: Sequence[int]) -> bool:
+        """`is_free` of every id, in one call (a prompt's blocks before they are adopted)."""
+        ...
     def in_use(self, block_id: int) -> bool: ...
 
 
@@ -231,9 +238,13 @@ class CachedSlots:
     def is_free(self, block_id: int) -> bool:
         return not self.refs.is_cached(block_id)
 
+    def all_free(self, ids: Sequence[int]) -> bool:
+        cached = self.refs._cached
+        return not any(cached[i] for i in ids)
+
     def in_use(self, block_id: int) -> bool:
         """A sequence (or a pending write) still holds it: evicting it frees no room."""
-        return self.refs.ref_count(block_id) > 0
+        return self.refs._refs[block_id] > 0  # once per eviction victim: no second call
 
     def adopt(self, ids: Sequence[int]) -> None:
         self.refs.cache(ids)

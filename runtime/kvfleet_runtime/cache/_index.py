@@ -327,31 +327,7 @@ class BlockIndex:
         if parent is not None:
             parent.ref_count -= 1
             self._push(parent)
-        self._tick += 1
-        nodes: list[BlockNode] = []
-        for h, block_id in zip(hashes, ids, strict=False):
-            assert h not in self._nodes, "insert of a block that is already indexed"
-            node = BlockNode(
-                h,
-                parent,
-                namespace,
-                tier,
-                block_id,
-                ref_count=1,
-                last_tick=self._tick,
-                pinned=pinned,
-            )
-            self._nodes[h] = node
-            namespace.num_blocks += 1
-            if parent is not None:
-                parent.num_children += 1
-                if tier == Tier.T0:
-                    parent.num_t0_children += 1
-            nodes.append(node)
-            parent = node
-        if pinned:
-            self.num_pinned += len(nodes)
-        self.counters[tier].num_stored += len(nodes)
+        nodes = self._link(namespace, parent, hashes[: len(ids)], ids, tier, pinned)
         if held is None:
             self.release_held(plan.held)
         else:
@@ -588,23 +564,43 @@ class BlockIndex:
         adopt(block_ids)
         if self.num_pinned + len(hashes) > self.pin_limit:
             pinned = False
+        assert len(hashes) == len(block_ids)
+        return self._link(namespace, parent, hashes, block_ids, Tier.T0, pinned)
+
+    def _link(
+        self,
+        namespace: Namespace,
+        parent: BlockNode | None,
+        hashes: Sequence[BlockHash],
+        block_ids: Sequence[int],
+        tier: Tier,
+        pinned: bool,
+    ) -> list[BlockNode]:
+        """Index `hashes[i]` in slot `block_ids[i]` of `tier`, a chain below `parent`, every node
+        referenced once (`insert` and `adopt`: the one loop that creates nodes)."""
+        nodes = self._nodes
+        num_before = len(nodes)
         self._tick += 1
-        nodes: list[BlockNode] = []
+        tick = self._tick
+        t0 = tier == Tier.T0
+        new: list[BlockNode] = []
+        # Positional BlockNode fields: block_hash, parent, namespace, tier, block_id,
+        # num_children, num_t0_children, ref_count, last_tick, pinned.
         for h, block_id in zip(hashes, block_ids, strict=True):
-            assert h not in self._nodes, "adopt of a block that is already indexed"
-            node = BlockNode(h, parent, namespace, Tier.T0, block_id, ref_count=1,
-                             last_tick=self._tick, pinned=pinned)
-            self._nodes[h] = node
-            namespace.num_blocks += 1
+            node = BlockNode(h, parent, namespace, tier, block_id, 0, 0, 1, tick, pinned)
+            nodes[h] = node
             if parent is not None:
                 parent.num_children += 1
-                parent.num_t0_children += 1
-            nodes.append(node)
+                if t0:
+                    parent.num_t0_children += 1
+            new.append(node)
             parent = node
+        assert len(nodes) == num_before + len(new), "a block that is already indexed"
+        namespace.num_blocks += len(new)
         if pinned:
-            self.num_pinned += len(nodes)
-        self.counters[Tier.T0].num_stored += len(nodes)
-        return nodes
+            self.num_pinned += len(new)
+        self.counters[tier].num_stored += len(new)
+        return new
 
     def promote_in_place(self, nodes: Sequence[BlockNode], block_ids: Sequence[int]) -> None:
         """T1 blocks whose data was just copied into user-held T0 slots `block_ids` move to T0
@@ -626,6 +622,77 @@ class BlockIndex:
         """Evict T0 victims, in the policy's order, until T0 has `num_free` free slots (in-flight
         work needs them) or nothing more can go: demoted to T1 when T1 admits them, else dropped.
         Victims a sequence still holds are passed over (evicting them would free nothing)."""
+        slots = self.allocators[Tier.T0]
+        need = num_free - slots.num_free
+        if need <= 0:
+            return Plan()
+        if self.allocators[Tier.T1].num_blocks and self.t1_enabled:
+            return self._reclaim_demoting(num_free)
+        return self._reclaim_dropping(need)
+
+    def _reclaim_dropping(self, need: int) -> Plan:
+        """`reclaim` without a T1 to demote to: every victim is dropped. The same victims, in the
+        same order, as popping one and `_drop`ping it at a time, in one loop: a chain goes leaf
+        first and each drop makes its parent the likely next victim, so the parent's push and the
+        next pop are one `push_pop` (no heap traffic when the parent is the smallest entry); the
+        freed slots go back in one call."""
+        plan = Plan()
+        policy = self.policy
+        evictable = self._evictable_t0
+        t0 = Tier.T0
+        pop = policy.pop
+        push_pop = getattr(policy, "push_pop", None)
+        slots = self.allocators[t0]
+        in_use = slots.in_use
+        nodes = self._nodes
+        dropped = plan.dropped
+        freed: list[int] = []
+        skipped: list[BlockNode] = []
+        num_unpinned = 0
+        victim = pop(t0, evictable)
+        while victim is not None:
+            if victim.num_children or in_use(victim.block_id):
+                # A sequence still reads it (evicting frees no room), or a T1 block hangs below
+                # it while T1 is off (nothing to demote to, and only leaves are dropped).
+                skipped.append(victim)
+                victim = pop(t0, evictable)
+                continue
+            freed.append(victim.block_id)
+            if victim.pinned:
+                victim.pinned = False
+                num_unpinned += 1
+            victim.tier = _GONE
+            del nodes[victim.block_hash]
+            victim.namespace.num_blocks -= 1
+            dropped.append(victim)
+            need -= 1
+            parent = victim.parent
+            if parent is not None:
+                parent.num_children -= 1
+                parent.num_t0_children -= 1
+                if parent.tier == t0 and evictable(parent):
+                    if not need:
+                        policy.push(parent, evictable)
+                        break
+                    if push_pop is not None:
+                        victim = push_pop(parent, t0, evictable)
+                    else:
+                        policy.push(parent, evictable)
+                        victim = pop(t0, evictable)
+                    continue
+            if not need:
+                break
+            victim = pop(t0, evictable)
+        slots.free(freed)
+        self.num_pinned -= num_unpinned
+        self.counters[t0].num_evictions += len(dropped)
+        plan.dropped_from = [t0] * len(dropped)
+        for node in skipped:
+            self._push(node)
+        return plan
+
+    def _reclaim_demoting(self, num_free: int) -> Plan:
+        """`reclaim` with a T1: a victim T1 admits is demoted (copied), the others dropped."""
         plan = Plan()
         slots = self.allocators[Tier.T0]
         skipped: list[BlockNode] = []

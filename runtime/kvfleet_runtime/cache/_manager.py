@@ -109,8 +109,14 @@ def block_events(
 ) -> list[BlockEvent]:
     """`nodes`' blocks as events of `kind`, one per key, keys and blocks in the nodes' order."""
     by_key: dict[CacheKey, list[BlockHash]] = {}
+    last: CacheKey | None = None
+    hashes: list[BlockHash] = []
     for node in nodes:
-        by_key.setdefault(node.namespace.key, []).append(node.block_hash)
+        key = node.namespace.key
+        if key is not last:  # runs of one namespace (a chain evicted leaf first): one probe
+            hashes = by_key.setdefault(key, [])
+            last = key
+        hashes.append(node.block_hash)
     return [BlockEvent(kind, key, tuple(hashes)) for key, hashes in by_key.items()]
 
 
@@ -386,7 +392,7 @@ class CacheManager:
         if parent is not None and parent.tier != Tier.T0:
             return None
         slots = index.allocators[Tier.T0]
-        if any(not slots.is_free(b) for b in block_ids[start : len(plan.hashes)]):
+        if not slots.all_free(block_ids[start : len(plan.hashes)]):
             return None
         pinned = plan.placement is Placement.PINNED
         commit = Commit([], start, adopted=True)
@@ -398,7 +404,8 @@ class CacheManager:
             )
             self._note_floors(plan, nodes, lo)
             commit.nodes.extend(nodes)
-            self.events.append(BlockEvent("stored", key, tuple(n.block_hash for n in nodes)))
+            # `adopt` indexed exactly these hashes, in order.
+            self.events.append(BlockEvent("stored", key, tuple(plan.hashes[lo:hi])))
             parent = nodes[-1]
         self._tenant(plan.key.tenant_id).num_blocks_stored += len(commit.nodes)
         return commit

@@ -125,6 +125,9 @@ class VictimQueue:
 
     def push(self, node: BlockNode, evictable: Evictable) -> None:
         heapq.heappush(self._heap, self._entry(node))
+        self._bound(evictable)
+
+    def _bound(self, evictable: Evictable) -> None:
         if len(self._heap) > self._compact_at:
             # Dropping stale entries never changes the pop order: every valid entry stays,
             # with its key, and the keys (seq last) are a total order.
@@ -142,6 +145,18 @@ class VictimQueue:
     def _valid(entry: _Entry, evictable: Evictable) -> bool:
         pinned, _, tick, _, node = entry
         return node.last_tick == tick and node.pinned == pinned and evictable(node)
+
+    def push_pop(self, node: BlockNode, evictable: Evictable) -> BlockNode | None:
+        """`push(node)` then `pop()`, in one step: the victim those two would give."""
+        # `_entry`, spelled out: this runs once per block of a chain evicted leaf first.
+        entry = (node.pinned, self.node_frequency(node) << self.sketch.num_resets,
+                 node.last_tick, next(self._seq), node)
+        heap = self._heap
+        if not heap or entry < heap[0]:
+            return node  # fresh, hence valid and current: it would be popped right back
+        heapq.heappush(heap, entry)
+        self._bound(evictable)
+        return self.pop(evictable)
 
     def pop(self, evictable: Evictable) -> BlockNode | None:
         heap = self._heap
@@ -184,6 +199,11 @@ class RankedEviction:
 
     def pop(self, tier: int, evictable: Evictable) -> BlockNode | None:
         return self._queues[tier].pop(evictable)
+
+    def push_pop(self, node: BlockNode, tier: int, evictable: Evictable) -> BlockNode | None:
+        """`push(node)` then `pop(tier)` in one call (a chain evicted leaf first: the dropped
+        block's parent is usually the next victim)."""
+        return self._queues[tier].push_pop(node, evictable)
 
     def candidate_weights(self, hashes: Sequence[bytes]) -> list[int]:
         freqs = self.sketch.estimate_many(hashes)

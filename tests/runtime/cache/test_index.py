@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvfleet_runtime.cache import BlockHash, Tier
-from kvfleet_runtime.cache._allocator import BlockAllocator, contiguous_runs, paired_runs
+from kvfleet_runtime.cache._allocator import (
+    BlockAllocator,
+    BlockRefs,
+    CachedSlots,
+    contiguous_runs,
+    paired_runs,
+)
 from kvfleet_runtime.cache._index import BlockIndex, BlockNode, Move, Namespace
 from kvfleet_runtime.cache._ranking import RankedEviction
 from kvfleet_runtime.cache._sketch import CountMinSketch
@@ -202,3 +210,95 @@ def test_frequencies_above_the_cap_rank_alike_so_recency_decides(
     gone = "new" if survivor == "old" else "old"
     assert len(index.match(chain(survivor, 1))) == 1 and index.match(chain(gone, 1)) == []
     assert len(index.match(chain("x", 1))) == 1
+
+
+class _PushThenPop:
+    """`RankedEviction` without its `push_pop`: the index falls back to a push and a pop."""
+
+    def __init__(self, inner: RankedEviction) -> None:
+        self.inner = inner
+        self.push = inner.push
+        self.pop = inner.pop
+        self.candidate_weights = inner.candidate_weights
+        self.outranks = inner.outranks
+        self.fill = inner.fill
+
+
+def _engine_index(
+    num_blocks: int, max_frequency: int | None, *, push_pop: bool
+) -> tuple[BlockIndex, BlockRefs, CountMinSketch]:
+    refs = BlockRefs(num_blocks)
+    sk = CountMinSketch(width=64)
+    ranked = RankedEviction(sk, max_frequency=max_frequency)
+    policy = ranked if push_pop else _PushThenPop(ranked)
+    index = BlockIndex((num_blocks, 0), policy, pin_limit=3, t0_slots=CachedSlots(refs))
+    return index, refs, sk
+
+
+def _drive(
+    index: BlockIndex, refs: BlockRefs, sk: CountMinSketch, seed: int, reclaim: str
+) -> list[object]:
+    """A random replica's life on a 24-block engine pool: prompts stored in place (branching
+    chains, some pinned), hits that touch, refs and sequence holds that outlast a reclaim, and
+    reclaims of random size by `reclaim` ("reclaim" or the per-victim "_reclaim_demoting").
+    Returns what each reclaim dropped, and the final state."""
+    rng = random.Random(seed)
+    ns = index.namespace(make_key())
+    held: list[list[BlockNode]] = []
+    seq_held: list[list[int]] = []
+    seen: list[object] = []
+
+    def hashes_of(c: int, b: int, p: int, n: int) -> list[BlockHash]:
+        return [h(f"{c}.{i}") if i < p else h(f"{c}.{b}.{p}.{i}") for i in range(n)]
+
+    for _ in range(60):
+        op = rng.random()
+        c, b, p, n = rng.randrange(4), rng.randrange(2), rng.randrange(4), rng.randrange(1, 7)
+        hashes = hashes_of(c, b, p, n)
+        if op < 0.45:
+            sk.increment_many(hashes)
+            resident = index.match(hashes)
+            new = hashes[len(resident):]
+            ids = refs.allocate(len(new)) if new else None
+            if ids is None:
+                continue
+            nodes = index.adopt(ns, resident[-1] if resident else None, new, ids,
+                                pinned=rng.random() < 0.2)
+            index.release(nodes)
+            if rng.random() < 0.3:
+                seq_held.append(ids)  # the sequence still runs: in use, not reclaimable
+            else:
+                refs.release(ids)
+        elif op < 0.6:
+            index.touch(index.match(hashes))
+        elif op < 0.7:
+            path = index.match(hashes)
+            index.acquire(path)
+            held.append(path)
+        elif op < 0.8 and (held or seq_held):
+            if held and rng.random() < 0.5:
+                index.release(held.pop(rng.randrange(len(held))))
+            elif seq_held:
+                refs.release(seq_held.pop(rng.randrange(len(seq_held))))
+        else:
+            plan = getattr(index, reclaim)(rng.randrange(1, 25))
+            seen.append(([n.block_hash for n in plan.dropped], plan.dropped_from, plan.moves))
+        index.check_invariants()
+    seen.append((sorted(refs._free), index.num_pinned, index.counters[Tier.T0].num_evictions,
+                 sorted(n.block_hash for n in index.nodes())))
+    return seen
+
+
+@pytest.mark.parametrize("max_frequency", [1, 2, None])
+@pytest.mark.parametrize("push_pop", [True, False])
+def test_the_batched_reclaim_drops_what_one_victim_at_a_time_drops(
+    max_frequency: int | None, push_pop: bool
+) -> None:
+    """`reclaim` without T1 (one loop, `push_pop`, slots freed in one batch) evicts the same
+    blocks in the same order as the per-victim loop (pop, `_evict`, the parent pushed)."""
+    for seed in range(40):
+        got = _drive(*_engine_index(24, max_frequency, push_pop=push_pop), seed, "reclaim")
+        want = _drive(*_engine_index(24, max_frequency, push_pop=False), seed,
+                      "_reclaim_demoting")
+        assert got == want, f"seed {seed}"
+        assert any(step[0] for step in got[:-1]), f"seed {seed}: nothing reclaimed"  # type: ignore[index]
