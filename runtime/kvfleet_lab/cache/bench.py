@@ -388,8 +388,8 @@ def bench_materialize(
         ok = out_k.view(*out_k.shape[:2], num_blocks, BLOCK_SIZE, out_k.shape[-1])
         ov = out_v.view(*out_v.shape[:2], num_blocks, BLOCK_SIZE, out_v.shape[-1])
         for i, b in enumerate(t1_ids):
-            ok[:, :, i].copy_(t1_pool.k[:, :, b])
-            ov[:, :, i].copy_(t1_pool.v[:, :, b])
+            ok[:, :, i : i + 1].copy_(t1_pool.blocks(t1_pool.k, b, 1))
+            ov[:, :, i : i + 1].copy_(t1_pool.blocks(t1_pool.v, b, 1))
 
     quarter = (layout.num_layers, layout.num_kv_heads // 4, tokens, layout.head_dim)
     q_k = torch.empty(quarter, dtype=dtype, device=dev)

@@ -20,13 +20,14 @@ import asyncio
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
+from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache, usable_tokens
 from kvfleet_runtime.engine._engine import (
     CacheKeyFields,
     Engine,
@@ -45,7 +46,7 @@ from kvfleet_runtime.model import (
 )
 from kvfleet_runtime.wire import BLOCK_SIZE
 
-__all__ = ["T0Report", "format_t0_report", "run_t0_bench"]
+__all__ = ["T0Report", "format_t0_report", "run_t0_bench", "suffix_at_position_s"]
 
 
 @dataclass(slots=True)
@@ -159,22 +160,25 @@ async def _ttft_hit(loaded: LoadedModel, prompt: tuple[int, ...], reps: int,
         await engine.stop()
 
 
-def _prefill_s(loaded: LoadedModel, prompt: tuple[int, ...], start: int, reps: int) -> float:
-    """The model's prefill of prompt[start:] on top of an already computed prefix: the floor."""
+def suffix_at_position_s(loaded: LoadedModel, prompt: Sequence[int], start: int,
+                         reps: int) -> float:
+    """The physical floor of a hit of `start` tokens: the model computing prompt[start:] at its
+    own positions with the prefix's KV already resident in its blocks (attending to all of it),
+    and picking the first token (greedy), with no cache call. Median of `reps` after a warm-up;
+    `start` 0 is the full prefill."""
     model = loaded.model
-    kv = PagedKV.allocate(loaded.args, len(prompt) // BLOCK_SIZE + 1, device=model.device)
+    kv = PagedKV.allocate(loaded.args, -(-len(prompt) // BLOCK_SIZE), device=model.device)
     table = kv.take(kv.num_blocks)
     assert table is not None
     if start:
         model.prefill(prompt[:start], 0, table, kv)
+    suffix = prompt[start:]
     runs = []
     for _ in range(reps + 1):
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         t = time.perf_counter()
-        model.prefill(prompt[start:], start, table, kv)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
+        int(model.prefill(suffix, start, table, kv).argmax())  # the first token, on the host
         runs.append(time.perf_counter() - t)
     return statistics.median(runs[1:])
 
@@ -197,7 +201,7 @@ def run_t0_bench(*, preset: str = "tiny", ttft_preset: str = "small", prompt_tok
     after = asyncio.run(_cached_beside_load(small, budget_blocks, None, **load))
     big = loaded[ttft_preset]
     prompt = _tokens(prompt_tokens, 7)
-    matched = (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    matched = usable_tokens(prompt_tokens)
     a = big.args
     return T0Report(
         device=str(device),
@@ -212,8 +216,8 @@ def run_t0_bench(*, preset: str = "tiny", ttft_preset: str = "small", prompt_tok
         cached_blocks_after=after,
         prompt_tokens=prompt_tokens,
         reps=reps,
-        ttft_full_prefill_s=_prefill_s(big, prompt, 0, reps),
-        suffix_prefill_s=_prefill_s(big, prompt, matched, reps),
+        ttft_full_prefill_s=suffix_at_position_s(big, prompt, 0, reps),
+        suffix_prefill_s=suffix_at_position_s(big, prompt, matched, reps),
         ttft_t0_hit_two_pools_s=asyncio.run(_ttft_hit(big, prompt, reps, two_pools=True)),
         ttft_t0_hit_one_pool_s=asyncio.run(_ttft_hit(big, prompt, reps, two_pools=False)),
     )

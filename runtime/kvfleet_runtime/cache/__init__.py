@@ -33,8 +33,9 @@ Public facade (what the replica engine and the fleet tier code against)::
     cache.set_eviction_sink(callback)             # EvictedRun: what T1 drops, with its data (T3)
 
 Layouts: T0 is the engine's `[num_layers, num_blocks, num_kv_heads, 16, head_dim]` (what
-attention reads); T1 and everything that leaves the replica is the canonical TP-agnostic
-`[num_layers, num_kv_heads, num_blocks, 16, head_dim]`. Chained hashes: `block_hashes(key,
+attention reads), and so is T1 (a T1 hit is a straight copy per run into the engine's blocks);
+everything that leaves the replica is the canonical TP-agnostic `[num_layers, num_kv_heads,
+tokens, head_dim]`. Chained hashes: `block_hashes(key,
 token_ids)` (blake2b-128, see `_keys.py`). Thread-safety: `PrefixCache` takes one lock per call
 (the device pool's, which the engine's allocations take too); the store queue is a thread-safe
 bounded priority queue.

@@ -5,14 +5,18 @@ T0 is the engine's own KV (`PagedBlocks`, the layout attention reads): K and V e
 hold an in-flight sequence's KV, a cached prefix, or both (`BlockRefs` counts who holds each).
 A T0 hit is block ids placed in a sequence's table; storing a prompt is indexing its blocks.
 
-T1 (host) keeps the canonical TP-agnostic layout (`TensorPool`): K and V each `[num_layers,
-num_kv_heads, num_blocks, BLOCK_SIZE, head_dim]` ("[layer][kv_head][block][head_dim]" with the
-16 tokens of a block inside). A TP-t replica's rank r takes heads `h % t == r`, a strided view of
-the same storage, so TP1/2/4/8 all read the same blocks; peers read and send this layout.
+T1 (host, `TensorPool`) stores its blocks in the engine's layout too, `[num_layers, num_blocks,
+num_kv_heads, BLOCK_SIZE, head_dim]`: the hot copy is a T1 hit into the engine's blocks, and with
+both sides alike a run of blocks is one contiguous stretch per layer on each side (a plain
+memcpy). Stored as the canonical `[layers, heads, blocks, 16, D]` instead, the same copy
+transposes heads and blocks, 16 x head_dim elements at a time: 0.36x a raw copy of the bytes on
+CPU, against 1.16x alike (measured side by side, interleaved). A TP-t replica's rank r still takes
+heads `h % t == r` as a strided view of the same storage, so TP1/2/4/8 all read the same blocks.
 
 Both pools expose a run of blocks as the same canonical-order view `[layers, heads, n, 16, D]`
-(`blocks`), so every transfer between tiers, into the engine's blocks or out to a peer is one
-`copy_` per contiguous run of blocks, never one per block.
+(`blocks`), so every transfer between tiers, into the engine's blocks or out to a peer (which
+reads and sends the canonical layout, `[layers, heads, tokens, D]`) is one `copy_` per
+contiguous run of blocks, never one per block.
 """
 
 from __future__ import annotations
@@ -126,14 +130,14 @@ class PagedBlocks:
 
 
 class TensorPool:
-    """T1: host blocks in the canonical layout (pinned when CUDA is present)."""
+    """T1: host blocks in the engine's layout (pinned when CUDA is present)."""
 
     __slots__ = ("device", "k", "layout", "num_blocks", "v")
 
     def __init__(
         self, layout: KVLayout, num_blocks: int, device: torch.device, *, pin_memory: bool
     ) -> None:
-        shape = (layout.num_layers, layout.num_kv_heads, num_blocks, BLOCK_SIZE, layout.head_dim)
+        shape = (layout.num_layers, num_blocks, layout.num_kv_heads, BLOCK_SIZE, layout.head_dim)
         dtype = torch_dtype(layout.dtype)
         self.layout = layout
         self.num_blocks = num_blocks
@@ -142,7 +146,8 @@ class TensorPool:
         self.v = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
     def blocks(self, t: torch.Tensor, lo: int, n: int) -> torch.Tensor:
-        return t[:, :, lo : lo + n]
+        """Blocks [lo, lo + n) of `t` (this pool's k or v) as `[layers, heads, n, 16, D]`."""
+        return t[:, lo : lo + n].transpose(1, 2)
 
     def write(self, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy `k`/`v` `[layers, heads, len(block_ids) * 16, head_dim]` into `block_ids`."""

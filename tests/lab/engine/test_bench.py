@@ -31,6 +31,9 @@ def test_bench_replica_json_on_a_tiny_model(tiny_dir: Path) -> None:
     assert r["cached_tokens_t0"] == r["cached_tokens_t1"] == 48
     assert r["t0_vs_suffix"] == pytest.approx(r["ttft_t0_hit_s"] / r["suffix_prefill_s"])
     assert r["t1_vs_suffix"] == pytest.approx(r["ttft_t1_hit_s"] / r["suffix_prefill_s"])
+    assert r["suffix_at_position_s"] > 0
+    assert r["t0_vs_suffix_at_position"] == pytest.approx(
+        r["ttft_t0_hit_s"] / r["suffix_at_position_s"])
     # the T1 copy moves K and V of the 4 full blocks: 2 x 2 layers x 2 heads x 64 x 16 x 4 B
     assert r["t1_copy_bytes"] == 2 * 2 * 2 * 64 * 16 * 4
     assert r["t1_copy_vs_raw"] == pytest.approx(r["raw_copy_s"] / r["t1_copy_s"])
