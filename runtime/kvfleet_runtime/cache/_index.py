@@ -354,13 +354,18 @@ class BlockIndex:
         ids = self._reserve(Tier.T0, len(t1_nodes), weights, plan)
         for node, block_id in zip(t1_nodes, ids, strict=False):
             plan.moves.append(Move(Tier.T1, node.block_id, Tier.T0, block_id))
-            self.allocators[Tier.T1].free([node.block_id])
-            node.tier, node.block_id = Tier.T0, block_id
-            if node.parent is not None:
-                node.parent.num_t0_children += 1
-            self.counters[Tier.T1].num_promotions += 1
+            self._move_to_t0(node, block_id)
         self.release_held(plan.held)
         return plan
+
+    def _move_to_t0(self, node: BlockNode, slot: int) -> None:
+        """File `node` in T0 slot `slot` (its data is, or is planned to be, copied there): its T1
+        slot is freed, the parent counts one T0 child more. `_move_to_t1`'s reverse."""
+        self.allocators[Tier.T1].free([node.block_id])
+        node.tier, node.block_id = Tier.T0, slot
+        if node.parent is not None:
+            node.parent.num_t0_children += 1
+        self.counters[Tier.T1].num_promotions += 1
 
     def disable_t1(self) -> list[BlockNode]:
         """Turn T1 off: no more T1 slots, and every T1 block leaves the index now (unreachable).
@@ -612,11 +617,7 @@ class BlockIndex:
         for node, block_id in zip(nodes, block_ids, strict=True):
             assert node.tier == Tier.T1 and node.ref_count > 0
             assert node.parent is None or node.parent.tier == Tier.T0
-            self.allocators[Tier.T1].free([node.block_id])
-            node.tier, node.block_id = Tier.T0, block_id
-            if node.parent is not None:
-                node.parent.num_t0_children += 1
-            self.counters[Tier.T1].num_promotions += 1
+            self._move_to_t0(node, block_id)
 
     def reclaim(self, num_free: int) -> Plan:
         """Evict T0 victims, in the policy's order, until T0 has `num_free` free slots (in-flight
