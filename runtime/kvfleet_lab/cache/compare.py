@@ -66,6 +66,8 @@ class PolicyFigure:
     seconds: float
     """Simulation wall time (noisy on a shared machine; never asserted)."""
     extra: dict[str, float] = field(default_factory=dict)
+    compute_saved: float = 0.0
+    """Share of the prefill FLOPs (sim.COST_MODEL) the hits saved."""
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -84,6 +86,13 @@ class CapacityRow:
 
     def rate(self, policy: str) -> float:
         return self.figures[policy].token_hit_rate
+
+    def saved(self, policy: str) -> float:
+        return self.figures[policy].compute_saved
+
+    def kvfleet_saved_vs(self, policy: str) -> float | None:
+        """kvfleet's prefill compute saved over `policy`'s."""
+        return _ratio(self.saved("kvfleet"), self.saved(policy))
 
     def kvfleet_vs(self, policy: str) -> float | None:
         """kvfleet's token hit rate over `policy`'s (None when `policy` hits nothing)."""
@@ -119,6 +128,9 @@ class PolicyComparison:
         for workload, raw in zip(self.workloads, data["workloads"], strict=True):
             for row, raw_row in zip(workload.rows, raw["rows"], strict=True):
                 raw_row["kvfleet_vs"] = {p: row.kvfleet_vs(p) for p in (*BASELINES, "belady")}
+                raw_row["kvfleet_saved_vs"] = {
+                    p: row.kvfleet_saved_vs(p) for p in (*BASELINES, "belady")
+                }
                 raw_row["of_infinite"] = {p: row.of_infinite(p) for p in POLICIES}
                 raw_row["prefill_vs_no_cache"] = {p: row.prefill_vs_no_cache(p) for p in POLICIES}
         return data
@@ -134,8 +146,9 @@ class PolicyComparison:
                 "",
                 "| capacity | vLLM | radix | kvfleet | Belady | infinite | kvfleet / vLLM "
                 "| kvfleet / radix | kvfleet / Belady | vLLM / inf | radix / inf | kvfleet / inf "
-                "| Belady / inf | prefill vs no cache (kvfleet) |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+                "| Belady / inf | prefill vs no cache (kvfleet) | compute saved: vLLM | radix "
+                "| kvfleet | Belady | kvfleet / Belady (compute) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for r in w.rows:
                 cells = [f"{r.capacity_fraction:.0%} ({r.capacity_blocks:,} blocks)"]
@@ -146,8 +159,10 @@ class PolicyComparison:
                     _fmt_ratio(r.of_infinite(p)) for p in ("vllm", "radix", "kvfleet", "belady")
                 ]
                 cells.append(f"{r.prefill_vs_no_cache('kvfleet'):.0%}")
+                cells += [f"{r.saved(p):.1%}" for p in ("vllm", "radix", "kvfleet", "belady")]
+                cells.append(_fmt_ratio(r.kvfleet_saved_vs("belady")))
                 lines.append("| " + " | ".join(cells) + " |")
-            lines.append("")
+            lines += ["", f"kvfleet / Belady, {w.name}: {_of_belady(w)}.", ""]
             if any(r.vllm_pool is not None for r in w.rows):
                 lines += [
                     "vLLM's own BlockPool (`vllm.v1.core.block_pool`) on the same requests, beside "
@@ -173,6 +188,15 @@ def _fmt_ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}x"
 
 
+def _of_belady(w: WorkloadResult) -> str:
+    """kvfleet / Belady at each capacity, in tokens and in prefill compute."""
+    return ", ".join(
+        f"{r.capacity_fraction:.0%} {_fmt_ratio(r.kvfleet_vs('belady'))} of its tokens, "
+        f"{_fmt_ratio(r.kvfleet_saved_vs('belady'))} of its compute"
+        for r in w.rows
+    )
+
+
 def _figure(result: SimResult, seconds: float) -> PolicyFigure:
     return PolicyFigure(
         result.policy,
@@ -181,6 +205,7 @@ def _figure(result: SimResult, seconds: float) -> PolicyFigure:
         result.num_hit_tokens,
         seconds,
         dict(result.extra),
+        result.compute_saved,
     )
 
 
@@ -202,7 +227,7 @@ def compare_workload(
     unique = unique_blocks(requests)
     t0 = time.perf_counter()
     infinite = _figure(simulate_infinite(requests), time.perf_counter() - t0)
-    no_cache = PolicyFigure("no-cache", 0.0, 0.0, 0, 0.0)
+    no_cache = PolicyFigure("no-cache", 0.0, 0.0, 0, 0.0)  # saves no compute either
     rows = []
     for fraction in fractions:
         capacity = max(1, round(unique * fraction))

@@ -34,6 +34,7 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvfleet_runtime.breakeven import MODELS, ModelProfile, prefill_flops
 from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheConfig, CacheKey, CacheManager
 from kvfleet_runtime.cache._keys import continue_chain, key_digest
 
@@ -59,6 +60,10 @@ MOONCAKE_BLOCKS_PER_HASH_ID = MOONCAKE_TOKENS_PER_HASH_ID // BLOCK_SIZE
 
 SIM_KEY = CacheKey("trace", "trace-model", "sha256:" + "0" * 64, "float16", "rope", "attn")
 
+COST_MODEL: ModelProfile = MODELS["reference-70b"]
+"""Whose prefill FLOPs (`breakeven.prefill_flops`: 2N per token plus attention, which grows with
+the position) weigh a hit in `SimResult.compute_saved`."""
+
 
 @dataclass(slots=True, frozen=True)
 class TraceRequest:
@@ -76,11 +81,21 @@ class SimResult:
     num_tokens: int = 0
     num_hit_tokens: int = 0
     num_hit_requests: int = 0
+    prompt_flops: float = 0.0
+    """What prefilling every prompt whole costs on `COST_MODEL` (no cache)."""
+    saved_flops: float = 0.0
+    """Of it, the positions the hits supplied: each request's first `hit` positions."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def token_hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_tokens if self.num_tokens else 0.0
+
+    @property
+    def compute_saved(self) -> float:
+        """Share of the prefill compute the hits saved. Above the token hit rate when the hits
+        are deep in long prompts: a cached position p saves its attention over p keys too."""
+        return self.saved_flops / self.prompt_flops if self.prompt_flops else 0.0
 
     @property
     def request_hit_rate(self) -> float:
@@ -91,6 +106,9 @@ class SimResult:
         self.num_tokens += request.num_tokens
         self.num_hit_tokens += hit_blocks * BLOCK_SIZE
         self.num_hit_requests += 1 if hit_blocks else 0
+        self.prompt_flops += prefill_flops(COST_MODEL, request.num_tokens)
+        if hit_blocks:
+            self.saved_flops += prefill_flops(COST_MODEL, hit_blocks * BLOCK_SIZE)
 
 
 def mooncake_block_tokens(hash_id: int, sub_block: int) -> list[int]:

@@ -9,6 +9,7 @@ from kvfleet_runtime.breakeven.arithmetic import (
     check_tp_degree,
     fetch_s,
     kv_bytes_per_token,
+    prefill_flops,
     recompute_s_per_token,
 )
 from kvfleet_runtime.breakeven.hf_config import load_hf_config
@@ -66,5 +67,6 @@ __all__ = [
     "lookup_profile",
     "medium_for",
     "plan",
+    "prefill_flops",
     "recompute_s_per_token",
 ]

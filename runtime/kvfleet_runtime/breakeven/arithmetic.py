@@ -40,6 +40,29 @@ def recompute_s_per_token(model: ModelProfile, gpu: GpuProfile, tp_degree: int) 
     return FLOPS_PER_PARAM_PER_TOKEN * model.num_params / aggregate_flops(gpu, tp_degree)
 
 
+ATTENTION_FLOPS_PER_PAIR_PER_HEAD_DIM = 4
+"""One query against one key, per layer, head and head dimension: a multiply-add in QK^T and one
+in the weighted sum of V."""
+
+
+def prefill_flops(model: ModelProfile, num_tokens: int, start: int = 0) -> float:
+    """FLOPs of prefilling positions [start, num_tokens) of a prompt whose positions before
+    `start` are cached: 2N per token (the dense layers) plus, when the profile has its query
+    heads, attention, where the query at position p reads p + 1 keys. So a block deep in a long
+    prompt costs more to recompute than one at its start (70B: +1.9% of 2N per 1,000 positions)."""
+    if not 0 <= start <= num_tokens:
+        raise ValueError(f"need 0 <= start <= num_tokens, got {start} and {num_tokens}")
+    dense = FLOPS_PER_PARAM_PER_TOKEN * model.num_params * (num_tokens - start)
+    if model.num_q_heads is None:
+        return dense
+    pairs = (num_tokens * (num_tokens + 1) - start * (start + 1)) // 2
+    per_pair = (
+        ATTENTION_FLOPS_PER_PAIR_PER_HEAD_DIM * model.num_layers * model.num_q_heads
+        * model.head_dim
+    )
+    return dense + per_pair * pairs
+
+
 def break_even_bandwidth(
     model: ModelProfile, kv_dtype: KVDtype, gpu: GpuProfile, tp_degree: int
 ) -> float:

@@ -64,6 +64,9 @@ class ModelProfile:
     num_params: float
     mla: MLAShape | None = None
     description: str = ""
+    num_q_heads: int | None = None
+    """Query heads: the attention term of `prefill_flops`, which grows with the position (None:
+    not modelled, a token costs the 2N of its dense layers wherever it is)."""
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -75,6 +78,13 @@ class ModelProfile:
         if not math.isfinite(self.num_params) or self.num_params <= 0:
             raise ValueError(
                 f"model {self.name!r}: num_params must be positive, got {self.num_params!r}"
+            )
+        if self.num_q_heads is not None and (
+            not isinstance(self.num_q_heads, int) or self.num_q_heads <= 0
+        ):
+            raise ValueError(
+                f"model {self.name!r}: num_q_heads must be a positive integer, got "
+                f"{self.num_q_heads!r}"
             )
         if self.mla is not None and (self.mla.kv_lora_rank <= 0 or self.mla.qk_rope_head_dim < 0):
             raise ValueError(f"model {self.name!r}: invalid MLA latent dims {self.mla!r}")
@@ -120,6 +130,7 @@ MODELS: dict[str, ModelProfile] = {
             128,
             70e9,
             description="the design's reference: 70B dense, 80 layers, GQA-8, head_dim 128",
+            num_q_heads=64,
         ),
         ModelProfile(
             "llama-3-8b",
@@ -128,6 +139,7 @@ MODELS: dict[str, ModelProfile] = {
             128,
             8.03e9,
             description="Llama-3-8B: 32 layers, GQA-8, head_dim 128",
+            num_q_heads=32,
         ),
         ModelProfile(
             "llama-3-405b",
@@ -136,6 +148,7 @@ MODELS: dict[str, ModelProfile] = {
             128,
             405e9,
             description="Llama-3-405B-like dense: 126 layers, GQA-8, head_dim 128",
+            num_q_heads=128,
         ),
         ModelProfile(
             "deepseek-v3",
@@ -145,6 +158,7 @@ MODELS: dict[str, ModelProfile] = {
             37e9,
             mla=MLAShape(512, 64),
             description="DeepSeek-V3-like MLA MoE: 61 layers, latent 512+64, 37B activated of 671B",
+            num_q_heads=128,
         ),
     )
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfleet_runtime.cache._keys import BLOCK_SIZE
+from kvfleet_runtime.cache._reuse import REUSE_RANKING
 
 __all__ = ["DTYPE_BYTES", "CacheConfig", "KVLayout"]
 
@@ -72,13 +73,15 @@ class CacheConfig:
     1M-wide sketch over-counts one-shot blocks into the cache and falls below plain LRU at 10%
     capacity (18.9% vs 25.9% of tokens); 4M-wide it does not (26.7%)."""
     sketch_depth: int = 4
-    eviction_rankings: tuple[int | None, ...] = (1, 2, 3, 6, None)
-    """Candidate eviction rankings, as sighting caps (1: plain recency, as vLLM; None: the raw
-    count). The cache follows the one whose ghost would have hit the most tokens lately
-    (`AdaptiveRanking`), starting with the first. One entry fixes the ranking. Why several: a
-    count capped at 3 kept stale documents less than the raw count at 3-10% of the Mooncake trace,
-    the raw count hits 2.7x LRU at 1% of the system-prompt workload, and recency alone wins where
-    space is plenty (docs/cache.md)."""
+    eviction_rankings: tuple[int | str | None, ...] = (1, 2, 3, 6, None)
+    """Candidate eviction rankings: sighting caps (1: plain recency, as vLLM; None: the raw
+    count) and `"reuse"` (`REUSE_RANKING`), the reuse-time prediction of `_reuse.py`: recency
+    credited with the log of the sightings, in units of the cache's own victims' age; not among
+    the defaults until its whole-trace figures are in (docs/cache.md). The cache follows the one
+    whose ghost would have hit the most tokens lately (`AdaptiveRanking`), starting with the
+    first. One entry fixes the ranking. Why several: a count capped at 3 kept stale documents
+    less than the raw count at 3-10% of the Mooncake trace, the raw count hits 2.7x LRU at 1% of
+    the system-prompt workload, and recency alone wins where space is plenty (docs/cache.md)."""
     ranking_decay: float = 0.995
     """Per store, the weight of what the ghosts hit so far (a half-life of ~140 stores)."""
     ranking_margin: float = 0.02
@@ -127,10 +130,14 @@ class CacheConfig:
         if not 0.0 <= self.pin_max_fraction <= 1.0:
             raise ValueError(f"pin_max_fraction must be in [0, 1], got {self.pin_max_fraction}")
         if not self.eviction_rankings or any(
-            cap is not None and not 1 <= cap <= 255 for cap in self.eviction_rankings
+            cap is not None
+            and cap != REUSE_RANKING
+            and not (isinstance(cap, int) and 1 <= cap <= 255)
+            for cap in self.eviction_rankings
         ):
             raise ValueError(
-                f"eviction_rankings must be a non-empty tuple of caps in [1, 255] or None, got "
+                f"eviction_rankings must be a non-empty tuple of caps in [1, 255], None or "
+                f"{REUSE_RANKING!r}, got "
                 f"{self.eviction_rankings!r}"
             )
         if not 0.0 < self.ranking_decay < 1.0 or self.ranking_margin < 0.0:

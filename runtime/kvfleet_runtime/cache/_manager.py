@@ -34,9 +34,9 @@ from kvfleet_runtime.cache._moves import Move, Plan, Tier
 from kvfleet_runtime.cache._policy import (
     AdaptiveRanking,
     Admission,
-    GhostRanking,
     Placement,
     ThrashDetector,
+    ghost_rankings,
     place,
 )
 from kvfleet_runtime.cache._ranking import note_floors
@@ -149,7 +149,7 @@ class CacheManager:
         while capacity // sample > config.ghost_max_blocks:
             sample *= 2
         ranking = AdaptiveRanking(
-            [GhostRanking(capacity, cap, sample=sample) for cap in config.eviction_rankings],
+            ghost_rankings(capacity, config.eviction_rankings, sample=sample),
             decay=config.ranking_decay,
             margin=config.ranking_margin,
         )
@@ -561,7 +561,7 @@ class CacheManager:
             tiers=tuple(tiers),
             thrashing=admission.thrash.thrashing,
             num_thrash_episodes=admission.thrash.num_episodes,
-            eviction_ranking=_ranking_label(admission.ranking.max_frequency),
+            eviction_ranking=admission.ranking.label,
             strictness=admission.ranking.current,
             num_ranking_switches=admission.ranking.num_switches,
             num_ghost_hit_blocks=admission.ranking.num_ghost_hit_blocks,
@@ -573,12 +573,6 @@ class CacheManager:
 
     def tenants(self) -> list[str]:
         return sorted(self._tenants)
-
-
-def _ranking_label(max_frequency: int | None) -> str:
-    if max_frequency is None:
-        return "count"
-    return "recency" if max_frequency == 1 else f"count<={max_frequency}"
 
 
 def _segments(plan: StorePlan, start: int) -> list[tuple[CacheKey, int, int]]:

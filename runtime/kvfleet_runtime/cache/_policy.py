@@ -21,7 +21,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvfleet_runtime.cache._ranking import RankedEviction
+from kvfleet_runtime.cache._ranking import EvictionPolicy, RankedEviction
+from kvfleet_runtime.cache._reuse import REUSE_RANKING, GhostReuse
 from kvfleet_runtime.cache._sketch import CountMinSketch
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "Placement",
     "ThrashDetector",
     "admit_threshold",
+    "ghost_rankings",
     "place",
 ]
 
@@ -160,6 +162,18 @@ class GhostRanking:
         self._limit = max(1, capacity_blocks // sample)
         """Blocks the ghost holds: the capacity's share of the sampled hash space."""
 
+    @property
+    def label(self) -> str:
+        """The ranking's name in stats: "recency", "count<=N" or "count"."""
+        cap = self.max_frequency
+        if cap is None:
+            return "count"
+        return "recency" if cap == 1 else f"count<={cap}"
+
+    def eviction(self, sketch: CountMinSketch) -> RankedEviction:
+        """The index's eviction policy for this ranking."""
+        return RankedEviction(sketch, max_frequency=self.max_frequency)
+
     def sampled(self, block_hash: bytes) -> bool:
         # Low bits of a digest are uniform; sample 1 keeps every block.
         return block_hash[-1] & (self.sample - 1) == 0
@@ -222,6 +236,27 @@ class GhostRanking:
         return len(self._where)
 
 
+Ghost = GhostRanking | GhostReuse
+
+
+def ghost_rankings(
+    capacity_blocks: int, rankings: Sequence[int | str | None], *, sample: int = 1
+) -> list[Ghost]:
+    """One ghost per entry of `CacheConfig.eviction_rankings`: a sighting cap (`GhostRanking`)
+    or `REUSE_RANKING` (the reuse-time prediction, `GhostReuse`)."""
+    ghosts: list[Ghost] = []
+    for ranking in rankings:
+        if ranking == REUSE_RANKING:
+            ghosts.append(GhostReuse(capacity_blocks, sample=sample))
+        elif ranking is None or isinstance(ranking, int):
+            ghosts.append(GhostRanking(capacity_blocks, ranking, sample=sample))
+        else:
+            raise ValueError(
+                f"an eviction ranking is a sighting cap, None or {REUSE_RANKING!r}, got {ranking!r}"
+            )
+    return ghosts
+
+
 @dataclass(slots=True)
 class AdaptiveRanking:
     """Which eviction ranking the cache uses, chosen from observed behaviour (R4): one ghost per
@@ -234,7 +269,7 @@ class AdaptiveRanking:
     system-prompt workload); where it is not, the live conversation is what comes back next and
     recency wins (plain LRU beats a capped count by 10% at 30% of the agent loops)."""
 
-    ghosts: list[GhostRanking]
+    ghosts: Sequence[Ghost]
     decay: float
     margin: float
     current: int = 0
@@ -258,8 +293,14 @@ class AdaptiveRanking:
 
     @property
     def max_frequency(self) -> int | None:
-        """The eviction cap of the ranking in use (1: plain recency)."""
+        """The eviction cap of the ranking in use (1: plain recency; None: uncapped, the raw count
+        or the reuse-time prediction)."""
         return self.ghosts[self.current].max_frequency
+
+    @property
+    def label(self) -> str:
+        """The ranking in use, for stats: "recency", "count<=N", "count" or "reuse"."""
+        return self.ghosts[self.current].label
 
     @property
     def strict(self) -> bool:
@@ -340,9 +381,9 @@ class Admission:
         lost, and the duel refuses nothing either (every count is capped to 1)."""
         return self.thrash.thrashing and self.ranking.strict
 
-    def eviction(self) -> RankedEviction:
+    def eviction(self) -> EvictionPolicy:
         """A fresh eviction policy for the ranking in use (the index fills it)."""
-        return RankedEviction(self.sketch, max_frequency=self.ranking.max_frequency)
+        return self.ranking.ghosts[self.ranking.current].eviction(self.sketch)
 
     def count(self, hashes: Sequence[bytes], now_s: float) -> list[int]:
         """One sighting of each block; returns their counts after it."""

@@ -165,6 +165,9 @@ def policies(
             "kv/radix",
             "kv/Belady",
             "kv/inf.",
+            "saved: kv",
+            "Belady",
+            "kv/Belady",
         ):
             table.add_column(col, justify="right")
         for r in w.rows:
@@ -173,6 +176,9 @@ def policies(
                 *(f"{r.rate(p):.1%}" for p in ("vllm", "radix", "kvfleet", "belady", "infinite")),
                 *(_ratio(r.kvfleet_vs(p)) for p in ("vllm", "radix", "belady")),
                 _ratio(r.of_infinite("kvfleet")),
+                f"{r.saved('kvfleet'):.1%}",
+                f"{r.saved('belady'):.1%}",
+                _ratio(r.kvfleet_saved_vs("belady")),
             )
         console.print(table)
         if any(r.vllm_pool is not None for r in w.rows):
@@ -188,8 +194,10 @@ def policies(
         if w.vllm_pool_error:
             console.print(f"  vLLM's BlockPool replay did not run: {w.vllm_pool_error}")
     console.print(
-        "Token hit rates; kv/X = kvfleet's over X's; no cache prefills every prompt token "
-        f"(hit rate 0); each policy over the infinite cache in policies.md. "
+        "Token hit rates; kv/X = kvfleet's over X's; saved: the share of the prefill FLOPs of "
+        "the reference model (breakeven's 2N per token plus attention by position) the hits "
+        "saved; no cache prefills every prompt token (hit rate 0); each policy over the "
+        "infinite cache in policies.md. "
         f"{report.seconds:.0f} s in all; "
         f"wrote {out / 'policies.md'}, {out / 'policies.json'}, " + ", ".join(str(p) for p in plots)
     )

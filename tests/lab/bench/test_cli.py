@@ -59,6 +59,13 @@ def test_policies_writes_its_table_json_and_plots(tmp_path: Path) -> None:
     assert row["figures"]["infinite"]["num_hit_tokens"] == (32 + 68) * 16
     assert row["figures"]["no-cache"]["token_hit_rate"] == 0.0
     assert set(row["kvfleet_vs"]) == {"vllm", "radix", "belady"}
+    # beside the token hit rate: the prefill compute saved, and kvfleet / Belady per workload
+    assert "saved: kv" in result.stdout
+    assert "kvfleet / Belady (compute) |" in table and "kvfleet / Belady, trace: 10%" in table
+    assert set(row["kvfleet_saved_vs"]) == {"vllm", "radix", "belady"}
+    infinite = row["figures"]["infinite"]
+    # the hits are the prompts' heads, their cheapest positions: a smaller share of the FLOPs
+    assert 0.0 < infinite["compute_saved"] < infinite["token_hit_rate"]
     for name in ("policies.png", "ratios.png"):
         png = (out / name).read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 10_000

@@ -154,3 +154,19 @@ def test_the_popularity_oracle_is_below_belady_and_the_infinite_cache() -> None:
         oracle = simulate_popularity_oracle(trace, cap).num_hit_tokens
         assert oracle <= simulate_belady(trace, cap).num_hit_tokens
         assert oracle <= simulate_infinite(trace).num_hit_tokens
+
+
+def test_compute_saved_weighs_each_hit_position_by_its_prefill_flops() -> None:
+    from kvfleet_lab.cache.sim import COST_MODEL
+    from kvfleet_runtime.breakeven import prefill_flops
+
+    # 3 full blocks + 8 tokens each; the second request hits its first 2 blocks
+    trace = [req(1, 2, 3), req(1, 2, 4)]
+    trace = [TraceRequest(r.timestamp_s, 56, r.blocks) for r in trace]
+    result = simulate_infinite(trace)
+    assert result.num_hit_tokens == 32
+    assert result.prompt_flops == 2 * prefill_flops(COST_MODEL, 56)
+    assert result.saved_flops == prefill_flops(COST_MODEL, 32)
+    # the hit is the prompt's head, its cheapest positions: below the token share
+    assert result.compute_saved < result.token_hit_rate == 32 / 112
+    assert simulate_lru(trace, 1).saved_flops == prefill_flops(COST_MODEL, 16)  # the head stays

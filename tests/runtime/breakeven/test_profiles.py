@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -147,3 +148,22 @@ def test_malformed_hf_config_is_a_clear_error(tmp_path: Path, content: str, mess
 def test_missing_hf_config_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"cannot read model config .*nope\.json"):
         load_hf_config(tmp_path / "nope.json")
+
+
+def test_prefill_flops_counts_2n_per_token_plus_attention_by_position() -> None:
+    from kvfleet_runtime.breakeven import MODELS, prefill_flops
+
+    model = MODELS["reference-70b"]
+    per_pair = 4 * 80 * 64 * 128  # QK^T and AV per layer, query head and head dim
+    assert prefill_flops(model, 16) == 2 * 70e9 * 16 + per_pair * (16 * 17 // 2)
+    # a block deep in a long prompt costs more to recompute than the prompt's first block
+    first = prefill_flops(model, 16)
+    deep = prefill_flops(model, 40_016, start=40_000)
+    assert deep == prefill_flops(model, 40_016) - prefill_flops(model, 40_000)
+    assert deep / first == pytest.approx(1 + per_pair * 40_008.5 / (2 * 70e9), rel=1e-3)
+    no_attention = dataclasses.replace(model, num_q_heads=None)
+    assert prefill_flops(no_attention, 40_016, start=40_000) == 2 * 70e9 * 16
+    with pytest.raises(ValueError, match="need 0 <= start <= num_tokens, got 17 and 16"):
+        prefill_flops(model, 16, start=17)
+    with pytest.raises(ValueError, match="num_q_heads must be a positive integer, got 0"):
+        dataclasses.replace(model, num_q_heads=0)
