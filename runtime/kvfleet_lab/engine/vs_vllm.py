@@ -18,6 +18,7 @@ start the two servers for it, with the same CPU thread count on both sides.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -42,9 +43,11 @@ __all__ = [
     "Server",
     "compare",
     "compare_checkpoint",
+    "first_tokens",
     "free_port",
     "kvfleet_server",
     "make_checkpoint",
+    "one_token_ms",
     "prefix_repetition_args",
     "read_result",
     "run_interleaved",
@@ -83,6 +86,8 @@ class EngineComparison:
     kvfleet: ServeFigures
     """Medians over kvfleet's runs."""
     vllm: ServeFigures
+    first_tokens: FirstTokens | None = None
+    """A hit's and a miss's first token on both sides, when measured."""
 
     @property
     def tpot_p50_ratio(self) -> float:
@@ -106,6 +111,7 @@ class EngineComparison:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out["first_tokens"] = None if self.first_tokens is None else self.first_tokens.to_dict()
         for name in ("tpot_p50_ratio", "tpot_p99_ratio", "ttft_p50_ratio", "ttft_p99_ratio",
                      "throughput_ratio"):
             out[name] = getattr(self, name)
@@ -375,12 +381,65 @@ def prefix_repetition_args(*, num_prefixes: int = 4, prefix_len: int = 512,
             "--ignore-eos", "--seed", str(seed)]
 
 
+@dataclass(slots=True, frozen=True)
+class FirstTokens:
+    """A 1-token completion's latency (ms, medians over fresh prompts): a miss (nothing of the
+    prompt cached), then the same prompt again (a prefix-cache hit), per side."""
+
+    prompt_tokens: int
+    reps: int
+    kvfleet_miss_ms: float
+    kvfleet_hit_ms: float
+    vllm_miss_ms: float
+    vllm_hit_ms: float
+
+    @property
+    def hit_ratio(self) -> float:
+        """kvfleet's hit / vLLM's hit (the target: at most 1)."""
+        return self.kvfleet_hit_ms / self.vllm_hit_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "hit_ratio": self.hit_ratio,
+                "miss_ratio": self.kvfleet_miss_ms / self.vllm_miss_ms}
+
+
+def one_token_ms(url: str, model: str, prompt: Sequence[int], timeout_s: float = 120.0) -> float:
+    """Wall time of one non-streamed 1-token completion of `prompt` (token ids)."""
+    body = json.dumps({"model": model, "prompt": list(prompt), "max_tokens": 1,
+                       "temperature": 0.0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"}, method="POST")
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        r.read()
+    return (time.perf_counter() - t0) * 1000.0
+
+
+def first_tokens(kvfleet_url: str, vllm_url: str, model: str, *, vocab: range,
+                 prompt_tokens: int = 601, reps: int = 5, seed: int = 1) -> FirstTokens:
+    """Interleaved: per rep a fresh random prompt, miss then hit on each side."""
+    import random
+
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {k: [] for k in ("km", "kh", "vm", "vh")}
+    for _ in range(reps):
+        prompt = [rng.choice(vocab) for _ in range(prompt_tokens)]
+        for side, url in (("k", kvfleet_url), ("v", vllm_url)):
+            times[side + "m"].append(one_token_ms(url, model, prompt))
+            times[side + "h"].append(one_token_ms(url, model, prompt))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return FirstTokens(prompt_tokens, reps, med["km"], med["kh"], med["vm"], med["vh"])
+
+
 def compare_checkpoint(vllm: str, name: str, *, work_dir: Path, concurrencies: Sequence[int],
                        num_prompts: int, runs: int, cpu_threads: int,
                        engine: Mapping[str, Any] | None = None,
-                       workload: Sequence[str] | None = None) -> list[EngineComparison]:
+                       workload: Sequence[str] | None = None, hit_reps: int = 5
+                       ) -> list[EngineComparison]:
     """Make checkpoint `name` under `work_dir` (reused when there), serve it from both sides
-    and compare at each concurrency: the whole comparison for one checkpoint."""
+    and compare at each concurrency: the whole comparison for one checkpoint. `hit_reps` > 0
+    also measures a 601-token prompt's first token, miss and hit, on both (`first_tokens`,
+    the same on every row)."""
     checkpoint = work_dir / name
     if not (checkpoint / "config.json").is_file():
         make_checkpoint(checkpoint, name)
@@ -391,11 +450,14 @@ def compare_checkpoint(vllm: str, name: str, *, work_dir: Path, concurrencies: S
     args = list(prefix_repetition_args() if workload is None else workload)
     out = []
     with serving(servers):
+        first = first_tokens(servers[0].url, servers[1].url, name,
+                             vocab=range(len(_SPECIALS), VOCAB_SIZE)) if hit_reps else None
         for c in concurrencies:
-            out.append(run_interleaved(vllm, checkpoint=name, kvfleet_url=servers[0].url,
-                                       vllm_url=servers[1].url, model=name,
-                                       tokenizer=str(checkpoint), concurrency=c,
-                                       num_prompts=num_prompts, runs=runs, extra=args))
+            row = run_interleaved(vllm, checkpoint=name, kvfleet_url=servers[0].url,
+                                  vllm_url=servers[1].url, model=name,
+                                  tokenizer=str(checkpoint), concurrency=c,
+                                  num_prompts=num_prompts, runs=runs, extra=args)
+            out.append(dataclasses.replace(row, first_tokens=first))
     return out
 
 
@@ -414,6 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cpu-threads", type=int, default=2)
     p.add_argument("--engine", type=json.loads, default={},
                    help="JSON: the kvfleet replica config's engine section")
+    p.add_argument("--hit-reps", type=int, default=5,
+                   help="601-token first-token reps (miss, then hit) per side; 0: skip")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     a.work_dir.mkdir(parents=True, exist_ok=True)
@@ -421,13 +485,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in a.checkpoint or ["tiny-llama"]:
         for c in compare_checkpoint(a.vllm, name, work_dir=a.work_dir,
                                     concurrencies=a.concurrency, num_prompts=a.num_prompts,
-                                    runs=a.runs, cpu_threads=a.cpu_threads, engine=a.engine):
+                                    runs=a.runs, cpu_threads=a.cpu_threads, engine=a.engine,
+                                    hit_reps=a.hit_reps):
             d = c.to_dict()
             rows.append(d)
             sys.stdout.write(f"{name} c={c.concurrency}: TPOT p50 {c.tpot_p50_ratio:.2f}x "
                   f"p99 {c.tpot_p99_ratio:.2f}x  TTFT p50 {c.ttft_p50_ratio:.2f}x "
                   f"p99 {c.ttft_p99_ratio:.2f}x  throughput {c.throughput_ratio:.2f}x  "
-                  f"(kvfleet {c.kvfleet}, vLLM {c.vllm})\n")
+                  f"(kvfleet {c.kvfleet}, vLLM {c.vllm}; first tokens {c.first_tokens})\n")
             sys.stdout.flush()
     if a.json:
         a.json.write_text(json.dumps({"engine_vs_vllm": rows}, indent=1))
