@@ -239,8 +239,9 @@ def make_checkpoint(out: Path, name: str, *, seed: int = 0) -> Path:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{_SPECIALS[0]} $A", special_tokens=[(_SPECIALS[0], bos)])
     out.mkdir(parents=True, exist_ok=True)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=_SPECIALS[0],
-                            eos_token=_SPECIALS[2]).save_pretrained(str(out))
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token=_SPECIALS[0], eos_token=_SPECIALS[2])
+    fast.save_pretrained(str(out))
     common = dict(vocab_size=tok.get_vocab_size(), max_position_embeddings=MAX_MODEL_LEN,
                   bos_token_id=bos, eos_token_id=eos, **shape)
     torch.manual_seed(seed)
