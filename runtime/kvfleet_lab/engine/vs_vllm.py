@@ -197,8 +197,9 @@ KV_CACHE_BYTES = 256 << 20
 """vLLM's own KV on CPU; without a size its CPU worker reserves 0.92 of the machine's RAM."""
 VLLM_BLOCK_SIZE = 32
 """vLLM's CPU attention takes block sizes in multiples of 32."""
-START_TIMEOUT_S = 900.0
-"""`vllm serve` takes 100-300 s to start on a small loaded box (three processes import vLLM)."""
+START_TIMEOUT_S = 1800.0
+"""`vllm serve` takes 100-300 s to start on a small box, and once here over 900 s at load 35
+(three processes import vLLM)."""
 _SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 
 
