@@ -71,6 +71,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineOverloaded",
+    "EngineShuttingDown",
     "Finished",
     "GenerationRequest",
     "RequestStream",
@@ -181,7 +182,12 @@ Event = TokenEvent | Finished
 
 
 class EngineOverloaded(Exception):
-    """The waiting queue is full; retry later (HTTP 503)."""
+    """The waiting queue is full; retry later (HTTP 503 with Retry-After)."""
+
+
+class EngineShuttingDown(Exception):
+    """The engine is stopping and takes no new requests; another replica should (HTTP 503,
+    no Retry-After: this one will not be back)."""
 
 
 class RequestStream:
@@ -402,7 +408,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         if self._closed:
-            raise EngineOverloaded("engine is shutting down")
+            raise EngineShuttingDown("the replica is shutting down")
         self.check(request)
         key = self.key_fields.key(request.tenant_id)
         sampler = Sampler(request.params, prompt=request.token_ids,
@@ -580,7 +586,7 @@ class Engine:
         try:
             cache.fill(prefix, seq.table)
         except Exception:
-            self.metrics.cache_errors.labels("materialize").inc()
+            self.metrics.cache_errors.labels("fill").inc()
             log.exception("cache copy failed; recomputing the copied part")
         if prefix.cached_tokens == 0:
             return

@@ -38,6 +38,7 @@ from kvfleet_runtime.api import (
 )
 from kvfleet_runtime.engine import (
     EngineOverloaded,
+    EngineShuttingDown,
     GenerationRequest,
     RequestStream,
     SamplingParams,
@@ -209,8 +210,10 @@ async def _submit(replica: Replica, tenant: str, prompts: list[_Prompt],
     except BaseException as exc:  # a refusal, or the client went away between two submits
         for c in choices:
             c.stream.cancel()
-        if not isinstance(exc, ValueError | EngineOverloaded):
+        if not isinstance(exc, ValueError | EngineOverloaded | EngineShuttingDown):
             raise
+        if isinstance(exc, EngineShuttingDown):  # not overload: retrying here cannot help
+            raise ApiError(503, str(exc), code="shutting_down") from exc
         if isinstance(exc, EngineOverloaded):
             raise ApiError(503, f"replica overloaded: {exc}", code="overloaded",
                            headers={"Retry-After": "1"}) from exc

@@ -18,6 +18,7 @@ from kvfleet_runtime.engine import (
     Engine,
     EngineConfig,
     EngineOverloaded,
+    EngineShuttingDown,
     GenerationRequest,
     SamplingParams,
     TokenEvent,
@@ -297,6 +298,8 @@ async def test_same_tokens_at_another_offset_never_hit(
 class CountingCache(PrefixCache):
     num_held = 0
     fail_materialize = False
+    fail_copy = False
+    """Only the T1 -> T0 copy fails (`fill`); `fail_materialize`: placing the hit too."""
 
     def lookup(self, key, token_ids):  # type: ignore[no-untyped-def]
         hit = super().lookup(key, token_ids)
@@ -310,7 +313,7 @@ class CountingCache(PrefixCache):
         return super().share_prefix(hit, kv, max_blocks)
 
     def copy_into(self, hit, kv, table, start, stop):  # type: ignore[no-untyped-def]
-        if self.fail_materialize:
+        if self.fail_materialize or self.fail_copy:
             raise RuntimeError("simulated T1 copy failure")
         return super().copy_into(hit, kv, table, start, stop)
 
@@ -319,8 +322,8 @@ class CountingCache(PrefixCache):
         super().release(hit)
 
 
-def counting_cache(loaded: LoadedModel) -> CountingCache:
-    base = make_cache(loaded)
+def counting_cache(loaded: LoadedModel, t1: int = 0) -> CountingCache:
+    base = make_cache(loaded, t1=t1)
     cache = CountingCache(base.config, base.layout, clock=lambda: 0.0, device="cpu")
     return cache
 
@@ -408,6 +411,40 @@ async def test_cache_failure_degrades_to_recompute(
         assert cache.num_held == 0
     finally:
         await engine.stop()
+
+
+async def test_a_failed_t1_copy_is_counted_as_fill_and_recomputes(
+    loaded: LoadedModel, make_engine: EngineFactory
+) -> None:
+    cache = counting_cache(loaded, t1=16)
+    cache.set_t0_enabled(False)  # stores go to T1 by copy, hits come back by `fill`
+    engine = make_engine(cache)
+    await engine.start()
+    try:
+        prompt = tokens(50, seed=11)
+        expected, _ = await run(engine, "acme", prompt)
+        await engine.drain_stores()  # the drain task may have written it already
+        assert (await run(engine, "acme", prompt))[1] > 0  # a T1 hit, copied in by `fill`
+        cache.fail_copy = True
+        out, cached = await run(engine, "acme", prompt)
+        assert (out, cached) == (expected, 0)
+        errors = engine.metrics.cache_errors
+        assert (errors.labels("fill")._value.get(), errors.labels("prepare")._value.get()) == (
+            1, 0)
+        assert cache.num_held == 0
+    finally:
+        await engine.stop()
+
+
+async def test_a_stopped_engine_refuses_as_shutting_down_not_overloaded(
+    make_engine: EngineFactory
+) -> None:
+    engine = make_engine(None)
+    await engine.start()
+    await engine.stop()
+    with pytest.raises(EngineShuttingDown, match="shutting down") as info:
+        engine.submit(GenerationRequest("t", (1, 2)))
+    assert not isinstance(info.value, EngineOverloaded)
 
 
 async def test_seeded_sampling_is_reproducible(make_engine: EngineFactory) -> None:
