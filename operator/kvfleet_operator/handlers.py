@@ -269,9 +269,6 @@ def _reconcile_policy_once(
     measured, sources = _fleet_measurement(spec, pods, read_nvme)
     tiers = decide_tiers(spec, measured, sources)
     ready = ready_replicas(pods)
-    homes = _home_sets(
-        f"{namespace}/{name}", tuple(spec.tenants), tuple(p.name for p in ready), spec.affinity.k
-    )
     config = build_fleet_config(f"{namespace}/{name}", generation, spec, tiers, pods)
     text = dump_fleet_config(config)
     cm_name = spec.config_map_name or f"{name}{FLEET_CONFIGMAP_SUFFIX}"
@@ -302,6 +299,11 @@ def _reconcile_policy_once(
     if live is None or live.get("fleet.yaml") != text:
         kube.apply(fleet_configmap(namespace, cm_name, name, meta["uid"], text))
         wrote = True
+    # Planned after the publish: the config does not need the plan (readers rank tenants
+    # themselves), only the status does, and a first plan of a large fleet takes seconds.
+    homes = _home_sets(
+        f"{namespace}/{name}", tuple(spec.tenants), tuple(p.name for p in ready), spec.affinity.k
+    )
     message = (
         f"{len(ready)} ready replica(s), {len(homes.home_sets)} tenant(s), "
         f"tiers {tiers.summary}; published to ConfigMap {cm_name}"
