@@ -57,6 +57,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvfleet_runtime.pools import REDIS_MAX_CONNECTIONS
+
 __all__ = [
     "DEFAULT_TTL_S",
     "EmbeddedHintIndex",
@@ -85,6 +87,8 @@ class HintIndexStats:
     """Failed or timed-out calls (each answered "nobody" or dropped)."""
     num_skipped: int = 0
     """Calls not attempted because the index is backing off after an error."""
+    num_busy: int = 0
+    """Lookups not attempted because every connection was in use (`max_connections`)."""
 
 
 class HintIndex(Protocol):
@@ -228,7 +232,8 @@ class EmbeddedHintIndex:
 
 
 class RedisHintIndex:
-    """The shared index in Redis. `client` is a `redis.asyncio.Redis`; use `from_url`."""
+    """The shared index in Redis. `client` is a `redis.asyncio.Redis`; use `from_url`.
+    `max_connections` must be what the client's pool is capped at (`from_url` does both)."""
 
     def __init__(
         self,
@@ -242,8 +247,13 @@ class RedisHintIndex:
         max_backoff_s: float = 10.0,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        max_connections: int = REDIS_MAX_CONNECTIONS,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self._client = client
+        self.max_connections = max_connections
+        self._slots = asyncio.Semaphore(max_connections)
         self.namespace = namespace
         self.ttl_s = ttl_s
         self.lookup_budget_s = lookup_budget_s
@@ -266,12 +276,14 @@ class RedisHintIndex:
         from redis.asyncio import Redis
 
         connect_timeout_s = kwargs.pop("connect_timeout_s", 0.5)
+        kwargs.setdefault("max_connections", REDIS_MAX_CONNECTIONS)
         client = Redis.from_url(
             url,
             socket_connect_timeout=connect_timeout_s,
             socket_timeout=kwargs.get("write_timeout_s", 0.5),
             retry_on_timeout=False,
             health_check_interval=0,
+            max_connections=kwargs["max_connections"],
         )
         return cls(client, **kwargs)
 
@@ -315,22 +327,27 @@ class RedisHintIndex:
             result: list[Any] = await pipe.execute()
         return result
 
-    async def _run(
-        self, build: Callable[[Any], None], timeout_s: float, shard: str = ""
-    ) -> list[Any] | None:
-        result: list[Any] | None = await self._call(
-            lambda: self._pipeline(build), timeout_s, shard)
-        return result
-
     async def _call(
-        self, make: Callable[[], Awaitable[Any]], timeout_s: float, shard: str = ""
+        self, make: Callable[[], Awaitable[Any]], timeout_s: float, shard: str = "",
+        *, wait: bool = True,
     ) -> Any:
-        """`make()`'s result, or None when it failed, timed out or was not tried (backoff)."""
+        """`make()`'s result, or None when it failed, timed out or was not tried (backoff; or,
+        unless `wait`, every connection busy). At most `max_connections` calls are in flight."""
         if self.monotonic() < self._down_until.get(shard, 0.0):
             self.stats.num_skipped += 1
             return None
+        if not wait and self._slots.locked():
+            self.stats.num_busy += 1  # saturated, not broken: no backoff
+            return None
         try:
-            result = await asyncio.wait_for(make(), timeout_s)
+            if wait:
+                result = await asyncio.wait_for(self._in_slot(make), timeout_s)
+            else:
+                await self._slots.acquire()  # one is free (checked above): returns at once
+                try:
+                    result = await asyncio.wait_for(make(), timeout_s)
+                finally:
+                    self._slots.release()
         except Exception as exc:
             # Any failure (timeout, connection refused or reset, server error, a slot moving)
             # is a non-answer; the backoff keeps an outage from costing every request a timeout.
@@ -344,6 +361,10 @@ class RedisHintIndex:
         self._down_until.pop(shard, None)
         self._next_backoff_s.pop(shard, None)
         return result
+
+    async def _in_slot(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        async with self._slots:
+            return await make()
 
     async def publish(
         self, host: str, hashes: Sequence[bytes], *, tenant: str | None = None
@@ -385,7 +406,8 @@ class RedisHintIndex:
             for key in keys:
                 pipe.zrangebyscore(key, f"({now!r}", "+inf")
 
-        result = await self._run(build, self.lookup_budget_s, self._shard(keys[0]))
+        result = await self._call(lambda: self._pipeline(build), self.lookup_budget_s,
+                                  self._shard(keys[0]), wait=False)
         if result is None:
             return [frozenset()] * len(hashes)
         return [frozenset(_text(m) for m in members) for members in result]
@@ -408,7 +430,7 @@ class RedisHintIndex:
         args = [repr(self.clock()), self._block_key(b"", tenant), chain.hex(), 2 * width]
         flat = await self._call(
             lambda: self._runs_script(keys=[first], args=args), self.lookup_budget_s,
-            self._shard(first),
+            self._shard(first), wait=False,
         )
         if not flat:
             return {}
@@ -473,6 +495,7 @@ class RedisClusterHintIndex(RedisHintIndex):
                 raise ValueError(f"a Redis Cluster seed must be redis://host:port, got {url!r}")
         first = parts[0]
         connect_timeout_s = kwargs.pop("connect_timeout_s", 0.5)
+        kwargs.setdefault("max_connections", REDIS_MAX_CONNECTIONS)
         client = RedisCluster(
             startup_nodes=[ClusterNode(p.hostname or "", p.port or 6379) for p in parts],
             username=first.username or None,
@@ -482,6 +505,7 @@ class RedisClusterHintIndex(RedisHintIndex):
             socket_timeout=kwargs.get("write_timeout_s", 0.5),
             # Retries belong to the caller's budget, not to the client: one try, then backoff.
             retry=Retry(NoBackoff(), 0),
+            max_connections=kwargs["max_connections"],  # per master
         )
         return cls(client, **kwargs)
 
