@@ -254,6 +254,7 @@ class RedisHintIndex:
         self._client = client
         self.max_connections = max_connections
         self._slots = asyncio.Semaphore(max_connections)
+        self._calls: set[asyncio.Future[Any]] = set()
         self.namespace = namespace
         self.ttl_s = ttl_s
         self.lookup_budget_s = lookup_budget_s
@@ -343,11 +344,16 @@ class RedisHintIndex:
             if wait:
                 result = await asyncio.wait_for(self._in_slot(make), timeout_s)
             else:
-                await self._slots.acquire()  # one is free (checked above): returns at once
-                try:
-                    result = await asyncio.wait_for(make(), timeout_s)
-                finally:
-                    self._slots.release()
+                # One is free (checked above): returns at once. The call runs on in its own
+                # task when the budget cuts the request's wait short, so its connection goes back
+                # to the pool with the reply instead of being dropped (a cancelled redis-py call
+                # disconnects, and the next call paid a connect: the largest cost in the router's
+                # profile under load); it keeps its slot until then, so the cap still holds.
+                await self._slots.acquire()
+                call = asyncio.ensure_future(make())
+                self._calls.add(call)
+                call.add_done_callback(self._call_done)
+                result = await asyncio.wait_for(asyncio.shield(call), timeout_s)
         except Exception as exc:
             # Any failure (timeout, connection refused or reset, server error, a slot moving)
             # is a non-answer; the backoff keeps an outage from costing every request a timeout.
@@ -361,6 +367,12 @@ class RedisHintIndex:
         self._down_until.pop(shard, None)
         self._next_backoff_s.pop(shard, None)
         return result
+
+    def _call_done(self, call: asyncio.Future[Any]) -> None:
+        self._calls.discard(call)
+        self._slots.release()
+        if not call.cancelled():
+            call.exception()  # retrieved: a late failure was counted when the budget ran out
 
     async def _in_slot(self, make: Callable[[], Awaitable[Any]]) -> Any:
         async with self._slots:
@@ -449,6 +461,8 @@ class RedisHintIndex:
         return None if result is None else _text(result)
 
     async def close(self) -> None:
+        for call in list(self._calls):
+            call.cancel()
         if self._warming is not None:
             self._warming.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

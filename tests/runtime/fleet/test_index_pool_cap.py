@@ -42,3 +42,31 @@ async def test_a_burst_stays_within_the_connection_cap(redis_server: RedisProces
         assert await index.lookup_runs(CHAIN, tenant="acme") == truth
     finally:
         await index.close()
+
+
+async def test_a_lookup_cut_short_by_its_budget_keeps_its_connection(
+    redis_server: RedisProcess,
+) -> None:
+    now = [0.0]
+    index = RedisHintIndex.from_url(redis_server.url, max_connections=CAP, lookup_budget_s=2.0,
+                                    write_timeout_s=10.0, monotonic=lambda: now[0])
+    try:
+        await index.publish("r1", CHAIN, tenant="acme")
+        assert await index.lookup_runs(CHAIN, tenant="acme") == {"r1": len(CHAIN)}
+        opened = _connections_received(redis_server)
+        index.lookup_budget_s = 1e-6  # no reply can come back within this
+        for _ in range(5):
+            assert await index.lookup_runs(CHAIN, tenant="acme") == {}
+            now[0] += 60.0  # past the backoff the overrun started
+            for _ in range(200):  # the call finishes on its own, and gives its slot back
+                if not index._calls:
+                    break
+                await asyncio.sleep(0.01)
+        assert index.stats.num_errors == 5 and not index._calls
+        index.lookup_budget_s = 2.0
+        assert await index.lookup_runs(CHAIN, tenant="acme") == {"r1": len(CHAIN)}
+        # No connection was dropped, so none was opened again; +1: this INFO connection, +1: the
+        # warm-up after the first error (SCRIPT LOAD) took a second one while the first was busy.
+        assert _connections_received(redis_server) - opened <= 2
+    finally:
+        await index.close()
