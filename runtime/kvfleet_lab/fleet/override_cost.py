@@ -144,7 +144,8 @@ async def _rounds(url: str, prompt: str, key: Any, rounds: int, encode: Any, has
             runs = await lookup(chain)
             samples[name].append(time.perf_counter() - t)
             if runs != want:
-                raise RuntimeError(f"{name}: {runs} != {want}")
+                raise RuntimeError(f"{name}: {runs} != {want} after {time.perf_counter() - t:.3f} s"
+                                   f" ({after.stats}, {before.stats})")
     # Redis' own time per call of each script (INFO commandstats, counted one kind at a time).
     server_us: dict[str, float] = {}
     for name, lookup in (("lookup (keys)", lookup_keys), ("lookup (one argument)", lookup_arg)):
