@@ -78,7 +78,7 @@ def test_fleet_config_is_canonical_and_parses_back() -> None:
     ]
     tiers = decide_tiers(SPEC)
     homes = plan_home_sets(SPEC.tenants, [p.name for p in ready_replicas(pods)], SPEC.affinity.k)
-    config = build_fleet_config("ns/kv", 4, SPEC, tiers, pods, homes)
+    config = build_fleet_config("ns/kv", 4, SPEC, tiers, pods)
     text = dump_fleet_config(config)
     assert parse_fleet_config(text) == config
     assert [r.name for r in config.replicas] == ["llm-a", "llm-b"]
@@ -86,10 +86,40 @@ def test_fleet_config_is_canonical_and_parses_back() -> None:
     assert config.replicas[1].weights_digest == "sha256:" + "1" * 64
     assert config.tiers.nvme is False and config.tiers.t1_host is True
     assert config.affinity.k == 2 and config.platform_prefixes == ("sys-preamble-v1",)
-    assert set(config.home_sets) == {"acme", "globex", "initech"}
+    # No home sets in the text: each reader's own rendezvous over `replicas` gives the plan's.
+    assert config.home_sets == {} and '"home_sets": {}' in text
+    names = sorted(r.name for r in config.replicas)
+    assert {t: tuple(rendezvous_top_k(t, names, config.affinity.k)) for t in SPEC.tenants} == (
+        homes.home_sets
+    )
     assert config.model_id == "reference-70b" and config.policy == "ns/kv"
-    again = build_fleet_config("ns/kv", 4, SPEC, tiers, list(reversed(pods)), homes)
+    again = build_fleet_config("ns/kv", 4, SPEC, tiers, list(reversed(pods)))
     assert dump_fleet_config(again) == text
     summary = homes.summary("kv-fleet", text)
     assert (summary.num_tenants, summary.num_replicas, summary.k) == (3, 2, 2)
     assert summary.min_tenants_per_replica + summary.max_tenants_per_replica == 6
+
+
+def test_replan_from_previous_equals_a_fresh_plan() -> None:
+    tenants = [f"t{i}" for i in range(300)]
+    replicas = [f"r{i:02d}" for i in range(12)]
+    plan = plan_home_sets(tenants, replicas, 3)
+    steps = [
+        replicas[:-1],  # one leaves
+        [*replicas[:-1], "r99"],  # one joins
+        ["r00", "r05"],  # fewer than k
+        ["r00", "r05", "r07", "r08", "r11"],  # back above k
+        replicas,
+    ]
+    for names in steps:
+        plan = plan_home_sets(tenants, names, 3, previous=plan)
+        fresh = plan_home_sets(tenants, names, 3)
+        assert plan.home_sets == fresh.home_sets
+        assert plan.tenants_per_replica == fresh.tenants_per_replica
+    # New tenants, dropped tenants and another k are planned too.
+    again = plan_home_sets([*tenants[100:], "new"], replicas, 3, previous=plan)
+    assert again.home_sets == plan_home_sets([*tenants[100:], "new"], replicas, 3).home_sets
+    other_k = plan_home_sets(tenants, replicas, 2, previous=plan)
+    assert other_k.home_sets == plan_home_sets(tenants, replicas, 2).home_sets
+    # Nothing changed: the same plan, nothing rehashed.
+    assert plan_home_sets(tenants, replicas, 3, previous=plan) is plan

@@ -330,6 +330,8 @@ def test_a_fleet_config_too_big_for_a_configmap_is_refused(
     import kopf
 
     monkeypatch.setattr(handlers, "MAX_FLEET_CONFIG_BYTES", 2000)
+    for i in range(3, 30):  # the replica list is what fills a config now, not the tenants
+        kube.put("Pod", pod(f"llm-{i}", f"10.0.1.{i}"))
     kube.put(
         "kvcachepolicies",
         {

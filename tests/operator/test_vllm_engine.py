@@ -26,7 +26,7 @@ from kvfleet_operator.metrics import (
     queries_for,
     read_hit_rates,
 )
-from kvfleet_operator.planning import build_fleet_config, decide_tiers, plan_home_sets
+from kvfleet_operator.planning import build_fleet_config, decide_tiers
 from kvfleet_runtime.fleetconfig import dump_fleet_config, parse_fleet_config
 from tests.operator.test_fleet import SPEC
 
@@ -49,8 +49,7 @@ def test_the_fleet_config_tells_the_router_which_replicas_are_vllm() -> None:
                             "status": {**RUNNING, "podIP": ip}})
             for name, ip, annotations in (("llm-v", "10.0.0.1", {ENGINE_ANNOTATION: "vllm"}),
                                           ("llm-k", "10.0.0.2", {}))]
-    homes = plan_home_sets(SPEC.tenants, [p.name for p in pods], SPEC.affinity.k)
-    config = build_fleet_config("ns/kv", 1, SPEC, decide_tiers(SPEC), pods, homes)
+    config = build_fleet_config("ns/kv", 1, SPEC, decide_tiers(SPEC), pods)
     assert {r.name: r.engine for r in config.replicas} == {"llm-k": "kvfleet", "llm-v": "vllm"}
     text = dump_fleet_config(config)
     assert parse_fleet_config(text) == config
@@ -70,8 +69,7 @@ def test_the_fleet_config_gives_vllm_replicas_their_peer_url() -> None:
                                           ("llm-k", "10.0.0.2", {}),
                                           # stray on a kvfleet pod: ignored
                                           ("llm-s", "10.0.0.3", {PEER_PORT_ANNOTATION: "8701"}))]
-    homes = plan_home_sets(SPEC.tenants, [p.name for p in pods], SPEC.affinity.k)
-    config = build_fleet_config("ns/kv", 1, SPEC, decide_tiers(SPEC), pods, homes)
+    config = build_fleet_config("ns/kv", 1, SPEC, decide_tiers(SPEC), pods)
     by_name = {r.name: r for r in config.replicas}
     assert by_name["llm-v"].peer_url == "http://10.0.0.1:8701"
     assert by_name["llm-v"].url == f"http://10.0.0.1:{SPEC.replica_port}"

@@ -149,3 +149,36 @@ def test_a_reverted_file_clears_the_rejection(tmp_path: Path) -> None:
     assert watcher.error == "c.yaml: not valid"
     path.write_text("a: 1\n")
     assert watcher.poll() is None and watcher.error == ""
+
+
+def test_json_text_is_read_by_json_within_the_same_bounds() -> None:
+    import json as _json
+
+    from kvfleet_runtime import configwatch
+    from kvfleet_runtime.configwatch import MAX_CONFIG_DEPTH, MAX_CONFIG_NODES, parse_config_text
+
+    config = {"generation": 3, "replicas": [{"name": f"r{i}", "ready": True} for i in range(50)],
+              "home_sets": {}, "t": 0.5, "s": "x: y"}
+    text = _json.dumps(config, indent=2)
+    assert parse_config_text(text, "f") == config == parse_config_text(text.encode(), "f")
+    # The same data as the YAML reader gives for JSON text; NaN (not JSON) goes to YAML, as before.
+    loader = configwatch._BoundedLoader(text)
+    try:
+        assert loader.get_single_data() == config
+    finally:
+        loader.dispose()
+    assert parse_config_text('{"a": NaN}', "f") == {"a": "NaN"}
+    assert parse_config_text("{a: 1}", "f") == {"a": 1}  # YAML flow style, not JSON
+    ok = "[" * (MAX_CONFIG_DEPTH - 1) + "]" * (MAX_CONFIG_DEPTH - 1)
+    assert parse_config_text('{"a": ' + ok + "}", "f") is not None
+    wide = _json.dumps({"a": [0] * MAX_CONFIG_NODES})
+    for text, why in [('{"a": ' + "[" * MAX_CONFIG_DEPTH + "]" * MAX_CONFIG_DEPTH + "}",
+                       "nests deeper than 32 levels"),
+                      ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests deeper than 32"),
+                      (wide, f"more than {MAX_CONFIG_NODES} nodes"),
+                      ('{"a": 1', "not valid YAML/JSON at line 1")]:
+        with pytest.raises(ValueError) as err:
+            parse_config_text(text, "f.json")
+        message = str(err.value)
+        assert message.startswith("f.json: ") and why in message, message
+        assert "\n" not in message and len(message) <= 500

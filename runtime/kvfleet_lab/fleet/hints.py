@@ -120,7 +120,7 @@ class _SpreadLayoutIndex(RedisClusterHintIndex):
                 pipe.zadd(key, {host: expiry})
                 pipe.expire(key, ttl)
 
-        await self._run(build, self.write_timeout_s)
+        await self._call(lambda: self._pipeline(build), self.write_timeout_s)
 
     async def lookup_runs(
         self, hashes: Sequence[bytes], *, tenant: str | None = None
@@ -243,7 +243,9 @@ async def _lookup_cpu_us(index: RedisHintIndex, masters: Sequence[RedisNode],
 
 
 def _index_for(target: str, server: RedisNode | RedisCluster, **kwargs: Any) -> RedisHintIndex:
-    generous = {"lookup_budget_s": 1.0, "write_timeout_s": 5.0, **kwargs}
+    # One index plays every simulated replica: no single process's connection cap applies.
+    generous = {"lookup_budget_s": 1.0, "write_timeout_s": 5.0, "max_connections": 1 << 16,
+                **kwargs}
     if isinstance(server, RedisCluster):
         return RedisClusterHintIndex.from_urls(server.seed_urls[:3], **generous)
     return RedisHintIndex.from_url(server.url, **generous)

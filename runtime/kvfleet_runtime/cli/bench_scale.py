@@ -23,13 +23,29 @@ def router_capacity(
     replicas: Annotated[int, typer.Option(help="Stub replicas behind the router.")] = 4,
     profile: Annotated[bool, typer.Option(help="cProfile the router at 80% with the override.")]
     = True,
+    override_cost: Annotated[
+        bool,
+        typer.Option(help="Instead: the override's own cost per stage, the hint lookup with the "
+                          "chain as KEYS (before) and as one argument (now), side by side."),
+    ] = False,
+    rounds: Annotated[int, typer.Option(help="Rounds of --override-cost.")] = 2000,
 ) -> None:
     """One router process: capacity (requests/s) and overhead p50/p99 at 50/80/100% of it, with
     and without the cache-aware override (tokenize + hint lookup); JSON."""
     from kvfleet_lab.fleet.router_capacity import bench_router_capacity
 
-    if prompt_tokens < 16 or concurrency < 1 or seconds <= 0 or replicas < 1:
-        fail("--prompt-tokens >= 16, --concurrency >= 1, --seconds > 0, --replicas >= 1")
+    if prompt_tokens < 16 or concurrency < 1 or seconds <= 0 or replicas < 1 or rounds < 1:
+        fail("--prompt-tokens >= 16, --concurrency >= 1, --seconds > 0, --replicas >= 1, "
+             "--rounds >= 1")
+    if override_cost:
+        from kvfleet_lab.fleet.override_cost import bench_override_cost
+
+        try:
+            cost = bench_override_cost(prompt_tokens=prompt_tokens, rounds=rounds)
+        except (OSError, RuntimeError) as exc:
+            fail(str(exc))
+        Console(highlight=False).print(cost.to_json(), markup=False)
+        return
     try:
         report = bench_router_capacity(prompt_tokens=prompt_tokens, concurrency=concurrency,
                                        seconds_per_level=seconds, num_replicas=replicas,

@@ -7,11 +7,16 @@ import os
 import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kvfleet_runtime.cli._app import app, fail
+from kvfleet_runtime.pools import (
+    REDIS_MAX_CONNECTIONS,
+    UPSTREAM_MAX_CONNECTIONS,
+    UPSTREAM_MAX_CONNECTIONS_PER_REPLICA,
+)
 
 __all__ = ["router"]
 
@@ -91,6 +96,18 @@ def router(
                      help="A hint lookup slower than this is skipped (override off for that "
                      "request)."),
     ] = 0.002,
+    redis_max_connections: Annotated[
+        int,
+        typer.Option(envvar="KVFLEET_REDIS_MAX_CONNECTIONS",
+                     help="Connections to the hint index (to each master of a cluster); a "
+                     "lookup that finds them all busy is skipped."),
+    ] = REDIS_MAX_CONNECTIONS,
+    upstream_max_connections_per_replica: Annotated[
+        int, typer.Option(help="Connections to one replica; requests beyond wait for one.")
+    ] = UPSTREAM_MAX_CONNECTIONS_PER_REPLICA,
+    upstream_max_connections: Annotated[
+        int, typer.Option(help="Connections to all replicas together.")
+    ] = UPSTREAM_MAX_CONNECTIONS,
     k: Annotated[int, typer.Option(help="Home replicas per tenant (config overrides).")] = 3,
     occupancy_threshold: Annotated[
         float, typer.Option(help="Spill when every home's KV occupancy is at or above this.")
@@ -174,7 +191,14 @@ def router(
         fail(f"--tokenizer: {exc}")
     if not hint_lookup_budget_s > 0:
         fail(f"--hint-lookup-budget-s must be > 0, got {hint_lookup_budget_s}")
-    budget = {"lookup_budget_s": hint_lookup_budget_s}
+    if redis_max_connections < 1:
+        fail(f"--redis-max-connections must be >= 1, got {redis_max_connections}")
+    if not 1 <= upstream_max_connections_per_replica <= upstream_max_connections:
+        fail("need 1 <= --upstream-max-connections-per-replica "
+             f"({upstream_max_connections_per_replica}) <= --upstream-max-connections "
+             f"({upstream_max_connections})")
+    budget: dict[str, Any] = {"lookup_budget_s": hint_lookup_budget_s,
+                              "max_connections": redis_max_connections}
     index: HintIndex | None = (
         RedisHintIndex.from_url(redis_url, **budget) if redis_url else None)
     seeds = split_seed_urls(redis_cluster_urls or "")
@@ -203,5 +227,7 @@ def router(
         upstream_first_byte_timeout_s=upstream_first_byte_timeout_s,
         upstream_read_timeout_s=upstream_read_timeout_s,
         replica_backoff_s=replica_backoff_s,
+        upstream_max_connections=upstream_max_connections,
+        upstream_max_connections_per_replica=upstream_max_connections_per_replica,
     )
     run_app(create_router_app(state), host=host, port=port)

@@ -57,6 +57,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvfleet_runtime.pools import REDIS_MAX_CONNECTIONS
+
 __all__ = [
     "DEFAULT_TTL_S",
     "EmbeddedHintIndex",
@@ -85,6 +87,8 @@ class HintIndexStats:
     """Failed or timed-out calls (each answered "nobody" or dropped)."""
     num_skipped: int = 0
     """Calls not attempted because the index is backing off after an error."""
+    num_busy: int = 0
+    """Lookups not attempted because every connection was in use (`max_connections`)."""
 
 
 class HintIndex(Protocol):
@@ -228,7 +232,8 @@ class EmbeddedHintIndex:
 
 
 class RedisHintIndex:
-    """The shared index in Redis. `client` is a `redis.asyncio.Redis`; use `from_url`."""
+    """The shared index in Redis. `client` is a `redis.asyncio.Redis`; use `from_url`.
+    `max_connections` must be what the client's pool is capped at (`from_url` does both)."""
 
     def __init__(
         self,
@@ -242,8 +247,14 @@ class RedisHintIndex:
         max_backoff_s: float = 10.0,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        max_connections: int = REDIS_MAX_CONNECTIONS,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self._client = client
+        self.max_connections = max_connections
+        self._slots = asyncio.Semaphore(max_connections)
+        self._calls: set[asyncio.Future[Any]] = set()
         self.namespace = namespace
         self.ttl_s = ttl_s
         self.lookup_budget_s = lookup_budget_s
@@ -266,12 +277,14 @@ class RedisHintIndex:
         from redis.asyncio import Redis
 
         connect_timeout_s = kwargs.pop("connect_timeout_s", 0.5)
+        kwargs.setdefault("max_connections", REDIS_MAX_CONNECTIONS)
         client = Redis.from_url(
             url,
             socket_connect_timeout=connect_timeout_s,
             socket_timeout=kwargs.get("write_timeout_s", 0.5),
             retry_on_timeout=False,
             health_check_interval=0,
+            max_connections=kwargs["max_connections"],
         )
         return cls(client, **kwargs)
 
@@ -315,22 +328,32 @@ class RedisHintIndex:
             result: list[Any] = await pipe.execute()
         return result
 
-    async def _run(
-        self, build: Callable[[Any], None], timeout_s: float, shard: str = ""
-    ) -> list[Any] | None:
-        result: list[Any] | None = await self._call(
-            lambda: self._pipeline(build), timeout_s, shard)
-        return result
-
     async def _call(
-        self, make: Callable[[], Awaitable[Any]], timeout_s: float, shard: str = ""
+        self, make: Callable[[], Awaitable[Any]], timeout_s: float, shard: str = "",
+        *, wait: bool = True,
     ) -> Any:
-        """`make()`'s result, or None when it failed, timed out or was not tried (backoff)."""
+        """`make()`'s result, or None when it failed, timed out or was not tried (backoff; or,
+        unless `wait`, every connection busy). At most `max_connections` calls are in flight."""
         if self.monotonic() < self._down_until.get(shard, 0.0):
             self.stats.num_skipped += 1
             return None
+        if not wait and self._slots.locked():
+            self.stats.num_busy += 1  # saturated, not broken: no backoff
+            return None
         try:
-            result = await asyncio.wait_for(make(), timeout_s)
+            if wait:
+                result = await asyncio.wait_for(self._in_slot(make), timeout_s)
+            else:
+                # One is free (checked above): returns at once. The call runs on in its own
+                # task when the budget cuts the request's wait short, so its connection goes back
+                # to the pool with the reply instead of being dropped (a cancelled redis-py call
+                # disconnects, and the next call paid a connect: the largest cost in the router's
+                # profile under load); it keeps its slot until then, so the cap still holds.
+                await self._slots.acquire()
+                call = asyncio.ensure_future(make())
+                self._calls.add(call)
+                call.add_done_callback(self._call_done)
+                result = await asyncio.wait_for(asyncio.shield(call), timeout_s)
         except Exception as exc:
             # Any failure (timeout, connection refused or reset, server error, a slot moving)
             # is a non-answer; the backoff keeps an outage from costing every request a timeout.
@@ -344,6 +367,16 @@ class RedisHintIndex:
         self._down_until.pop(shard, None)
         self._next_backoff_s.pop(shard, None)
         return result
+
+    def _call_done(self, call: asyncio.Future[Any]) -> None:
+        self._calls.discard(call)
+        self._slots.release()
+        if not call.cancelled():
+            call.exception()  # retrieved: a late failure was counted when the budget ran out
+
+    async def _in_slot(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        async with self._slots:
+            return await make()
 
     async def publish(
         self, host: str, hashes: Sequence[bytes], *, tenant: str | None = None
@@ -385,7 +418,8 @@ class RedisHintIndex:
             for key in keys:
                 pipe.zrangebyscore(key, f"({now!r}", "+inf")
 
-        result = await self._run(build, self.lookup_budget_s, self._shard(keys[0]))
+        result = await self._call(lambda: self._pipeline(build), self.lookup_budget_s,
+                                  self._shard(keys[0]), wait=False)
         if result is None:
             return [frozenset()] * len(hashes)
         return [frozenset(_text(m) for m in members) for members in result]
@@ -396,11 +430,19 @@ class RedisHintIndex:
         self.stats.num_lookups += 1
         if not hashes:
             return {}
-        keys = [self._block_key(h, tenant) for h in hashes]
-        now = repr(self.clock())
+        # The chain goes as one argument (the hashes' hex, joined) and the script names the
+        # keys: 125 key names built in Python and packed by redis-py were the largest part of
+        # the router's cost of a lookup. The first key is declared, so a cluster client sends
+        # the call to its slot's master; the others share its tenant's hash tag, hence its slot.
+        width = len(hashes[0])
+        chain = b"".join(hashes)
+        if len(chain) != width * len(hashes):
+            raise ValueError("block hashes of one chain must have one length")
+        first = self._block_key(hashes[0], tenant)
+        args = [repr(self.clock()), self._block_key(b"", tenant), chain.hex(), 2 * width]
         flat = await self._call(
-            lambda: self._runs_script(keys=keys, args=[now]), self.lookup_budget_s,
-            self._shard(keys[0]),
+            lambda: self._runs_script(keys=[first], args=args), self.lookup_budget_s,
+            self._shard(first), wait=False,
         )
         if not flat:
             return {}
@@ -419,6 +461,8 @@ class RedisHintIndex:
         return None if result is None else _text(result)
 
     async def close(self) -> None:
+        for call in list(self._calls):
+            call.cancel()
         if self._warming is not None:
             self._warming.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -465,6 +509,7 @@ class RedisClusterHintIndex(RedisHintIndex):
                 raise ValueError(f"a Redis Cluster seed must be redis://host:port, got {url!r}")
         first = parts[0]
         connect_timeout_s = kwargs.pop("connect_timeout_s", 0.5)
+        kwargs.setdefault("max_connections", REDIS_MAX_CONNECTIONS)
         client = RedisCluster(
             startup_nodes=[ClusterNode(p.hostname or "", p.port or 6379) for p in parts],
             username=first.username or None,
@@ -474,6 +519,7 @@ class RedisClusterHintIndex(RedisHintIndex):
             socket_timeout=kwargs.get("write_timeout_s", 0.5),
             # Retries belong to the caller's budget, not to the client: one try, then backoff.
             retry=Retry(NoBackoff(), 0),
+            max_connections=kwargs["max_connections"],  # per master
         )
         return cls(client, **kwargs)
 
@@ -510,9 +556,11 @@ return #KEYS
 
 _RUNS_LUA = """
 local bound = '(' .. ARGV[1]
+local prefix, chain, width = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local alive = nil
 local runs = {}
-for i, key in ipairs(KEYS) do
+for i = 1, #chain / width do
+  local key = prefix .. string.sub(chain, (i - 1) * width + 1, i * width)
   local next_alive = {}
   local any = false
   for _, host in ipairs(redis.call('ZRANGEBYSCORE', key, bound, '+inf')) do

@@ -76,6 +76,7 @@ from kvfleet_runtime.api import (
 from kvfleet_runtime.auth import cache_salt, sign_assertion
 from kvfleet_runtime.cache import block_hashes
 from kvfleet_runtime.fleet.index import HintIndex
+from kvfleet_runtime.pools import UPSTREAM_MAX_CONNECTIONS, UPSTREAM_MAX_CONNECTIONS_PER_REPLICA
 from kvfleet_runtime.router._view import FleetView
 from kvfleet_runtime.routing import ApiKeyMap, RouteDecision, choose_replica
 from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
@@ -168,6 +169,9 @@ class RouterState:
     poll_interval_s: float = 0.5
     config_poll_s: float = 1.0
     session: aiohttp.ClientSession | None = None
+    upstream_max_connections: int = UPSTREAM_MAX_CONNECTIONS
+    upstream_max_connections_per_replica: int = UPSTREAM_MAX_CONNECTIONS_PER_REPLICA
+    """The caps of the upstream pool the router makes (not of a `session` given to it)."""
     tokenizer: Tokenizer | None = None
     """The model's tokenizer (`kvfleet router --tokenizer DIR`), for text prompts; used only while
     the replicas report the same tokenizer name."""
@@ -179,6 +183,11 @@ class RouterState:
     _warned_tokenizers: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.upstream_max_connections_per_replica <= self.upstream_max_connections:
+            raise ValueError(
+                "upstream connection caps: need 1 <= per replica "
+                f"({self.upstream_max_connections_per_replica}) <= total "
+                f"({self.upstream_max_connections})")
         r = self.registry
         self.m_decisions = Counter(
             "kvfleet_router_decisions", "Routing decisions by reason.", ["reason"], registry=r
@@ -738,7 +747,11 @@ def _lifecycle(state: RouterState) -> Callable[[web.Application], AsyncIterator[
         own_session = state.session is None
         if own_session:
             state.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                connector=aiohttp.TCPConnector(
+                    limit=state.upstream_max_connections,
+                    limit_per_host=state.upstream_max_connections_per_replica,
+                    keepalive_timeout=30,
+                ),
                 auto_decompress=False,
             )
         assert state.session is not None

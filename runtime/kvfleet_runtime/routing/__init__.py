@@ -18,6 +18,7 @@ from kvfleet_runtime.routing.rendezvous import (
     rendezvous_rank,
     rendezvous_top_k,
     rendezvous_weight,
+    weighted_top_k,
 )
 from kvfleet_runtime.routing.tenants import ApiKeyMap, bearer_token, load_api_keys, parse_api_keys
 
@@ -35,4 +36,5 @@ __all__ = [
     "rendezvous_rank",
     "rendezvous_top_k",
     "rendezvous_weight",
+    "weighted_top_k",
 ]

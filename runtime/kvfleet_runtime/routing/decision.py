@@ -91,8 +91,10 @@ def choose_replica(
         # Published homes that are not ready are replaced by the tenant's next rendezvous choices
         # among ready replicas, so one replica going away moves only its own tenants.
         kept = [r for r in home_set if r in by_name][:k]
-        extra = [r for r in rendezvous_rank(tenant_id, sorted(by_name)) if r not in kept]
-        homes = tuple(kept + extra[: k - len(kept)])
+        if len(kept) < k:  # ranking every replica is one hash each: only when homes are missing
+            extra = [r for r in rendezvous_rank(tenant_id, sorted(by_name)) if r not in kept]
+            kept += extra[: k - len(kept)]
+        homes = tuple(kept)
     else:
         homes = tuple(rendezvous_top_k(tenant_id, sorted(by_name), k))
     matched = matched_tokens or {}

