@@ -6,7 +6,6 @@ plain data in, plain data out, so the unit tests need neither vLLM nor a server.
 
 from __future__ import annotations
 
-import random
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -14,8 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["BY_SOURCE", "SOURCES", "RunFigures", "SourceTokens", "busiest_roots",
-           "by_source", "chunk_words", "read_run", "saved_ratio", "summary", "trace_prompts",
-           "word_vocab"]
+           "by_source", "read_run", "saved_ratio", "summary", "trace_rows", "word_vocab"]
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -31,13 +29,6 @@ def word_vocab(num_words: int) -> list[str]:
     return [f"w{i}" for i in range(num_words)]
 
 
-def chunk_words(hash_id: int, num_tokens: int, vocab: Sequence[str], seed: int) -> list[str]:
-    """The words a trace block stands for: the same block id gives the same words (a shared
-    prefix in the trace is a shared prefix of tokens), another seed other words."""
-    rng = random.Random(hash_id * 1_000_003 + seed)
-    return [vocab[rng.randrange(len(vocab))] for _ in range(num_tokens)]
-
-
 def busiest_roots(rows: Iterable[Mapping[str, Any]], num_roots: int) -> set[int]:
     """The `num_roots` first block ids that start the most requests (ties: the smaller id)."""
     counts = Counter(int(r["hash_ids"][0]) for r in rows if r.get("hash_ids"))
@@ -45,18 +36,21 @@ def busiest_roots(rows: Iterable[Mapping[str, Any]], num_roots: int) -> set[int]
     return {h for h, _ in ranked[:num_roots]}
 
 
-def trace_prompts(rows: Sequence[Mapping[str, Any]], *, num_requests: int, num_roots: int,
-                  block_tokens: int, max_blocks: int, max_output_tokens: int,
-                  vocab: Sequence[str], seed: int) -> list[dict[str, Any]]:
-    """`vllm bench serve --dataset-name custom` rows (`prompt`, `output_tokens`) from Mooncake
-    trace rows (`hash_ids`, `output_length`).
+def trace_rows(rows: Sequence[Mapping[str, Any]], *, num_requests: int, num_roots: int,
+               block_tokens: int, max_blocks: int, max_output_tokens: int, id_offset: int = 0
+               ) -> list[dict[str, Any]]:
+    """Mooncake trace rows (`hash_ids`, `input_length`, `output_length`) sized for a small
+    replica, for `vllm bench serve --dataset-name timed_trace --timed-trace-chunk-hash-size
+    block_tokens` (vLLM's own replay: each block id becomes the same `block_tokens` random
+    tokens wherever it appears, so a shared block prefix is a shared token prefix).
 
-    Mooncake's blocks are 512 tokens and its prompts run to 40k; a CPU replica serves 2k. Each
-    block becomes `block_tokens` words and a prompt keeps its first `max_blocks` blocks. The
-    whole trace reuses 60% of its blocks but a window of a few hundred consecutive requests only
-    6% (its reuse distances are thousands of requests), so the prompts are the requests that
-    start with one of the trace's `num_roots` busiest first blocks, in trace order: their
-    reuse (up to 0.9 of blocks) comes from the trace's own sharing, interleaved as it was."""
+    Mooncake's blocks are 512 tokens and its prompts run to 40k; a CPU replica serves 2k. A prompt
+    keeps its first `max_blocks` blocks. The whole trace reuses 60% of its blocks but a window of a
+    few hundred consecutive requests only 6% (its reuse distances are thousands of requests), so the
+    rows are the requests that start with one of the trace's `num_roots` busiest first blocks, in
+    trace order: their reuse (0.82 of blocks for 96 requests from 16 roots) is the trace's own
+    sharing, interleaved as it was. `id_offset` moves every block id (another run's blocks, never
+    this one's); timestamps are 0 (the client's concurrency paces the replay)."""
     if num_requests < 1 or num_roots < 1 or block_tokens < 1 or max_blocks < 1:
         raise ValueError(f"num_requests={num_requests}, num_roots={num_roots}, "
                          f"block_tokens={block_tokens}, max_blocks={max_blocks}: each must be >= 1")
@@ -66,9 +60,10 @@ def trace_prompts(rows: Sequence[Mapping[str, Any]], *, num_requests: int, num_r
         ids = [int(h) for h in row.get("hash_ids") or ()]
         if not ids or ids[0] not in roots:
             continue
-        words = [w for h in ids[:max_blocks] for w in chunk_words(h, block_tokens, vocab, seed)]
-        out.append({"prompt": " ".join(words),
-                    "output_tokens": max(1, min(int(row["output_length"]), max_output_tokens))})
+        kept = ids[:max_blocks]
+        out.append({"timestamp": 0, "input_length": len(kept) * block_tokens,
+                    "output_length": max(1, min(int(row["output_length"]), max_output_tokens)),
+                    "hash_ids": [h + id_offset for h in kept]})
         if len(out) == num_requests:
             break
     return out

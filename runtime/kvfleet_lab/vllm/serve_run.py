@@ -11,13 +11,13 @@ vLLM KV budget (`--kv-bytes`, small: the working set does not fit) and one host-
     kvfleet         vLLM + kvfleet's connector, num_host_blocks = host budget / block bytes
     lmcache         vLLM + LMCache's connector, when `--lmcache-python` names an env where it runs
 
-Workloads: `prefix_repetition` (vLLM's own dataset) and the vendored Mooncake trace as prompts
-(kvfleet_lab.vllm.serve_bench.trace_prompts). Then two kvfleet-connector replicas sharing KV
-over T2 (a real redis-server as the hint index), with two tenants (two concurrent clients),
-behind kvfleet's router (each tenant's home one replica) against round-robin over the same
-replicas, once with the tenants' signed salts (the same connectors, T2 included: routing is the
-only difference) and once plain (no salt: the connector steps aside, vLLM's prefix cache only).
-Each front's run uses its own prompt seed, so no run hits another's blocks.
+Workloads: `prefix_repetition` (vLLM's own dataset) and the vendored Mooncake trace (rows sized by
+kvfleet_lab.vllm.serve_bench.trace_rows, replayed by vLLM's own `timed_trace` dataset). Then two
+kvfleet-connector replicas sharing KV over T2 (a real redis-server as the hint index), with two
+tenants (two concurrent clients), behind kvfleet's router (each tenant's home one replica) against
+round-robin over the same replicas, once with the tenants' signed salts (the same connectors, T2
+included: routing is the only difference) and once plain (no salt: the connector steps aside, vLLM's
+prefix cache only). Each front's run uses its own prompt seed, so no run hits another's blocks.
 
 Figures: prompt tokens by source (`vllm:prompt_tokens_by_source_total`, scraped before and after
 each run), TTFT p50/p99 and request throughput from `--save-result`. With `--engine`, the same
@@ -50,7 +50,7 @@ from kvfleet_lab.vllm.serve_bench import (
     by_source,
     read_run,
     summary,
-    trace_prompts,
+    trace_rows,
     word_vocab,
 )
 
@@ -67,6 +67,8 @@ ROUTER_SECRET = "vllm-serve-bench-router-secret"
 PEER_SECRET = "vllm-serve-bench-peer-secret"
 REDIS_PASSWORD = "vllm-serve-bench-redis"
 START_TIMEOUT_S = 1200.0
+ID_STRIDE = 10_000_000
+"""Block-id offset per client seed: above the trace's largest id, so no two runs share a block."""
 
 
 def free_port() -> int:
@@ -267,7 +269,9 @@ class Bench:
                "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
                "--save-result", "--result-dir", str(result.parent), "--result-filename",
                result.name, *dataset]
-        env = {**self.base_env(), "OPENAI_API_KEY": api_key or "unused"}
+        # the trace replay seeds a block's tokens with Python's hash() of its id: one seed for
+        # every client, so a block id is the same tokens in every run
+        env = {**self.base_env(), "OPENAI_API_KEY": api_key or "unused", "PYTHONHASHSEED": "0"}
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False,
                               timeout=self.args.client_timeout_s)
         if done.returncode != 0:
@@ -278,18 +282,17 @@ class Bench:
 
     def workloads(self, seed: int, tenant: int = 0, num_tenants: int = 1
                   ) -> dict[str, list[str]]:
-        """Client arguments per workload: tenant i of n takes every n-th trace request (its
-        own words: `seed` is the client's) and prefix_repetition's prompts of its own seed."""
+        """Client arguments per workload: tenant i of n takes every n-th trace request (block
+        ids moved by `seed`: the client's own) and prefix_repetition's prompts of its seed."""
         a = self.args
         n = a.num_prompts // num_tenants
         rows = [json.loads(line) for line in Path(a.trace).read_text().splitlines() if line]
-        prompts = trace_prompts(rows, num_requests=a.num_prompts, num_roots=a.trace_roots,
-                                block_tokens=a.trace_block_tokens,
-                                max_blocks=a.trace_max_blocks,
-                                max_output_tokens=a.output_len, vocab=word_vocab(VOCAB_WORDS),
-                                seed=seed)[tenant::num_tenants]
+        trace = trace_rows(rows, num_requests=a.num_prompts, num_roots=a.trace_roots,
+                           block_tokens=a.trace_block_tokens, max_blocks=a.trace_max_blocks,
+                           max_output_tokens=a.output_len,
+                           id_offset=seed * ID_STRIDE)[tenant::num_tenants]
         path = self.work / f"mooncake-{seed}-{tenant}.jsonl"
-        path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+        path.write_text("".join(json.dumps(r) + "\n" for r in trace))
         return {
             "prefix_repetition": [
                 "--dataset-name", "prefix_repetition", "--num-prompts", str(n),
@@ -297,9 +300,9 @@ class Bench:
                 "--prefix-repetition-suffix-len", str(a.suffix_len),
                 "--prefix-repetition-num-prefixes", str(max(1, a.num_prefixes // num_tenants)),
                 "--prefix-repetition-output-len", str(a.output_len)],
-            "mooncake": ["--dataset-name", "custom", "--dataset-path", str(path),
-                         "--num-prompts", str(len(prompts)), "--custom-output-len", "-1",
-                         "--disable-shuffle", "--skip-chat-template"],
+            "mooncake": ["--dataset-name", "timed_trace", "--dataset-path", str(path),
+                         "--num-prompts", str(len(trace)), "--no-self-timed",
+                         "--timed-trace-chunk-hash-size", str(a.trace_block_tokens)],
         }
 
     def measure(self, config: str, fronts: Sequence[tuple[str, str | None]],
@@ -322,9 +325,10 @@ class Bench:
             merged = _merge(results)
             self.runs.append(read_run(config, workload, merged, tokens))
             _progress(f"  {config:26s} {workload:18s} saved {tokens.saved:8.0f} / "
-                      f"{tokens.total:8.0f} tokens  ttft p50 {merged['median_ttft_ms']:8.1f} ms"
-                      f"  p99 {merged['p99_ttft_ms']:8.1f} ms  "
-                      f"{merged['request_throughput']:.2f} req/s")
+                      f"{tokens.total:8.0f} tokens (prefix cache {tokens.local_cache_hit:.0f}, "
+                      f"connector {tokens.external_kv_transfer:.0f})  ttft p50 "
+                      f"{merged['median_ttft_ms']:8.1f} ms  p99 {merged['p99_ttft_ms']:8.1f} ms  "
+                      f"{merged['request_throughput']:.2f} req/s  failed {merged['failed']}")
 
 
 def _progress(line: str) -> None:
@@ -519,23 +523,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host-bytes", type=int, default=64 << 20,
                    help="the host-memory budget of every offload")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--num-prompts", type=int, default=192)
+    p.add_argument("--num-prompts", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=64)
-    p.add_argument("--num-prefixes", type=int, default=24)
+    p.add_argument("--num-prefixes", type=int, default=12)
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
-    p.add_argument("--trace-roots", type=int, default=32)
+    p.add_argument("--trace-roots", type=int, default=16)
     p.add_argument("--trace-block-tokens", type=int, default=128)
     p.add_argument("--trace-max-blocks", type=int, default=12)
     p.add_argument("--fleet", action=argparse.BooleanOptionalAction, default=True,
                    help="two replicas behind kvfleet's router vs round-robin")
     p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
                    help="kvfleet's engine vs vLLM (kvfleet_lab.engine.vs_vllm)")
-    p.add_argument("--engine-concurrency", type=_ints, default=[1, 4])
+    p.add_argument("--engine-concurrency", type=_ints, default=[4])
     p.add_argument("--engine-prompts", type=int, default=32)
-    p.add_argument("--engine-runs", type=int, default=2)
+    p.add_argument("--engine-runs", type=int, default=1)
     p.add_argument("--lmcache-vllm", default="",
                    help="the `vllm` command of an env with LMCache (empty: not run)")
     p.add_argument("--kvfleet-python", default=sys.executable,

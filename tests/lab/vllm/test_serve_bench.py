@@ -13,15 +13,12 @@ from kvfleet_lab.vllm.serve_bench import (
     SourceTokens,
     busiest_roots,
     by_source,
-    chunk_words,
     read_run,
     saved_ratio,
     summary,
-    trace_prompts,
-    word_vocab,
+    trace_rows,
 )
 
-VOCAB = word_vocab(50)
 ROWS = [
     {"hash_ids": [7, 1, 2], "output_length": 3},
     {"hash_ids": [9, 5], "output_length": 100},
@@ -38,51 +35,41 @@ def test_busiest_roots_rank_by_count_then_smaller_id() -> None:
     assert busiest_roots(ROWS, 9) == {7, 8, 9}
 
 
-def test_a_block_is_the_same_words_wherever_it_appears_and_other_words_under_another_seed(
-) -> None:
-    assert chunk_words(3, 4, VOCAB, seed=0) == chunk_words(3, 4, VOCAB, seed=0)
-    assert chunk_words(3, 4, VOCAB, seed=0) != chunk_words(4, 4, VOCAB, seed=0)
-    assert chunk_words(3, 4, VOCAB, seed=0) != chunk_words(3, 4, VOCAB, seed=1)
+def test_trace_rows_keep_the_busiest_roots_in_order_and_cap_lengths() -> None:
+    out = trace_rows(ROWS, num_requests=10, num_roots=1, block_tokens=2, max_blocks=2,
+                     max_output_tokens=8)
+    assert out == [
+        {"timestamp": 0, "input_length": 4, "output_length": 3, "hash_ids": [7, 1]},
+        {"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [7, 1]},
+    ]  # at least one output token
+    both = trace_rows(ROWS, num_requests=3, num_roots=2, block_tokens=128, max_blocks=3,
+                      max_output_tokens=8, id_offset=100)
+    assert [r["hash_ids"] for r in both] == [[107, 101, 102], [109, 105], [107, 101, 103]]
+    assert [r["input_length"] for r in both] == [384, 256, 384]
+    assert both[1]["output_length"] == 8
 
 
-def test_trace_prompts_keep_the_busiest_roots_in_order_share_prefixes_and_cap_lengths() -> None:
-    out = trace_prompts(ROWS, num_requests=10, num_roots=1, block_tokens=2, max_blocks=2,
-                        max_output_tokens=8, vocab=VOCAB, seed=0)
-    assert [len(p["prompt"].split()) for p in out] == [4, 4]
-    assert [p["output_tokens"] for p in out] == [3, 1]  # at least one token
-    # Rows 0 and 2 share blocks 7, 1: their first max_blocks=2 blocks, the whole prompt.
-    assert out[0]["prompt"] == out[1]["prompt"]
-    both = trace_prompts(ROWS, num_requests=3, num_roots=2, block_tokens=2, max_blocks=3,
-                         max_output_tokens=8, vocab=VOCAB, seed=0)
-    assert len(both) == 3
-    assert both[1]["prompt"].split()[:2] == chunk_words(9, 2, VOCAB, 0)
-    assert both[1]["output_tokens"] == 8
-    assert both[0]["prompt"].split()[:4] == both[2]["prompt"].split()[:4]  # blocks 7, 1
-    assert both[0]["prompt"] != both[2]["prompt"]  # then 2 vs 3
-
-
-def test_the_vendored_trace_gives_prompts_that_reuse_most_of_their_blocks() -> None:
+def test_the_vendored_trace_gives_rows_that_reuse_most_of_their_blocks() -> None:
     rows = [json.loads(line) for line in DEFAULT_TRACE.read_text().splitlines() if line]
-    out = trace_prompts(rows, num_requests=192, num_roots=32, block_tokens=4, max_blocks=12,
-                        max_output_tokens=8, vocab=word_vocab(600), seed=0)
-    assert len(out) == 192
-    seen: set[tuple[str, ...]] = set()
+    out = trace_rows(rows, num_requests=96, num_roots=16, block_tokens=128, max_blocks=12,
+                     max_output_tokens=8)
+    assert len(out) == 96
+    seen: set[tuple[int, ...]] = set()
     reused = total = 0
-    for p in out:
-        words = p["prompt"].split()
-        blocks = [tuple(words[: i + 4]) for i in range(0, len(words), 4)]
-        reused += next((i for i, b in enumerate(blocks) if b not in seen), len(blocks))
-        total += len(blocks)
-        seen.update(blocks)
+    for r in out:
+        chain = [tuple(r["hash_ids"][: i + 1]) for i in range(len(r["hash_ids"]))]
+        reused += next((i for i, c in enumerate(chain) if c not in seen), len(chain))
+        total += len(chain)
+        seen.update(chain)
     assert reused / total > 0.8
 
 
 @pytest.mark.parametrize("bad", [{"num_requests": 0}, {"num_roots": 0}, {"block_tokens": 0},
                                  {"max_blocks": 0}])
-def test_trace_prompts_refuse_empty_sizes(bad: dict[str, int]) -> None:
+def test_trace_rows_refuse_empty_sizes(bad: dict[str, int]) -> None:
     kwargs = {"num_requests": 1, "num_roots": 1, "block_tokens": 1, "max_blocks": 1, **bad}
     with pytest.raises(ValueError, match=f"{next(iter(bad))}=0"):
-        trace_prompts(ROWS, max_output_tokens=1, vocab=VOCAB, seed=0, **kwargs)
+        trace_rows(ROWS, max_output_tokens=1, **kwargs)
 
 
 METRICS = """# HELP vllm:prompt_tokens_by_source_total Prompt tokens by source.
