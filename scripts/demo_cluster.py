@@ -166,7 +166,8 @@ def run(keep: bool) -> None:
         stack.callback(shutil.rmtree, work, ignore_errors=True)
         n.say(f"kubectl and helm talk to it with KUBECONFIG={cluster.kubeconfig}. Pods land on "
               "two kwok nodes with 8 fake GPUs each; the kubelet shim runs each replica and router "
-              "pod as a real process inside the built runtime image, at the pod's own IP.")
+              "pod as a real process inside the built runtime image, and the operator pod inside "
+              "the built operator image, at the pod's own IP.")
         nodes = create_loopback_nodes(cluster)
         stack.callback(lambda: [cluster.kubectl("delete", "node", x, "--ignore-not-found",
                                                 check=False) for x in nodes])

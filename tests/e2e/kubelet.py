@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
 import threading
@@ -62,7 +63,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tests.cluster.fixtures import Cluster, CommandError
@@ -319,19 +320,29 @@ class KubeletShim:
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         binds: list[str] = []
         live: list[LiveVolume] = []
+        automount = spec.get("automountServiceAccountToken", True)
         for mount in container.get("volumeMounts", []):
             if mount["mountPath"].startswith(BUILDAH_MANAGED_MOUNTS):
                 continue
-            local = self._volume_dir(volumes[mount["name"]], root, objects, live)
+            target = mount["mountPath"]
+            if target == SERVICE_ACCOUNT_MOUNT:
+                # The API server's ServiceAccount admission put its projected volume here.
+                local = self._service_account(pod, root)
+                target = in_image(image.mount, target)
+                automount = False
+            else:
+                local = self._volume_dir(volumes[mount["name"]], root, objects, live)
             mode = ":ro" if mount.get("readOnly") else ""
-            binds.append(f"{local / mount.get('subPath', '')}:{mount['mountPath']}{mode}")
+            binds.append(f"{local / mount.get('subPath', '')}:{target}{mode}")
         if fault:
             binds.append(f"{self.fault_dir}:{FAULT_MOUNT}:ro")
-        # The kubelet's service environment and projected credentials, unless the pod opts out.
-        env: dict[str, str] = {}
-        if spec.get("automountServiceAccountToken", True):
-            binds.append(f"{self._service_account(pod, root)}:{SERVICE_ACCOUNT_MOUNT}:ro")
-            env.update(self._service_env())
+        # The kubelet's service environment (every pod has it), and the projected credentials
+        # where the pod has no volume for them (an API server without ServiceAccount admission)
+        # and does not opt out.
+        env = self._service_env()
+        if automount:
+            target = in_image(image.mount, SERVICE_ACCOUNT_MOUNT)
+            binds.append(f"{self._service_account(pod, root)}:{target}:ro")
 
         fields = {
             "metadata.name": meta["name"],
@@ -450,6 +461,22 @@ class KubeletShim:
                 tmp.chmod(0o644)
                 tmp.replace(target)  # atomic, as the kubelet's symlink swap
                 volume.written[path] = content
+
+
+def in_image(root: Path, path: str) -> str:
+    """`path` with the image's own symlinks resolved (Debian's /var/run -> /run): buildah's chroot
+    mounts, and the mount point made for them on the working container's filesystem, would follow
+    an absolute link on the host (onto the host's /run) instead of inside the image."""
+    resolved = PurePosixPath("/")
+    for part in PurePosixPath(path).parts[1:]:
+        host = root / str(resolved / part).lstrip("/")
+        if host.is_symlink():
+            link = PurePosixPath(os.readlink(host))
+            resolved = PurePosixPath(os.path.normpath(link if link.is_absolute()
+                                                      else resolved / link))
+        else:
+            resolved = resolved / part
+    return str(resolved)
 
 
 def _run_as(spec: dict[str, Any], container: dict[str, Any]) -> str | None:
