@@ -113,8 +113,12 @@ def _rollout(name: str, digest: str, prometheus_url: str, window_s: int,
 
 
 def _phase(cluster: Cluster, name: str) -> str:
-    out = json.loads(cluster.kubectl("get", "-n", NAMESPACE, "mro", name, "-o", "json").stdout)
-    return str((out.get("status") or {}).get("phase", ""))
+    """The rollout's phase; "" when the API server did not answer this time (on two busy cores a
+    TLS handshake can time out): the watch asks again."""
+    out = cluster.kubectl("get", "-n", NAMESPACE, "mro", name, "-o", "json", check=False)
+    if out.returncode != 0:
+        return ""
+    return str((json.loads(out.stdout).get("status") or {}).get("phase", ""))
 
 
 def _events(cluster: Cluster, name: str) -> str:
