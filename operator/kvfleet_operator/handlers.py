@@ -1,15 +1,19 @@
 """Handler bodies: read the object and the world -> call a pure planner -> apply -> write status.
 
-`main.py` holds only the kopf decorators; each calls one function here. Every function is
-level-triggered: it re-reads the object (never trusts a cached body), so running it twice, or
-after a restart, does the same thing; the status is written with the resourceVersion that was
-read, so a concurrent change (409) makes it start over from a fresh read: at once a few times,
-then through kopf (`TemporaryError(delay=...)`), never by sleeping in the handler.
+`main.py` holds the kopf decorators; each calls one function here. Each of those is a shell:
+`_reconciled` (the one wrapper of a reconcile: conflicts, a namespace going away, API errors)
+around a read, pure helpers that turn what was read into a status (`policy_spec`,
+`policy_status`, `observations`, `refused_status`: tested without a cluster), and the writes.
+Every function is level-triggered: it re-reads the object (never trusts a cached body), so
+running it twice, or after a restart, does the same thing; the status is written with the
+resourceVersion that was read, so a concurrent change (409) makes it start over from a fresh
+read: at once a few times, then through kopf (`TemporaryError(delay=...)`), never by sleeping in
+the handler.
 
 An object the operator cannot act on (a spec the models refuse, a target without the named
-container) gets a `Ready=False` condition saying why, written once (an unchanged status is never
-re-written), and a `kopf.PermanentError`: `schedule.run_scheduled` then stops ticking it until the
-object changes.
+container) gets a `Ready=False` condition saying why (`_refuse`, for either kind), written once
+(an unchanged status is never re-written), and a `kopf.PermanentError`: `schedule.run_scheduled`
+then stops ticking it until the object changes.
 """
 
 from __future__ import annotations
