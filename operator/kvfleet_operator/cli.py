@@ -14,7 +14,9 @@ import logging
 import random
 import sys
 
-__all__ = ["main"]
+from kvfleet_operator.constants import PEERING_NAME
+
+__all__ = ["main", "run"]
 
 
 _log = logging.getLogger("kvfleet_operator")
@@ -55,7 +57,7 @@ def _namespace_peerings(namespaces: list[str], name: str) -> str | None:
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
-    from kvfleet_operator import main as operator_main
+    import kvfleet_operator.main  # noqa: F401  (registers the handlers with kopf)
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -63,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     namespaces: list[str] = args.namespace or []
     if namespaces and not args.standalone:
-        error = _namespace_peerings(namespaces, operator_main.PEERING_NAME)
+        error = _namespace_peerings(namespaces, PEERING_NAME)
         if error is not None:
             sys.stderr.write(f"kvfleet-operator: {error}\n")
             return 2
@@ -74,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     peering = (
         "no peering (--standalone)"
         if args.standalone
-        else f"peering {operator_main.PEERING_NAME!r} at priority {priority} (only the "
+        else f"peering {PEERING_NAME!r} at priority {priority} (only the "
         f"highest-priority live operator acts; the others wait for it to go)"
     )
     _log.info("watching %s; %s", where, peering)
@@ -88,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
         namespaces=namespaces,
         standalone=args.standalone,
         priority=priority,
-        peering_name=None if args.standalone else operator_main.PEERING_NAME,
+        peering_name=None if args.standalone else PEERING_NAME,
         liveness_endpoint=args.liveness,
     )
     return 0
@@ -116,3 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code
+
+
+def run() -> None:
+    """The `kvfleet-operator` console script."""
+    raise SystemExit(main())

@@ -39,3 +39,7 @@ FLEET_CONFIGMAP_SUFFIX = "-fleet"
 # kopf keeps its bookkeeping in annotations under our prefix, never in `status` (whose schema
 # is ours and structural: the API server would prune kopf's fields there).
 KOPF_ANNOTATION_PREFIX = f"{GROUP}"
+
+# The KopfPeering (ClusterKopfPeering cluster-wide) through which operator replicas agree that
+# only one acts; the chart creates it under this name.
+PEERING_NAME = "kvfleet"

@@ -1,15 +1,19 @@
 """Handler bodies: read the object and the world -> call a pure planner -> apply -> write status.
 
-`main.py` holds only the kopf decorators; each calls one function here. Every function is
-level-triggered: it re-reads the object (never trusts a cached body), so running it twice, or
-after a restart, does the same thing; the status is written with the resourceVersion that was
-read, so a concurrent change (409) makes it start over from a fresh read: at once a few times,
-then through kopf (`TemporaryError(delay=...)`), never by sleeping in the handler.
+`main.py` holds the kopf decorators; each calls one function here. Each of those is a shell:
+`_reconciled` (the one wrapper of a reconcile: conflicts, a namespace going away, API errors)
+around a read, pure helpers that turn what was read into a status (`policy_spec`,
+`policy_status`, `observations`, `refused_status`: tested without a cluster), and the writes.
+Every function is level-triggered: it re-reads the object (never trusts a cached body), so
+running it twice, or after a restart, does the same thing; the status is written with the
+resourceVersion that was read, so a concurrent change (409) makes it start over from a fresh
+read: at once a few times, then through kopf (`TemporaryError(delay=...)`), never by sleeping in
+the handler.
 
 An object the operator cannot act on (a spec the models refuse, a target without the named
-container) gets a `Ready=False` condition saying why, written once (an unchanged status is never
-re-written), and a `kopf.PermanentError`: `schedule.run_scheduled` then stops ticking it until the
-object changes.
+container) gets a `Ready=False` condition saying why (`_refuse`, for either kind), written once
+(an unchanged status is never re-written), and a `kopf.PermanentError`: `schedule.run_scheduled`
+then stops ticking it until the object changes.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import kopf
 from pydantic import ValidationError
@@ -54,6 +59,8 @@ from kvfleet_operator.manifests import (
 from kvfleet_operator.metrics import (
     DeploymentPods,
     MetricReading,
+    ReadStats,
+    read_cache_stats,
     read_hit_rates,
     read_nvme_reports,
 )
@@ -66,6 +73,7 @@ from kvfleet_operator.planning import (
     ReplicaPod,
     ScaleTarget,
     SetTargetVersion,
+    TierPlan,
     Workload,
     advance,
     aggregate_nvme,
@@ -83,11 +91,16 @@ from kvfleet_runtime.wire import ENGINES, LOAD_PATH, Engine
 
 __all__ = [
     "PostEvent",
+    "Published",
     "engine_of",
+    "observations",
     "peer_port_of",
     "pod_to_replica",
+    "policy_spec",
+    "policy_status",
     "reconcile_policy",
     "reconcile_rollout",
+    "refused_status",
     "workload_of",
 ]
 
@@ -184,6 +197,78 @@ def _transient(exc: KubeError) -> kopf.TemporaryError:
     return kopf.TemporaryError(str(exc), delay=delay)
 
 
+R = TypeVar("R")
+
+
+def _reconciled(namespace: str, name: str, once: Callable[[], R], nothing: R) -> R:
+    """Run one reconcile from a fresh read, again at once on a conflict (a few times); `nothing`
+    when the namespace is being deleted (its objects go with it); any other API error a
+    `kopf.TemporaryError`, so that kopf retries after a delay."""
+    try:
+        return retry_on_conflict(once)
+    except NamespaceTerminating as exc:
+        log.debug(
+            "%s/%s: namespace going away, nothing to do (NamespaceTerminating): %s",
+            namespace,
+            name,
+            exc,
+        )
+        return nothing
+    except KubeError as exc:
+        raise _transient(exc) from exc
+
+
+S = TypeVar("S", KVCachePolicyStatus, ModelRolloutStatus)
+
+
+def refused_status(status: S, generation: int, reason: str, message: str, stamp: str) -> S:
+    """The status of an object the operator cannot act on: `Ready=False` saying why, and
+    nothing else changed (a rollout's phase and workload stay as they are). Refusing twice for
+    the same reason gives the same status (the condition's time moves only when its value
+    does), so it is written once."""
+    conditions = set_condition(
+        status.conditions, "Ready", False, reason, message[:2000], stamp, generation
+    )
+    return status.model_copy(update={"observed_generation": generation, "conditions": conditions})
+
+
+def _refuse(
+    kube: Kube,
+    namespace: str,
+    plural: str,
+    obj: Manifest,
+    now: Clock,
+    reason: str,
+    message: str,
+    what: str,
+) -> kopf.PermanentError:
+    """Write the refusal (`refused_status`) and return the error to raise: `schedule` stops
+    ticking the object until it changes."""
+    meta = obj["metadata"]
+    generation = int(meta.get("generation") or 0)
+    stamp, wire = format_time(now()), obj.get("status") or {}
+    refused: KVCachePolicyStatus | ModelRolloutStatus
+    if plural == POLICY_PLURAL:
+        old_policy = KVCachePolicyStatus.model_validate(wire)
+        refused = refused_status(old_policy, generation, reason, message, stamp)
+    else:
+        old_rollout = ModelRolloutStatus.model_validate(wire)
+        refused = refused_status(old_rollout, generation, reason, message, stamp)
+    _write_status(kube, namespace, plural, obj, _wire(refused))
+    return kopf.PermanentError(f"{what}: {message}")
+
+
+def _write_status(kube: Kube, namespace: str, plural: str, obj: Manifest, new: Manifest) -> bool:
+    old: Manifest = obj.get("status") or {}
+    if new == old:
+        return False
+    meta = obj["metadata"]
+    kube.patch_status(
+        namespace, plural, meta["name"], _with_nulls(new, old), meta["resourceVersion"]
+    )
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # KVCachePolicy
 
@@ -202,20 +287,12 @@ def reconcile_policy(
     """Decide tiers (with the fleet's shadow-mode NVMe measurement), plan home sets over the
     ready replicas, publish the fleet ConfigMap, record the status. Returns whether anything
     was written."""
-    try:
-        return retry_on_conflict(
-            lambda: _reconcile_policy_once(kube, namespace, name, now, read_nvme)
-        )
-    except NamespaceTerminating as exc:
-        log.debug(
-            "%s/%s: namespace going away, nothing to do (NamespaceTerminating): %s",
-            namespace,
-            name,
-            exc,
-        )
-        return False
-    except KubeError as exc:
-        raise _transient(exc) from exc
+    return _reconciled(
+        namespace,
+        name,
+        lambda: _reconcile_policy_once(kube, namespace, name, now, read_nvme),
+        False,
+    )
 
 
 def _fleet_measurement(
@@ -233,82 +310,29 @@ def _fleet_measurement(
     return {"nvme": measured.bytes_per_s}, {"nvme": measured.source}
 
 
-def _reconcile_policy_once(
-    kube: Kube, namespace: str, name: str, now: Clock, read_nvme: ReadNvme
-) -> bool:
-    obj = kube.get_custom(namespace, POLICY_PLURAL, name)
-    if obj is None:
-        return False
-    meta = obj["metadata"]
-    generation = int(meta.get("generation") or 0)
-    old_status_wire: Manifest = obj.get("status") or {}
-    old_status = KVCachePolicyStatus.model_validate(old_status_wire)
-    stamp = format_time(now())
-    try:
-        spec = KVCachePolicySpec.model_validate(obj.get("spec") or {})
-        decide_tiers(spec)  # refuse what the arithmetic refuses before reading any pod
-    except (ValidationError, ValueError) as exc:
-        status = old_status.model_copy(
-            update={
-                "observed_generation": generation,
-                "conditions": set_condition(
-                    old_status.conditions,
-                    "Ready",
-                    False,
-                    "InvalidSpec",
-                    str(exc)[:2000],
-                    stamp,
-                    generation,
-                ),
-            }
-        )
-        _write_status(kube, namespace, POLICY_PLURAL, obj, _wire(status))
-        raise kopf.PermanentError(f"invalid KVCachePolicy {namespace}/{name}: {exc}") from exc
+def policy_spec(obj: Manifest) -> KVCachePolicySpec:
+    """The spec, refused (ValidationError, ValueError) when the models or the tier arithmetic
+    refuse it: before any pod is read."""
+    spec = KVCachePolicySpec.model_validate(obj.get("spec") or {})
+    decide_tiers(spec)
+    return spec
 
-    pods = [pod_to_replica(p) for p in kube.list_pods(namespace, spec.selector.match_labels)]
-    measured, sources = _fleet_measurement(spec, pods, read_nvme)
-    tiers = decide_tiers(spec, measured, sources)
-    ready = ready_replicas(pods)
-    config = build_fleet_config(f"{namespace}/{name}", generation, spec, tiers, pods)
-    text = dump_fleet_config(config)
-    cm_name = spec.config_map_name or f"{name}{FLEET_CONFIGMAP_SUFFIX}"
-    size = len(text.encode("utf-8"))
-    if size > MAX_FLEET_CONFIG_BYTES:
-        message = (
-            f"fleet config is {size} bytes, over the {MAX_FLEET_CONFIG_BYTES} a ConfigMap holds; "
-            f"{len(config.replicas)} ready replicas (~200 bytes each; tenants cost nothing)"
-        )
-        status = old_status.model_copy(
-            update={
-                "observed_generation": generation,
-                "conditions": set_condition(
-                    old_status.conditions,
-                    "Ready",
-                    False,
-                    "ConfigTooLarge",
-                    message,
-                    stamp,
-                    generation,
-                ),
-            }
-        )
-        _write_status(kube, namespace, POLICY_PLURAL, obj, _wire(status))
-        raise kopf.PermanentError(f"{namespace}/{name}: {message}")
-    wrote = False
-    live = kube.get_configmap_data(namespace, cm_name)
-    if live is None or live.get("fleet.yaml") != text:
-        kube.apply(fleet_configmap(namespace, cm_name, name, meta["uid"], text))
-        wrote = True
-    # Planned after the publish: the config does not need the plan (readers rank tenants
-    # themselves), only the status does, and a first plan of a large fleet takes seconds.
-    homes = _home_sets(
-        f"{namespace}/{name}", tuple(spec.tenants), tuple(p.name for p in ready), spec.affinity.k
-    )
+
+def policy_status(
+    old: KVCachePolicyStatus,
+    generation: int,
+    tiers: TierPlan,
+    homes: HomeSetPlan,
+    num_ready: int,
+    published: Published,
+    stamp: str,
+) -> KVCachePolicyStatus:
+    """The status of a policy reconciled: its tier decisions, home sets and Ready=True."""
     message = (
-        f"{len(ready)} ready replica(s), {len(homes.home_sets)} tenant(s), "
-        f"tiers {tiers.summary}; published to ConfigMap {cm_name}"
+        f"{num_ready} ready replica(s), {len(homes.home_sets)} tenant(s), "
+        f"tiers {tiers.summary}; published to ConfigMap {published.config_map}"
     )
-    status = KVCachePolicyStatus(
+    return KVCachePolicyStatus(
         observed_generation=generation,
         break_even_g_bps=round(tiers.break_even_bytes_per_s / GB, 4),
         break_even=f"{tiers.break_even_bytes_per_s / GB:.3g} GB/s",
@@ -325,12 +349,84 @@ def _reconcile_policy_once(
             )
             for d in tiers.decisions
         ],
-        home_sets=homes.summary(cm_name, text),
+        home_sets=homes.summary(published.config_map, published.text),
         conditions=set_condition(
-            old_status.conditions, "Ready", True, "Reconciled", message, stamp, generation
+            old.conditions, "Ready", True, "Reconciled", message, stamp, generation
         ),
     )
-    return _write_status(kube, namespace, POLICY_PLURAL, obj, _wire(status)) or wrote
+
+
+def _reconcile_policy_once(
+    kube: Kube, namespace: str, name: str, now: Clock, read_nvme: ReadNvme
+) -> bool:
+    obj = kube.get_custom(namespace, POLICY_PLURAL, name)
+    if obj is None:
+        return False
+    try:
+        spec = policy_spec(obj)
+    except (ValidationError, ValueError) as exc:
+        what = f"invalid KVCachePolicy {namespace}/{name}"
+        raise _refuse(
+            kube, namespace, POLICY_PLURAL, obj, now, "InvalidSpec", str(exc), what
+        ) from exc
+    pods = [pod_to_replica(p) for p in kube.list_pods(namespace, spec.selector.match_labels)]
+    measured, sources = _fleet_measurement(spec, pods, read_nvme)
+    tiers = decide_tiers(spec, measured, sources)
+    ready = ready_replicas(pods)
+    published = _publish_fleet_config(kube, namespace, obj, spec, tiers, pods, now)
+    # Planned after the publish: the config does not need the plan (readers rank tenants
+    # themselves), only the status does, and a first plan of a large fleet takes seconds.
+    homes = _home_sets(
+        f"{namespace}/{name}", tuple(spec.tenants), tuple(p.name for p in ready), spec.affinity.k
+    )
+    old = KVCachePolicyStatus.model_validate(obj.get("status") or {})
+    generation = int(obj["metadata"].get("generation") or 0)
+    status = policy_status(
+        old, generation, tiers, homes, len(ready), published, format_time(now())
+    )
+    return _write_status(kube, namespace, POLICY_PLURAL, obj, _wire(status)) or published.wrote
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """Where the fleet config went, what it says, and whether this call wrote it."""
+
+    config_map: str
+    text: str
+    wrote: bool
+
+
+def _publish_fleet_config(
+    kube: Kube,
+    namespace: str,
+    obj: Manifest,
+    spec: KVCachePolicySpec,
+    tiers: TierPlan,
+    pods: Sequence[ReplicaPod],
+    now: Clock,
+) -> Published:
+    """The fleet config in the policy's ConfigMap (written only when it changed); a config over
+    what a ConfigMap holds refuses the policy."""
+    meta = obj["metadata"]
+    name = meta["name"]
+    generation = int(meta.get("generation") or 0)
+    config = build_fleet_config(f"{namespace}/{name}", generation, spec, tiers, pods)
+    text = dump_fleet_config(config)
+    cm_name = spec.config_map_name or f"{name}{FLEET_CONFIGMAP_SUFFIX}"
+    size = len(text.encode("utf-8"))
+    if size > MAX_FLEET_CONFIG_BYTES:
+        message = (
+            f"fleet config is {size} bytes, over the {MAX_FLEET_CONFIG_BYTES} a ConfigMap holds; "
+            f"{len(config.replicas)} ready replicas (~200 bytes each; tenants cost nothing)"
+        )
+        what = f"{namespace}/{name}"
+        raise _refuse(kube, namespace, POLICY_PLURAL, obj, now, "ConfigTooLarge", message, what)
+    wrote = False
+    live = kube.get_configmap_data(namespace, cm_name)
+    if live is None or live.get("fleet.yaml") != text:
+        kube.apply(fleet_configmap(namespace, cm_name, name, meta["uid"], text))
+        wrote = True
+    return Published(cm_name, text, wrote)
 
 
 def _gbps(bytes_per_s: float | None) -> float | None:
@@ -341,7 +437,7 @@ _PLANS: OrderedDict[str, HomeSetPlan] = OrderedDict()
 _PLAN_LOCK = threading.Lock()
 # Policies whose last plan is kept (least recently reconciled dropped first): one plan of
 # 20,000 tenants is ~10 MB.
-_MAX_PLANS = 64
+MAX_HOME_SET_PLANS = 64
 
 
 def _home_sets(
@@ -356,20 +452,20 @@ def _home_sets(
     with _PLAN_LOCK:
         _PLANS[policy] = plan
         _PLANS.move_to_end(policy)
-        while len(_PLANS) > _MAX_PLANS:
+        while len(_PLANS) > MAX_HOME_SET_PLANS:
             _PLANS.popitem(last=False)
     return plan
 
 
-def _write_status(kube: Kube, namespace: str, plural: str, obj: Manifest, new: Manifest) -> bool:
-    old: Manifest = obj.get("status") or {}
-    if new == old:
-        return False
-    meta = obj["metadata"]
-    kube.patch_status(
-        namespace, plural, meta["name"], _with_nulls(new, old), meta["resourceVersion"]
-    )
-    return True
+def forget_home_sets(namespace: str, name: str) -> None:
+    """A deleted policy's last plan goes with it."""
+    with _PLAN_LOCK:
+        _PLANS.pop(f"{namespace}/{name}", None)
+
+
+def num_home_set_plans() -> int:
+    with _PLAN_LOCK:
+        return len(_PLANS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,23 +478,18 @@ def reconcile_rollout(
     name: str,
     now: Clock = utc_now,
     post_event: PostEvent = post_kopf_event,
+    read_stats: ReadStats = read_cache_stats,
 ) -> float | None:
     """One evaluation of the rollout state machine; returns when to look again (None: on change
-    only). Actions are applied before the status that asks for them is written."""
-    try:
-        return retry_on_conflict(
-            lambda: _reconcile_rollout_once(kube, namespace, name, now, post_event)
-        )
-    except NamespaceTerminating as exc:
-        log.debug(
-            "%s/%s: namespace going away, nothing to do (NamespaceTerminating): %s",
-            namespace,
-            name,
-            exc,
-        )
-        return None
-    except KubeError as exc:
-        raise _transient(exc) from exc
+    only). Actions are applied before the status that asks for them is written. `read_stats`:
+    the `/cache/stats` fallback's read (main passes a `CacheStatsReader`, which backs off pods
+    that do not answer)."""
+    return _reconciled(
+        namespace,
+        name,
+        lambda: _reconcile_rollout_once(kube, namespace, name, now, post_event, read_stats),
+        None,
+    )
 
 
 def _operator_token() -> bytes | None:
@@ -433,41 +524,40 @@ def _pods(kube: Kube, namespace: str, name: str, deployment: Manifest | None,
 
 
 def _reconcile_rollout_once(
-    kube: Kube, namespace: str, name: str, now: Clock, post_event: PostEvent
+    kube: Kube,
+    namespace: str,
+    name: str,
+    now: Clock,
+    post_event: PostEvent,
+    read_stats: ReadStats,
 ) -> float | None:
     obj = kube.get_custom(namespace, ROLLOUT_PLURAL, name)
     if obj is None:
         return None
     meta = obj["metadata"]
-    generation = int(meta.get("generation") or 0)
     status = ModelRolloutStatus.model_validate(obj.get("status") or {})
     try:
         spec = ModelRolloutSpec.model_validate(obj.get("spec") or {})
     except ValidationError as exc:
-        _refuse_rollout(kube, namespace, obj, status, now, "InvalidSpec", str(exc))
-        raise kopf.PermanentError(f"invalid ModelRollout {namespace}/{name}: {exc}") from exc
-    container, env_name = spec.target_ref.container, spec.digest_env
+        what = f"invalid ModelRollout {namespace}/{name}"
+        raise _refuse(
+            kube, namespace, ROLLOUT_PLURAL, obj, now, "InvalidSpec", str(exc), what
+        ) from exc
     target_name = spec.target_ref.name
     target = kube.get_deployment(namespace, target_name)
-    canary = kube.get_deployment(namespace, canary_name(target_name))
-    foreign: Manifest | None = None
-    if canary is not None and not _owned_by(canary, meta["uid"]):
-        # Another ModelRollout's canary (the next rollout of the same target): not ours to
-        # observe, scale or delete.
-        foreign = canary
-        canary = None
-        if status.phase not in TERMINAL_PHASES and status.phase is not RolloutPhase.PENDING:
-            owner = _controller_name(foreign)
-            raise kopf.TemporaryError(
-                f"{canary_name(target_name)} belongs to ModelRollout {owner}; waiting", delay=10
-            )
+    canary, foreign = _own_canary(
+        kube.get_deployment(namespace, canary_name(target_name)), meta["uid"]
+    )
+    if foreign is not None and status.phase not in TERMINAL_PHASES | {RolloutPhase.PENDING}:
+        raise _canary_taken(target_name, foreign, "waiting")
     try:
-        target_w = None if target is None else workload_of(target, container, env_name)
-        canary_w = None if canary is None else workload_of(canary, container, env_name)
+        target_w, canary_w = _workloads(spec, target, canary)
     except ValueError as exc:
         message = f"target {target_name}: {exc}"
-        _refuse_rollout(kube, namespace, obj, status, now, "InvalidTarget", message)
-        raise kopf.PermanentError(f"{namespace}/{name}: {message}") from exc
+        what = f"{namespace}/{name}"
+        raise _refuse(
+            kube, namespace, ROLLOUT_PLURAL, obj, now, "InvalidTarget", message, what
+        ) from exc
 
     reading = MetricReading(None, None, None, status.metric_source)
     if target is not None and status.phase not in TERMINAL_PHASES:
@@ -478,26 +568,17 @@ def _reconcile_rollout_once(
             if canary is None
             else _pods(kube, namespace, canary_name(target_name), canary, True),
             token=_operator_token(),  # read per reading: a rotated Secret takes effect
+            read_stats=read_stats,
         )
-    obs = Observations(
-        target=target_w,
-        canary=canary_w,
-        target_hit_rate=reading.target_hit_rate,
-        canary_hit_rate=reading.canary_hit_rate,
-        target_saved_prefill_tokens_per_s=reading.target_saved_prefill_tokens_per_s,
-    )
-    transition = advance(spec, status, obs, now(), generation)
+    obs = observations(target_w, canary_w, reading)
+    transition = advance(spec, status, obs, now(), int(meta.get("generation") or 0))
     new_status = transition.status.model_copy(update={"metric_source": reading.source})
 
     for action in transition.actions:
         if isinstance(action, DeleteCanary) and canary is None:
             continue  # gone already, or another rollout's: a terminal rollout costs reads only
         if isinstance(action, EnsureCanary) and foreign is not None:
-            raise kopf.TemporaryError(
-                f"{canary_name(target_name)} belongs to ModelRollout "
-                f"{_controller_name(foreign)}; waiting for it to finish",
-                delay=10,
-            )
+            raise _canary_taken(target_name, foreign, "waiting for it to finish")
         _apply_rollout_action(kube, namespace, obj, spec, target, action)
     _write_status(kube, namespace, ROLLOUT_PLURAL, obj, _wire(new_status))
     for event in transition.events:
@@ -505,34 +586,43 @@ def _reconcile_rollout_once(
     return transition.requeue_after_s
 
 
-def _refuse_rollout(
-    kube: Kube,
-    namespace: str,
-    obj: Manifest,
-    status: ModelRolloutStatus,
-    now: Clock,
-    reason: str,
-    message: str,
-) -> None:
-    """Record why the rollout cannot proceed (Ready=False) and nothing else: the phase and the
-    workload stay as they are. A second call with the same reason writes nothing (the condition's
-    time moves only when its value does)."""
-    generation = int(obj["metadata"].get("generation") or 0)
-    refused = status.model_copy(
-        update={
-            "observed_generation": generation,
-            "conditions": set_condition(
-                status.conditions,
-                "Ready",
-                False,
-                reason,
-                message[:2000],
-                format_time(now()),
-                generation,
-            ),
-        }
+def _own_canary(canary: Manifest | None, uid: str) -> tuple[Manifest | None, Manifest | None]:
+    """(our canary, another rollout's): a canary another ModelRollout controls (the next rollout
+    of the same target) is not ours to observe, scale or delete."""
+    if canary is None or _owned_by(canary, uid):
+        return canary, None
+    return None, canary
+
+
+def _canary_taken(target_name: str, foreign: Manifest, what: str) -> kopf.TemporaryError:
+    return kopf.TemporaryError(
+        f"{canary_name(target_name)} belongs to ModelRollout {_controller_name(foreign)}; {what}",
+        delay=10,
     )
-    _write_status(kube, namespace, ROLLOUT_PLURAL, obj, _wire(refused))
+
+
+def _workloads(
+    spec: ModelRolloutSpec, target: Manifest | None, canary: Manifest | None
+) -> tuple[Workload | None, Workload | None]:
+    """What the planner sees of the two Deployments; ValueError when a template lacks the
+    container the rollout names."""
+    container, env_name = spec.target_ref.container, spec.digest_env
+    return (
+        None if target is None else workload_of(target, container, env_name),
+        None if canary is None else workload_of(canary, container, env_name),
+    )
+
+
+def observations(
+    target: Workload | None, canary: Workload | None, reading: MetricReading
+) -> Observations:
+    return Observations(
+        target=target,
+        canary=canary,
+        target_hit_rate=reading.target_hit_rate,
+        canary_hit_rate=reading.canary_hit_rate,
+        target_saved_prefill_tokens_per_s=reading.target_saved_prefill_tokens_per_s,
+    )
 
 
 def _apply_rollout_action(

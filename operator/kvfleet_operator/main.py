@@ -1,6 +1,6 @@
 """The kopf operator: decorators only. Each handler is a docstring and one call into `handlers`.
 
-Run it as `kvfleet-operator run` (see `run`), or `kopf run -m kvfleet_operator.main`.
+Run it as `kvfleet-operator run` (`cli.py`), or `kopf run -m kvfleet_operator.main`.
 
 Two operator replicas never act at once: kopf peering (a ClusterKopfPeering named "kvfleet") lets
 only the highest-priority live operator handle anything; the others pause until it disappears.
@@ -10,12 +10,23 @@ Timers tick at a fixed interval; whether a tick acts is `schedule.Schedule`'s ca
 due when the delay its last evaluation asked for has passed (the planner's `requeue_after_s`), a
 policy on every tick; an object whose last evaluation raised `PermanentError` is not due again
 until it changes (the change handlers always run, and re-arm the schedule).
+
+A long-running operator keeps nothing per object it no longer has: a lock exists only while a
+handler of its object holds or waits for it, and the deletion of an object (its watch event,
+seen once kopf has stopped the object's timers and let it go) forgets its schedule entry and the
+replicas it was backing off from (`Tracked.forget`). An object deleted while no operator ran was
+never in a fresh operator's maps: they start empty.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import os
 import threading
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -23,31 +34,75 @@ import kopf
 from kvfleet_operator import handlers
 from kvfleet_operator.constants import GROUP, KOPF_ANNOTATION_PREFIX, POLICY_PLURAL, ROLLOUT_PLURAL
 from kvfleet_operator.kube import Kube
-from kvfleet_operator.metrics import NvmeReportReader
+from kvfleet_operator.metrics import CacheStatsReader, NvmeReportReader
 from kvfleet_operator.schedule import Schedule, run_scheduled
 
-__all__ = ["run"]
+__all__ = ["Tracked"]
 
 POLICY_INTERVAL_S = float(os.environ.get("KVFLEET_OPERATOR_POLICY_INTERVAL_S", "10"))
 # The rollout timer's resolution: how often it asks whether a rollout is due (the planner says
 # when: the gate's checkIntervalSeconds, the rest of a hold or window; never once finished).
 ROLLOUT_INTERVAL_S = float(os.environ.get("KVFLEET_OPERATOR_ROLLOUT_INTERVAL_S", "1"))
-PEERING_NAME = "kvfleet"
 _POLICY = (GROUP, POLICY_PLURAL)
+log = logging.getLogger(__name__)
 _ROLLOUT = (GROUP, ROLLOUT_PLURAL)
 
 
 class _Locks:
     """One lock per object: a timer tick and an update handler of the same object never overlap
-    (kopf runs them concurrently; sync handlers run in threads)."""
+    (kopf runs them concurrently; sync handlers run in threads). An object's lock is kept only
+    while someone holds or waits for it, so the map is as large as the handlers in flight."""
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
-        self._locks: dict[tuple[str, str, str], threading.Lock] = {}
+        self._locks: dict[Hashable, tuple[threading.Lock, int]] = {}
 
-    def of(self, kind: str, namespace: str, name: str) -> threading.Lock:
+    @contextlib.contextmanager
+    def holding(self, key: Hashable) -> Iterator[None]:
         with self._guard:
-            return self._locks.setdefault((kind, namespace, name), threading.Lock())
+            lock, users = self._locks.get(key, (None, 0))
+            lock = lock or threading.Lock()
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._locks[key]
+                if users == 1:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._locks)
+
+
+@dataclass
+class Tracked:
+    """What the operator keeps per object between handler calls; `forget` drops all of it."""
+
+    schedule: Schedule = field(default_factory=Schedule)
+    locks: _Locks = field(default_factory=_Locks)
+    # Which replicas' load reports / `/cache/stats` did not answer, and until when to skip them.
+    nvme_reports: NvmeReportReader = field(default_factory=NvmeReportReader)
+    cache_stats: CacheStatsReader = field(default_factory=CacheStatsReader)
+
+    def forget(self, key: Hashable) -> None:
+        with self.locks.holding(key):  # after a handler in flight re-armed the schedule
+            self.schedule.forget(key)
+            self.nvme_reports.backoff.forget(key)
+            self.cache_stats.backoff.forget(key)
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "schedule": len(self.schedule),
+            "locks": len(self.locks),
+            "nvme_backoff": len(self.nvme_reports.backoff),
+            "stats_backoff": len(self.cache_stats.backoff),
+            "home_set_plans": handlers.num_home_set_plans(),
+        }
 
 
 def _ns(namespace: str | None) -> str:
@@ -58,6 +113,11 @@ def _ns(namespace: str | None) -> str:
 def _kube(memo: Any) -> Kube:
     kube: Kube = memo["kube"]
     return kube
+
+
+def _tracked(memo: Any) -> Tracked:
+    tracked: Tracked = memo["tracked"]
+    return tracked
 
 
 @kopf.on.startup()
@@ -72,35 +132,51 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = 20
     settings.execution.max_workers = int(os.environ.get("KVFLEET_OPERATOR_WORKERS", "8"))
     memo["kube"] = Kube.from_environment()
-    memo["locks"] = _Locks()
-    memo["schedule"] = Schedule()
-    # One per operator: which replicas' load reports did not answer, and until when to skip them.
-    memo["nvme_reports"] = NvmeReportReader()
+    memo["tracked"] = Tracked()
     if not settings.peering.standalone and settings.peering.clusterwide:
         memo["kube"].ensure_cluster_peering(settings.peering.name)
 
 
+def _scheduled(
+    memo: Any, key: tuple[str, str, str], tick: bool, reconcile: Callable[[], float | None]
+) -> None:
+    tracked = _tracked(memo)
+    with tracked.locks.holding(key):  # the due check too: a change handler may be re-arming it
+        if not tick or tracked.schedule.is_due(key):
+            run_scheduled(tracked.schedule, key, reconcile)
+
+
 def _policy(memo: Any, namespace: str | None, name: str, tick: bool = False) -> None:
     key = ("policy", _ns(namespace), name)
+    read_nvme = functools.partial(_tracked(memo).nvme_reports, owner=key)
 
     def once() -> float:
-        handlers.reconcile_policy(_kube(memo), key[1], name, read_nvme=memo["nvme_reports"])
+        handlers.reconcile_policy(_kube(memo), key[1], name, read_nvme=read_nvme)
         return 0.0  # a valid policy is due on every tick: pods come and go
 
-    with memo["locks"].of(*key):  # the due check too: a change handler may be re-arming it
-        if not tick or memo["schedule"].is_due(key):
-            run_scheduled(memo["schedule"], key, once)
+    _scheduled(memo, key, tick, once)
 
 
 def _rollout(memo: Any, namespace: str | None, name: str, tick: bool = False) -> None:
     key = ("rollout", _ns(namespace), name)
-    with memo["locks"].of(*key):
-        if not tick or memo["schedule"].is_due(key):
-            run_scheduled(
-                memo["schedule"],
-                key,
-                lambda: handlers.reconcile_rollout(_kube(memo), key[1], name),
-            )
+    read_stats = functools.partial(_tracked(memo).cache_stats, owner=key)
+    _scheduled(
+        memo,
+        key,
+        tick,
+        lambda: handlers.reconcile_rollout(_kube(memo), key[1], name, read_stats=read_stats),
+    )
+
+
+def _deleted(event: Any, **_: Any) -> bool:
+    return bool(event.get("type") == "DELETED")
+
+
+def _forget(memo: Any, kind: str, namespace: str | None, name: str) -> None:
+    tracked = _tracked(memo)
+    tracked.forget((kind, _ns(namespace), name))
+    log.debug("%s %s/%s deleted: forgotten; now tracking %s", kind, namespace, name,
+              ", ".join(f"{k} {v}" for k, v in tracked.sizes().items()))
 
 
 @kopf.on.resume(*_POLICY)
@@ -132,8 +208,16 @@ def rollout_tick(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
     _rollout(memo, namespace, name, tick=True)
 
 
-def run() -> None:
-    """The `kvfleet-operator` console script."""
-    from kvfleet_operator.cli import main
+@kopf.on.event(*_POLICY, when=_deleted)
+def policy_deleted(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    """A deleted KVCachePolicy: forget what the operator kept for it (its ConfigMap goes with it:
+    it is owned by the policy)."""
+    handlers.forget_home_sets(_ns(namespace), name)
+    _forget(memo, "policy", namespace, name)
 
-    raise SystemExit(main())
+
+@kopf.on.event(*_ROLLOUT, when=_deleted)
+def rollout_deleted(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    """A deleted ModelRollout: forget what the operator kept for it (its canary, owned by it,
+    goes with it)."""
+    _forget(memo, "rollout", namespace, name)

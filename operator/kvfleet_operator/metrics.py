@@ -14,13 +14,15 @@ or unreachable pod costs one timeout per read, not one per pod, and is skipped. 
 reads all tenants' totals, which replicas show only to the operator's token
 (`kvfleet_runtime.auth`; the chart mounts it in the operator and the replicas).
 
-The policy's NVMe measurement reads the replicas' load reports the same way (`read_nvme_reports`);
-`NvmeReportReader` adds a back-off per replica, so that pods known not to answer (a partitioned
-node; kwok's pods, which have an IP and no endpoint) do not cost every reconcile the whole budget.
+The policy's NVMe measurement reads the replicas' load reports the same way (`read_nvme_reports`).
+The operator reads both through a `BackOff` per replica (`NvmeReportReader`, `CacheStatsReader`),
+so that pods known not to answer (a partitioned node; kwok's pods, which have an IP and no
+endpoint) do not cost every reconcile the whole budget.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -28,11 +30,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from string import Template
-from typing import Any
+from typing import Any, TypeVar
 
 from kvfleet_operator.api import (
     DEFAULT_HIT_RATE_QUERY,
@@ -46,9 +48,12 @@ from kvfleet_runtime.wire import Engine
 __all__ = [
     "VLLM_HIT_RATE_QUERY",
     "VLLM_SAVED_PREFILL_QUERY",
+    "BackOff",
+    "CacheStatsReader",
     "DeploymentPods",
     "MetricReading",
     "NvmeReportReader",
+    "ReadStats",
     "pod_regex",
     "prometheus_query",
     "queries_for",
@@ -56,6 +61,7 @@ __all__ = [
     "read_hit_rates",
     "read_nvme_reports",
     "render_query",
+    "stats_url",
 ]
 
 # A vLLM replica's hit rate: vLLM's own prefix cache (T0; tokens, of every prompt token it was
@@ -142,16 +148,40 @@ def prometheus_query(source: PrometheusSource, query: str) -> float | None:
     return None if math.isnan(number) or math.isinf(number) else number
 
 
-def _pod_totals(source: CacheStatsSource, ip: str, token: bytes | None) -> tuple[int, int]:
+def _pod_totals(
+    source: CacheStatsSource, token: bytes | None, url: str, timeout_s: float
+) -> tuple[int, int]:
     """(matched, looked-up) tokens of one pod. Raises OSError or ValueError when it does not
     answer, refuses (a missing or wrong `token`: 401) or answers garbage."""
-    url = f"http://{ip}:{source.port}{source.path}"
     headers = {"Authorization": "Bearer " + token.decode()} if token else {}
     request = urllib.request.Request(url, headers=headers)
-    with urllib.request.urlopen(request, timeout=source.timeout_seconds) as response:
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
         data: dict[str, Any] = json.loads(response.read())
     totals = data.get("totals") or {}
     return int(totals.get("num_matched_tokens", 0)), int(totals.get("num_lookup_tokens", 0))
+
+
+def stats_url(source: CacheStatsSource, ip: str) -> str:
+    return f"http://{ip}:{source.port}{source.path}"
+
+
+def _hit_rate(results: Sequence[tuple[str, object]]) -> float | None:
+    """Summed matched over summed looked-up tokens of the pods that answered; pods that did not
+    (an error or no answer in time: OSError, ValueError) are skipped, any other error raised."""
+    matched = looked_up = 0
+    answered = False
+    for _, result in results:
+        if isinstance(result, OSError | ValueError):
+            continue  # an unreachable pod, or one that answered garbage
+        if isinstance(result, BaseException):
+            raise result
+        assert isinstance(result, tuple)
+        matched += result[0]
+        looked_up += result[1]
+        answered = True
+    if not answered or looked_up == 0:
+        return None
+    return matched / looked_up
 
 
 def read_cache_stats(
@@ -161,33 +191,9 @@ def read_cache_stats(
     the operator `token`) and the read returns after at most `source.timeout_seconds` in all;
     pods that have not answered by then, or answered an error (a refused token included), are
     skipped (their requests finish in the background, bounded by the same timeout)."""
-    if not pod_ips:
-        return None
-    pool = ThreadPoolExecutor(
-        max_workers=min(len(pod_ips), MAX_STATS_READERS), thread_name_prefix="cache-stats"
-    )
-    try:
-        futures: list[Future[tuple[int, int]]] = [
-            pool.submit(_pod_totals, source, ip, token) for ip in pod_ips
-        ]
-        done, _ = wait(futures, timeout=source.timeout_seconds)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    matched = looked_up = 0
-    answered = False
-    for future in done:
-        error = future.exception()
-        if isinstance(error, OSError | ValueError):
-            continue  # an unreachable pod, or one that answered garbage
-        if error is not None:
-            raise error
-        pod_matched, pod_looked_up = future.result()
-        matched += pod_matched
-        looked_up += pod_looked_up
-        answered = True
-    if not answered or looked_up == 0:
-        return None
-    return matched / looked_up
+    fetch = functools.partial(_pod_totals, source, token)
+    urls = [stats_url(source, ip) for ip in pod_ips]
+    return _hit_rate(_ask_all(urls, source.timeout_seconds, fetch))
 
 
 def _pod_nvme(url: str, timeout_s: float) -> dict[str, Any] | None:
@@ -203,23 +209,25 @@ NvmeFetch = Callable[[str, float], dict[str, Any] | None]
 """One replica's load-report URL and a timeout -> its T3 read-bandwidth section (None: no T3);
 raises OSError or ValueError when the replica does not answer or answers garbage."""
 
+T = TypeVar("T")
+
 
 def _ask_all(
-    urls: Sequence[str], timeout_s: float, fetch: NvmeFetch
-) -> list[tuple[str, dict[str, Any] | BaseException | None]]:
-    """Every URL asked concurrently within one total budget: (url, its section), None for no T3,
-    or the error (a `TimeoutError` for those that had not answered when the budget ran out)."""
+    urls: Sequence[str], timeout_s: float, fetch: Callable[[str, float], T]
+) -> list[tuple[str, T | BaseException]]:
+    """Every URL asked concurrently within one total budget: (url, its answer) or the error (a
+    `TimeoutError` for those that had not answered when the budget ran out)."""
     if not urls:
         return []
     pool = ThreadPoolExecutor(
-        max_workers=min(len(urls), MAX_STATS_READERS), thread_name_prefix="nvme-reports"
+        max_workers=min(len(urls), MAX_STATS_READERS), thread_name_prefix="replica-reads"
     )
     try:
         futures = [(url, pool.submit(fetch, url, timeout_s)) for url in urls]
         wait([f for _, f in futures], timeout=timeout_s)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    out: list[tuple[str, dict[str, Any] | BaseException | None]] = []
+    out: list[tuple[str, T | BaseException]] = []
     for url, future in futures:
         if not future.done():
             out.append((url, TimeoutError(f"{url}: no answer within {timeout_s} s")))
@@ -245,11 +253,74 @@ class _Silent:
     retry_at_s: float
 
 
+class BackOff:
+    """Which replica URLs did not answer, per object that reads them, and until when to skip
+    them: one that failed (no answer within the budget, a refused connection, garbage) is not
+    asked again for `base_backoff_s`, doubling with each further failure up to `max_backoff_s`;
+    one answer clears it. Each object's entries are only its replicas of its last read (one that
+    left the fleet is forgotten), and `forget` drops an object's entries (it was deleted): the
+    map stays as large as the fleets of the objects that exist. Thread-safe (kopf runs handlers
+    in threads)."""
+
+    def __init__(
+        self,
+        base_backoff_s: float = 10.0,
+        max_backoff_s: float = 300.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 < base_backoff_s <= max_backoff_s:
+            raise ValueError(
+                f"need 0 < base_backoff_s <= max_backoff_s, got {base_backoff_s}, {max_backoff_s}"
+            )
+        self.base_backoff_s = base_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._clock = clock
+        self._silent: dict[Hashable, dict[str, _Silent]] = {}
+        self._lock = threading.Lock()
+
+    def skipped(self, urls: Sequence[str], owner: Hashable = None) -> list[str]:
+        """Those of `urls` that are backing off now for `owner` (not asked by its next read)."""
+        now = self._clock()
+        with self._lock:
+            silent = self._silent.get(owner, {})
+            return [u for u in urls if (s := silent.get(u)) is not None and now < s.retry_at_s]
+
+    def record(
+        self, urls: Sequence[str], results: Sequence[tuple[str, object]], owner: Hashable = None
+    ) -> None:
+        """`owner`'s read of `urls` got `results` (an exception for those that failed)."""
+        now = self._clock()
+        with self._lock:
+            old = self._silent.get(owner, {})
+            wanted = set(urls)
+            silent = {u: s for u, s in old.items() if u in wanted}
+            for url, result in results:
+                if not isinstance(result, BaseException):
+                    silent.pop(url, None)
+                    continue
+                before = silent.get(url)
+                failures = 1 if before is None else before.failures + 1
+                delay_s = min(self.base_backoff_s * 2 ** min(failures - 1, 30), self.max_backoff_s)
+                silent[url] = _Silent(failures, now + delay_s)
+            if silent:
+                self._silent[owner] = silent
+            else:
+                self._silent.pop(owner, None)
+
+    def forget(self, owner: Hashable) -> None:
+        with self._lock:
+            self._silent.pop(owner, None)
+
+    def __len__(self) -> int:
+        """The objects with a replica backing off now."""
+        with self._lock:
+            return len(self._silent)
+
+
 class NvmeReportReader:
-    """`read_nvme_reports` that remembers which replicas did not answer: one that failed (no
-    answer within the budget, a refused connection, garbage) is not asked again for
-    `base_backoff_s`, doubling with each further failure up to `max_backoff_s`; one answer
-    clears it. Callable as a `handlers.ReadNvme`; thread-safe (kopf runs handlers in threads)."""
+    """`read_nvme_reports` with a `BackOff`: replicas known not to answer are not asked.
+    Callable as a `handlers.ReadNvme` (bind `owner` to tell the policies' fleets apart)."""
 
     def __init__(
         self,
@@ -260,42 +331,66 @@ class NvmeReportReader:
         clock: Callable[[], float] = time.monotonic,
         fetch: NvmeFetch = _pod_nvme,
     ) -> None:
-        if not 0 < base_backoff_s <= max_backoff_s:
-            raise ValueError(
-                f"need 0 < base_backoff_s <= max_backoff_s, got {base_backoff_s}, {max_backoff_s}"
-            )
+        self.backoff = BackOff(base_backoff_s, max_backoff_s, clock=clock)
         self.timeout_s = timeout_s
-        self.base_backoff_s = base_backoff_s
-        self.max_backoff_s = max_backoff_s
-        self._clock = clock
         self._fetch = fetch
-        self._silent: dict[str, _Silent] = {}
-        self._lock = threading.Lock()
 
-    def skipped(self, urls: Sequence[str]) -> list[str]:
-        """Those of `urls` that are backing off now (not asked by the next call)."""
-        now = self._clock()
-        with self._lock:
-            return [u for u in urls if (s := self._silent.get(u)) is not None
-                    and now < s.retry_at_s]
+    def skipped(self, urls: Sequence[str], owner: Hashable = None) -> list[str]:
+        return self.backoff.skipped(urls, owner)
 
-    def __call__(self, urls: Sequence[str]) -> list[dict[str, Any]]:
-        skipped = set(self.skipped(urls))
+    def __call__(self, urls: Sequence[str], owner: Hashable = None) -> list[dict[str, Any]]:
+        skipped = set(self.backoff.skipped(urls, owner))
         results = _ask_all([u for u in urls if u not in skipped], self.timeout_s, self._fetch)
-        now = self._clock()
-        with self._lock:
-            # Forget replicas that left the fleet: the map stays as large as the fleet.
-            for url in set(self._silent) - set(urls):
-                del self._silent[url]
-            for url, result in results:
-                if not isinstance(result, BaseException):
-                    self._silent.pop(url, None)
-                    continue
-                old = self._silent.get(url)
-                failures = 1 if old is None else old.failures + 1
-                delay_s = min(self.base_backoff_s * 2 ** min(failures - 1, 30), self.max_backoff_s)
-                self._silent[url] = _Silent(failures, now + delay_s)
+        self.backoff.record(urls, results, owner)
         return [r for _, r in results if isinstance(r, dict)]
+
+
+StatsFetch = Callable[[CacheStatsSource, bytes | None, str, float], tuple[int, int]]
+
+
+class CacheStatsReader:
+    """`read_cache_stats` with a `BackOff`: pods that never answer (a partitioned node, an IP
+    with no endpoint) stop costing every rollout evaluation the whole budget. Callable as a
+    `ReadStats` (bind `owner` to tell the rollouts apart)."""
+
+    def __init__(
+        self,
+        base_backoff_s: float = 10.0,
+        max_backoff_s: float = 300.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        fetch: StatsFetch = _pod_totals,
+    ) -> None:
+        self.backoff = BackOff(base_backoff_s, max_backoff_s, clock=clock)
+        self._fetch = fetch
+
+    def __call__(
+        self,
+        source: CacheStatsSource,
+        pod_ips: Sequence[str],
+        token: bytes | None = None,
+        owner: Hashable = None,
+    ) -> float | None:
+        urls = [stats_url(source, ip) for ip in pod_ips]
+        skipped = set(self.backoff.skipped(urls, owner))
+        fetch = functools.partial(self._fetch, source, token)
+        asked = [u for u in urls if u not in skipped]
+        results = _ask_all(asked, source.timeout_seconds, fetch)
+        self.backoff.record(urls, results, owner)
+        return _hit_rate(results)
+
+
+ReadStats = Callable[[CacheStatsSource, Sequence[str], bytes | None], float | None]
+"""A `/cache/stats` fallback read: the source, the ready pods' IPs, the operator token."""
+
+
+def _hit_rate_bounded(rate: float | None) -> float | None:
+    """A hit rate read from Prometheus, within [0, 1]. The query divides two windowed `rate()`s,
+    and Prometheus extrapolates each counter to the window's edges on its own (a young series,
+    a pod started within the window, is extrapolated only back to where it would be zero, which
+    differs between the matched and the looked-up counter): near a full hit rate the quotient
+    comes out a little above 1 (a BASELINE of "100.2%"), which no cache can do."""
+    return None if rate is None else min(1.0, max(0.0, rate))
 
 
 def read_hit_rates(
@@ -304,8 +399,10 @@ def read_hit_rates(
     canary: DeploymentPods | None,
     *,
     token: bytes | None = None,
+    read_stats: ReadStats = read_cache_stats,
 ) -> MetricReading:
-    """`token`: the operator token the `/cache/stats` fallback presents."""
+    """`token`: the operator token the `/cache/stats` fallback presents; `read_stats`: how it
+    reads (a `CacheStatsReader` to skip pods that do not answer)."""
     prometheus = spec.prometheus
     if prometheus is not None:
         try:
@@ -316,8 +413,8 @@ def read_hit_rates(
                 template = queries_for(prometheus, pods.engine)[which]
                 return prometheus_query(prometheus, render_query(template, pods))
 
-            target_rate = ask(0, target)
-            canary_rate = None if canary is None else ask(0, canary)
+            target_rate = _hit_rate_bounded(ask(0, target))
+            canary_rate = None if canary is None else _hit_rate_bounded(ask(0, canary))
             saved = ask(1, target)
             if target_rate is not None or canary_rate is not None or not spec.cache_stats.enabled:
                 return MetricReading(target_rate, canary_rate, saved, "prometheus")
@@ -326,8 +423,8 @@ def read_hit_rates(
                 return MetricReading(None, None, None, f"prometheus unavailable: {exc}"[:200])
     stats = spec.cache_stats
     return MetricReading(
-        read_cache_stats(stats, target.pod_ips, token),
-        None if canary is None else read_cache_stats(stats, canary.pod_ips, token),
+        read_stats(stats, target.pod_ips, token),
+        None if canary is None else read_stats(stats, canary.pod_ips, token),
         None,
         "cache-stats",
     )

@@ -55,6 +55,10 @@ class Schedule:
         with self._guard:
             self._due_s.pop(key, None)
 
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._due_s)
+
 
 def run_scheduled(
     schedule: Schedule, key: Hashable, reconcile: Callable[[], float | None]

@@ -653,7 +653,7 @@ def test_operator_command_line_is_the_operators(
 
 
 def test_operator_peering(render: Render, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvfleet_operator.main import PEERING_NAME
+    from kvfleet_operator.constants import PEERING_NAME
 
     out = render(DEFAULT, set=["operator.replicas=2"])
     (peering,) = out.of_kind("ClusterKopfPeering")

@@ -5,8 +5,9 @@ kwok plays the kubelet of the fake nodes: it binds pods, gives them an IP from t
 `spec.podCIDR` and marks them Running and Ready, but runs nothing. The e2e nodes get loopback pod
 CIDRs (127.x.y.0/24), so every pod IP is an address this machine can bind. `KubeletShim` watches
 the release's pods on those nodes and, for each running pod whose image is the kvfleet runtime
-image, starts its container the way the kubelet would, from the image scripts/images.sh built
-(`localhost/kvfleet/kvfleet-runtime:<version>`, the bytes `helm install` would pull), with
+image (or the operator image, when it is given one), starts its container the way the kubelet
+would, from the image scripts/images.sh built (`localhost/kvfleet/kvfleet-runtime:<version>`,
+`localhost/kvfleet/kvfleet-operator:<version>`, the bytes `helm install` would pull), with
 `buildah run --isolation chroot` of one working container of it (tests/images/buildah.py):
 
 - the image: a pod's `kvfleet/kvfleet-runtime:<tag>` is the local build of that tag; a tag no
@@ -25,9 +26,15 @@ image, starts its container the way the kubelet would, from the image scripts/im
   fresh one (the chart's /tmp); the rest of the root filesystem is read-only
   (readOnlyRootFilesystem). buildah gives every run its own /dev/shm, so the chart's Memory
   emptyDir there is not mounted;
+- a pod that does not opt out (`automountServiceAccountToken: false`; the chart's replicas and
+  router do) gets what the kubelet projects: a token of its ServiceAccount from the TokenRequest
+  API, bound to the pod, the cluster's CA and the namespace under
+  /var/run/secrets/kubernetes.io/serviceaccount, and KUBERNETES_SERVICE_HOST/PORT naming the API
+  server (on loopback), so in-cluster clients (the operator's kopf login) work as in a pod;
 - the pod's own network namespace is played by its loopback address (chroot isolation shares the
-  host's network): `--host 0.0.0.0` becomes `--host <pod IP>`, so every replica listens on its
-  pod's IP and the container port.
+  host's network): `--host 0.0.0.0` becomes `--host <pod IP>` (and `http://0.0.0.0:<port>` in
+  an argument, the operator's liveness URL, `http://<pod IP>:<port>`), so every replica listens
+  on its pod's IP and the container port.
 
 When a pod is deleted (or terminating) its container's process gets SIGTERM (the command itself,
 not buildah's helpers, which would SIGKILL it), and the whole process group SIGKILL after a grace
@@ -46,24 +53,34 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tests.cluster.fixtures import Cluster, CommandError
+from tests.cluster.kubeconfig import current_cluster
 from tests.cluster.processes import ManagedProcess, start_process
 from tests.images.buildah import VERSION, Container, stop_run
 
-# The repository pods name (the chart's runtimeImage.repository); the local build of a tag is
-# scripts/images.sh's localhost/<repository>:<version>.
+# The repositories pods name (the chart's runtimeImage.repository, operator.image.repository);
+# the local build of a tag is scripts/images.sh's localhost/<repository>:<version>.
 RUNTIME_REPOSITORY = "kvfleet/kvfleet-runtime"
+OPERATOR_REPOSITORY = "kvfleet/kvfleet-operator"
+# Where a kubelet projects a pod's ServiceAccount credentials (token, the cluster's CA, the
+# namespace): what in-cluster clients (kopf's login, the kubernetes client) read.
+SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+# The lifetime of the token the shim requests for a pod (a kubelet rotates it; the shim's pods
+# live for one test or one demo).
+TOKEN_DURATION_S = 24 * 3600
 # The one fault the shim injects (scenario B of test_user_path.py): pods of this image run the
 # real replica through tests/e2e/unstable_key.py, whose cache key never holds still.
 UNSTABLE_KEY_IMAGE = f"{RUNTIME_REPOSITORY}:unstable-cache-key"
@@ -113,7 +130,9 @@ class PodProcess:
 class KubeletShim:
     """See the module docstring. `selector` picks the pods (kubectl -l), `nodes` the fake nodes
     whose pods this shim runs, `container` a working container of the built runtime image (every
-    pod runs in it: the root is read-only, so nothing one pod writes reaches another)."""
+    pod runs in it: the root is read-only, so nothing one pod writes reaches another);
+    `operator_container`, one of the built operator image: given, the shim runs the operator pod
+    too (else the operator pod is left to kwok, and the caller runs the operator itself)."""
 
     def __init__(
         self,
@@ -124,6 +143,7 @@ class KubeletShim:
         selector: str,
         nodes: set[str],
         container: Container,
+        operator_container: Container | None = None,
         on_change: Callable[[list[PodProcess]], None] | None = None,
     ) -> None:
         self.cluster = cluster
@@ -133,9 +153,12 @@ class KubeletShim:
         self.nodes = nodes
         self.container = container
         self.on_change = on_change
-        self.entrypoint = container.entrypoint()
-        if not self.entrypoint:
-            raise ValueError(f"the image of {container.name} has no ENTRYPOINT")
+        self.images = {RUNTIME_REPOSITORY: container}
+        if operator_container is not None:
+            self.images[OPERATOR_REPOSITORY] = operator_container
+        for image in self.images.values():
+            if not image.entrypoint():
+                raise ValueError(f"the image of {image.name} has no ENTRYPOINT")
         # The fault's wrapper, in a folder of its own that the container's user can read.
         self.fault_dir = work_dir / "fault"
         self.fault_dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +229,7 @@ class KubeletShim:
                 and status.get("phase") == "Running"
                 and status.get("podIP")
                 and not meta.get("deletionTimestamp")
-                and spec["containers"][0]["image"].startswith(RUNTIME_REPOSITORY + ":")
+                and spec["containers"][0]["image"].rpartition(":")[0] in self.images
             ):
                 wanted[meta["uid"]] = pod
         changed = False
@@ -282,27 +305,44 @@ class KubeletShim:
         meta, spec = pod["metadata"], pod["spec"]
         (container,) = spec["containers"]
         ip = pod["status"]["podIP"]
+        repository, _, tag = container["image"].rpartition(":")
+        image = self.images[repository]
         fault = container["image"] == UNSTABLE_KEY_IMAGE
         if fault:
             entrypoint = UNSTABLE_KEY_COMMAND
-        elif container["image"].rpartition(":")[2] == VERSION:
-            entrypoint = self.entrypoint
+        elif tag == VERSION:
+            entrypoint = image.entrypoint()
         else:
             raise ValueError(f"pod {meta['name']}: no local build of {container['image']} "
-                             f"(scripts/images.sh builds {RUNTIME_REPOSITORY}:{VERSION})")
+                             f"(scripts/images.sh builds {repository}:{VERSION})")
         root = self.work_dir / meta["name"]
         root.mkdir(parents=True, exist_ok=True)
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         binds: list[str] = []
         live: list[LiveVolume] = []
+        automount = spec.get("automountServiceAccountToken", True)
         for mount in container.get("volumeMounts", []):
             if mount["mountPath"].startswith(BUILDAH_MANAGED_MOUNTS):
                 continue
-            local = self._volume_dir(volumes[mount["name"]], root, objects, live)
+            target = mount["mountPath"]
+            if target == SERVICE_ACCOUNT_MOUNT:
+                # The API server's ServiceAccount admission put its projected volume here.
+                local = self._service_account(pod, root)
+                target = in_image(image.mount, target)
+                automount = False
+            else:
+                local = self._volume_dir(volumes[mount["name"]], root, objects, live)
             mode = ":ro" if mount.get("readOnly") else ""
-            binds.append(f"{local / mount.get('subPath', '')}:{mount['mountPath']}{mode}")
+            binds.append(f"{local / mount.get('subPath', '')}:{target}{mode}")
         if fault:
             binds.append(f"{self.fault_dir}:{FAULT_MOUNT}:ro")
+        # The kubelet's service environment (every pod has it), and the projected credentials
+        # where the pod has no volume for them (an API server without ServiceAccount admission)
+        # and does not opt out.
+        env = self._service_env()
+        if automount:
+            target = in_image(image.mount, SERVICE_ACCOUNT_MOUNT)
+            binds.append(f"{self._service_account(pod, root)}:{target}:ro")
 
         fields = {
             "metadata.name": meta["name"],
@@ -311,7 +351,6 @@ class KubeletShim:
         }
         # The image's variables (PATH, HOME=/tmp) come from its config through buildah, and
         # HOSTNAME from --hostname; these are the pod's.
-        env: dict[str, str] = {}
         for item in container.get("env", []):
             if "value" in item:
                 value = _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), item["value"])
@@ -326,12 +365,14 @@ class KubeletShim:
             env[item["name"]] = value
         args = [_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a)
                 for a in container.get("args", [])]
-        # The pod's network namespace: its own address instead of every address.
+        # The pod's network namespace: its own address instead of every address (`--host
+        # 0.0.0.0`, the operator's `--liveness http://0.0.0.0:<port>/healthz`).
         args = [ip if a == "0.0.0.0" and i and args[i - 1] == "--host" else a
                 for i, a in enumerate(args)]
+        args = [a.replace("//0.0.0.0:", f"//{ip}:") for a in args]
         ports = [p["containerPort"] for p in container.get("ports", [])]
-        argv = self.container.argv([*entrypoint, *args], volumes=binds, env=env,
-                                   user=_run_as(spec, container), hostname=meta["name"])
+        argv = image.argv([*entrypoint, *args], volumes=binds, env=env,
+                          user=_run_as(spec, container), hostname=meta["name"])
         process = start_process(meta["name"], argv, self.work_dir)
         record = PodProcess(meta["namespace"], meta["name"], meta["uid"], ip,
                             ports[0] if ports else None, dict(meta.get("labels") or {}),
@@ -344,6 +385,39 @@ class KubeletShim:
         with self._lock:
             self.pods[meta["name"]] = record
         self.events.append(f"{time.strftime('%H:%M:%S')} started {meta['name']} {ip}")
+
+    def _service_account(self, pod: dict[str, Any], root: Path) -> Path:
+        """The pod's projected ServiceAccount volume: a token from the TokenRequest API bound to
+        the pod (as the kubelet requests it: it dies with the pod), the cluster's CA and the
+        namespace, readable by the container's user."""
+        meta, spec = pod["metadata"], pod["spec"]
+        account = spec.get("serviceAccountName") or "default"
+        token = self.cluster.kubectl(
+            "create", "token", account, "-n", meta["namespace"], "--bound-object-kind=Pod",
+            f"--bound-object-name={meta['name']}", f"--bound-object-uid={meta['uid']}",
+            f"--duration={TOKEN_DURATION_S}s", timeout_s=20,
+        ).stdout.strip()
+        entry = current_cluster(self.cluster.kubeconfig)
+        if "certificate-authority-data" in entry:
+            ca = base64.b64decode(entry["certificate-authority-data"])
+        else:
+            ca = Path(entry["certificate-authority"]).read_bytes()
+        local = root / "volumes" / "kube-api-access"
+        local.mkdir(parents=True, exist_ok=True)
+        local.chmod(0o755)
+        for name, content in (("token", token.encode()), ("ca.crt", ca),
+                              ("namespace", meta["namespace"].encode())):
+            (local / name).write_bytes(content)
+            (local / name).chmod(0o644)
+        return local
+
+    def _service_env(self) -> dict[str, str]:
+        """KUBERNETES_SERVICE_HOST/PORT: the `kubernetes` Service as the kubelet tells every pod
+        of it; here the API server itself, on loopback (the pods share the host's network)."""
+        url = urllib.parse.urlsplit(self.cluster.api_url)
+        port = str(url.port or 443)
+        return {"KUBERNETES_SERVICE_HOST": url.hostname or "127.0.0.1",
+                "KUBERNETES_SERVICE_PORT": port, "KUBERNETES_SERVICE_PORT_HTTPS": port}
 
     def _volume_dir(
         self, volume: dict[str, Any], root: Path, objects: dict[tuple[str, str], Any],
@@ -387,6 +461,22 @@ class KubeletShim:
                 tmp.chmod(0o644)
                 tmp.replace(target)  # atomic, as the kubelet's symlink swap
                 volume.written[path] = content
+
+
+def in_image(root: Path, path: str) -> str:
+    """`path` with the image's own symlinks resolved (Debian's /var/run -> /run): buildah's chroot
+    mounts, and the mount point made for them on the working container's filesystem, would follow
+    an absolute link on the host (onto the host's /run) instead of inside the image."""
+    resolved = PurePosixPath("/")
+    for part in PurePosixPath(path).parts[1:]:
+        host = root / str(resolved / part).lstrip("/")
+        if host.is_symlink():
+            link = PurePosixPath(os.readlink(host))
+            resolved = PurePosixPath(os.path.normpath(link if link.is_absolute()
+                                                      else resolved / link))
+        else:
+            resolved = resolved / part
+    return str(resolved)
 
 
 def _run_as(spec: dict[str, Any], container: dict[str, Any]) -> str | None:

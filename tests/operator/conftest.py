@@ -133,12 +133,14 @@ def start_operator(
     priority: int,
     policy_interval_s: float = 2,
     extra_args: tuple[str, ...] = (),
+    rollout_interval_s: float = 1,
+    env: dict[str, str] | None = None,
 ) -> OperatorProcess:
     """`kvfleet-operator run` as the operator's ServiceAccount, logging to `log_path`."""
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.update(
         KUBECONFIG=str(identity.kubeconfig),
-        KVFLEET_OPERATOR_ROLLOUT_INTERVAL_S="1",
+        KVFLEET_OPERATOR_ROLLOUT_INTERVAL_S=str(rollout_interval_s),
         KVFLEET_OPERATOR_POLICY_INTERVAL_S=str(policy_interval_s),
     )
     script = Path(sys.executable).with_name("kvfleet-operator")

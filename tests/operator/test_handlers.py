@@ -433,3 +433,21 @@ def test_invalid_rollout_writes_its_condition_once(
     assert says in cond["message"]
     assert status["phase"] == "Pending" and status["observedGeneration"] == 1
     assert ("Deployment", "llm-canary") not in kube.objects
+
+
+def test_a_refusal_is_one_status_whatever_the_kind_and_is_written_once() -> None:
+    """The one refusal helper: Ready=False with the reason, the rest of the status kept; the same
+    refusal again is the same status (so `_write_status` writes nothing), its time unmoved."""
+    from kvfleet_operator.api import KVCachePolicyStatus, ModelRolloutStatus
+
+    rollout = ModelRolloutStatus.model_validate({"phase": "Progressing", "currentStep": 2})
+    first = handlers.refused_status(rollout, 3, "InvalidTarget", "no container", "T1")
+    again = handlers.refused_status(first, 3, "InvalidTarget", "no container", "T2")
+    assert again == first
+    assert (first.phase.value, first.current_step, first.observed_generation) == (
+        "Progressing", 2, 3)
+    (ready,) = first.conditions
+    assert (ready.type, ready.status.value, ready.reason, ready.last_transition_time) == (
+        "Ready", "False", "InvalidTarget", "T1")
+    policy = handlers.refused_status(KVCachePolicyStatus(), 1, "InvalidSpec", "x" * 3000, "T1")
+    assert len(policy.conditions[0].message) == 2000

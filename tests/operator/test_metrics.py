@@ -101,6 +101,26 @@ def test_prometheus_is_asked_per_deployment(http_server: Callable[[Responder], i
     assert len(asked) == 3
 
 
+def test_a_hit_rate_is_never_read_above_one(http_server: Callable[[Responder], int]) -> None:
+    """Two windowed rates, extrapolated each on its own, can divide to a little over 1 near a full
+    hit rate: read as 1 (a BASELINE of 100.2% is a lie). The saved-prefill rate is not a ratio:
+    read as it is."""
+
+    def respond(path: str, query: dict[str, list[str]]) -> Any:
+        promql = query["query"][0]
+        value = "5000.5" if "matched_tokens_total{" in promql and "/" not in promql else (
+            "1.002" if "canary" not in promql else "-0.001")
+        return {"status": "success",
+                "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, value]}]}}
+
+    port = http_server(respond)
+    spec = MetricsSpec.model_validate({"prometheus": {"url": f"http://127.0.0.1:{port}"}})
+    reading = read_hit_rates(spec, DeploymentPods("ns", "llm", (), ("llm-1-a",)),
+                             DeploymentPods("ns", "llm-canary", (), ("llm-canary-1-a",)))
+    assert (reading.target_hit_rate, reading.canary_hit_rate) == (1.0, 0.0)
+    assert reading.target_saved_prefill_tokens_per_s == 5000.5
+
+
 def test_nan_and_empty_results_are_no_data(http_server: Callable[[Responder], int]) -> None:
     def respond(path: str, query: dict[str, list[str]]) -> Any:
         result = [] if "canary" in query["query"][0] else [{"metric": {}, "value": [0, "NaN"]}]

@@ -104,7 +104,7 @@ def test_the_rollout_timer_acts_when_the_planner_asked(
     answers: list[float | Exception | None] = [15.0, 1.0, kopf.PermanentError("invalid"), None]
     calls: list[str] = []
 
-    def reconcile(kube: object, namespace: str, name: str) -> float | None:
+    def reconcile(kube: object, namespace: str, name: str, **_: object) -> float | None:
         calls.append(f"{namespace}/{name}")
         answer = answers.pop(0)
         if isinstance(answer, Exception):
@@ -112,7 +112,7 @@ def test_the_rollout_timer_acts_when_the_planner_asked(
         return answer
 
     monkeypatch.setattr(handlers, "reconcile_rollout", reconcile)
-    memo = {"kube": None, "locks": main._Locks(), "schedule": Schedule(clock)}
+    memo = {"kube": None, "tracked": main.Tracked(schedule=Schedule(clock))}
 
     def ticks(seconds: int) -> int:
         before = len(calls)

@@ -37,7 +37,6 @@ from typing import Literal
 from kvfleet_operator.api import (
     TERMINAL_PHASES,
     Condition,
-    ConditionStatus,
     HistoryEntry,
     ModelRolloutSpec,
     ModelRolloutStatus,
@@ -48,6 +47,7 @@ from kvfleet_operator.api import (
     StepStatus,
     SurgeMode,
 )
+from kvfleet_operator.planning.conditions import set_condition
 
 __all__ = [
     "Action",
@@ -68,7 +68,6 @@ __all__ = [
 ]
 
 MAX_HISTORY = 50
-_HOLD_REQUEUE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +297,11 @@ def _start_step(b: _Builder, index: int, obs: Observations) -> None:
     )
 
 
-def _rollback(b: _Builder, reason: str, message: str, step_result: StepResult | None) -> None:
+def _begin_rollback(
+    b: _Builder, reason: str, message: str, step_result: StepResult | None
+) -> None:
+    """Enter RollingBack (the step, if any, closed with `step_result`): the target gets its
+    previous version back while the canary keeps serving."""
     if step_result is not None and b.status.steps:
         b.update_step(result=step_result, finished_at=format_time(b.now))
     b.move(
@@ -326,8 +329,9 @@ def _fmt_rate(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:.3f}"
 
 
-def _progress(b: _Builder, obs: Observations) -> float | None:
-    """One evaluation of the current step; returns the requeue delay."""
+def _evaluate_step(b: _Builder, obs: Observations) -> float | None:
+    """One evaluation of the current step (Scaling: is the canary ready; Gating: has its hit
+    rate recovered); returns the requeue delay."""
     spec, gate = b.spec, b.spec.gate
     step = b.status.steps[-1]
     canary_wanted = step.canary_replicas + step.surge_replicas
@@ -347,7 +351,7 @@ def _progress(b: _Builder, obs: Observations) -> float | None:
         waited = b.elapsed_s(step.started_at)
         if waited >= gate.ready_timeout_seconds:
             ready = 0 if obs.canary is None else obs.canary.ready_replicas
-            _rollback(
+            _begin_rollback(
                 b,
                 "CanaryNotReady",
                 f"step {b.status.current_step}: {ready}/{canary_wanted} canary replica(s) ready "
@@ -393,7 +397,7 @@ def _progress(b: _Builder, obs: Observations) -> float | None:
             else f"canary hit rate {_fmt_rate(observed)} < {_fmt_rate(wanted)} "
             f"({gate.recovery_percent}% of stable {_fmt_rate(baseline)})"
         )
-        _rollback(
+        _begin_rollback(
             b,
             "HitRateNotRecovered",
             f"step {b.status.current_step}: {why} after {elapsed:.0f} s "
@@ -407,7 +411,9 @@ def _progress(b: _Builder, obs: Observations) -> float | None:
     return float(max(1.0, min(gate.check_interval_seconds, remaining)))
 
 
-def _promote(b: _Builder, obs: Observations) -> float | None:
+def _evaluate_promotion(b: _Builder, obs: Observations) -> float | None:
+    """Promoting: is the target ready with the new version (Scaling), has its hit rate
+    recovered against the warm canary's (Gating: then Succeeded)."""
     spec, gate = b.spec, b.spec.gate
     assert b.status.previous is not None
     total = b.status.previous.replicas
@@ -420,7 +426,7 @@ def _promote(b: _Builder, obs: Observations) -> float | None:
             return float(gate.check_interval_seconds)
         waited = b.elapsed_s(b.status.promotion_started_at)
         if waited >= gate.ready_timeout_seconds:
-            _rollback(
+            _begin_rollback(
                 b,
                 "TargetNotReady",
                 f"promotion: target not ready with the new weights after {waited:.0f} s",
@@ -456,7 +462,8 @@ def _promote(b: _Builder, obs: Observations) -> float | None:
     return float(max(1.0, min(gate.check_interval_seconds, remaining)))
 
 
-def _roll_back(b: _Builder, obs: Observations) -> float | None:
+def _finish_rollback(b: _Builder, obs: Observations) -> float | None:
+    """RolledBack once the target runs its previous version on all its replicas again."""
     previous = b.status.previous
     assert previous is not None
     if obs.target is not None and obs.target.is_ready(previous.replicas, previous.weights_digest):
@@ -549,9 +556,10 @@ def _start(b: _Builder, obs: Observations) -> float | None:
     return 0.0
 
 
-def _conditions(
+def _phase_conditions(
     old: list[Condition], phase: RolloutPhase, reason: str, message: str, now: str, generation: int
 ) -> list[Condition]:
+    """Ready, Progressing and Degraded as the phase says, each with the phase's reason."""
     wanted = {
         "Ready": phase is RolloutPhase.SUCCEEDED,
         "Progressing": phase
@@ -564,25 +572,12 @@ def _conditions(
         "Degraded": phase
         in (RolloutPhase.ROLLING_BACK, RolloutPhase.ROLLED_BACK, RolloutPhase.FAILED),
     }
-    by_type = {c.type: c for c in old}
-    out = []
+    conditions = old
     for kind, value in wanted.items():
-        status = ConditionStatus.TRUE if value else ConditionStatus.FALSE
-        before = by_type.get(kind)
-        changed = before is None or before.status is not status
-        out.append(
-            Condition(
-                type=kind,
-                status=status,
-                reason=reason or phase.value,
-                message=message,
-                last_transition_time=now
-                if changed or before is None
-                else before.last_transition_time,
-                observed_generation=generation,
-            )
+        conditions = set_condition(
+            conditions, kind, value, reason or phase.value, message, now, generation
         )
-    return out
+    return conditions
 
 
 def advance(
@@ -615,8 +610,8 @@ def advance(
     elif (
         spec.abort and phase is not RolloutPhase.ROLLING_BACK and phase is not RolloutPhase.PENDING
     ):
-        _rollback(b, "Aborted", "aborted by spec.abort", StepResult.ABORTED)
-        requeue = _roll_back(b, obs)
+        _begin_rollback(b, "Aborted", "aborted by spec.abort", StepResult.ABORTED)
+        requeue = _finish_rollback(b, obs)
     elif phase is RolloutPhase.PENDING:
         # The first step is entered, not evaluated: its clocks start now.
         requeue = _start(b, obs)
@@ -624,13 +619,13 @@ def advance(
         _pause_or_resume(b)
         phase = b.status.phase
         if phase is RolloutPhase.PROGRESSING:
-            requeue = _progress(b, obs)
+            requeue = _evaluate_step(b, obs)
         elif phase is RolloutPhase.PROMOTING:
-            requeue = _promote(b, obs)
+            requeue = _evaluate_promotion(b, obs)
         elif phase is RolloutPhase.ROLLING_BACK:
-            requeue = _roll_back(b, obs)
+            requeue = _finish_rollback(b, obs)
     final = b.status
-    conditions = _conditions(
+    conditions = _phase_conditions(
         final.conditions, final.phase, final.reason, final.message, format_time(now), generation
     )
     final = final.model_copy(
