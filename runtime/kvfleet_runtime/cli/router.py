@@ -32,8 +32,8 @@ def _parse_kv_events(items: list[str]) -> dict[str, str]:
     endpoints: dict[str, str] = {}
     for item in items:
         name, sep, url = item.partition("=")
-        if not sep or not name or not url.startswith("tcp://"):
-            fail(f"--kv-events expects NAME=tcp://host:port, got {item!r}")
+        if not sep or not name or not url.startswith(("tcp://", "ipc://")):
+            fail(f"--kv-events expects NAME=tcp://host:port (or NAME=ipc://path), got {item!r}")
         if name in endpoints:
             fail(f"--kv-events {name!r} given twice")
         endpoints[name] = url
@@ -137,8 +137,8 @@ def router(
     ] = 30.0,
     kv_events: Annotated[
         list[str] | None,
-        typer.Option(help="NAME=tcp://host:port: subscribe to that vLLM replica's KV events "
-                     "(its --kv-events-config endpoint), so the cache-aware override knows "
+        typer.Option(help="NAME=tcp://host:port (or ipc://path): subscribe to that vLLM "
+                     "replica's KV events (its --kv-events-config endpoint), so the cache-aware override knows "
                      "what it holds in its own cache."),
     ] = None,
     kv_events_port: Annotated[
