@@ -179,3 +179,33 @@ def test_views_answer_per_replica() -> None:
     assert views.matched_tokens(SALT, p[:15]) == {}
     views.forget(["a"])
     assert views.matched_tokens(SALT, p) == {"b": B}
+
+
+def test_the_router_subscribes_to_vllm_replicas_and_takes_the_larger_match(tmp_path) -> None:
+    import asyncio
+
+    from kvfleet_runtime.auth import cache_salt
+    from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, dump_fleet_config
+    from kvfleet_runtime.router import FleetView, RouterState
+    from kvfleet_runtime.router._app import _with_kv_events, kv_event_endpoints
+    from kvfleet_runtime.routing import ApiKeyMap
+
+    config = tmp_path / "fleet.json"
+    config.write_text(dump_fleet_config(FleetConfig(recompute_s_per_token=1e-3, replicas=(
+        ReplicaEndpoint(name="a", url="http://10.0.0.1:8000", engine="vllm"),
+        ReplicaEndpoint(name="b", url="http://[fd00::2]:8000", engine="vllm"),
+        ReplicaEndpoint(name="k", url="http://10.0.0.3:8000")))))
+    secret = b"router-secret"
+    state = RouterState(view=FleetView(config_path=config), keys=ApiKeyMap({}),
+                        router_secret=secret, kv_events=KvEventViews(), kv_events_port=5557,
+                        kv_event_endpoints={"b": "ipc:///run/b.sock"})
+    assert state.view.reload_config()
+    # vLLM replicas only; an explicit endpoint wins
+    assert kv_event_endpoints(state) == {"a": "tcp://10.0.0.1:5557", "b": "ipc:///run/b.sock"}
+    p = tokens(2 * B)
+    assert state.kv_events is not None
+    state.kv_events.view("a").apply(0, batch(stored([10, 11], None, p,
+                                                    salt=cache_salt(secret, "acme"))))
+    got = asyncio.run(_with_kv_events(state, "acme", p, {"a": 16, "b": 48}))
+    assert got == {"a": 2 * B, "b": 48}
+    assert asyncio.run(_with_kv_events(state, "globex", p, {})) == {}
