@@ -23,7 +23,9 @@ The cache-aware override needs each replica's matched tokens for this prompt; th
 computes the prompt's chained block hashes itself (the key fields come from the replicas' load
 reports, so they cannot drift from what replicas hash) and asks the hint index for the leading
 run per host, in one round trip under a ~1 ms budget. No index, no key yet, or a failed lookup:
-the override is simply off for that request.
+the override is simply off for that request. A vLLM replica whose KV events the router follows
+(`--kv-events`, `router._kv_events`) also counts what it holds in its own GPU cache: per replica
+the larger of the two (`_with_kv_events`).
 
 Text prompts are tokenized only with the replicas' own tokenizer: the load report names it (a
 digest of the tokenizer files), and the router encodes with its `--tokenizer` (the model folder's
