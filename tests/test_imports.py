@@ -345,6 +345,7 @@ CACHE_EXPORTS = [
     "TierStats",
     "block_events",
     "block_hashes",
+    "continue_chain",
     "key_digest",
     "paired_runs",
     "usable_tokens",

@@ -25,12 +25,12 @@ import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvfleet_runtime.architectures import parse_hf_config
 from kvfleet_runtime.auth import SaltRefused, verify_cache_salt
 from kvfleet_runtime.cache import PLATFORM_TENANT, CacheKey, key_digest
 from kvfleet_runtime.model.checkpoint import read_config, weights_digest
+from kvfleet_vllm._options import PREFIX
 
 __all__ = ["SUPPORTED_KV_DTYPES", "ModelKey", "TenantSalts", "model_key", "tenant_of"]
 
@@ -111,20 +111,20 @@ class TenantSalts:
     _new_refusals: Counter[str] = field(default_factory=Counter)
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any], prefix: str) -> TenantSalts:
-        """From the connector's extra config; raises ValueError naming an unreadable or empty
-        secret file (the connector refuses to start rather than trust every salt)."""
-        default = str(extra.get(prefix + "default_tenant", "default"))
-        path = extra.get(prefix + "salt_secret_file")
-        if path is None:
-            return cls(default)
+    def load(cls, default_tenant: str, secret_file: Path | None) -> TenantSalts:
+        """With the router secret read from `secret_file` (None: salts are tenant names); raises
+        ValueError naming an unreadable or empty file (the connector refuses to start rather
+        than trust every salt)."""
+        if secret_file is None:
+            return cls(default_tenant)
         try:
-            secret = Path(str(path)).read_bytes().strip()
+            secret = secret_file.read_bytes().strip()
         except OSError as exc:
-            raise ValueError(f"{prefix}salt_secret_file={path}: {exc.strerror or exc}") from exc
+            raise ValueError(f"{PREFIX}salt_secret_file={secret_file}: "
+                             f"{exc.strerror or exc}") from exc
         if not secret:
-            raise ValueError(f"{prefix}salt_secret_file={path} is empty")
-        return cls(default, secret)
+            raise ValueError(f"{PREFIX}salt_secret_file={secret_file} is empty")
+        return cls(default_tenant, secret)
 
     def tenant(self, request_id: str, cache_salt: str | None) -> str | SaltRefused:
         """The request's tenant, or why it has none (counted once per request id)."""

@@ -26,6 +26,11 @@ def keys(tmp_path: Path) -> Path:
         (["--replica", "r0=http://a:1", "--k", "0"], "--k must be"),
         (["--replica", "r0=http://a:1", "--occupancy-threshold", "1.5"], "occupancy-threshold"),
         (["--replica", "r0=http://a:1", "--recompute-s-per-token", "0"], "recompute"),
+        (["--replica", "r0=http://a:1", "--kv-events", "r0"], "NAME=tcp://host:port"),
+        (["--replica", "r0=http://a:1", "--kv-events", "r0=http://a:1"], "NAME=tcp://host:port"),
+        (["--replica", "r0=http://a:1", "--kv-events", "r0=tcp://a:1", "--kv-events",
+          "r0=tcp://b:1"], "--kv-events 'r0' given twice"),
+        (["--replica", "r0=http://a:1", "--kv-events-port", "0"], "--kv-events-port must be"),
     ],
 )
 def test_router_bad_flags(keys: Path, extra: list[str], message: str) -> None:

@@ -168,7 +168,7 @@ def engine(tiny_checkpoint: Path, tmp_path: Path, fleet_env: None) -> Iterator[A
 
 def publish(conn: Any, host: str, url: str, hashes: list[bytes]) -> None:
     """What the peer's `HintPublisher` and registration write into the hint index."""
-    svc = conn.peers
+    svc = conn.scheduler.peers
     svc.call(svc.hints.publish(host, hashes))
     svc.call(svc.hints.register_host(host, url))
 
@@ -182,7 +182,7 @@ def schedule_through_fetch(s: Any, w: Any, views: Any) -> list[Any]:
         outs.append(out)
         if out.num_scheduled_tokens:
             return outs
-        assert conn.peers.wait_idle(10)
+        assert conn.scheduler.peers.wait_idle(10)
     raise AssertionError("the request was never scheduled")
 
 
@@ -201,7 +201,7 @@ def loaded_kv(views: list[torch.Tensor], table: tuple[int, ...], num_blocks: int
 def test_fetches_from_a_kvfleet_peer_then_loads_and_counts_once(engine, peer):
     s, w, views = engine()
     conn = sup.connector_of(s)
-    key = conn.model_key.key("tenant-a")
+    key = conn.scheduler.model_key.key("tenant-a")
     k, v = peer.hold(key, PROMPT)  # the peer holds all 6 full blocks
     chain = block_hashes(key, PROMPT)
     publish(conn, "kvfleet-b", peer.url, chain)
@@ -211,7 +211,7 @@ def test_fetches_from_a_kvfleet_peer_then_loads_and_counts_once(engine, peer):
     outs = schedule_through_fetch(s, w, views)
     assert len(outs) == 2  # one step waiting for the fetch, then scheduled
     assert outs[0].num_scheduled_tokens == {}
-    svc = conn.peers
+    svc = conn.scheduler.peers
     assert svc.stats.outcomes == {"ok": 1} and svc.stats.blocks_fetched == 6
     assert peer.served == 1
     (load, table), = outs[1].kv_connector_metadata.loads
@@ -222,14 +222,15 @@ def test_fetches_from_a_kvfleet_peer_then_loads_and_counts_once(engine, peer):
 
     while s.has_unfinished_requests():
         sup.step(s, [w], [views])
-    st = conn.stats("tenant-a").totals
+    st = conn.scheduler.stats("tenant-a").totals
     assert (st.num_lookups, st.num_hits, st.num_matched_tokens) == (1, 1, 96)
     reported = {}
     for payload in sup.REPORTED:
         for name, n in payload.get("tenants", {}).get("tenant-a", {}).items():
             reported[name] = reported.get(name, 0) + n
     assert reported.get("fetched_blocks") == 6
-    assert conn.index.num_referenced_blocks == 0 and conn.index.num_pending_blocks == 0
+    index = conn.scheduler.index
+    assert index.num_referenced_blocks == 0 and index.num_pending_blocks == 0
 
     # Fetched once: a second request for the prompt hits the host pool without asking peers.
     s.kv_cache_manager.reset_prefix_cache()
@@ -243,20 +244,20 @@ def test_fetches_from_a_kvfleet_peer_then_loads_and_counts_once(engine, peer):
 def test_the_fetch_starts_after_the_host_pools_own_match(engine, peer):
     s, w, views = engine()
     conn = sup.connector_of(s)
-    key = conn.model_key.key("tenant-a")
+    key = conn.scheduler.model_key.key("tenant-a")
     # This replica stored the first 3 blocks itself; the peer holds all 6.
     s.add_request(sup.request("a0", [*PROMPT[:48], 1]))
     while s.has_unfinished_requests():
         sup.step(s, [w], [views])
     s.kv_cache_manager.reset_prefix_cache()
-    assert conn.stats().totals.num_blocks == 3
+    assert conn.scheduler.stats().totals.num_blocks == 3
     k, v = peer.hold(key, PROMPT)
     publish(conn, "kvfleet-b", peer.url, block_hashes(key, PROMPT))
 
     a = sup.request("a", PROMPT)
     s.add_request(a)
     outs = schedule_through_fetch(s, w, views)
-    assert conn.peers.stats.blocks_fetched == 3  # blocks 3, 4, 5 only
+    assert conn.scheduler.peers.stats.blocks_fetched == 3  # blocks 3, 4, 5 only
     (load, table), = outs[-1].kv_connector_metadata.loads
     assert load.chain_blocks == (0, 1, 2, 3, 4, 5)
     got_k, got_v = loaded_kv(views, table, 6)
@@ -270,7 +271,7 @@ def test_every_fetch_failure_recomputes(engine, failure, monkeypatch):
     try:
         s, w, views = engine()
         conn = sup.connector_of(s)
-        key = conn.model_key.key("tenant-a")
+        key = conn.scheduler.model_key.key("tenant-a")
         if failure != "stale_hint":
             peer.hold(key, PROMPT)
         url = f"http://127.0.0.1:{peer.proxy_port}" if failure == "corrupt_chunk" else peer.url
@@ -283,18 +284,19 @@ def test_every_fetch_failure_recomputes(engine, failure, monkeypatch):
         outs = schedule_through_fetch(s, w, views)
         expected = {"peer_down": "peer_error", "wrong_secret": "refused",
                     "corrupt_chunk": "checksum", "stale_hint": "stale"}[failure]
-        assert conn.peers.stats.outcomes == {expected: 1}
-        assert conn.peers.stats.blocks_fetched == 0
+        assert conn.scheduler.peers.stats.outcomes == {expected: 1}
+        assert conn.scheduler.peers.stats.blocks_fetched == 0
         assert outs[-1].kv_connector_metadata.loads == []  # nothing loaded: vLLM computes all
         assert outs[-1].num_scheduled_tokens == {"a": 64}  # from token 0 (a 64-token budget)
-        assert conn.index.num_pending_blocks == 0 and conn.index.num_referenced_blocks == 0
+        index = conn.scheduler.index
+        assert index.num_pending_blocks == 0 and index.num_referenced_blocks == 0
         while s.has_unfinished_requests():
             sup.step(s, [w], [views])
-        st = conn.stats("tenant-a").totals
+        st = conn.scheduler.stats("tenant-a").totals
         assert (st.num_lookups, st.num_hits, st.num_matched_tokens) == (1, 0, 0)
         # The request's own prefill stored the prompt, the slots a failed fetch had reserved
         # included: the next request hits the host pool.
-        assert conn.index.held(block_hashes(key, PROMPT), "tenant-a") == 6
+        assert conn.scheduler.index.held(block_hashes(key, PROMPT), "tenant-a") == 6
         s.kv_cache_manager.reset_prefix_cache()
         b = sup.request("b", PROMPT)
         s.add_request(b)
@@ -318,8 +320,8 @@ def test_a_rotated_peer_secret_file_signs_without_a_restart(engine, tmp_path, mo
     try:
         s, w, views = engine()
         conn = sup.connector_of(s)
-        svc = conn.peers
-        key = conn.model_key.key("tenant-a")
+        svc = conn.scheduler.peers
+        key = conn.scheduler.model_key.key("tenant-a")
         first, second = PROMPT, [(i * 13 + 7) % 500 for i in range(100)]
         for prompt in (first, second):
             peer.hold(key, prompt)
@@ -352,7 +354,7 @@ def test_no_peer_holds_more_costs_no_step(engine):
     s.add_request(a)
     out, _ = sup.step(s, [w], [views])
     assert out.num_scheduled_tokens  # scheduled at once: the hint index knows nobody
-    assert sup.connector_of(s).peers.stats.outcomes == {"no_peer": 1}
+    assert sup.connector_of(s).scheduler.peers.stats.outcomes == {"no_peer": 1}
 
 
 def test_a_kvfleet_fetcher_reads_the_connectors_host_pool(engine):
@@ -368,9 +370,9 @@ def test_a_kvfleet_fetcher_reads_the_connectors_host_pool(engine):
         outs.append(sup.step(s, [w], [views])[0])
     (_plan, table), = [x for o in outs for x in o.kv_connector_metadata.saves]
     want_k, want_v = loaded_kv(views, table, 6)
-    key = conn.model_key.key("tenant-a")
+    key = conn.scheduler.model_key.key("tenant-a")
     chain = block_hashes(key, PROMPT)
-    svc = conn.peers
+    svc = conn.scheduler.peers
     # Published once visible (the save's step is done): the hint index lists this replica.
     svc.call(svc.publisher.flush())
     assert svc.call(svc.hints.lookup_runs(chain, tenant="tenant-a")) == {"vllm-a": 6}
@@ -391,12 +393,12 @@ def test_a_kvfleet_fetcher_reads_the_connectors_host_pool(engine):
     got_k = torch.frombuffer(run.k, dtype=torch.float16).view(2, 4, 96, 16)
     got_v = torch.frombuffer(run.v, dtype=torch.float16).view(2, 4, 96, 16)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)  # bitwise
-    assert conn.index.num_referenced_blocks == 0  # the export's references are released
-    st = conn.stats("tenant-a").totals
+    assert conn.scheduler.index.num_referenced_blocks == 0  # the export's references are released
+    st = conn.scheduler.stats("tenant-a").totals
     assert st.num_lookups == 1  # serving a peer is not a lookup of this replica's
 
     # Another tenant's credential and key reach nothing; a wrong secret is refused.
-    _, outcomes = asyncio.run(fetch(SECRET, conn.model_key.key("tenant-b")))
+    _, outcomes = asyncio.run(fetch(SECRET, conn.scheduler.model_key.key("tenant-b")))
     assert outcomes == {"hash_mismatch": 1} or outcomes == {"stale": 1}
     _, outcomes = asyncio.run(fetch("not-the-secret", key))
     assert outcomes == {"refused": 1}
@@ -405,11 +407,11 @@ def test_a_kvfleet_fetcher_reads_the_connectors_host_pool(engine):
 def test_an_evicted_block_is_withdrawn_from_the_hint_index(engine):
     s, w, views = engine(num_host_blocks=6)
     conn = sup.connector_of(s)
-    svc = conn.peers
+    svc = conn.scheduler.peers
     s.add_request(sup.request("a", PROMPT))
     while s.has_unfinished_requests():
         sup.step(s, [w], [views])
-    key = conn.model_key.key("tenant-a")
+    key = conn.scheduler.model_key.key("tenant-a")
     chain_a = block_hashes(key, PROMPT)
     svc.call(svc.publisher.flush())
     assert svc.call(svc.hints.lookup_runs(chain_a, tenant="tenant-a")) == {"vllm-a": 6}
@@ -447,9 +449,9 @@ def test_the_fleet_config_names_the_peers_and_switches_t2(engine, tmp_path, monk
         monkeypatch.setenv("KVFLEET_FLEET_CONFIG", str(config))
         s, w, views = engine()
         conn = sup.connector_of(s)
-        svc = conn.peers
+        svc = conn.scheduler.peers
         assert isinstance(svc.hints, PeerProbeHintIndex) and svc.enabled
-        key = conn.model_key.key("tenant-a")
+        key = conn.scheduler.model_key.key("tenant-a")
         k, _ = peer.hold(key, PROMPT)
         a = sup.request("a", PROMPT)
         s.add_request(a)
@@ -499,7 +501,7 @@ def test_one_vllm_replica_fetches_from_another(engine, tmp_path, monkeypatch):
     # T2 is on its connector's port, `peer_url`
     config.write_text(json.dumps({"replicas": [
         {"name": "vllm-a", "url": "http://127.0.0.1:1", "engine": "vllm",
-         "peer_url": f"http://127.0.0.1:{a_conn.peers.port}"}]}))
+         "peer_url": f"http://127.0.0.1:{a_conn.scheduler.peers.port}"}]}))
     monkeypatch.setenv("KVFLEET_FLEET_NAME", "vllm-b")
     monkeypatch.setenv("KVFLEET_FLEET_CONFIG", str(config))
     s_b, w_b, views_b = engine()
@@ -507,22 +509,24 @@ def test_one_vllm_replica_fetches_from_another(engine, tmp_path, monkeypatch):
     b = sup.request("b", PROMPT, max_tokens=1)
     s_b.add_request(b)
     outs = schedule_through_fetch(s_b, w_b, views_b)
-    assert b_conn.peers.stats.outcomes == {"ok": 1} and b_conn.peers.stats.blocks_fetched == 6
+    fetches = b_conn.scheduler.peers.stats
+    assert fetches.outcomes == {"ok": 1} and fetches.blocks_fetched == 6
     (load, table_b), = outs[-1].kv_connector_metadata.loads
     assert load.chain_blocks == (0, 1, 2, 3, 4, 5)
     got_k, got_v = loaded_kv(views_b, table_b, 6)
     assert torch.equal(got_k, saved_k) and torch.equal(got_v, saved_v)  # bitwise, A's KV
-    assert a_conn.index.num_referenced_blocks == 0  # A released the run it streamed
-    assert a_conn.stats("tenant-a").totals.num_lookups == 1  # serving B counted nothing in A
+    assert a_conn.scheduler.index.num_referenced_blocks == 0  # A released the run it streamed
+    # serving B counted nothing in A
+    assert a_conn.scheduler.stats("tenant-a").totals.num_lookups == 1
 
 
 def test_a_stopped_t2_thread_means_no_t2_not_a_failed_request(engine, peer):
     s, w, views = engine()
     conn = sup.connector_of(s)
-    key = conn.model_key.key("tenant-a")
+    key = conn.scheduler.model_key.key("tenant-a")
     peer.hold(key, PROMPT)
     publish(conn, "kvfleet-b", peer.url, block_hashes(key, PROMPT))
-    conn.peers.close()  # the thread's loop is closed, as if it had died
+    conn.scheduler.peers.close()  # the thread's loop is closed, as if it had died
     s.add_request(sup.request("a", PROMPT))
     out, _ = sup.step(s, [w], [views])
     assert out.num_scheduled_tokens == {"a": 64} and out.kv_connector_metadata.loads == []
@@ -546,7 +550,7 @@ def test_with_redis_the_replicas_share_one_hint_index(engine, tmp_path, monkeypa
         monkeypatch.setenv("KVFLEET_REDIS_URL", redis.url)
         s_a, w_a, views_a = engine()
         a_conn = sup.connector_of(s_a)
-        assert isinstance(a_conn.peers.hints, RedisHintIndex)
+        assert isinstance(a_conn.scheduler.peers.hints, RedisHintIndex)
         torch.manual_seed(9)
         for view in views_a:
             view.copy_(torch.randn(view.shape, dtype=torch.float16))
@@ -555,14 +559,15 @@ def test_with_redis_the_replicas_share_one_hint_index(engine, tmp_path, monkeypa
         while s_a.has_unfinished_requests():
             outs.append(sup.step(s_a, [w_a], [views_a])[0])
         (_plan, table_a), = [x for o in outs for x in o.kv_connector_metadata.saves]
-        a_conn.peers.call(a_conn.peers.publisher.flush())
+        a_conn.scheduler.peers.call(a_conn.scheduler.peers.publisher.flush())
 
         monkeypatch.setenv("KVFLEET_FLEET_NAME", "vllm-b")
         s_b, w_b, views_b = engine()
         b_conn = sup.connector_of(s_b)
         s_b.add_request(sup.request("b", PROMPT, max_tokens=1))
         outs = schedule_through_fetch(s_b, w_b, views_b)
-        assert b_conn.peers.stats.outcomes == {"ok": 1} and b_conn.peers.stats.blocks_fetched == 6
+        fetches = b_conn.scheduler.peers.stats
+        assert fetches.outcomes == {"ok": 1} and fetches.blocks_fetched == 6
         (_load, table_b), = outs[-1].kv_connector_metadata.loads
         for got, want in zip(loaded_kv(views_b, table_b, 6), loaded_kv(views_a, table_a, 6),
                              strict=True):
@@ -578,7 +583,7 @@ def test_t2_settings_are_checked_at_startup(tiny_checkpoint, tmp_path, monkeypat
     # A port but no fleet settings (no name, no secret): T2 stays off, with a warning.
     vc = sup.vllm_config(tiny_checkpoint, tmp_path / "pool", peer_port=0, peer_host="127.0.0.1")
     s = sup.scheduler(vc)
-    assert sup.connector_of(s).peers is None
+    assert sup.connector_of(s).scheduler.peers is None
     assert "peer_port is set but no fleet settings: T2 is off" in caplog.text
     monkeypatch.setenv("KVFLEET_PEER_SECRET", SECRET)
     for bad, message in ((70000, "peer_port must be a TCP port (0-65535), got 70000"),

@@ -63,14 +63,15 @@ def test_a_verified_salt_maps_to_its_tenant(engine):
     conn = sup.connector_of(s)
     loads, saves = run(s, w, views, sup.request("a", PROMPT, salt=cache_salt(SECRET, "acme")))
     assert loads == [] and len(saves) == 1
-    key = conn.model_key.key("acme")  # the tenant, not the salt, is the key's tenant
-    indexed = [n.block_hash for n in conn.index.manager.index.match(block_hashes(key, PROMPT))]
+    key = conn.scheduler.model_key.key("acme")  # the tenant, not the salt, is the key's tenant
+    blocks = conn.scheduler.index.manager.index.match(block_hashes(key, PROMPT))
+    indexed = [n.block_hash for n in blocks]
     assert indexed == block_hashes(key, PROMPT)
     s.kv_cache_manager.reset_prefix_cache()
     loads, _ = run(s, w, views, sup.request("b", PROMPT, salt=cache_salt(SECRET, "acme")))
     assert [load.chain_blocks for load, _table in loads] == [(0, 1, 2, 3, 4, 5)]
-    assert conn.stats("acme").totals.num_matched_tokens == 96
-    assert dict(conn.salts.num_refused) == {}
+    assert conn.scheduler.stats("acme").totals.num_matched_tokens == 96
+    assert dict(conn.scheduler.salts.num_refused) == {}
 
 
 @pytest.mark.parametrize(("salt", "reason"), [
@@ -86,9 +87,9 @@ def test_an_unverified_salt_bypasses_the_connector(engine, salt, reason):
     # chunked prefill: the request is looked at over several steps, counted once
     loads, saves = run(s, w, views, sup.request("x", PROMPT, salt=salt))
     assert (loads, saves) == ([], [])
-    assert dict(conn.salts.num_refused) == {reason: 1}
-    assert conn.stats("acme").totals.num_lookups == 1  # only acme's own request
-    assert conn.index.num_referenced_blocks == 0
+    assert dict(conn.scheduler.salts.num_refused) == {reason: 1}
+    assert conn.scheduler.stats("acme").totals.num_lookups == 1  # only acme's own request
+    assert conn.scheduler.index.num_referenced_blocks == 0
 
 
 def test_refusals_reach_vllms_metrics_by_reason(engine):
@@ -127,14 +128,14 @@ def test_two_tenants_never_hit_each_others_host_pool_blocks(engine):
     s.kv_cache_manager.reset_prefix_cache()
     loads, saves = run(s, w, views, sup.request("g", PROMPT, salt=cache_salt(SECRET, "globex")))
     assert loads == [] and len(saves) == 1  # globex computes and stores its own copy
-    assert conn.stats("globex").totals.num_matched_tokens == 0
+    assert conn.scheduler.stats("globex").totals.num_matched_tokens == 0
     # globex naming acme with globex's MAC is a forgery, not acme
     forged = "acme." + cache_salt(SECRET, "globex").rpartition(".")[2]
     s.kv_cache_manager.reset_prefix_cache()
     loads, saves = run(s, w, views, sup.request("f", PROMPT, salt=forged))
     assert (loads, saves) == ([], [])
-    assert dict(conn.salts.num_refused) == {"forged": 1}
-    assert conn.stats("acme").totals.num_matched_tokens == 0
+    assert dict(conn.scheduler.salts.num_refused) == {"forged": 1}
+    assert conn.scheduler.stats("acme").totals.num_matched_tokens == 0
 
 
 def test_vllm_accepts_every_salt_the_router_mints():

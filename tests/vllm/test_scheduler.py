@@ -65,10 +65,11 @@ def test_store_then_load_the_right_blocks_and_count_hits_once(engine):
     assert plan.chain_blocks == (0, 1, 2, 3, 4, 5)
     assert [o.kv_connector_metadata.saves != [] for o in outs[:2]] == [False, True]
     saved = kv_of(views, table_a, 6)
-    key = conn.model_key.key("tenant-a")
-    indexed = [n.block_hash for n in conn.index.manager.index.match(block_hashes(key, PROMPT))]
+    key = conn.scheduler.model_key.key("tenant-a")
+    blocks = conn.scheduler.index.manager.index.match(block_hashes(key, PROMPT))
+    indexed = [n.block_hash for n in blocks]
     assert indexed == block_hashes(key, PROMPT)  # the chain a kvfleet replica files them under
-    assert conn.index.num_referenced_blocks == 0
+    assert conn.scheduler.index.num_referenced_blocks == 0
 
     # vLLM forgets its own prefix cache; the host pool still has the prompt
     assert s.kv_cache_manager.reset_prefix_cache()
@@ -81,7 +82,7 @@ def test_store_then_load_the_right_blocks_and_count_hits_once(engine):
     for got, want in zip(kv_of(views, table_b, 6), saved, strict=True):
         assert torch.equal(got, want)  # bitwise
     run_to_end(s, w, views)
-    st = conn.stats("tenant-a").totals
+    st = conn.scheduler.stats("tenant-a").totals
     assert (st.num_lookups, st.num_hits, st.num_matched_tokens) == (2, 1, 96)
 
     # vLLM's own prefix cache now holds b's 7 blocks: the connector adds nothing, counts nothing
@@ -90,9 +91,9 @@ def test_store_then_load_the_right_blocks_and_count_hits_once(engine):
     out, _ = sup.step(s, [w], [views])
     assert out.kv_connector_metadata.loads == []
     run_to_end(s, w, views)
-    st = conn.stats("tenant-a").totals
+    st = conn.scheduler.stats("tenant-a").totals
     assert (st.num_lookups, st.num_hits, st.num_matched_tokens) == (3, 1, 96)
-    assert conn.index.num_referenced_blocks == 0
+    assert conn.scheduler.index.num_referenced_blocks == 0
 
 
 def test_tenants_never_share_blocks(engine):
@@ -104,7 +105,7 @@ def test_tenants_never_share_blocks(engine):
     out, _ = sup.step(s, [w], [views])
     assert out.kv_connector_metadata.loads == []
     run_to_end(s, w, views)
-    assert sup.connector_of(s).stats("tenant-b").totals.num_matched_tokens == 0
+    assert sup.connector_of(s).scheduler.stats("tenant-b").totals.num_matched_tokens == 0
 
 
 def test_admission_decides_what_is_stored(engine):
@@ -113,12 +114,12 @@ def test_admission_decides_what_is_stored(engine):
     s.add_request(sup.request("a", PROMPT))
     outs = run_to_end(s, w, views)
     assert all(o.kv_connector_metadata.saves == [] for o in outs)  # first sighting: refused
-    assert conn.stats().totals.num_blocks == 0
+    assert conn.scheduler.stats().totals.num_blocks == 0
     s.kv_cache_manager.reset_prefix_cache()
     s.add_request(sup.request("b", PROMPT))
     outs = run_to_end(s, w, views)
     assert [len(p.chain_blocks) for o in outs for p, _ in o.kv_connector_metadata.saves] == [6]
-    assert conn.stats().totals.num_blocks == 6
+    assert conn.scheduler.stats().totals.num_blocks == 6
 
 
 def test_abort_and_preemption_release_everything(engine):
@@ -136,11 +137,12 @@ def test_abort_and_preemption_release_everything(engine):
     s.running.remove(b)
     s._preempt_request(b, 0.0)
     s.kv_cache_manager.reset_prefix_cache()
-    assert conn.index.num_referenced_blocks == 0
+    assert conn.scheduler.index.num_referenced_blocks == 0
     out, _ = sup.step(s, [w], [views])
     # b's own first step completed its prefill and stored its 7th block (tokens 96-112)
     assert [p.chain_blocks for p, _ in out.kv_connector_metadata.loads] == [tuple(range(7))]
-    assert conn.stats().totals.num_lookups == 2 and conn.stats().totals.num_hits == 1
+    totals = conn.scheduler.stats().totals
+    assert totals.num_lookups == 2 and totals.num_hits == 1
 
     # aborted with its load's step still in flight: the step's end releases the blocks
     s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
@@ -149,14 +151,14 @@ def test_abort_and_preemption_release_everything(engine):
     s.add_request(c)
     out = s.schedule()
     assert len(out.kv_connector_metadata.loads) == 1
-    assert conn.index.num_referenced_blocks > 0
+    assert conn.scheduler.index.num_referenced_blocks > 0
     s.finish_requests("c", RequestStatus.FINISHED_ABORTED)
     w.bind_connector_metadata(out.kv_connector_metadata)
     w.start_load_kv(None)
     s.update_from_output(out, sup.runner_output([], w.build_connector_worker_meta()))
-    assert conn.index.num_referenced_blocks == 0
+    assert conn.scheduler.index.num_referenced_blocks == 0
     assert not s.has_unfinished_requests()
-    assert conn._requests == {} and conn._stored == set()
+    assert conn.scheduler._requests == {} and conn.scheduler._stored == set()
 
 
 def test_a_failed_load_is_reported_and_recomputed(engine, monkeypatch):
@@ -168,7 +170,7 @@ def test_a_failed_load_is_reported_and_recomputed(engine, monkeypatch):
     def broken(*args, **kwargs):  # the one fault real parts cannot produce on demand
         raise RuntimeError("injected: host pool unreadable")
 
-    monkeypatch.setattr("kvfleet_vllm.connector.load_blocks", broken)
+    monkeypatch.setattr("kvfleet_vllm._worker.load_blocks", broken)
     b = sup.request("b", PROMPT[:96] + [11] * 20)
     s.add_request(b)
     out = s.schedule()
@@ -183,7 +185,7 @@ def test_a_failed_load_is_reported_and_recomputed(engine, monkeypatch):
 
 def test_the_key_is_kvfleets_key_of_the_checkpoint(engine, tiny_checkpoint):
     s, _, _ = engine()
-    mk = sup.connector_of(s).model_key
+    mk = sup.connector_of(s).scheduler.model_key
     args = parse_hf_config(read_config(tiny_checkpoint), dtype="float16")
     assert mk.model_id == "tiny" and mk.kv_dtype == "float16"
     assert mk.weights_digest == weights_digest(tiny_checkpoint)
@@ -219,7 +221,7 @@ def test_32_token_blocks_and_a_tp2_engine_store_what_tp1_loads(tiny_checkpoint, 
     # A TP1 engine on the same pool, with the TP2 engine's index (one pool, one index).
     vc1 = sup.vllm_config(tiny_checkpoint, tmp_path / "pool", block_size=32)
     s1 = sup.scheduler(vc1, num_blocks=32)
-    sup.connector_of(s1).index = sup.connector_of(s2).index
+    sup.connector_of(s1).scheduler.index = sup.connector_of(s2).scheduler.index
     w1 = sup.worker(vc1)
     views1 = sup.layer_views(32, 4, 16, 32, KVCacheLayout.LBNHC)
     w1.register_kv_caches(dict(zip(sup.LAYERS, views1, strict=True)))
@@ -263,3 +265,14 @@ def test_connector_stats_reach_vllms_frontend_as_kvfleet_counters(engine):
     labels = {"model_name": "tiny", "engine": "0", "tenant": "tenant-a"}
     assert registry.get_sample_value("kvfleet_cache_matched_tokens_total", labels) == 96
     assert registry.get_sample_value("kvfleet_cache_lookup_tokens_total", labels) == 216
+
+
+def test_each_role_has_only_its_side(tiny_checkpoint, tmp_path):
+    vc = sup.vllm_config(tiny_checkpoint, tmp_path / "pool")
+    conn = sup.connector_of(sup.scheduler(vc))
+    with pytest.raises(RuntimeError, match=r"worker-side method .* in the scheduler role"):
+        conn.get_block_ids_with_load_errors()
+    w = sup.worker(vc)
+    with pytest.raises(RuntimeError, match=r"scheduler-side method .* in the worker role"):
+        w.request_finished(sup.request("x", PROMPT), [])
+    assert w.get_kv_connector_stats() is None  # vLLM asks every role; the worker has none

@@ -239,25 +239,25 @@ def test_the_worker_saves_every_layer_at_wait_for_save(tiny_checkpoint: Path, tm
     views = sup.layer_views(8, 4, 16, 16, KVCacheLayout.LBHNC)
     filled(views, 4)
     w.register_kv_caches(dict(zip(sup.LAYERS, views, strict=True)))
-    assert len(w._targets) == 1 and w._targets[0].num_layers == 2  # stacked
-    assert w.pool is not None
+    assert len(w.worker._targets) == 1 and w.worker._targets[0].num_layers == 2  # stacked
+    assert w.worker.pool is not None
     plan = SavePlan(store_id=1, req_id="r", chain_blocks=(0, 1), slots=(3, 4))
     w.bind_connector_metadata(KvfleetConnectorMetadata(step_id=0, saves=[(plan, (5, 6))]))
     w.start_load_kv(None)  # type: ignore[arg-type]  # nothing to load; vLLM calls it every step
     for name, view in zip(sup.LAYERS, views, strict=True):
         w.save_kv_layer(name, view, None)
-    assert not w.pool.kv.any()  # nothing copied before the forward's end
+    assert not w.worker.pool.kv.any()  # nothing copied before the forward's end
     w.wait_for_save()
     for layer, v in enumerate(views):
-        assert torch.equal(w.pool.k[layer, :, 3:5], v[[5, 6], :, :, :16].transpose(0, 1))
-        assert torch.equal(w.pool.v[layer, :, 3:5], v[[5, 6], :, :, 16:].transpose(0, 1))
+        assert torch.equal(w.worker.pool.k[layer, :, 3:5], v[[5, 6], :, :, :16].transpose(0, 1))
+        assert torch.equal(w.worker.pool.v[layer, :, 3:5], v[[5, 6], :, :, 16:].transpose(0, 1))
     w.clear_connector_metadata()
-    w.pool.kv.zero_()
+    w.worker.pool.kv.zero_()
     w.bind_connector_metadata(KvfleetConnectorMetadata(step_id=1, saves=[(plan, (5, 6))]))
     w.start_load_kv(None)  # type: ignore[arg-type]
     w.save_kv_layer(sup.LAYERS[1], views[1], None)  # only layer 1 reported this step
     w.wait_for_save()
-    assert not w.pool.kv[:, 0].any() and w.pool.kv[:, 1].any()
+    assert not w.worker.pool.kv[:, 0].any() and w.worker.pool.kv[:, 1].any()
     assert w.build_connector_worker_meta() == KvfleetWorkerMetadata(1, set())
 
 

@@ -179,7 +179,7 @@ def _kvfleet_rows(model: Any, max_len: int, sizes: list[int], reps: int, pool_di
             "kvfleet.model_id": "bench", "kvfleet.admit_min_sightings": 1})
     vc = _vllm_config(model, max_len, kv)
     conn = KvfleetConnector(vc, KVConnectorRole.SCHEDULER, _kv_cache_config(vc, 64))
-    index = conn.index
+    index = conn.scheduler.index
     assert index is not None
     rows = []
     rng = random.Random(1)
@@ -196,7 +196,7 @@ def _kvfleet_rows(model: Any, max_len: int, sizes: list[int], reps: int, pool_di
         rows.append(LookupRow("kvfleet", n, "miss", matched, us))
         # kvfleet's store path, as the scheduler drives it: a store plan, the step's metadata,
         # the workers' completion (nothing fails).
-        key = conn.key_of(reqs.make(tokens))
+        key = conn.scheduler.key_of(reqs.make(tokens))
         assert key is not None
         for _ in range(4):  # admission may want several sightings
             if index.store("seed", key, tokens) is not None:

@@ -33,6 +33,18 @@ def _parse_replicas(items: list[str]) -> dict[str, str]:
     return replicas
 
 
+def _parse_kv_events(items: list[str]) -> dict[str, str]:
+    endpoints: dict[str, str] = {}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url.startswith(("tcp://", "ipc://")):
+            fail(f"--kv-events expects NAME=tcp://host:port (or NAME=ipc://path), got {item!r}")
+        if name in endpoints:
+            fail(f"--kv-events {name!r} given twice")
+        endpoints[name] = url
+    return endpoints
+
+
 REDIS_URL_ENV = "KVFLEET_REDIS_URL"
 REDIS_PASSWORD_ENV = "KVFLEET_REDIS_PASSWORD"
 REDIS_PASSWORD_FILE_ENV = "KVFLEET_REDIS_PASSWORD_FILE"
@@ -140,6 +152,17 @@ def router(
     replica_backoff_s: Annotated[
         float, typer.Option(help="How long a replica that did not answer stays out.")
     ] = 30.0,
+    kv_events: Annotated[
+        list[str] | None,
+        typer.Option(help="NAME=tcp://host:port (or ipc://path): subscribe to that vLLM "
+                     "replica's KV events (its --kv-events-config endpoint), so the cache-aware override knows "
+                     "what it holds in its own cache."),
+    ] = None,
+    kv_events_port: Annotated[
+        int | None,
+        typer.Option(help="Subscribe to every vLLM replica's KV events at its URL's host on "
+                     "this port (--kv-events wins for the replicas it names)."),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
     """Route each tenant to its home replicas (rendezvous, headroom spill, cache-aware).
@@ -154,7 +177,7 @@ def router(
         RedisHintIndex,
         split_seed_urls,
     )
-    from kvfleet_runtime.router import FleetView, RouterState, create_router_app
+    from kvfleet_runtime.router import FleetView, KvEventViews, RouterState, create_router_app
     from kvfleet_runtime.routing import load_api_keys
     from kvfleet_runtime.tokenizer import load_tokenizer
 
@@ -174,6 +197,9 @@ def router(
     if recompute_s_per_token is not None and recompute_s_per_token <= 0:
         fail(f"--recompute-s-per-token must be > 0, got {recompute_s_per_token}")
     replicas = _parse_replicas(replica or [])
+    event_endpoints = _parse_kv_events(kv_events or [])
+    if kv_events_port is not None and not 0 < kv_events_port < 65536:
+        fail(f"--kv-events-port must be in [1, 65535], got {kv_events_port}")
     try:
         redis_url = redis_url_from(redis_url, os.environ)
     except ValueError as exc:
@@ -229,5 +255,8 @@ def router(
         replica_backoff_s=replica_backoff_s,
         upstream_max_connections=upstream_max_connections,
         upstream_max_connections_per_replica=upstream_max_connections_per_replica,
+        kv_events=KvEventViews() if event_endpoints or kv_events_port is not None else None,
+        kv_event_endpoints=event_endpoints,
+        kv_events_port=kv_events_port,
     )
     run_app(create_router_app(state), host=host, port=port)

@@ -12,7 +12,8 @@ from kvfleet_runtime.router._app import (
     create_router_app,
     prompt_token_ids,
 )
+from kvfleet_runtime.router._kv_events import KvEventViews
 from kvfleet_runtime.router._view import FleetView, vllm_load_report
 
-__all__ = ["FleetView", "RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids",
-           "vllm_load_report"]
+__all__ = ["FleetView", "KvEventViews", "RouterState", "chat_token_ids", "create_router_app",
+           "prompt_token_ids", "vllm_load_report"]

@@ -23,7 +23,9 @@ The cache-aware override needs each replica's matched tokens for this prompt; th
 computes the prompt's chained block hashes itself (the key fields come from the replicas' load
 reports, so they cannot drift from what replicas hash) and asks the hint index for the leading
 run per host, in one round trip under a ~1 ms budget. No index, no key yet, or a failed lookup:
-the override is simply off for that request.
+the override is simply off for that request. A vLLM replica whose KV events the router follows
+(`--kv-events`, `router._kv_events`) also counts what it holds in its own GPU cache: per replica
+the larger of the two (`_with_kv_events`).
 
 Text prompts are tokenized only with the replicas' own tokenizer: the load report names it (a
 digest of the tokenizer files), and the router encodes with its `--tokenizer` (the model folder's
@@ -47,7 +49,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -77,6 +79,7 @@ from kvfleet_runtime.auth import cache_salt, sign_assertion
 from kvfleet_runtime.cache import block_hashes
 from kvfleet_runtime.fleet.index import HintIndex
 from kvfleet_runtime.pools import UPSTREAM_MAX_CONNECTIONS, UPSTREAM_MAX_CONNECTIONS_PER_REPLICA
+from kvfleet_runtime.router._kv_events import KvEventViews
 from kvfleet_runtime.router._view import FleetView
 from kvfleet_runtime.routing import ApiKeyMap, RouteDecision, choose_replica
 from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
@@ -179,6 +182,13 @@ class RouterState:
     """Signs the tenant assertion sent with every proxied request (`kvfleet_runtime.auth`);
     None: the tenant goes unsigned and only replicas without a router secret (tenant `default`,
     loopback) accept it."""
+    kv_events: KvEventViews | None = None
+    """What each vLLM replica holds in its own KV cache, from its KV events (None: not
+    subscribed); the cache-aware override takes the larger of this and the hint index."""
+    kv_event_endpoints: dict[str, str] = field(default_factory=dict)
+    """Replica name -> ZMQ endpoint of its KV events (`--kv-events`)."""
+    kv_events_port: int | None = None
+    """Every vLLM replica's events at its URL's host on this port (`--kv-events-port`)."""
     _recent: deque[bool] = field(default_factory=deque)
     _warned_tokenizers: set[str] = field(default_factory=set)
 
@@ -279,6 +289,49 @@ async def _matched_tokens(state: RouterState, tenant: str, prompt: Any, *,
     return {host: n * BLOCK_SIZE for host, n in runs.items() if host in view.replicas}
 
 
+async def _with_kv_events(state: RouterState, tenant: str, prompt: Any, matched: dict[str, int],
+                          *, chat: bool = False) -> dict[str, int]:
+    """`matched` with what each vLLM replica's KV events say it holds for this prompt (the
+    larger of the two per replica). vLLM replicas report no tokenizer name: text prompts are
+    encoded with the router's own `--tokenizer` (a different tokenizer only routes worse:
+    vLLM's own cache decides what hits)."""
+    views = state.kv_events
+    if views is None or not views.views or state.view.recompute_cost is None:
+        return matched
+    try:
+        salt = cache_salt(state.router_secret, tenant)
+    except ValueError:
+        return matched
+    own = state.tokenizer.name if state.tokenizer is not None else ""
+    encode = chat_token_ids if chat else prompt_token_ids
+    text_chars = len(json.dumps(prompt)) if chat else len(prompt) if isinstance(prompt, str) else 0
+    if text_chars > _INLINE_ENCODE_MAX_CHARS:
+        token_ids = await asyncio.to_thread(encode, prompt, own, state.tokenizer)
+    else:
+        token_ids = encode(prompt, own, state.tokenizer)
+    if token_ids is None:
+        return matched
+    token_ids = token_ids[: state.max_hint_blocks * BLOCK_SIZE]
+    held = views.matched_tokens(salt, token_ids, state.view.replicas)
+    return {**matched, **{r: max(n, matched.get(r, 0)) for r, n in held.items()}}
+
+
+def kv_event_endpoints(state: RouterState) -> dict[str, str]:
+    """Replica -> KV event endpoint: `kv_event_endpoints`, then every vLLM replica of the
+    view at its URL's host on `kv_events_port`."""
+    out = {}
+    if state.kv_events_port is not None:
+        for r in state.view.replicas.values():
+            host = urlsplit(r.url).hostname
+            if r.engine == "vllm" and host:
+                out[r.name] = f"tcp://{_zmq_host(host)}:{state.kv_events_port}"
+    return {**out, **state.kv_event_endpoints}
+
+
+def _zmq_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 def _warn_untokenized(state: RouterState, replica_tokenizer: str) -> None:
     if replica_tokenizer in state._warned_tokenizers:
         return
@@ -340,6 +393,7 @@ def create_router_app(state: RouterState) -> web.Application:
         raw, body = await json_body(request)
         prompt = body.get("prompt")
         matched = await _matched_tokens(state, tenant, prompt)
+        matched = await _with_kv_events(state, tenant, prompt, matched)
         prompt_tokens = len(prompt) if isinstance(prompt, (str, list)) else 0
         return await _proxy(
             request, "/v1/completions", raw, body, tenant, matched, prompt_tokens, started
@@ -352,6 +406,7 @@ def create_router_app(state: RouterState) -> web.Application:
         messages = body.get("messages")
         # The replicas' chat template, when the router has their tokenizer (chat_token_ids).
         matched = await _matched_tokens(state, tenant, messages, chat=True)
+        matched = await _with_kv_events(state, tenant, messages, matched, chat=True)
         prompt_chars = (
             sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
             if isinstance(messages, list)
@@ -742,6 +797,16 @@ def router_openapi(replica_doc: dict[str, Any]) -> dict[str, Any]:
             "components": components}
 
 
+def _start_kv_events(state: RouterState) -> asyncio.Task[None] | None:
+    if state.kv_events is None:
+        return None
+    # zmq is imported only by a router that subscribes
+    from kvfleet_runtime.router._kv_subscriber import KvEventSubscriber
+
+    sub = KvEventSubscriber(state.kv_events, lambda: kv_event_endpoints(state))
+    return asyncio.create_task(sub.run(), name="router-kv-events")
+
+
 def _lifecycle(state: RouterState) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         own_session = state.session is None
@@ -765,10 +830,13 @@ def _lifecycle(state: RouterState) -> Callable[[web.Application], AsyncIterator[
             ),
             name="router-poll",
         )
+        events = _start_kv_events(state)
         yield
-        poller.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await poller
+        for task in (poller, events):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if state.index is not None:
             await state.index.close()
         if own_session:

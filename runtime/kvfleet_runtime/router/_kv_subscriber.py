@@ -1,0 +1,118 @@
+"""The router's subscriptions to vLLM replicas' KV event streams (ZMQ SUB): a thin shell over
+`_kv_events` (decoding, sequence checks and the views are there).
+
+One SUB socket per replica, connected to the endpoint its `vllm serve --kv-events-config`
+publishes on (`"publisher": "zmq", "endpoint": "tcp://*:PORT"`): `--kv-events NAME=tcp://host:
+port` names one, `--kv-events-port PORT` every vLLM replica of the fleet config at its URL's
+host. The endpoints are re-read every `resync_s`, so replicas that join or leave the fleet
+config are subscribed and forgotten. A socket monitor drops a replica's view when its
+connection goes away (a restarted replica may come back with a sequence that happens to go
+on): until events rebuild it, that replica matches nothing and affinity decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvfleet_runtime.router._kv_events import (
+    KvEventError,
+    KvEventViews,
+    decode_batch,
+    decode_seq,
+)
+
+__all__ = ["KvEventSubscriber"]
+
+log = logging.getLogger(__name__)
+
+RCVHWM = 100_000
+"""vLLM's own publisher default (`KVEventsConfig.hwm`): messages past it are dropped, and the
+sequence gap drops the view."""
+
+
+class KvEventSubscriber:
+    """Keeps `views` up to date from the endpoints `endpoints()` names (name -> ZMQ URL)."""
+
+    def __init__(self, views: KvEventViews, endpoints: Callable[[], dict[str, str]], *,
+                 resync_s: float = 1.0) -> None:
+        self.views = views
+        self.endpoints = endpoints
+        self.resync_s = resync_s
+        self._ctx = zmq.asyncio.Context()
+        self._tasks: dict[str, tuple[str, asyncio.Task[None]]] = {}
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self._resync()
+                await asyncio.sleep(self.resync_s)
+        finally:
+            for _, task in self._tasks.values():
+                task.cancel()
+            for _, task in self._tasks.values():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            self._ctx.destroy(linger=0)
+
+    def _resync(self) -> None:
+        want = self.endpoints()
+        for name in [n for n, (url, _) in self._tasks.items() if want.get(n) != url]:
+            _, task = self._tasks.pop(name)
+            task.cancel()
+            self.views.forget([name])
+        for name, url in want.items():
+            if name not in self._tasks:
+                self._tasks[name] = (url, asyncio.create_task(self._follow(name, url),
+                                                              name=f"kv-events-{name}"))
+
+    async def _follow(self, name: str, url: str) -> None:
+        view = self.views.view(name)
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, RCVHWM)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            sub.connect(url)
+            log.info("KV events of %s: subscribed to %s", name, url)
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    parse_monitor_message(await monitor.recv_multipart())
+                    log.info("KV events of %s: disconnected; its view is dropped", name)
+                    view.disconnected()
+                if sub in ready:
+                    self._apply(name, await sub.recv_multipart())
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    def _apply(self, name: str, frames: list[bytes]) -> None:
+        view = self.views.view(name)
+        seq: int | None = None
+        try:
+            if len(frames) != 3:
+                raise KvEventError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
+            seq = decode_seq(frames[1])
+            batch = decode_batch(frames[2])
+        except KvEventError as exc:
+            if not view.drops["malformed"]:
+                log.warning("KV events of %s: %s; its view is dropped", name, exc)
+            view.malformed(seq)
+            return
+        last, gaps = view.last_seq, view.drops["gap"] + view.drops["restart"]
+        view.apply(seq, batch)
+        if view.drops["gap"] + view.drops["restart"] > gaps:
+            log.info("KV events of %s: sequence %d after %s; its view is dropped", name, seq,
+                     last)
