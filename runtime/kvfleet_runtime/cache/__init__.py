@@ -54,8 +54,8 @@ A second facade over `CacheManager` (the vLLM connector, `kvfleet_vllm`, whose p
 host-pool file) drives the manager through its own methods, never the index below it: `hashes`,
 `match` / `acquire` / `lookup` / `release`, `plan_store` or `plan_import` -> `StorePlan`, `commit`
 -> `Commit` (its `BlockNode`s), `finish_commit`, `drain_events`; `block_events` groups nodes
-into events; `key_digest` validates a key's fields; `continue_chain` chains blocks onto a known hash (the
-router's view of vLLM's KV events); `paired_runs` turns two id lists into runs
+into events; `key_digest` validates a key's fields; `continue_chain` chains blocks onto a known
+hash (the router's view of vLLM's KV events); `paired_runs` turns two id lists into runs
 of consecutive ids (one copy each); `usable_tokens` is the last-prompt-token rule, for every
 tier and both facades.
 """

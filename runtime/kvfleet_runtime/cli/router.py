@@ -155,8 +155,8 @@ def router(
     kv_events: Annotated[
         list[str] | None,
         typer.Option(help="NAME=tcp://host:port (or ipc://path): subscribe to that vLLM "
-                     "replica's KV events (its --kv-events-config endpoint), so the cache-aware override knows "
-                     "what it holds in its own cache."),
+                     "replica's KV events (its --kv-events-config endpoint), so the cache-aware "
+                     "override knows what it holds in its own cache."),
     ] = None,
     kv_events_port: Annotated[
         int | None,
