@@ -72,6 +72,12 @@ class FetchOutcome(enum.StrEnum):
     """The fleet tier's import of a fetched run failed."""
     LOCAL_EVICTED = "local_evicted"
     """The local prefix the run continues was evicted before the import."""
+    # The vLLM connector's peer tier (kvfleet_vllm._peer) counts into the same FetchStats:
+    CANCELLED = "cancelled"
+    NO_ROOM = "no_room"
+    """No host-pool slots to land the run in."""
+    REJECTED = "rejected"
+    """The run failed the connector's own check of chain, dtype or layout."""
 
     @property
     def partial(self) -> FetchOutcome:
@@ -109,8 +115,10 @@ class FetchStats:
     bytes_fetched: int = 0
     blocks_fetched: int = 0
 
-    def count(self, outcome: FetchOutcome) -> None:
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+    def count(self, outcome: FetchOutcome | str) -> None:
+        """One more `outcome` (a FetchOutcome's value is taken too: ValueError for any other)."""
+        key = FetchOutcome(outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
 
 class FetchFailed(Exception):
