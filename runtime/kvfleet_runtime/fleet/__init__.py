@@ -19,8 +19,9 @@ can import the hint index without pulling torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvfleet_runtime._lazy import lazy_exports
 from kvfleet_runtime.fleet.index import (
     DEFAULT_TTL_S,
     EmbeddedHintIndex,
@@ -73,14 +74,5 @@ __all__ = [
 _TORCH_EXPORTS = {"CacheBlockSource": "replica", "PeerTier": "replica",
                   "FleetSettings": "wiring", "hint_index_for": "wiring"}
 
-
-def __getattr__(name: str) -> Any:
-    # Deferred so that the router (which imports the index) never pulls torch.
-    module = _TORCH_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+# Deferred so that the router (which imports the index) never pulls torch.
+__getattr__ = lazy_exports(__name__, _TORCH_EXPORTS, globals())

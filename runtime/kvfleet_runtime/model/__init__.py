@@ -3,7 +3,9 @@
 Which architectures are served and how a config is read: `kvfleet_runtime.architectures`; the
 model's tokenizer: `kvfleet_runtime.tokenizer` (torch-free, so the router loads the same one)."""
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvfleet_runtime._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvfleet_runtime.model._graphs import DecodeGraphs
@@ -65,13 +67,4 @@ _EXPORTS = {
                     "model"),
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
