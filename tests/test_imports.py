@@ -2,7 +2,8 @@
 
 Dependencies point one way: the CLI and the lab import the product, the operator imports only the
 runtime's pure core, nothing in the product imports the lab, and the router, the operator and the
-pure cache core never load torch.
+pure cache core never load torch. No import circle in the product, even one closed only by a
+lazy or a type-only import.
 """
 
 from __future__ import annotations
