@@ -21,10 +21,10 @@ from kvfleet_runtime.cli import bench_fleet as _bench_fleet  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_nvme as _bench_nvme  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_operator as _bench_operator  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_policies as _bench_policies  # noqa: E402, F401
-from kvfleet_runtime.cli import bench_replica as _bench_replica  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_scale as _bench_scale  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_startup as _bench_startup  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_vllm as _bench_vllm  # noqa: E402, F401
+from kvfleet_runtime.cli import benchmarks as _benchmarks  # noqa: E402, F401
 from kvfleet_runtime.cli import breakeven as _breakeven  # noqa: E402, F401
 from kvfleet_runtime.cli import demo as _demo  # noqa: E402, F401
 from kvfleet_runtime.cli import model as _model  # noqa: E402, F401

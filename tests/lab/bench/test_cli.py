@@ -78,7 +78,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
 def _replace_policies(monkeypatch: pytest.MonkeyPatch, fake: Callable[..., None]) -> None:
     """`kvfleet bench policies` replaced on the group (same options: typer reads the signature
     through `__wrapped__`), so that the group's own commands are tested without the replays."""
-    from kvfleet_runtime.cli.bench import bench
+    from kvfleet_runtime.cli.benchmarks import bench
 
     info = next(c for c in bench.registered_commands if c.name == "policies")
     monkeypatch.setattr(info, "callback", functools.wraps(info.callback)(fake))
@@ -102,7 +102,7 @@ def test_other_benchmarks_are_still_there() -> None:
 def test_all_runs_each_benchmark_and_reports_failures(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvfleet_runtime.cli.bench as mod
+    import kvfleet_runtime.cli.benchmarks as mod
 
     ran: list[list[str]] = []
 
