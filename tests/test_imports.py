@@ -2,7 +2,8 @@
 
 Dependencies point one way: the CLI and the lab import the product, the operator imports only the
 runtime's pure core, nothing in the product imports the lab, and the router, the operator and the
-pure cache core never load torch.
+pure cache core never load torch. No import circle in the product, even one closed only by a
+lazy or a type-only import.
 """
 
 from __future__ import annotations
@@ -62,17 +63,22 @@ def _is_type_checking(node: ast.If) -> bool:
 
 
 @cache
-def _imports(module: str, top_level_only: bool) -> frozenset[str]:
+def _imports(module: str, top_level_only: bool, type_checking: bool = False) -> frozenset[str]:
     """Modules `module` imports (absolute names; `from a import b` counts a and a.b when a.b is a
-    module). Imports under `if TYPE_CHECKING:` never run and are left out."""
-    path = _sources()[module]
+    module). Imports under `if TYPE_CHECKING:` never run and are left out, unless `type_checking`
+    (a circle through them still ties the modules into one)."""
+    return _imports_of(_sources()[module], module, top_level_only, type_checking)
+
+
+def _imports_of(path: Path, module: str, top_level_only: bool,
+                type_checking: bool) -> frozenset[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     is_package = path.name == "__init__.py"
     found: set[str] = set()
 
     def visit(node: ast.AST, nested: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_checking:
                 for other in child.orelse:
                     visit_one(other, nested)
                 continue
@@ -111,6 +117,60 @@ def _ours(name: str) -> str | None:
             return name
         name = name.rpartition(".")[0]
     return None
+
+
+def _import_graph(sources: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules of `sources` it imports: at module level, inside functions (lazily)
+    and under TYPE_CHECKING alike. `from pkg import name` is an edge to `pkg.name` when that is a
+    module, else to `pkg` (its __init__ runs). A module's parent packages are not edges of their
+    own: Python has begun running them before the module itself."""
+
+    def ours(name: str) -> str | None:
+        while name and name not in sources:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in sources.items():
+        targets = {ours(name) for name in _imports_of(path, module, False, True)}
+        parents = {module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)}
+        graph[module] = {t for t in targets if t is not None and t != module} - parents
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
 
 
 def _closure(start: str, top_level_only: bool) -> set[str]:
@@ -406,3 +466,27 @@ def test_the_door_rule_would_catch_a_reach_through(tmp_path: Path) -> None:
     leaky = tmp_path / "leaky.py"
     leaky.write_text("def f(self):\n    return self.manager.index.match([])\n")
     assert _reaches_below_the_manager(leaky) == ["leaky.py:2 .manager.index"]
+
+
+# The packages that run in a pod. The lab and the CLI sit above them and import downwards.
+_NO_CIRCLES_IN = ("kvfleet_runtime", "kvfleet_vllm", "kvfleet_operator")
+
+
+def test_the_product_has_no_import_circle() -> None:
+    # A circle (even a lazy or type-only one) means two modules that cannot be read, tested or
+    # moved apart: the shared part belongs in a third module both import. Nothing is allowlisted.
+    sources = {m: p for m, p in _sources().items() if m.startswith(_NO_CIRCLES_IN)}
+    graph = _import_graph(sources)
+    assert sum(map(len, graph.values())) > 200, "the graph reads no imports: the rule reads nothing"
+    assert _circles(graph) == []
+
+
+def test_the_circle_rule_would_catch_a_lazy_or_type_only_circle(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("import pkg.b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from pkg.c import g\n")
+    (tmp_path / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+    )
+    (tmp_path / "d.py").write_text("import pkg.a\n")  # on the way in, not on the circle
+    sources = {f"pkg.{n}": tmp_path / f"{n}.py" for n in "abcd"}
+    assert _circles(_import_graph(sources)) == [["pkg.a", "pkg.b", "pkg.c"]]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvfleet_runtime import wire
+from kvfleet_runtime.cache import CacheKey
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = [ROOT / "runtime" / "kvfleet_runtime", ROOT / "operator" / "kvfleet_operator"]
@@ -78,8 +79,9 @@ def test_a_load_report_survives_its_own_schema() -> None:
         "rope_config_hash": "rope-1", "attn_impl_id": "sdpa-v1",
     }
     assert wire.parse_load_report(data | {"name": "r0", "t2": {}}) == report
-    key = report.key("acme")
-    assert key is not None and key.tenant_id == "acme" and key.kv_dtype == "fp16"
+    assert report.cache_key is not None
+    key = CacheKey("acme", *report.cache_key)
+    assert key.tenant_id == "acme" and key.kv_dtype == "fp16"
 
 
 @pytest.mark.parametrize("bad", [[], {"kv_occupancy": 2.0}, {"kv_occupancy": -0.1}])

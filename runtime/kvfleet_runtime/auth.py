@@ -30,7 +30,7 @@ Three credentials, three secrets (each a Secret the chart generates; see docs/se
 - **Metrics token** (Prometheus -> replica): `Authorization: Bearer <token>` on `GET /metrics`
   adds the per-tenant series (tenant names and their cache figures); without it `/metrics` has
   only fleet-wide series. Its own secret, so the scraper can read and do nothing else.
-- **Peer credential** (replica -> replica, T2): `fleet.transfer.peer_token`, a tenant-scoped HMAC
+- **Peer credential** (replica -> replica, T2): `fleet.t2_protocol.peer_token`, a tenant-scoped HMAC
   under the fleet's peer secret; not here.
 
 This module has no I/O besides `read_secret` and takes its clock as an argument; the aiohttp

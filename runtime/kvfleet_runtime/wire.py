@@ -1,7 +1,7 @@
 """The wire between kvfleet's processes: header names, paths, the load report, shared constants.
 
 One home for what a replica, the router, a peer and the operator must agree on. A leaf module: it
-imports nothing of kvfleet at module level, so every package (the torch-free router and operator
+imports nothing of kvfleet (not even lazily), so every package (the torch-free router and operator
 included) can use it.
 
 Replica load protocol: `GET {replica}{LOAD_PATH}` answers JSON
@@ -17,10 +17,7 @@ Replica load protocol: `GET {replica}{LOAD_PATH}` answers JSON
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, get_args
-
-if TYPE_CHECKING:
-    from kvfleet_runtime.cache import CacheKey
+from typing import Any, Literal, get_args
 
 __all__ = [
     "ASSERTION_HEADER",
@@ -100,14 +97,10 @@ class LoadReport:
     num_running: int = 0
     queue_delay_s: float = 0.0
     cache_key: tuple[str, str, str, str, str] | None = None
-    """(model_id, weights_digest, kv_dtype, rope_config_hash, attn_impl_id), all but the tenant."""
+    """(model_id, weights_digest, kv_dtype, rope_config_hash, attn_impl_id), all but the tenant:
+    `CacheKey(tenant, *report.cache_key)` is a tenant's key (built by the reader: the cache
+    package imports this module, so this one never imports the cache)."""
     tokenizer: str = ""
-
-    def key(self, tenant_id: str) -> CacheKey | None:
-        # Imported here: the cache package imports this module for BLOCK_SIZE.
-        from kvfleet_runtime.cache import CacheKey
-
-        return None if self.cache_key is None else CacheKey(tenant_id, *self.cache_key)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON a replica answers on LOAD_PATH."""

@@ -234,7 +234,7 @@ class PeerService:
                 settings.peer_url = settings.peer_url[:-1] + str(self.port)
         await web.SockSite(self._runner, sock).start()
         self._session = aiohttp.ClientSession()
-        self._fetcher = PeerFetcher(self._session, settings.secret, self.hints, settings.name,
+        self._fetcher = PeerFetcher(settings.secret, self.hints, settings.name,
                                     timeout_s=settings.fetch_timeout_s,
                                     max_concurrency=settings.max_concurrent_fetches,
                                     min_blocks=settings.min_fetch_blocks)

@@ -19,7 +19,6 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not importable here: tests/vllm run in vLLM's own "
                     "environment (make test-vllm)")
 
-import aiohttp
 import torch
 from aiohttp import web
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -382,11 +381,10 @@ def test_a_kvfleet_fetcher_reads_the_connectors_host_pool(engine):
         hints = EmbeddedHintIndex()
         await hints.publish("vllm-a", chain)
         await hints.register_host("vllm-a", f"http://127.0.0.1:{svc.port}")
-        async with aiohttp.ClientSession() as session:
-            fetcher = PeerFetcher(session, secret.encode(), hints, "kvfleet-b")
-            run = await fetcher.fetch(tenant_key, PROMPT[:96], chain, expected_dtype="float16",
-                                      expected_layout=(2, 4, 16))
-            return run, dict(fetcher.stats.outcomes)
+        fetcher = PeerFetcher(secret.encode(), hints, "kvfleet-b")
+        run = await fetcher.fetch(tenant_key, PROMPT[:96], chain, expected_dtype="float16",
+                                  expected_layout=(2, 4, 16))
+        return run, dict(fetcher.stats.outcomes)
 
     run, outcomes = asyncio.run(fetch(SECRET, key))
     assert outcomes == {"ok": 1} and run.num_blocks == 6

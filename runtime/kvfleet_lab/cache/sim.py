@@ -15,7 +15,7 @@ capacity counted in blocks:
 - `simulate_belady`: Belady's offline optimum (MIN with bypass): evict the block whose next use is
   furthest away, deepest first among ties, never admit a block that would be that victim;
 - `simulate_kvfleet`: the shipped policy, i.e. `kvfleet_runtime.cache.CacheManager` (sketch,
-  admission on the second sighting, TinyLFU duel, pinning, thrash detector) driven through its
+  admission from `CacheConfig.admit_min_sightings`, TinyLFU duel, pinning, thrash detector) via its
   `replay` with the same hashes: the lab's one kvfleet replay (the fleet simulator and the fleet
   routing replay drive the same manager).
 

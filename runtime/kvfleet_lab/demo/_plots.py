@@ -10,11 +10,21 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-__all__ = ["write_plots"]
+from kvfleet_runtime.cache import CacheConfig
+
+__all__ = ["admission_words", "write_plots"]
 
 _COLORS = {"system_prompt": "#4c72b0", "rag": "#dd8452", "conversation": "#55a868",
            "trace": "#8172b3"}
 _TIER_COLORS = {"t0": "#2b6a99", "t1": "#5fa2ce", "t2": "#a1d99b", "miss": "#d3d3d3"}
+
+
+def admission_words(admit_min_sightings: int | None = None) -> str:
+    """When a cold cache stores a prefix, in words: the demo's replicas run the shipped default
+    (`CacheConfig.admit_min_sightings`, which the replica's settings default to)."""
+    n = CacheConfig(num_t0_blocks=1).admit_min_sightings if admit_min_sightings is None else (
+        admit_min_sightings)
+    return "stored on first sighting" if n == 1 else f"stored from sighting {n}"
 
 
 def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
@@ -50,7 +60,7 @@ def _hit_rate(report: dict[str, Any], path: Path) -> Path:
     ax.set_ylim(0, 100)
     ax.set_xlabel("time since the cached run started (s)")
     ax.set_ylabel("token-weighted hit rate (%)")
-    ax.set_title("Prefix-cache hit rate over time (cold start: stored on 2nd sighting)")
+    ax.set_title(f"Prefix-cache hit rate over time (cold start: {admission_words()})")
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

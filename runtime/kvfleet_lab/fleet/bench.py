@@ -79,8 +79,8 @@ def serve_t2(port: int, num_layers: int, num_kv_heads: int, head_dim: int, num_t
     from aiohttp import web
 
     from kvfleet_runtime.cache import KVLayout, PrefixCache
+    from kvfleet_runtime.fleet import peer_routes
     from kvfleet_runtime.fleet.replica import CacheBlockSource
-    from kvfleet_runtime.fleet.transfer import peer_routes
 
     layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype="float16")
     num_blocks = num_tokens // BLOCK_SIZE
@@ -256,38 +256,35 @@ def bench_t2_bandwidth(
 async def _fetch_pairs(
     url: str, raw_port: int, num_blocks: int, num_bytes: int, reps: int
 ) -> tuple[list[float], list[float]]:
-    import aiohttp
-
+    from kvfleet_runtime.fleet import PeerFetcher
     from kvfleet_runtime.fleet.index import EmbeddedHintIndex
-    from kvfleet_runtime.fleet.transfer import PeerFetcher
 
     tokens = _tokens(num_blocks * BLOCK_SIZE)
     t2_times: list[float] = []
     raw_times: list[float] = []
     buf = np.ones(num_bytes, dtype=np.uint8).data.cast("B")  # allocated and touched
     with socket.create_connection(("127.0.0.1", raw_port)) as conn:
-        async with aiohttp.ClientSession() as session:
-            fetcher = PeerFetcher(session, BENCH_SECRET, EmbeddedHintIndex(), "bench-client")
+        fetcher = PeerFetcher(BENCH_SECRET, EmbeddedHintIndex(), "bench-client")
 
-            async def t2() -> float:
-                start = time.perf_counter()
-                run = await fetcher.fetch_from(url, BENCH_KEY, tokens, 0, num_blocks)
-                elapsed = time.perf_counter() - start
-                got = len(run.k) + len(run.v)
-                if got != num_bytes or run.num_blocks != num_blocks or run.partial:
-                    raise RuntimeError(f"T2 fetched {got} of {num_bytes} bytes ({run.partial})")
-                fetcher.recycle(run)
-                return elapsed
+        async def t2() -> float:
+            start = time.perf_counter()
+            run = await fetcher.fetch_from(url, BENCH_KEY, tokens, 0, num_blocks)
+            elapsed = time.perf_counter() - start
+            got = len(run.k) + len(run.v)
+            if got != num_bytes or run.num_blocks != num_blocks or run.partial:
+                raise RuntimeError(f"T2 fetched {got} of {num_bytes} bytes ({run.partial})")
+            fetcher.recycle(run)
+            return elapsed
 
-            for i in range(reps + 1):  # the first pair warms connections, servers and buffers
-                # Alternate which goes first, so neither always follows the other's traffic.
-                if i % 2:
-                    t, r = await t2(), _fetch_raw(conn, buf)
-                else:
-                    r, t = _fetch_raw(conn, buf), await t2()
-                if i:
-                    t2_times.append(t)
-                    raw_times.append(r)
+        for i in range(reps + 1):  # the first pair warms connections, servers and buffers
+            # Alternate which goes first, so neither always follows the other's traffic.
+            if i % 2:
+                t, r = await t2(), _fetch_raw(conn, buf)
+            else:
+                r, t = _fetch_raw(conn, buf), await t2()
+            if i:
+                t2_times.append(t)
+                raw_times.append(r)
     return t2_times, raw_times
 
 

@@ -124,21 +124,18 @@ def _connector_once(pool: HostPool, url: str, num_blocks: int) -> float:
 
 
 def _transfer_once(url: str, num_blocks: int) -> float:
-    import aiohttp
-
     from kvfleet_runtime.fleet import EmbeddedHintIndex, PeerFetcher
 
     tokens = _tokens(num_blocks * BLOCK_SIZE)
 
     async def run() -> float:
-        async with aiohttp.ClientSession() as session:
-            fetcher = PeerFetcher(session, BENCH_SECRET, EmbeddedHintIndex(), "bench-client")
-            start = time.perf_counter()
-            got = await fetcher.fetch_from(url, BENCH_KEY, tokens, 0, num_blocks)
-            elapsed = time.perf_counter() - start
-            if got.num_blocks != num_blocks or got.partial:
-                raise RuntimeError(f"T2 fetched {got.num_blocks} of {num_blocks} blocks")
-            return elapsed
+        fetcher = PeerFetcher(BENCH_SECRET, EmbeddedHintIndex(), "bench-client")
+        start = time.perf_counter()
+        got = await fetcher.fetch_from(url, BENCH_KEY, tokens, 0, num_blocks)
+        elapsed = time.perf_counter() - start
+        if got.num_blocks != num_blocks or got.partial:
+            raise RuntimeError(f"T2 fetched {got.num_blocks} of {num_blocks} blocks")
+        return elapsed
 
     return asyncio.run(run())
 

@@ -1,6 +1,6 @@
-"""`kvfleet bench ...`: benchmarks that print measured figures and ratios side by side.
+"""`kvfleet bench replica`: the engine next to transformers and the cache next to its floor.
 
-Each benchmark is one command on the `bench` sub-app; none of them is a timed test.
+(The `bench` group itself and `bench all` are in `cli.benchmarks`.)
 """
 
 from __future__ import annotations
@@ -13,36 +13,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvfleet_runtime.cli._app import app, fail
+from kvfleet_runtime.cli._app import fail
+from kvfleet_runtime.cli.benchmarks import bench
 
-__all__ = ["TRACE_HELP", "bench", "default_trace"]
-
-TRACE_HELP = "Mooncake-format JSONL trace; default: the vendored Mooncake synthetic trace."
-
-
-def default_trace() -> Path:
-    """The Mooncake synthetic trace vendored in the lab package (kvfleet_lab/traces)."""
-    from kvfleet_lab.traces import DEFAULT_TRACE
-
-    return DEFAULT_TRACE
-
-
-bench = typer.Typer(
-    name="bench",
-    help="Benchmarks: measured figures and ratios, side by side. With no subcommand: the "
-    "policy comparison (`policies`, its defaults); `all` runs every benchmark quickly.",
-    invoke_without_command=True,
-)
-app.add_typer(bench)
-
-
-@bench.callback()
-def _default(ctx: typer.Context) -> None:
-    """With no subcommand, run `kvfleet bench policies` with its defaults."""
-    if ctx.invoked_subcommand is None:
-        from kvfleet_runtime.cli.bench_policies import policies
-
-        ctx.invoke(policies)
+__all__ = ["replica"]
 
 
 def _int_list(text: str, option: str, minimum: int) -> list[int]:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import TRACE_HELP, bench, default_trace
+from kvfleet_runtime.cli.benchmarks import TRACE_HELP, bench, default_trace
 
 __all__ = ["fleet"]
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import bench
+from kvfleet_runtime.cli.benchmarks import bench
 
 __all__ = ["nvme"]
 

@@ -1,17 +1,13 @@
-"""`kvfleet bench policies` (also plain `kvfleet bench`) and `kvfleet bench all`.
+"""`kvfleet bench policies` (also plain `kvfleet bench`).
 
 `policies`: no cache, vLLM-style hash + LRU, SGLang-style radix + LRU, kvfleet's shipped policy,
 Belady's offline optimum and the infinite cache, side by side on the Mooncake trace and on the
 generated populations (`kvfleet_lab.cache.compare`, `.workloads`), at several capacities.
-`all`: that comparison, then every other `kvfleet bench` subcommand with quick settings, each in
-its own process so that one failing benchmark does not stop the others.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -21,23 +17,14 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import TRACE_HELP, bench, default_trace
+from kvfleet_runtime.cli.benchmarks import TRACE_HELP, bench, default_trace
 
-__all__ = ["QUICK_ARGS", "all_benchmarks", "policies"]
+__all__ = ["DEFAULT_FRACTIONS", "DEFAULT_OUT", "policies"]
 
 DEFAULT_OUT = Path("out/bench")
 DEFAULT_FRACTIONS = "0.01,0.03,0.1,0.3"
 TRACE_WORKLOAD = "trace"
 
-QUICK_ARGS: dict[str, list[str]] = {
-    "replica": ["--reps", "2", "--prefill-tokens", "512,2000", "--prompt-tokens", "1000",
-                "--concurrency", "1,8"],
-    "cache": ["--requests", "1000", "--lookup-reps", "50", "--materialize-reps", "3"],
-    "fleet": ["--max-requests", "1000", "--reps", "3", "--router-requests", "200"],
-    "nvme": ["--size-mib", "128", "--reps", "1"],
-}
-"""Options `kvfleet bench all` passes to the other benchmarks (those a command lacks are left
-out); a benchmark not named here runs with its own defaults."""
 
 
 
@@ -205,78 +192,3 @@ def policies(
 
 def _ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}x"
-
-
-def _quick_args(name: str) -> list[str]:
-    """QUICK_ARGS[name], minus the options that command does not have."""
-    group = typer.main.get_command(bench)
-    assert isinstance(group, typer.core.TyperGroup)
-    command = group.commands.get(name)
-    known = {opt for p in (command.params if command else []) for opt in p.opts}
-    args = QUICK_ARGS.get(name, [])
-    kept: list[str] = []
-    for opt, value in zip(args[::2], args[1::2], strict=True):
-        if opt in known:
-            kept += [opt, value]
-    return kept
-
-
-@bench.command("all")
-def all_benchmarks(
-    out: Annotated[Path, typer.Option(help="Where `policies` writes its table and plots.")] = (
-        DEFAULT_OUT
-    ),
-    skip: Annotated[
-        list[str] | None, typer.Option(help="Skip a benchmark by name (repeatable).")
-    ] = None,
-    timeout_s: Annotated[
-        int, typer.Option(help="Wall-clock limit of each other benchmark.")
-    ] = 1800,
-) -> None:
-    """Every benchmark with quick settings: the policy comparison, then each other
-    `kvfleet bench` subcommand in its own process; a summary at the end."""
-    skipped = set(skip or [])
-    others = [
-        c.name
-        for c in bench.registered_commands
-        if c.name and c.name not in {"all", "policies"} and c.name not in skipped
-    ]
-    console = Console(highlight=False)
-    results: list[tuple[str, str, float]] = []
-    if "policies" not in skipped:
-        console.rule("kvfleet bench policies")
-        t0 = time.perf_counter()
-        try:
-            policies(
-                trace=None,
-                trace_requests=2000,
-                full=False,
-                requests=1000,
-                workloads="trace,system-prompts,rag,agent-loops,conversation,mixed",
-                fractions=DEFAULT_FRACTIONS,
-                seed=1,
-                out=out,
-                as_json=False,
-            )
-            status = "ok"
-        except typer.Exit as exc:
-            status = f"exit {exc.exit_code}"
-        results.append(("policies", status, time.perf_counter() - t0))
-    for name in others:
-        args = [sys.executable, "-m", "kvfleet_runtime.cli", "bench", name, *_quick_args(name)]
-        console.rule(f"kvfleet bench {name} {' '.join(args[5:])}".rstrip())
-        t0 = time.perf_counter()
-        try:
-            rc = subprocess.run(args, timeout=timeout_s).returncode
-            status = "ok" if rc == 0 else f"exit {rc}"
-        except subprocess.TimeoutExpired:
-            status = f"timed out after {timeout_s} s"
-        results.append((name, status, time.perf_counter() - t0))
-    table = Table(title="kvfleet bench all")
-    for col in ("benchmark", "status", "wall time"):
-        table.add_column(col)
-    for name, status, seconds in results:
-        table.add_row(name, status, f"{seconds:.0f} s")
-    console.print(table)
-    if any(status != "ok" for _, status, _ in results):
-        raise typer.Exit(code=1)

@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.bench import bench
+from kvfleet_runtime.cli.benchmarks import bench
 
 __all__ = ["vllm_connector", "vllm_serve"]
 

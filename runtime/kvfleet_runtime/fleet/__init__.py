@@ -1,10 +1,11 @@
-"""The fleet tier (T2): global hint index, hint publishing, and authenticated peer KV transfer.
+"""The fleet tier (T2): global hint index, hint publishing, and authenticated peer KV transfer
+(T2: `t2_protocol` the format both sides share, `t2_serve` the peer routes, `t2_fetch` the fetcher).
 
     index = RedisHintIndex.from_url(url) if url else EmbeddedHintIndex()
     # or a Redis Cluster: RedisClusterHintIndex.from_urls([seed, ...])
     # or, no Redis but the peers are known: PeerProbeHintIndex(secret, peers, self_host)
     publisher = HintPublisher(index, host=replica_name); publisher.start()
-    fetcher = PeerFetcher(session, secret, index, self_host=replica_name)
+    fetcher = PeerFetcher(secret, index, self_host=replica_name)
     app.add_routes(peer_routes(CacheBlockSource(cache), secret))
 
 Every failure here degrades to recompute: a lookup that cannot answer says "nobody", a fetch that
@@ -18,8 +19,9 @@ can import the hint index without pulling torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvfleet_runtime._lazy import lazy_exports
 from kvfleet_runtime.fleet.index import (
     DEFAULT_TTL_S,
     EmbeddedHintIndex,
@@ -32,17 +34,9 @@ from kvfleet_runtime.fleet.index import (
 )
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher, PublisherStats
-from kvfleet_runtime.fleet.transfer import (
-    MAX_PROBE_BLOCKS,
-    BlockSource,
-    ExportedRun,
-    FetchedRun,
-    FetchStats,
-    PeerFetcher,
-    PeerSecrets,
-    peer_routes,
-    peer_token,
-)
+from kvfleet_runtime.fleet.t2_fetch import FetchedRun, FetchOutcome, FetchStats, PeerFetcher
+from kvfleet_runtime.fleet.t2_protocol import MAX_PROBE_BLOCKS, PeerSecrets, peer_token
+from kvfleet_runtime.fleet.t2_serve import BlockSource, ExportedRun, peer_routes
 
 if TYPE_CHECKING:
     from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
@@ -56,6 +50,7 @@ __all__ = [
     "CacheBlockSource",
     "EmbeddedHintIndex",
     "ExportedRun",
+    "FetchOutcome",
     "FetchStats",
     "FetchedRun",
     "FleetSettings",
@@ -79,14 +74,5 @@ __all__ = [
 _TORCH_EXPORTS = {"CacheBlockSource": "replica", "PeerTier": "replica",
                   "FleetSettings": "wiring", "hint_index_for": "wiring"}
 
-
-def __getattr__(name: str) -> Any:
-    # Deferred so that the router (which imports the index) never pulls torch.
-    module = _TORCH_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+# Deferred so that the router (which imports the index) never pulls torch.
+__getattr__ = lazy_exports(__name__, _TORCH_EXPORTS, globals())

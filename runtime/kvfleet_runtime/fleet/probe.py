@@ -5,7 +5,7 @@ replica list), so a lookup asks each peer directly how much of the chain it hold
                                self_host="r0")
     runs = await index.lookup_runs(chain, tenant="acme")    # {"r1": 12}: r1 holds blocks 0..11
 
-Each peer answers `POST /kv/v1/held` (`fleet.transfer`): the tenant header, the same tenant-scoped
+Each peer answers `POST /kv/v1/held` (`fleet.t2_serve`): the tenant header, the same tenant-scoped
 bearer credential as T2, and the chain's hashes (at most `MAX_PROBE_BLOCKS`) -> how many leading
 blocks of that chain it holds for that tenant (from its own cache events). All peers are asked
 at once, under `lookup_budget_s`; a peer that fails, refuses (401/403/503) or does not answer in
@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 
 from kvfleet_runtime.fleet.index import HintIndexStats
-from kvfleet_runtime.fleet.transfer import MAX_PROBE_BLOCKS, peer_token
+from kvfleet_runtime.fleet.t2_protocol import MAX_PROBE_BLOCKS, peer_token
 from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER
 
 __all__ = ["DEFAULT_PROBE_BUDGET_S", "PeerProbeHintIndex"]

@@ -25,7 +25,8 @@ import torch
 
 from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent, BlockHash, CacheKey, Hit
 from kvfleet_runtime.fleet.publisher import HintPublisher
-from kvfleet_runtime.fleet.transfer import ExportedRun, FetchedRun, PeerFetcher
+from kvfleet_runtime.fleet.t2_fetch import FetchedRun, FetchOutcome, PeerFetcher
+from kvfleet_runtime.fleet.t2_serve import ExportedRun
 
 if TYPE_CHECKING:
     from kvfleet_runtime.cache import PrefixCache
@@ -158,7 +159,7 @@ class PeerTier:
             return await asyncio.to_thread(self._import, key, token_ids, chain, run)
         except Exception:
             log.exception("T2 fill failed; recomputing")
-            self.fetcher.stats.count("error")
+            self.fetcher.stats.count(FetchOutcome.ERROR)
             return 0
 
     def _import(
@@ -175,7 +176,7 @@ class PeerTier:
             # import_blocks takes the whole prefix: the local part comes from this cache.
             local = self.cache.read_blocks(chain[:start], device="cpu")
             if local is None:
-                self.fetcher.stats.count("local_evicted")
+                self.fetcher.stats.count(FetchOutcome.LOCAL_EVICTED)
                 return 0
             k = torch.cat([local[0], k], dim=2)
             v = torch.cat([local[1], v], dim=2)

@@ -78,13 +78,9 @@ from kvfleet_runtime.fleet.index import (
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
-from kvfleet_runtime.fleet.transfer import (
-    DEFAULT_PEER_BODY_TIMEOUT_S,
-    ExportedRun,
-    PeerFetcher,
-    PeerSecrets,
-    peer_routes,
-)
+from kvfleet_runtime.fleet.t2_fetch import PeerFetcher
+from kvfleet_runtime.fleet.t2_protocol import PeerSecrets
+from kvfleet_runtime.fleet.t2_serve import DEFAULT_PEER_BODY_TIMEOUT_S, ExportedRun, peer_routes
 from kvfleet_runtime.fleetconfig import FleetConfig, next_fleet_config
 from kvfleet_runtime.nvme import mode_for
 from kvfleet_runtime.wire import (
@@ -477,7 +473,6 @@ class FleetTier:
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         self.session = aiohttp.ClientSession()
         fetcher = PeerFetcher(
-            self.session,
             self.settings.secret,
             self.index,
             self.settings.name,

@@ -76,7 +76,7 @@ from kvfleet_runtime.api import (
     read_body,
 )
 from kvfleet_runtime.auth import cache_salt, sign_assertion
-from kvfleet_runtime.cache import block_hashes
+from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.fleet.index import HintIndex
 from kvfleet_runtime.pools import UPSTREAM_MAX_CONNECTIONS, UPSTREAM_MAX_CONNECTIONS_PER_REPLICA
 from kvfleet_runtime.router._kv_events import KvEventViews
@@ -265,9 +265,9 @@ async def _matched_tokens(state: RouterState, tenant: str, prompt: Any, *,
         ),
         None,
     )
-    if report is None:
+    if report is None or report.cache_key is None:
         return {}
-    key = report.key(tenant)
+    key = CacheKey(tenant, *report.cache_key)
     encode = chat_token_ids if chat else prompt_token_ids
     text_chars = len(json.dumps(prompt)) if chat else len(prompt) if isinstance(prompt, str) else 0
     if text_chars > _INLINE_ENCODE_MAX_CHARS:

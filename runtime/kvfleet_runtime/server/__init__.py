@@ -2,7 +2,6 @@
 
 from kvfleet_runtime.api import ApiError, ChatCompletionRequest, CompletionRequest
 from kvfleet_runtime.server._app import (
-    Replica,
     apply_config,
     build_replica,
     create_app,
@@ -19,6 +18,7 @@ from kvfleet_runtime.server._config import (
     load_config,
 )
 from kvfleet_runtime.server._openai import MIN_TOKENS_CODE, system_fingerprint
+from kvfleet_runtime.server._replica import Replica
 from kvfleet_runtime.server._schemas import InvalidateRequest
 
 __all__ = [

@@ -12,7 +12,8 @@ Routes:
 
 Every error is JSON, `{"error": {"message", "type", "param", "code"}}` (`kvfleet_runtime.api`),
 and names the problem; bad input is a 4xx and never takes the server down. Only an internal bug
-gives a 500. The OpenAI endpoints themselves live in `_openai.py`.
+gives a 500. The OpenAI endpoints themselves live in `server/_openai.py`; what a running
+replica holds (`Replica`), in `_replica.py`.
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ import contextlib
 import dataclasses
 import logging
 import re
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -68,7 +67,7 @@ from kvfleet_runtime.engine import (
     Engine,
     EngineConfig,
 )
-from kvfleet_runtime.model import LoadedModel, PagedKV, default_device, load_checkpoint
+from kvfleet_runtime.model import PagedKV, default_device, load_checkpoint
 from kvfleet_runtime.nvme import NvmeConfig, NvmeStore, NvmeTier
 from kvfleet_runtime.server._auth import ReplicaAuth, auth_middleware
 from kvfleet_runtime.server._config import (
@@ -79,13 +78,14 @@ from kvfleet_runtime.server._config import (
     restart_fields,
 )
 from kvfleet_runtime.server._openai import chat_completions, completions, detokenize, tokenize
+from kvfleet_runtime.server._replica import Replica
 from kvfleet_runtime.server._schemas import (
     TENANT_PATTERN,
     InvalidateAccepted,
     InvalidateRequest,
 )
 from kvfleet_runtime.server._tiers import invalidate_local
-from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from kvfleet_runtime.tokenizer import ByteTokenizer, load_tokenizer
 from kvfleet_runtime.wire import TENANT_HEADER
 
 __all__ = [
@@ -97,65 +97,6 @@ log = logging.getLogger(__name__)
 _TENANT_RE = re.compile(TENANT_PATTERN)
 _HARD_MAX_BODY_BYTES = 64 << 20
 """aiohttp's own cap; the configured (live) limit is checked below it."""
-
-
-@dataclass(slots=True)
-class Replica:
-    """Everything a running replica holds; the app's handlers read it, the watcher updates it."""
-
-    config: ReplicaConfig
-    loaded: LoadedModel
-    model_id: str
-    engine: Engine
-    cache: PrefixCache | None
-    registry: CollectorRegistry
-    config_path: Path | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)
-    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
-    """The model folder's own tokenizer (`load_tokenizer`): prompts, streamed text, stop ids."""
-    ready: bool = False
-    restart_pending: list[str] = field(default_factory=list)
-    boot_config: ReplicaConfig | None = None
-    """The config the replica started with; restart-only fields are compared against it, so a
-    reload that passes through another value (a half-written file) reports only real drift."""
-    background: set[asyncio.Task[Any]] = field(default_factory=set)
-    reloads: Counter | None = None
-    nvme: NvmeTier | None = None
-    """T3, when `cache.nvme_path` and `cache.nvme_capacity_bytes` are set and the path can hold
-    it; its mode follows `cache.nvme_mode`, or the fleet config's toggles when there is one."""
-    t0_device: bool = True
-    """The fleet config's `tiers.t0_device` (True without a fleet config); T0 is on when this and
-    `config.cache.t0_enabled` both are (`sync_t0`)."""
-    config_polls: int = 0
-    """Polls of the config file so far (0 without one)."""
-    config_applied_at_poll: int = 0
-    """The poll at which the config in force was applied (0: the one it started with)."""
-    config_errors: dict[str, str] = field(default_factory=dict)
-    """Why the file now on disk is not in force, per file ("replica"; the fleet tier adds
-    "fleet"), shown by /readyz; empty once a valid file applies. The last good config serves."""
-    before_submit: Callable[[str, list[int]], Awaitable[None]] | None = None
-    """Set by the fleet tier (`kvfleet_runtime.fleet.wiring`): fetch the prompt's prefix from a
-    peer before the engine looks it up. Never raises; on any failure the engine prefills."""
-    _t0_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
-    """Serializes `sync_t0`: the replica config and the fleet config are applied on different
-    worker threads, and the second to run must see both inputs."""
-
-    def sync_t0(self) -> None:
-        """Turn T0 on or off to match `cache.t0_enabled` and the fleet's `tiers.t0_device` (both
-        must say on). Off drains T0 (`PrefixCache.set_t0_enabled`: a copy of every cached T0
-        block to T1), so callers on the event loop run this in a worker thread."""
-        cache = self.cache
-        if cache is None or cache.device_kv is None:
-            return
-        with self._t0_lock:
-            wanted = self.config.cache.t0_enabled and self.t0_device
-            if wanted == cache.t0_enabled:
-                return
-            demoted, removed = cache.set_t0_enabled(wanted)
-        if wanted:
-            log.info("T0 on: prompts are cached in the engine's KV again")
-        else:
-            log.info("T0 off: %d blocks demoted to T1, %d dropped", demoted, removed)
 
 
 def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,

@@ -5,7 +5,7 @@ What each route needs (docs/security.md has the reasoning):
     POST /v1/...            X-Kvfleet-Tenant + a tenant assertion from the router for it
     GET  /cache/stats       the operator token; or, for ?tenant=T, an assertion for T
     POST /cache/invalidate  the operator token
-    /kv/v1/...              the peer credential (checked by `fleet.transfer` itself)
+    /kv/v1/...              the peer credential (checked by `fleet.t2_serve` itself)
     GET  /metrics           open, without per-tenant series; with them for the metrics token
     everything else         open: probes, /v1/models, /openapi.json, the load report
 

@@ -48,7 +48,7 @@ from kvfleet_runtime.server._tiers import fill_from_nvme
 from kvfleet_runtime.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.server._app import Replica
+    from kvfleet_runtime.server._replica import Replica
     from kvfleet_runtime.tokenizer import IncrementalDecoder
 
 __all__ = ["MIN_TOKENS_CODE", "chat_completions", "completions", "detokenize",

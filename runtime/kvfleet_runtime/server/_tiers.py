@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvfleet_runtime.cache import usable_tokens
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.server._app import Replica
+    from kvfleet_runtime.server._replica import Replica
 
 __all__ = ["fill_from_nvme", "invalidate_local", "usable_prompt"]
 

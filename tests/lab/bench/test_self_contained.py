@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from kvfleet_lab.traces import DEFAULT_TRACE, TRACE_NAME
-from kvfleet_runtime.cli.bench import default_trace
+from kvfleet_runtime.cli.benchmarks import default_trace
 
 ROOT = Path(__file__).resolve().parents[3]
 

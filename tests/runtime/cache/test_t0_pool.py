@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvfleet_runtime.cache import (
     BLOCK_SIZE,
     CacheConfig,
+    CacheKey,
     Hit,
     KVLayout,
     PagedBlocks,
@@ -288,6 +289,37 @@ def _fill(kv: PagedBlocks, block_id: int, value: float) -> None:
     kv.v[:, block_id] = -value
 
 
+def start_checked(cache: PrefixCache, kv: PagedBlocks, key: CacheKey, pattern: list[int]
+                  ) -> tuple[list[int], list[int], Hit | None] | None:
+    """The engine's request path step by step (lookup, share the T0 head, take fresh blocks,
+    copy the rest of the hit, compute, store in place) for a prompt of `pattern`'s blocks plus a
+    2-token tail, checking on the way that what the cache gave is this prompt's KV and that the
+    sequence computes only its own blocks. (tokens, table, hit held), or None when the pool has
+    no room (every ref given back)."""
+    tokens = [t * 100 + i for t in pattern for i in range(BLOCK_SIZE)] + [9, 9]
+    n_blocks = len(pattern)
+    hit = cache.lookup(key, tokens)
+    held = hit if isinstance(hit, Hit) else None
+    usable = min(len(held.blocks), n_blocks) if held else 0
+    shared = cache.share_prefix(held, kv, usable) if held else []
+    fresh = kv.take(n_blocks + 1 - len(shared))
+    if fresh is None:
+        kv.give_back(shared)
+        if held:
+            cache.release(held)
+        return None
+    table = shared + fresh
+    if held:
+        cache.copy_into(held, kv, table, len(shared), usable)
+    for b in range(usable):  # what the cache gave is this prompt's KV
+        assert kv.k[0, table[b], 0, 0, 0].item() == _expected(tokens, b)
+    for b in range(usable, n_blocks + 1):  # the sequence computes only its own blocks
+        assert kv.refs.ref_count(table[b]) == 1 and not kv.refs.is_cached(table[b])
+        _fill(kv, table[b], _expected(tokens, b))
+    cache.store_blocks(key, tokens[: n_blocks * BLOCK_SIZE], kv, table)
+    return tokens, table, held
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.lists(st.integers(0, 2),
                                                                        min_size=1, max_size=3)),
@@ -304,28 +336,10 @@ def test_sequences_and_the_cache_sharing_one_pool_never_see_wrong_data(
     running: list[tuple[list[int], list[int], Hit | None]] = []
     for start, pick, pattern in ops:
         if start:
-            tokens = [t * 100 + i for t in pattern for i in range(BLOCK_SIZE)] + [9, 9]
-            n_blocks = len(pattern)
-            hit = cache.lookup(key, tokens)
-            held = hit if isinstance(hit, Hit) else None
-            usable = min(len(held.blocks), n_blocks) if held else 0
-            shared = cache.share_prefix(held, kv, usable) if held else []
-            fresh = kv.take(n_blocks + 1 - len(shared))
-            if fresh is None:
-                kv.give_back(shared)
-                if held:
-                    cache.release(held)
+            started = start_checked(cache, kv, key, pattern)
+            if started is None:
                 continue
-            table = shared + fresh
-            if held:
-                cache.copy_into(held, kv, table, len(shared), usable)
-            for b in range(usable):  # what the cache gave is this prompt's KV
-                assert kv.k[0, table[b], 0, 0, 0].item() == _expected(tokens, b)
-            for b in range(usable, n_blocks + 1):  # the sequence computes only its own blocks
-                assert kv.refs.ref_count(table[b]) == 1 and not kv.refs.is_cached(table[b])
-                _fill(kv, table[b], _expected(tokens, b))
-            cache.store_blocks(key, tokens[: n_blocks * BLOCK_SIZE], kv, table)
-            running.append((tokens, table, held))
+            running.append(started)
         elif running:
             tokens, table, held = running.pop(pick % len(running))
             kv.give_back(table)

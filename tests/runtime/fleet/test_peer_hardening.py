@@ -15,8 +15,7 @@ from aiohttp import web
 
 from kvfleet_runtime.api import AppRunner, ListenerLimits, error_middleware, handler_args
 from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
-from kvfleet_runtime.fleet import CacheBlockSource, peer_routes, peer_token
-from kvfleet_runtime.fleet.transfer import PeerSecrets
+from kvfleet_runtime.fleet import CacheBlockSource, PeerSecrets, peer_routes, peer_token
 from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
 from tests.rawhttp import RawAnswer, cut_while_sending, exchange, malformed, request
 from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess

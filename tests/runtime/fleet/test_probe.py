@@ -211,7 +211,7 @@ async def test_tenant_b_learns_nothing_about_tenant_a_blocks(
         assert await index.lookup_runs(chain_b, tenant="tenant-b") == {}
         assert await index.lookup_runs(chain_a, tenant="tenant-a") == {"a": 8}
         b_cache = make_cache()
-        fetcher = PeerFetcher(session, SECRET, index, "b", resolve_url={"a": a.url}.get)
+        fetcher = PeerFetcher(SECRET, index, "b", resolve_url={"a": a.url}.get)
         assert await PeerTier(b_cache, fetcher).fill(KEY_B, TOKENS, 0) == 0
         assert fetcher.stats.outcomes == {"no_peer": 1}
         assert not isinstance(b_cache.lookup(KEY_B, TOKENS), Hit)
@@ -264,7 +264,7 @@ async def test_peer_probe_finds_each_peers_run_and_the_fetch_equals_recompute(
         await index.publish("b", chain)
         await index.register_host("b", "http://elsewhere")
         assert await index.lookup_runs(chain, tenant="tenant-a") == {"a": 8, "c": 3}
-        fetcher = PeerFetcher(session, SECRET, index, "b", resolve_url=urls.get)
+        fetcher = PeerFetcher(SECRET, index, "b", resolve_url=urls.get)
         assert await PeerTier(b_cache, fetcher).fill(KEY_A, TOKENS, 0) == 8
         assert fetcher.stats.outcomes == {"ok": 1}
         k, v = prefill_kv(TOKENS)

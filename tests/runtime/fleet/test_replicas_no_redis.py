@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import requests
 
-from kvfleet_runtime.cache import BLOCK_SIZE, block_hashes
+from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, block_hashes
 from kvfleet_runtime.fleet import peer_token
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.router._app import prompt_token_ids
@@ -94,9 +94,9 @@ def chain(url: str, tenant: str, prompt: str) -> list[str]:
     """The prompt's usable chain (hex), as the replicas compute it (the key from the load
     report, the byte tokenizer, the last prompt token left to the engine)."""
     report = parse_load_report(requests.get(url + "/fleet/v1/load", timeout=5).json())
-    key = report.key(tenant)
     tokens = prompt_token_ids(prompt, report.tokenizer)
-    assert key is not None and tokens is not None
+    assert report.cache_key is not None and tokens is not None
+    key = CacheKey(tenant, *report.cache_key)
     usable = (len(tokens) - 1) // BLOCK_SIZE
     return [h.hex() for h in block_hashes(key, tokens[: usable * BLOCK_SIZE])]
 

@@ -11,8 +11,15 @@ import torch
 from aiohttp import web
 
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
-from kvfleet_runtime.fleet import CacheBlockSource, EmbeddedHintIndex, PeerFetcher, peer_routes
-from kvfleet_runtime.fleet.transfer import BufferPool, ExportedRun, FetchedRun
+from kvfleet_runtime.fleet import (
+    CacheBlockSource,
+    EmbeddedHintIndex,
+    ExportedRun,
+    FetchedRun,
+    PeerFetcher,
+    peer_routes,
+)
+from kvfleet_runtime.fleet.t2_protocol import BufferPool
 from tests.runtime.fleet.test_transfer import (
     KEY_A,
     KEY_B,
@@ -61,7 +68,7 @@ async def test_send_buffers_are_reused_and_every_run_is_exact(
     )
     url, runner = await start_app(app)
     try:
-        fetcher = PeerFetcher(session, SECRET, EmbeddedHintIndex(), "me")
+        fetcher = PeerFetcher(SECRET, EmbeddedHintIndex(), "me")
         cases: Sequence[tuple[CacheKey, list[int], int, torch.Tensor, torch.Tensor]] = [
             (KEY_A, TOKENS, 0, ka, va),
             (KEY_B, other, 0, kb, vb),
@@ -115,7 +122,7 @@ async def test_run_ending_early_returns_its_buffers(session: aiohttp.ClientSessi
     )
     url, runner = await start_app(app)
     try:
-        fetcher = PeerFetcher(session, SECRET, EmbeddedHintIndex(), "me")
+        fetcher = PeerFetcher(SECRET, EmbeddedHintIndex(), "me")
         run = await fetcher.fetch_from(url, KEY_A, TOKENS, 0, 8)
         got_k, got_v = fetched(run, 4)  # chunks 0 and 1, then the block was "gone"
         assert torch.equal(got_k, k[:, :, : 4 * BLOCK_SIZE])

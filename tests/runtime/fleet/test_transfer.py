@@ -125,12 +125,12 @@ async def test_prefix_stored_on_a_is_fetched_by_b_and_equals_recompute(
     a, b = await replica("a"), await replica("b")
     publisher = HintPublisher(index, "a")
     a.cache.add_listener(
-        PeerTier(a.cache, PeerFetcher(session, SECRET, index, "a"), publisher).on_block_event
+        PeerTier(a.cache, PeerFetcher(SECRET, index, "a"), publisher).on_block_event
     )
     k, v = store(a.cache, KEY_A, TOKENS)
     await publisher.flush()  # the listener published a's blocks
 
-    fetcher = PeerFetcher(session, SECRET, index, "b")
+    fetcher = PeerFetcher(SECRET, index, "b")
     assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 8
     assert fetcher.stats.outcomes == {"ok": 1}
     got_k, got_v = materialized(b.cache, KEY_A, TOKENS)
@@ -147,7 +147,7 @@ async def test_partial_local_hit_fetches_only_the_rest(
     k, _v = store(a.cache, KEY_A, TOKENS)
     await publish_all(index, a, KEY_A)
     store(b.cache, KEY_A, TOKENS[: 3 * BLOCK_SIZE])
-    fetcher = PeerFetcher(session, SECRET, index, "b")
+    fetcher = PeerFetcher(SECRET, index, "b")
     assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 3) == 5
     assert fetcher.stats.bytes_fetched == 2 * 5 * LAYOUT.bytes_per_block // 2
     got_k, _ = materialized(b.cache, KEY_A, TOKENS)
@@ -161,7 +161,7 @@ async def test_stale_hint_and_dead_peer_fall_back_to_recompute(
     index, replica = fleet
     a, b = await replica("a"), await replica("b")
     await publish_all(index, a, KEY_A)  # a never stored it: a stale hint
-    fetcher = PeerFetcher(session, SECRET, index, "b")
+    fetcher = PeerFetcher(SECRET, index, "b")
     assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
     await index.register_host("a", f"http://127.0.0.1:{free_port()}")  # nobody listens
     assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
@@ -213,7 +213,7 @@ async def test_tenant_b_can_never_obtain_tenant_a_blocks_through_the_fetcher(
     await publish_all(index, a, KEY_A)
     # Even told (by a poisoned index) that a holds B's chain, the fetch finds nothing.
     await publish_all(index, a, KEY_B)
-    fetcher = PeerFetcher(session, SECRET, index, "b")
+    fetcher = PeerFetcher(SECRET, index, "b")
     assert await tier_for(b.cache, fetcher).fill(KEY_B, TOKENS, 0) == 0
     assert fetcher.stats.outcomes == {"stale": 1}
     assert not isinstance(b.cache.lookup(KEY_B, TOKENS), Hit)
@@ -228,10 +228,10 @@ async def test_disabled_without_secret(
     b = await replica("b")
     store(a.cache, KEY_A, TOKENS)
     await publish_all(index, a, KEY_A)
-    fetcher = PeerFetcher(session, SECRET, index, "b")
+    fetcher = PeerFetcher(SECRET, index, "b")
     assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
     assert fetcher.stats.outcomes == {"http": 1}  # 503 from a
-    no_secret = PeerFetcher(session, None, index, "b")
+    no_secret = PeerFetcher(None, index, "b")
     assert await tier_for(b.cache, no_secret).fill(KEY_A, TOKENS, 0) == 0
     assert no_secret.stats.outcomes == {"disabled": 1}
 
@@ -301,7 +301,7 @@ async def test_faults_in_transit_give_recompute_never_wrong_kv(
     async with faulty_proxy(port, mode, at_byte=2500) as proxy_url:
         await index.register_host("a", proxy_url)
         # Only the stalled peer should hit the timeout, even on an overloaded CI box.
-        fetcher = PeerFetcher(session, SECRET, index, "b", timeout_s=0.5 if mode == "stall" else 10)
+        fetcher = PeerFetcher(SECRET, index, "b", timeout_s=0.5 if mode == "stall" else 10)
         assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
     assert fetcher.stats.outcomes == {outcome: 1}
     assert not isinstance(b.cache.lookup(KEY_A, TOKENS), Hit)
@@ -318,7 +318,7 @@ async def test_concurrency_limit_sends_the_overflow_to_recompute(
     port = int(a.url.rsplit(":", 1)[1])
     async with faulty_proxy(port, "stall", at_byte=2500) as proxy_url:
         await index.register_host("a", proxy_url)
-        fetcher = PeerFetcher(session, SECRET, index, "b", timeout_s=0.5, max_concurrency=1)
+        fetcher = PeerFetcher(SECRET, index, "b", timeout_s=0.5, max_concurrency=1)
         results = await asyncio.gather(
             tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0),
             tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0),
@@ -335,7 +335,7 @@ async def test_hash_and_layout_mismatches_are_rejected(
     a, b = await replica("a"), await replica("b")
     store(a.cache, KEY_A, TOKENS)
     await publish_all(index, a, KEY_A)
-    fetcher = PeerFetcher(session, SECRET, index, "b")
+    fetcher = PeerFetcher(SECRET, index, "b")
     chain = b.cache.block_hashes(KEY_A, TOKENS)
     wrong = [bytes(16), *chain[1:]]
     # The index is asked about the wrong chain, so point it there too.
@@ -364,7 +364,7 @@ async def test_a_peer_failing_mid_run_still_gives_its_verified_leading_blocks(
     # Each chunk is ~2 KiB on the wire: fail inside the fourth or fifth.
     async with faulty_proxy(port, mode, at_byte=9000) as proxy_url:
         await index.register_host("a", proxy_url)
-        fetcher = PeerFetcher(session, SECRET, index, "b", timeout_s=10)
+        fetcher = PeerFetcher(SECRET, index, "b", timeout_s=10)
         got = await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0)
     assert 1 <= got < 8
     assert fetcher.stats.outcomes == {outcome: 1}
@@ -384,7 +384,7 @@ async def test_receive_buffers_are_reused_without_mixing_runs(
     for tokens in prompts:
         stored.append(store(a.cache, KEY_A, tokens))
         await index.publish("a", a.cache.block_hashes(KEY_A, tokens))
-    fetcher = PeerFetcher(session, SECRET, index, "b")
+    fetcher = PeerFetcher(SECRET, index, "b")
     tier = tier_for(b.cache, fetcher)
     assert await tier.fill(KEY_A, prompts[0], 0) == 8
     assert len(fetcher._spare) == 2  # K and V buffers came back

@@ -21,10 +21,11 @@ from kvfleet_runtime.fleet import (
     PeerFetcher,
     peer_routes,
     peer_token,
-    transfer,
+    t2_serve,
 )
 from kvfleet_runtime.fleet._receive import BodyReader
-from kvfleet_runtime.fleet.transfer import VERSION, _check_rows, chunk_checksum
+from kvfleet_runtime.fleet.t2_fetch import _check_rows
+from kvfleet_runtime.fleet.t2_protocol import VERSION, chunk_checksum
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
 from tests.runtime.fleet.test_transfer import (
     KEY_A,
@@ -115,7 +116,7 @@ async def test_transport_fallbacks_move_the_same_bytes(
     """Plain TCP sends with `sock_sendall` and receives with scatter reads; TLS (or no socket)
     goes through the asyncio transport on either side. Every combination gives the same run."""
     if not direct_send:
-        monkeypatch.setattr(transfer, "_direct_socket", lambda request: None)
+        monkeypatch.setattr(t2_serve, "_direct_socket", lambda request: None)
     if not direct_receive:
         monkeypatch.setattr(BodyReader, "_read_directly", lambda self: None)
     cache = make_cache()
@@ -126,9 +127,8 @@ async def test_transport_fallbacks_move_the_same_bytes(
     )
     url, runner = await start_app(app)
     try:
-        async with aiohttp.ClientSession() as session:
-            fetcher = PeerFetcher(session, SECRET, EmbeddedHintIndex(), "me")
-            run = await fetcher.fetch_from(url, KEY_A, TOKENS, 2, 8)
+        fetcher = PeerFetcher(SECRET, EmbeddedHintIndex(), "me")
+        run = await fetcher.fetch_from(url, KEY_A, TOKENS, 2, 8)
     finally:
         await runner.cleanup()
     assert run.num_blocks == 6 and not run.partial

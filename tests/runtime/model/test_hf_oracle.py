@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import torch
 import transformers
@@ -323,9 +322,8 @@ async def test_cache_hits_from_t0_t1_and_a_peer_equal_the_miss(
         await index.register_host("a", f"http://127.0.0.1:{port}")
         key = fields.key("acme")
         await index.publish("a", a_cache.block_hashes(key, case.prompt))
-        async with aiohttp.ClientSession() as session:
-            tier = PeerTier(b_cache, PeerFetcher(session, SECRET, index, "b"))
-            assert await tier.fill(key, case.prompt, 0) == PROMPT_LEN // 16
+        tier = PeerTier(b_cache, PeerFetcher(SECRET, index, "b"))
+        assert await tier.fill(key, case.prompt, 0) == PROMPT_LEN // 16
         assert isinstance(b_cache.lookup(key, case.prompt), Hit)
         b = await engine(b_cache)
         hit, cached = await generate(b, case.prompt)

@@ -17,12 +17,12 @@ from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent, Hit, Miss, StoreOutcom
 from tests.runtime.cache.conftest import FakeClock, make_key
 from tests.runtime.cache.test_t0_pool import (
     _expected,
-    _fill,
     bound,
     compute,
     pool,
     prompt,
     run_sequence,
+    start_checked,
 )
 
 
@@ -216,28 +216,10 @@ def test_t0_toggling_under_running_sequences_never_shows_wrong_data_or_leaks_a_b
     running: list[tuple[list[int], list[int], Hit | None]] = []
     for op, pick, pattern, on in ops:
         if op == "start":
-            tokens = [t * 100 + i for t in pattern for i in range(BLOCK_SIZE)] + [9, 9]
-            n_blocks = len(pattern)
-            hit = cache.lookup(key, tokens)
-            held = hit if isinstance(hit, Hit) else None
-            usable = min(len(held.blocks), n_blocks) if held else 0
-            shared = cache.share_prefix(held, kv, usable) if held else []
-            fresh = kv.take(n_blocks + 1 - len(shared))
-            if fresh is None:
-                kv.give_back(shared)
-                if held:
-                    cache.release(held)
+            started = start_checked(cache, kv, key, pattern)
+            if started is None:
                 continue
-            table = shared + fresh
-            if held:
-                cache.copy_into(held, kv, table, len(shared), usable)
-            for b in range(usable):
-                assert kv.k[0, table[b], 0, 0, 0].item() == _expected(tokens, b)
-            for b in range(usable, n_blocks + 1):
-                assert kv.refs.ref_count(table[b]) == 1 and not kv.refs.is_cached(table[b])
-                _fill(kv, table[b], _expected(tokens, b))
-            cache.store_blocks(key, tokens[: n_blocks * BLOCK_SIZE], kv, table)
-            running.append((tokens, table, held))
+            running.append(started)
         elif op == "finish" and running:
             tokens, table, held = running.pop(pick % len(running))
             kv.give_back(table)

@@ -1,0 +1,408 @@
+"""T2, the fetching side: `PeerFetcher` finds the peer with the longest run (the hint index),
+receives it in place (`fleet._receive`), verifies it, and says why when it gives up
+(`FetchOutcome`); `fleet.t2_protocol` has the format, the credential and the checksum."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+import xxhash
+
+from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
+from kvfleet_runtime.fleet._receive import BodyReader, post
+from kvfleet_runtime.fleet.index import HintIndex, best_peer
+from kvfleet_runtime.fleet.t2_protocol import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PREAMBLE,
+    U32,
+    U64,
+    VERSION,
+    BufferPool,
+    peer_token,
+)
+from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
+
+__all__ = [
+    "FetchFailed",
+    "FetchOutcome",
+    "FetchStats",
+    "FetchedRun",
+    "PeerFetcher",
+]
+
+log = logging.getLogger(__name__)
+
+class FetchOutcome(enum.StrEnum):
+    """How a fetch ended: `OK`, a run cut short (`PARTIAL_*`: its verified leading chunks kept),
+    or why the request went back to recompute. Values are the metric labels."""
+
+    OK = "ok"
+    PARTIAL_SHORT_READ = "partial_short_read"
+    PARTIAL_PROTOCOL = "partial_protocol"
+    PARTIAL_CHECKSUM = "partial_checksum"
+    DISABLED = "disabled"
+    """No peer secret: T2 is off."""
+    TOO_SHORT = "too_short"
+    NO_PEER = "no_peer"
+    NO_URL = "no_url"
+    BUSY = "busy"
+    """Every transfer slot taken for `queue_wait_s`."""
+    TIMEOUT = "timeout"
+    PEER_ERROR = "peer_error"
+    STALE = "stale"
+    """The peer no longer holds the run (404)."""
+    REFUSED = "refused"
+    HTTP = "http"
+    PROTOCOL = "protocol"
+    TOO_LARGE = "too_large"
+    SHORT_READ = "short_read"
+    CHECKSUM = "checksum"
+    HASH_MISMATCH = "hash_mismatch"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    ERROR = "error"
+    """The fleet tier's import of a fetched run failed."""
+    LOCAL_EVICTED = "local_evicted"
+    """The local prefix the run continues was evicted before the import."""
+    # The vLLM connector's peer tier (kvfleet_vllm._peer) counts into the same FetchStats:
+    CANCELLED = "cancelled"
+    NO_ROOM = "no_room"
+    """No host-pool slots to land the run in."""
+    REJECTED = "rejected"
+    """The run failed the connector's own check of chain, dtype or layout."""
+
+    @property
+    def partial(self) -> FetchOutcome:
+        """The outcome of a run this failure cut short (after at least one verified chunk)."""
+        return FetchOutcome(f"partial_{self.value}")
+
+
+@dataclass(slots=True)
+class FetchedRun:
+    """Verified blocks [start_block, start_block + num_blocks). `k`/`v` hold
+    `[layers, kv_heads, capacity_blocks * 16, head_dim]` in canonical layout, of which the first
+    `num_blocks * 16` tokens are filled (fewer than announced when the peer stopped early)."""
+
+    start_block: int
+    block_hashes: tuple[bytes, ...]
+    dtype: str
+    layout: tuple[int, int, int]
+    capacity_blocks: int
+    k: memoryview
+    v: memoryview
+    peer: str = ""
+    partial: FetchOutcome | None = None
+    """Why the run ended before the announced length (None when complete)."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
+
+
+@dataclass(slots=True)
+class FetchStats:
+    """Outcome counts: `ok` or the reason the request went back to recompute."""
+
+    outcomes: dict[FetchOutcome, int] = field(default_factory=dict)
+    bytes_fetched: int = 0
+    blocks_fetched: int = 0
+
+    def count(self, outcome: FetchOutcome | str) -> None:
+        """One more `outcome` (a FetchOutcome's value is taken too: ValueError for any other)."""
+        key = FetchOutcome(outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+
+class FetchFailed(Exception):
+    def __init__(self, outcome: FetchOutcome, detail: str = "") -> None:
+        super().__init__(f"{outcome}: {detail}" if detail else outcome)
+        self.outcome = outcome
+
+
+class PeerFetcher:
+    """Finds the peer with the longest run (via the hint index) and fetches it, or gives up.
+
+    Never raises: `fetch` returns a verified `FetchedRun` or None, and counts why in `stats`.
+    `max_concurrency` transfers run at once; a request that finds them all busy for
+    `queue_wait_s` recomputes instead of queueing. Transfers use a connection of their own each
+    (`fleet._receive`, receiving in place)."""
+
+    def __init__(
+        self,
+        secret: bytes | None,
+        index: HintIndex,
+        self_host: str,
+        *,
+        timeout_s: float = 2.0,
+        connect_timeout_s: float = 0.25,
+        max_concurrency: int = 4,
+        queue_wait_s: float = 0.005,
+        max_bytes: int = 8 << 30,
+        min_blocks: int = 1,
+        resolve_url: Callable[[str], str | None] | None = None,
+    ) -> None:
+        self.secret = secret
+        self.index = index
+        self.self_host = self_host
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.queue_wait_s = queue_wait_s
+        self.max_bytes = max_bytes
+        self.min_blocks = min_blocks
+        self.resolve_url = resolve_url
+        self.stats = FetchStats()
+        self._slots = asyncio.Semaphore(max_concurrency)
+        # Receive buffers given back by `recycle`: first-touch page faults of fresh memory cost
+        # more than the copy itself (hundreds of MiB per fetch), so steady state reuses them.
+        self._spare = BufferPool(2 * max_concurrency + 2)
+
+    def _buffer(self, num_bytes: int) -> memoryview:
+        return self._spare.take(num_bytes).data.cast("B")[:num_bytes]
+
+    def recycle(self, run: FetchedRun) -> None:
+        """Give a run's buffers back once nothing references them any more (after
+        `import_blocks` copied them into the cache). Optional: unrecycled runs are just freed."""
+        for view in (run.k, run.v):
+            base = view.obj
+            if isinstance(base, np.ndarray):
+                self._spare.give(base)
+
+    async def fetch(
+        self,
+        key: CacheKey,
+        token_ids: Sequence[int],
+        expected_hashes: Sequence[bytes],
+        *,
+        start_block: int = 0,
+        expected_dtype: str | None = None,
+        expected_layout: tuple[int, int, int] | None = None,
+    ) -> FetchedRun | None:
+        """Fetch blocks [start_block, ...) of (key, token_ids) from the best peer.
+
+        `expected_hashes` is the full chain the caller computed for `token_ids`;
+        `expected_layout` is (num_layers, num_kv_heads, head_dim)."""
+        if not self.secret:
+            self.stats.count(FetchOutcome.DISABLED)
+            return None
+        wanted = list(expected_hashes[start_block:])
+        if len(wanted) < self.min_blocks:
+            self.stats.count(FetchOutcome.TOO_SHORT)
+            return None
+        runs = await self.index.lookup_runs(wanted, tenant=key.tenant_id)
+        peer = best_peer(runs, exclude=self.self_host)
+        if peer is None or peer[1] < self.min_blocks:
+            self.stats.count(FetchOutcome.NO_PEER)
+            return None
+        host, num_blocks = peer
+        url = await self._url(host)
+        if url is None:
+            self.stats.count(FetchOutcome.NO_URL)
+            return None
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.queue_wait_s)
+        except TimeoutError:
+            self.stats.count(FetchOutcome.BUSY)
+            return None
+        try:
+            run = await asyncio.wait_for(
+                self.fetch_from(url, key, token_ids, start_block, num_blocks), self.timeout_s
+            )
+        except TimeoutError:
+            self.stats.count(FetchOutcome.TIMEOUT)
+            return None
+        except FetchFailed as exc:
+            self.stats.count(exc.outcome)
+            log.debug("T2 fetch from %s failed: %s", host, exc)
+            return None
+        except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: malformed HTTP
+            self.stats.count(FetchOutcome.PEER_ERROR)
+            log.debug("T2 fetch from %s failed: %r", host, exc)
+            return None
+        finally:
+            self._slots.release()
+        try:
+            self._verify(run, wanted, start_block, expected_dtype, expected_layout)
+        except FetchFailed as exc:
+            self.stats.count(exc.outcome)
+            log.warning("T2 run from %s rejected: %s", host, exc)
+            return None
+        run.peer = host
+        self.stats.count(FetchOutcome.OK if run.partial is None else run.partial.partial)
+        self.stats.bytes_fetched += 2 * len(run.k) * run.num_blocks // run.capacity_blocks
+        self.stats.blocks_fetched += run.num_blocks
+        return run
+
+    async def _url(self, host: str) -> str | None:
+        if self.resolve_url is not None:
+            url = self.resolve_url(host)
+            if url is not None:
+                return url
+        return await self.index.host_url(host)
+
+    async def fetch_from(
+        self, url: str, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
+    ) -> FetchedRun:
+        """One transfer from a known peer, unverified against a chain; raises FetchFailed,
+        aiohttp and OS errors (`fetch` is the never-raising path; the vLLM connector's peer
+        tier and the benchmarks call this one with a peer of their choosing)."""
+        assert self.secret
+        body = {
+            "key": key._asdict(),
+            "token_ids": list(token_ids),
+            "start_block": start_block,
+            "max_blocks": max_blocks,
+        }
+        headers = {
+            TENANT_HEADER: key.tenant_id,
+            "Authorization": f"Bearer {peer_token(self.secret, key.tenant_id)}",
+        }
+        status, reader = await post(
+            url, T2_PATH, body, headers, connect_timeout_s=self.connect_timeout_s
+        )
+        try:
+            if status != 200:
+                outcome = {404: FetchOutcome.STALE, 401: FetchOutcome.REFUSED,
+                           403: FetchOutcome.REFUSED}.get(status, FetchOutcome.HTTP)
+                raise FetchFailed(outcome, f"HTTP {status}")
+            return await self._read_run(reader)
+        finally:
+            reader.close()
+
+    async def _read_run(self, reader: BodyReader) -> FetchedRun:
+        try:
+            magic, version, header_len = PREAMBLE.unpack(await reader.exactly(PREAMBLE.size))
+            if magic != MAGIC or version != VERSION or header_len > MAX_HEADER_BYTES:
+                raise FetchFailed(FetchOutcome.PROTOCOL, f"bad preamble {magic!r} v{version}")
+            header = json.loads(await reader.exactly(header_len))
+            hashes = tuple(bytes.fromhex(h) for h in header["block_hashes"])
+            dtype = str(header["dtype"])
+            layers, heads, head_dim = _layout(header["layout"])
+            bytes_per_block = int(header["bytes_per_block"])
+            element_bytes = _DTYPE_BYTES.get(dtype)
+            if element_bytes is None or bytes_per_block != (
+                2 * layers * heads * BLOCK_SIZE * head_dim * element_bytes
+            ):
+                raise FetchFailed(FetchOutcome.PROTOCOL,
+                                  f"{bytes_per_block} bytes per block of {dtype}")
+            n = len(hashes)
+            if n != int(header["num_blocks"]) or not 0 < n * bytes_per_block <= self.max_bytes:
+                raise FetchFailed(FetchOutcome.TOO_LARGE, f"{n} blocks of {bytes_per_block} bytes")
+            run = FetchedRun(
+                start_block=int(header["start_block"]),
+                block_hashes=(),
+                dtype=dtype,
+                layout=(layers, heads, head_dim),
+                capacity_blocks=n,
+                k=self._buffer(n * bytes_per_block // 2),
+                v=self._buffer(n * bytes_per_block // 2),
+            )
+        except asyncio.IncompleteReadError as exc:
+            raise FetchFailed(FetchOutcome.SHORT_READ,
+                              f"{len(exc.partial)} of {exc.expected} bytes") from exc
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FetchFailed(FetchOutcome.PROTOCOL, repr(exc)) from exc
+        verified, failure = await _read_chunks(reader, run, bytes_per_block)
+        run.block_hashes = hashes[:verified]
+        if failure is not None:
+            if verified == 0:
+                raise failure
+            run.partial = failure.outcome
+        return run
+
+    def _verify(
+        self,
+        run: FetchedRun,
+        wanted: Sequence[bytes],
+        start_block: int,
+        dtype: str | None,
+        layout: tuple[int, int, int] | None,
+    ) -> None:
+        n = run.num_blocks
+        if run.start_block != start_block or not 0 < n <= len(wanted):
+            raise FetchFailed(FetchOutcome.PROTOCOL, f"run [{run.start_block}, +{n}) not requested")
+        if tuple(run.block_hashes) != tuple(wanted[:n]):
+            raise FetchFailed(FetchOutcome.HASH_MISMATCH, "peer blocks are not the requested chain")
+        if dtype is not None and run.dtype != dtype:
+            raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH, f"dtype {run.dtype} != {dtype}")
+        if layout is not None and run.layout != layout:
+            raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH, f"layout {run.layout} != {layout}")
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def _layout(raw: Any) -> tuple[int, int, int]:
+    if not isinstance(raw, list) or len(raw) != 3 or not all(type(x) is int and x > 0 for x in raw):
+        raise ValueError(f"layout must be 3 positive integers, got {raw!r}")
+    return (raw[0], raw[1], raw[2])
+
+
+def _check_rows(views: Sequence[memoryview], first_block: int) -> int:
+    """Worker thread: the checksum of one received chunk, over its rows where they landed (K rows
+    then V rows, in wire order); equal to `chunk_checksum` of the contiguous chunk."""
+    digest = xxhash.xxh3_64(seed=first_block)
+    for view in views:
+        digest.update(view)
+    return digest.intdigest()
+
+
+async def _read_chunks(
+    reader: BodyReader, run: FetchedRun, bytes_per_block: int
+) -> tuple[int, FetchFailed | None]:
+    """Read chunks into place; returns (blocks verified from the start, why it stopped early).
+
+    A chunk's K rows (one per layer and KV head) are received straight into their strided places
+    in the canonical K buffer and its V rows into V (scatter reads: a few large socket reads per
+    chunk, no staging copy); a worker thread checksums the chunk's rows where they landed while
+    the next chunk arrives. A chunk that fails its checksum is not counted as verified, so its
+    (overwritten) rows are never used."""
+    layers, heads, _ = run.layout
+    num_rows = layers * heads
+    row_per_block = bytes_per_block // (2 * num_rows)
+    row_stride = run.capacity_blocks * row_per_block
+    checks: list[tuple[asyncio.Future[int], int, int]] = []
+    failure: FetchFailed | None = None
+    try:
+        lo = 0
+        while True:
+            (n,) = U32.unpack(await reader.exactly(U32.size))
+            if n == 0:
+                break
+            if lo + n > run.capacity_blocks:
+                raise FetchFailed(FetchOutcome.PROTOCOL, f"chunk of {n} blocks at block {lo}")
+            a, b = lo * row_per_block, (lo + n) * row_per_block
+            views = [
+                buf[row * row_stride + a : row * row_stride + b]
+                for buf in (run.k, run.v)
+                for row in range(num_rows)
+            ]
+            await reader.into_all(views)
+            (expected,) = U64.unpack(await reader.exactly(U64.size))
+            check = asyncio.ensure_future(asyncio.to_thread(_check_rows, views, lo))
+            checks.append((check, expected, n))
+            lo += n
+    except asyncio.IncompleteReadError as exc:
+        failure = FetchFailed(FetchOutcome.SHORT_READ,
+                              f"{len(exc.partial)} of {exc.expected} bytes")
+    except FetchFailed as exc:
+        failure = exc
+    finally:
+        # Every worker finishes before the run is handed on (or its buffers recycled).
+        await asyncio.gather(*(c for c, _, _ in checks), return_exceptions=True)
+    verified = 0
+    for checksum, expected, n in checks:
+        if failure is not None and failure.outcome is FetchOutcome.CHECKSUM:
+            continue
+        if await checksum != expected:
+            failure = FetchFailed(FetchOutcome.CHECKSUM, f"chunk at block {verified}")
+            continue
+        verified += n
+    return verified, failure
