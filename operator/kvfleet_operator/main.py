@@ -101,7 +101,6 @@ class Tracked:
             "locks": len(self.locks),
             "nvme_backoff": len(self.nvme_reports.backoff),
             "stats_backoff": len(self.cache_stats.backoff),
-            "home_set_plans": handlers.num_home_set_plans(),
         }
 
 
@@ -175,8 +174,9 @@ def _deleted(event: Any, **_: Any) -> bool:
 def _forget(memo: Any, kind: str, namespace: str | None, name: str) -> None:
     tracked = _tracked(memo)
     tracked.forget((kind, _ns(namespace), name))
-    log.debug("%s %s/%s deleted: forgotten; now tracking %s", kind, namespace, name,
-              ", ".join(f"{k} {v}" for k, v in tracked.sizes().items()))
+    log.debug("%s %s/%s deleted: forgotten; now tracking %s, home_set_plans %d", kind, namespace,
+              name, ", ".join(f"{k} {v}" for k, v in tracked.sizes().items()),
+              handlers.num_home_set_plans())
 
 
 @kopf.on.resume(*_POLICY)
