@@ -25,11 +25,11 @@ PACKAGES = {
 }
 PURE_CACHE_CORE = [
     "kvfleet_runtime.cache._keys",
-    "kvfleet_runtime.cache._index",
+    "kvfleet_runtime.cache._block_index",
     "kvfleet_runtime.cache._moves",
-    "kvfleet_runtime.cache._ranking",
+    "kvfleet_runtime.cache._eviction",
     "kvfleet_runtime.cache._sketch",
-    "kvfleet_runtime.cache._policy",
+    "kvfleet_runtime.cache._admission",
     "kvfleet_runtime.cache._store_queue",
     "kvfleet_runtime.cache._stats",
     "kvfleet_runtime.cache._manager",
@@ -247,8 +247,8 @@ def test_runtime_never_imports_the_operator(module: str) -> None:
 
 
 def test_operator_imports_only_the_runtimes_pure_core() -> None:
-    allowed = ("kvfleet_runtime.breakeven", "kvfleet_runtime.fleetconfig", "kvfleet_runtime.units",
-               "kvfleet_runtime.routing", "kvfleet_runtime.wire", "kvfleet_runtime.auth")
+    allowed = ("kvfleet_runtime.breakeven", "kvfleet_runtime.config.fleet", "kvfleet_runtime.units",
+               "kvfleet_runtime.affinity", "kvfleet_runtime.wire", "kvfleet_runtime.auth")
     used = {
         n
         for m in _sources()
@@ -313,9 +313,9 @@ def test_no_router_fleet_cycle() -> None:
         *PURE_CACHE_CORE,
         "kvfleet_runtime.cache",
         "kvfleet_runtime.router",
-        "kvfleet_runtime.routing",
+        "kvfleet_runtime.affinity",
         "kvfleet_runtime.breakeven",
-        "kvfleet_runtime.fleetconfig",
+        "kvfleet_runtime.config.fleet",
         "kvfleet_operator",
         "kvfleet_operator.main",
         "kvfleet_operator.cli",
@@ -328,7 +328,7 @@ def test_no_torch_on_import(module: str) -> None:
     assert heavy == [], f"importing {module} loads {heavy}"
 
 
-@pytest.mark.parametrize("module", [*PURE_CACHE_CORE, "kvfleet_runtime.routing"])
+@pytest.mark.parametrize("module", [*PURE_CACHE_CORE, "kvfleet_runtime.affinity"])
 def test_pure_core_never_imports_torch_even_lazily(module: str) -> None:
     heavy = sorted(
         n for n in _closure(module, top_level_only=False) if n.split(".")[0] in {"torch"}
@@ -358,7 +358,7 @@ _CACHE_INTERNALS_ALLOWED = {"kvfleet_lab.cache.bench"}
 def test_replays_and_the_fleet_tier_stay_above_the_cache_manager(module: str) -> None:
     below = sorted(
         n for n in _imports(module, top_level_only=False)
-        if n.startswith(("kvfleet_runtime.cache._manager", "kvfleet_runtime.cache._index"))
+        if n.startswith(("kvfleet_runtime.cache._manager", "kvfleet_runtime.cache._block_index"))
         or n.endswith(".StorePlan")
     )
     assert below == [], f"{module} reaches into the cache manager: {below}"
@@ -386,7 +386,7 @@ CACHE_EXPORTS = [
     "BlockHash",
     "BlockNode",
     "BlockRefs",
-    "CacheConfig",
+    "CacheTuning",
     "CacheKey",
     "CacheManager",
     "CacheStats",

@@ -86,7 +86,7 @@ from kvfleet_operator.planning.conditions import set_condition
 from kvfleet_operator.planning.rollout import format_time
 from kvfleet_runtime.auth import read_operator_token
 from kvfleet_runtime.breakeven import GB
-from kvfleet_runtime.fleetconfig import dump_fleet_config
+from kvfleet_runtime.config.fleet import dump_fleet_config
 from kvfleet_runtime.wire import ENGINES, LOAD_PATH, Engine
 
 __all__ = [

@@ -21,7 +21,7 @@ from kvfleet_operator.constants import (
     TRACK_LABEL,
     WEIGHTS_DIGEST_ANNOTATION,
 )
-from kvfleet_runtime.fleetconfig import FLEET_CONFIG_FILENAME
+from kvfleet_runtime.config.fleet import FLEET_CONFIG_FILENAME
 
 __all__ = [
     "canary_deployment",

@@ -26,9 +26,9 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvfleet_runtime.architectures import parse_hf_config
 from kvfleet_runtime.auth import SaltRefused, verify_cache_salt
 from kvfleet_runtime.cache import PLATFORM_TENANT, CacheKey, key_digest
+from kvfleet_runtime.model.architectures import parse_hf_config
 from kvfleet_runtime.model.checkpoint import read_config, weights_digest
 from kvfleet_vllm._options import PREFIX
 

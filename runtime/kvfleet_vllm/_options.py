@@ -19,7 +19,7 @@ MODULE_PATH = "kvfleet_vllm.connector"
 PREFIX = "kvfleet."
 DEFAULT_HOST_POOL_PATH = "/dev/shm/kvfleet-host-pool"
 CACHE_KNOBS = ("admit_min_sightings", "hot_min_sightings")
-"""`CacheConfig` fields a deployment may set (`kvfleet.<name>`); the rest keep kvfleet's
+"""`CacheTuning` fields a deployment may set (`kvfleet.<name>`); the rest keep kvfleet's
 defaults, the same as a kvfleet replica's."""
 T2_KEYS = ("peer_port", "peer_host", "peer_wait_s")
 """T2 (docs/vllm.md "T2"): the port the engine-core process serves peers on (absent: no T2),
@@ -38,7 +38,7 @@ is taken as the tenant's name as it is."""
 class ConnectorOptions:
     """`kv_connector_extra_config`, parsed once for both of the connector's roles (each reads
     its own fields). Absent optional fields are None: each default has its home where it is
-    used (`CacheConfig`, `_peer.DEFAULT_WAIT_S`, vLLM's served model name)."""
+    used (`CacheTuning`, `_peer.DEFAULT_WAIT_S`, vLLM's served model name)."""
 
     host_pool_path: Path
     num_host_blocks: int

@@ -44,7 +44,8 @@ from aiohttp import web
 
 from kvfleet_runtime.api import AppRunner, ListenerLimits, error_middleware, handler_args
 from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent, CacheKey
-from kvfleet_runtime.configwatch import ConfigFileWatcher
+from kvfleet_runtime.config.fleet import FleetConfig, next_fleet_config
+from kvfleet_runtime.config.watch import ConfigFileWatcher
 from kvfleet_runtime.fleet import (
     ExportedRun,
     FetchedRun,
@@ -59,7 +60,6 @@ from kvfleet_runtime.fleet import (
     hint_index_for,
     peer_routes,
 )
-from kvfleet_runtime.fleetconfig import FleetConfig, next_fleet_config
 from kvfleet_vllm._copy import HostPool
 from kvfleet_vllm._plan import ConnectorIndex, FetchWant, Reservation
 

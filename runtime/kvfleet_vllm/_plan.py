@@ -43,10 +43,10 @@ from kvfleet_runtime.cache import (
     BlockEvent,
     BlockHash,
     BlockNode,
-    CacheConfig,
     CacheKey,
     CacheManager,
     CacheStats,
+    CacheTuning,
     Commit,
     KVLayout,
     StoreOutcome,
@@ -134,12 +134,12 @@ class ConnectorIndex:
 
     def __init__(
         self, layout: KVLayout, num_slots: int, *, vllm_block_size: int,
-        clock: Callable[[], float], config: CacheConfig | None = None,
+        clock: Callable[[], float], config: CacheTuning | None = None,
     ) -> None:
         if vllm_block_size <= 0 or vllm_block_size % BLOCK_SIZE:
             raise ValueError(f"vLLM block size must be a multiple of {BLOCK_SIZE} for the "
                              f"kvfleet connector, got {vllm_block_size}")
-        base = config or CacheConfig(num_t0_blocks=0, num_t1_blocks=num_slots)
+        base = config or CacheTuning(num_t0_blocks=0, num_t1_blocks=num_slots)
         if base.num_t0_blocks or base.num_t1_blocks != num_slots:
             raise ValueError("the connector's cache config has only the host tier (T1): "
                              f"num_t0_blocks=0, num_t1_blocks={num_slots}")

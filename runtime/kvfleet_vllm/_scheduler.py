@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvfleet_runtime.auth import SaltRefused
-from kvfleet_runtime.cache import CacheConfig, CacheKey, CacheStats, KVLayout
+from kvfleet_runtime.cache import CacheKey, CacheStats, CacheTuning, KVLayout
 from kvfleet_runtime.fleet import FleetSettings
 from kvfleet_vllm._copy import HostPool
 from kvfleet_vllm._keys import ModelKey, TenantSalts, model_key
@@ -41,8 +41,8 @@ class SchedulerSide:
         self.model_key: ModelKey = model_key(
             model_dir, model_id=opts.model_id or served_model_name, kv_dtype=layout.dtype,
             attention_backend=attention_backend, digest=opts.weights_digest)
-        defaults = CacheConfig(num_t0_blocks=0, num_t1_blocks=opts.num_host_blocks)
-        config = CacheConfig(
+        defaults = CacheTuning(num_t0_blocks=0, num_t1_blocks=opts.num_host_blocks)
+        config = CacheTuning(
             num_t0_blocks=0, num_t1_blocks=opts.num_host_blocks,
             admit_min_sightings=(defaults.admit_min_sightings if opts.admit_min_sightings is None
                                  else opts.admit_min_sightings),

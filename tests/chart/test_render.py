@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvfleet_runtime.fleetconfig import FLEET_CONFIG_FILENAME
-from kvfleet_runtime.routing.tenants import load_api_keys
+from kvfleet_runtime.affinity.tenants import load_api_keys
+from kvfleet_runtime.config.fleet import FLEET_CONFIG_FILENAME
 from tests.chart.conftest import (
     CHART,
     CI_VALUES,

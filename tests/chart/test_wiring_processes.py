@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, dump_fleet_config
+from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
 from tests.chart.conftest import Render
 from tests.support import free_port
 

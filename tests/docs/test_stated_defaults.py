@@ -1,9 +1,9 @@
 """Every default the docs state for a setting the code defines is the code's own default.
 
 The docs name a setting in backticks and state its default close by (`` `admit_min_sightings`,
-default 1 ``, `` `CacheConfig.hash_memo_entries`, default 32,768 ``). This reads every such
+default 1 ``, `` `CacheTuning.hash_memo_entries`, default 32,768 ``). This reads every such
 statement in docs/ and README.md, finds the setting among the config records (the cache's
-`CacheConfig`, the replica's settings, the fleet config) and compares the number. A statement
+`CacheTuning`, the replica's settings, the fleet config) and compares the number. A statement
 whose name is not a setting, or is one with different defaults in different records and no
 qualifier saying which, is left alone.
 """
@@ -30,12 +30,12 @@ _STATEMENT = re.compile(
 
 def _records() -> dict[str, Any]:
     """Qualifier -> a config record (a dataclass instance or a pydantic model class)."""
-    from kvfleet_runtime.cache import CacheConfig
-    from kvfleet_runtime.fleetconfig import FleetConfig
+    from kvfleet_runtime.cache import CacheTuning
+    from kvfleet_runtime.config.fleet import FleetConfig
     from kvfleet_runtime.server import CacheSettings, EngineSettings, Limits, ReplicaConfig
 
     records: dict[str, Any] = {
-        "CacheConfig": CacheConfig(num_t0_blocks=1),
+        "CacheTuning": CacheTuning(num_t0_blocks=1),
         "cache": CacheSettings,
         "engine": EngineSettings,
         "limits": Limits,
@@ -104,8 +104,8 @@ def test_the_docs_state_the_codes_defaults() -> None:
     [
         ("Admission (`admit_min_sightings`, default 1) stores on first sight.", True),
         ("Admission (`admit_min_sightings`, default 2) stores on the second.", False),
-        ("The memo (`CacheConfig.hash_memo_entries`, default 32,768 steps)", True),
-        ("The memo (`CacheConfig.hash_memo_entries`, default 16,384 steps)", False),
+        ("The memo (`CacheTuning.hash_memo_entries`, default 32,768 steps)", True),
+        ("The memo (`CacheTuning.hash_memo_entries`, default 16,384 steps)", False),
         ("`cache.admit_min_sightings` (default 3)", False),
     ],
 )
@@ -117,9 +117,9 @@ def test_the_scan_would_catch_a_stale_default(doc: str, ok: bool) -> None:
 
 def test_the_demo_plot_title_says_the_shipped_admission() -> None:
     from kvfleet_lab.demo._plots import admission_words
-    from kvfleet_runtime.cache import CacheConfig
+    from kvfleet_runtime.cache import CacheTuning
 
-    shipped = CacheConfig(num_t0_blocks=1).admit_min_sightings
+    shipped = CacheTuning(num_t0_blocks=1).admit_min_sightings
     assert admission_words() == admission_words(shipped)
     assert admission_words(1) == "stored on first sighting"
     assert admission_words(2) == "stored from sighting 2"

@@ -25,11 +25,11 @@ from pathlib import Path
 
 from aiohttp import web
 
+from kvfleet_runtime.affinity import parse_api_keys
 from kvfleet_runtime.api import AppRunner, ListenerLimits, error_middleware, handler_args
-from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
+from kvfleet_runtime.cache import CacheTuning, KVLayout, PrefixCache
 from kvfleet_runtime.fleet import CacheBlockSource, peer_routes, peer_token
 from kvfleet_runtime.router import FleetView, RouterState, create_router_app
-from kvfleet_runtime.routing import parse_api_keys
 from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
 from tests.rawhttp import RawAnswer, malformed, read_answer, request
 from tests.router.conftest import FakeReplica
@@ -224,7 +224,7 @@ def test_fuzz_the_peer_port() -> None:
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
 
     def make() -> web.Application:
-        cache = PrefixCache(CacheConfig(num_t0_blocks=16, admit_min_sightings=1), layout,
+        cache = PrefixCache(CacheTuning(num_t0_blocks=16, admit_min_sightings=1), layout,
                             clock=time.monotonic)
         app = web.Application(middlewares=[error_middleware(log)],
                               handler_args=handler_args(ListenerLimits(header_timeout_s=5)))

@@ -57,10 +57,10 @@ def test_stale_sources_names_every_changed_missing_and_extra_file(
     assert runtime_image.stale_sources(tmp_path) == []
     wire = tmp_path / "runtime/kvfleet_runtime/wire.py"
     wire.write_text(wire.read_text() + "\n# changed\n")
-    (tmp_path / "runtime/kvfleet_runtime/configwatch.py").unlink()
+    (tmp_path / "runtime/kvfleet_runtime/config/watch.py").unlink()
     (tmp_path / "operator/kvfleet_operator/new_module.py").write_text("")
     assert runtime_image.stale_sources(tmp_path) == [
-        "runtime/kvfleet_runtime/configwatch.py",
+        "runtime/kvfleet_runtime/config/watch.py",
         "runtime/kvfleet_runtime/wire.py",
         "operator/kvfleet_operator/new_module.py",
     ]

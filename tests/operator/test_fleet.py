@@ -12,8 +12,8 @@ from kvfleet_operator.planning import (
     plan_home_sets,
     ready_replicas,
 )
-from kvfleet_runtime.fleetconfig import dump_fleet_config, parse_fleet_config
-from kvfleet_runtime.routing import rendezvous_top_k
+from kvfleet_runtime.affinity import rendezvous_top_k
+from kvfleet_runtime.config.fleet import dump_fleet_config, parse_fleet_config
 
 SPEC = KVCachePolicySpec.model_validate(
     {

@@ -24,10 +24,10 @@ from kubernetes import config as kube_config
 
 from kvfleet_operator.handlers import reconcile_policy
 from kvfleet_operator.kube import Kube
-from kvfleet_runtime.configwatch import MAX_CONFIG_BYTES
-from kvfleet_runtime.fleetconfig import load_fleet_config
+from kvfleet_runtime.affinity import ReplicaLoad, choose_replica, rendezvous_top_k
+from kvfleet_runtime.config.fleet import load_fleet_config
+from kvfleet_runtime.config.watch import MAX_CONFIG_BYTES
 from kvfleet_runtime.router import FleetView
-from kvfleet_runtime.routing import ReplicaLoad, choose_replica, rendezvous_top_k
 from tests.cluster.fixtures import Cluster, Identity
 from tests.operator.conftest import OLD, wait_for
 

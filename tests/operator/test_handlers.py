@@ -17,7 +17,7 @@ from kvfleet_operator.constants import WEIGHTS_DIGEST_ANNOTATION
 from kvfleet_operator.kube import Conflict, KubeError, retry_on_conflict
 from kvfleet_operator.metrics import MetricReading
 from kvfleet_operator.planning import Event
-from kvfleet_runtime.fleetconfig import parse_fleet_config
+from kvfleet_runtime.config.fleet import parse_fleet_config
 
 OLD = "sha256:" + "a" * 64
 NEW = "sha256:" + "b" * 64

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvfleet_operator.constants import WEIGHTS_DIGEST_ANNOTATION
-from kvfleet_runtime.fleetconfig import parse_fleet_config
+from kvfleet_runtime.config.fleet import parse_fleet_config
 from tests.cluster.fixtures import Cluster, CommandError, Identity
 from tests.operator.conftest import (
     NEW,

@@ -22,7 +22,7 @@ from kubernetes import config as kube_config
 from kvfleet_operator.handlers import reconcile_policy
 from kvfleet_operator.kube import Kube
 from kvfleet_runtime.breakeven import GB
-from kvfleet_runtime.fleetconfig import parse_fleet_config
+from kvfleet_runtime.config.fleet import parse_fleet_config
 from kvfleet_runtime.nvme import BandwidthRecorder
 from kvfleet_runtime.wire import LOAD_PATH
 from tests.cluster.fixtures import Cluster

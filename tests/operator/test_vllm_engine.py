@@ -27,7 +27,7 @@ from kvfleet_operator.metrics import (
     read_hit_rates,
 )
 from kvfleet_operator.planning import build_fleet_config, decide_tiers
-from kvfleet_runtime.fleetconfig import dump_fleet_config, parse_fleet_config
+from kvfleet_runtime.config.fleet import dump_fleet_config, parse_fleet_config
 from tests.operator.test_fleet import SPEC
 
 RUNNING = {"phase": "Running", "podIP": "10.0.0.9",

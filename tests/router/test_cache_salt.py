@@ -15,15 +15,15 @@ import openai
 import pytest
 from aiohttp import web
 
+from kvfleet_runtime.affinity import parse_api_keys
 from kvfleet_runtime.auth import (
     MAX_SALTED_TENANT_CHARS,
     SaltRefused,
     cache_salt,
     verify_cache_salt,
 )
-from kvfleet_runtime.fleetconfig import AffinitySettings, FleetConfig, ReplicaEndpoint
+from kvfleet_runtime.config.fleet import AffinitySettings, FleetConfig, ReplicaEndpoint
 from kvfleet_runtime.router import vllm_load_report
-from kvfleet_runtime.routing import parse_api_keys
 from kvfleet_runtime.wire import CACHE_SALT_FIELD, MAX_CACHE_SALT_CHARS
 from tests.support import free_port
 

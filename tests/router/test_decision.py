@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet_runtime.routing import ReplicaLoad, choose_replica, rendezvous_top_k
+from kvfleet_runtime.affinity import ReplicaLoad, choose_replica, rendezvous_top_k
 
 NAMES = ["r0", "r1", "r2", "r3", "r4"]
 TENANT = "t4"

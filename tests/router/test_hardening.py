@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvfleet_runtime.routing import rendezvous_top_k
+from kvfleet_runtime.affinity import rendezvous_top_k
 from tests.rawhttp import RawAnswer, cut_while_sending, exchange, malformed, request
 from tests.router.conftest import FakeReplica, RouterHandle, StartRouter
 

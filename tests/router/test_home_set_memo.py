@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvfleet_runtime.affinity import ReplicaLoad, choose_replica, rendezvous_top_k
 from kvfleet_runtime.router import FleetView
-from kvfleet_runtime.routing import ReplicaLoad, choose_replica, rendezvous_top_k
 
 TENANTS = [f"tenant-{i}" for i in range(300)]
 

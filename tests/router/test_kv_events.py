@@ -184,11 +184,11 @@ def test_views_answer_per_replica() -> None:
 def test_the_router_subscribes_to_vllm_replicas_and_takes_the_larger_match(tmp_path) -> None:
     import asyncio
 
+    from kvfleet_runtime.affinity import ApiKeyMap
     from kvfleet_runtime.auth import cache_salt
-    from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, dump_fleet_config
+    from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
     from kvfleet_runtime.router import FleetView, RouterState
     from kvfleet_runtime.router._app import _with_kv_events, kv_event_endpoints
-    from kvfleet_runtime.routing import ApiKeyMap
 
     config = tmp_path / "fleet.json"
     config.write_text(dump_fleet_config(FleetConfig(recompute_s_per_token=1e-3, replicas=(

@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvfleet_runtime.affinity import rendezvous_top_k
 from kvfleet_runtime.api import AppRunner
 from kvfleet_runtime.router import FleetView, RouterState, create_router_app
-from kvfleet_runtime.routing import rendezvous_top_k
 from tests.router.conftest import KEYS
 from tests.support import free_port
 

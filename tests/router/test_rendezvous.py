@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet_runtime.routing import home_sets, rendezvous_rank, rendezvous_top_k, rendezvous_weight
+from kvfleet_runtime.affinity import home_sets, rendezvous_rank, rendezvous_top_k, rendezvous_weight
 
 REPLICAS = [f"replica-{i}" for i in range(5)]
 TENANTS = [f"tenant-{i}" for i in range(2000)]
@@ -25,7 +25,7 @@ def test_pinned_vectors() -> None:
 
 def test_same_answer_in_a_fresh_process_with_another_hash_seed() -> None:
     code = (
-        "from kvfleet_runtime.routing import home_sets;"
+        "from kvfleet_runtime.affinity import home_sets;"
         f"print(sorted(home_sets([f't{{i}}' for i in range(50)], {REPLICAS!r}, 3).items()))"
     )
     outs = {

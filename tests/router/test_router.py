@@ -13,11 +13,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvfleet_runtime.affinity import rendezvous_top_k
 from kvfleet_runtime.api import AppRunner
 from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.fleet import EmbeddedHintIndex
 from kvfleet_runtime.router import FleetView, RouterState, create_router_app, prompt_token_ids
-from kvfleet_runtime.routing import rendezvous_top_k
 from tests.router.conftest import KEY_FIELDS, KEYS, FakeReplica, StartRouter
 from tests.support import free_port
 
@@ -243,9 +243,9 @@ def test_prompt_tokens_match_the_replica_tokenizer() -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "kvfleet_runtime.routing",
+        "kvfleet_runtime.affinity",
         "kvfleet_runtime.router",
-        "kvfleet_runtime.fleet.index",
+        "kvfleet_runtime.fleet.hint_index",
         "kvfleet_runtime.cli.router",
     ],
 )

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from kvfleet_runtime.affinity import rendezvous_top_k
 from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.cli import app
 from kvfleet_runtime.fleet import EmbeddedHintIndex
 from kvfleet_runtime.router import chat_token_ids, prompt_token_ids
-from kvfleet_runtime.routing import rendezvous_top_k
 from kvfleet_runtime.tokenizer import ByteTokenizer, load_tokenizer
 from tests.router.conftest import KEY_FIELDS, FakeReplica, StartRouter
 from tests.runtime.tokenizer.conftest import bpe_dir, spm_dir  # noqa: F401 (fixtures)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet_runtime.routing import bearer_token, load_api_keys, parse_api_keys
+from kvfleet_runtime.affinity import bearer_token, load_api_keys, parse_api_keys
 
 
 def test_clear_and_hashed_keys(tmp_path: Path) -> None:

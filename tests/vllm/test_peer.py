@@ -23,7 +23,7 @@ import torch
 from aiohttp import web
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvfleet_runtime.cache import CacheConfig, CacheKey, KVLayout, PrefixCache, block_hashes
+from kvfleet_runtime.cache import CacheKey, CacheTuning, KVLayout, PrefixCache, block_hashes
 from kvfleet_runtime.fleet import (
     CacheBlockSource,
     EmbeddedHintIndex,
@@ -42,7 +42,7 @@ class KvfleetPeer:
     in a thread with its own event loop."""
 
     def __init__(self, secret: str = SECRET) -> None:
-        self.cache = PrefixCache(CacheConfig(num_t0_blocks=0, num_t1_blocks=64), LAYOUT,
+        self.cache = PrefixCache(CacheTuning(num_t0_blocks=0, num_t1_blocks=64), LAYOUT,
                                  clock=time.monotonic)
         self.served = 0
         self.held: Any = None

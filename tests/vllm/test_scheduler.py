@@ -14,8 +14,8 @@ import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
 
-from kvfleet_runtime.architectures import parse_hf_config
 from kvfleet_runtime.cache import block_hashes
+from kvfleet_runtime.model.architectures import parse_hf_config
 from kvfleet_runtime.model.checkpoint import read_config, weights_digest
 from tests.vllm import _support as sup
 

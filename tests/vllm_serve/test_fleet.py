@@ -26,7 +26,7 @@ pytest.importorskip("vllm")
 
 import openai
 
-from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, dump_fleet_config
+from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
 from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess
 
 from .conftest import (

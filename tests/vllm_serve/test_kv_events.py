@@ -26,7 +26,7 @@ pytest.importorskip("vllm")
 
 import openai
 
-from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, dump_fleet_config
+from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
 
 from .conftest import MODEL, VllmServe, counter, free_port, start_all, stop_all
 from .test_serve import BY_SOURCE, prompt, settled

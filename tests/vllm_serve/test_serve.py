@@ -33,7 +33,7 @@ pytest.importorskip("vllm")
 import openai
 
 from kvfleet_runtime.auth import cache_salt
-from kvfleet_runtime.fleetconfig import (
+from kvfleet_runtime.config.fleet import (
     FleetConfig,
     ReplicaEndpoint,
     dump_fleet_config,

@@ -2,7 +2,7 @@
 
 Replica names are pod names; only pods that are Running, Ready and not being deleted get tenants
 (a pod that is starting has an empty cache and cannot take traffic; one that is terminating is
-leaving). The home sets come from the router's own rendezvous hashing (kvfleet_runtime.routing),
+leaving). The home sets come from the router's own rendezvous hashing (kvfleet_runtime.affinity),
 so the operator and every router agree without talking.
 
 That agreement is also why the published config carries no home sets: each is the rendezvous
@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 from kvfleet_operator.api import HomeSetSummary, KVCachePolicySpec
 from kvfleet_operator.planning.tiers import TierPlan
-from kvfleet_runtime.fleetconfig import (
+from kvfleet_runtime.affinity import weighted_top_k
+from kvfleet_runtime.config.fleet import (
     AdmissionSettings,
     AffinitySettings,
     FleetConfig,
     ReplicaEndpoint,
 )
-from kvfleet_runtime.routing import weighted_top_k
 from kvfleet_runtime.wire import Engine
 
 __all__ = [

@@ -29,7 +29,7 @@ from kvfleet_runtime.breakeven import (
     medium_for,
     plan,
 )
-from kvfleet_runtime.fleetconfig import TierToggles
+from kvfleet_runtime.config.fleet import TierToggles
 
 __all__ = [
     "TIERS",

@@ -41,10 +41,11 @@ from kvfleet_lab.cache.sim import (
     simulate_popularity_oracle,
     unique_blocks,
 )
+from kvfleet_runtime.cache._admission import Placement
 from kvfleet_runtime.cache._allocator import contiguous_runs
+from kvfleet_runtime.cache._block_index import Move, Tier
 from kvfleet_runtime.cache._cache import Hit, PrefixCache
-from kvfleet_runtime.cache._config import CacheConfig, KVLayout
-from kvfleet_runtime.cache._index import Move, Tier
+from kvfleet_runtime.cache._config import CacheTuning, KVLayout
 from kvfleet_runtime.cache._keys import (
     BLOCK_SIZE,
     CacheKey,
@@ -55,7 +56,6 @@ from kvfleet_runtime.cache._keys import (
     usable_tokens,
 )
 from kvfleet_runtime.cache._manager import CacheManager, StorePlan
-from kvfleet_runtime.cache._policy import Placement
 from kvfleet_runtime.cache._pool import TensorPool, execute_moves
 
 __all__ = [
@@ -250,10 +250,10 @@ def bench_lookup(
     blocks_per_prompt = longest // BLOCK_SIZE
     num_prompts = max(1, -(-num_index_blocks // blocks_per_prompt))
     tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16")
-    config = CacheConfig(num_t0_blocks=num_prompts * blocks_per_prompt)
+    config = CacheTuning(num_t0_blocks=num_prompts * blocks_per_prompt)
     prompts = [[rng.randrange(128_000) for _ in range(longest)] for _ in range(num_prompts)]
 
-    def filled(config: CacheConfig) -> PrefixCache:
+    def filled(config: CacheTuning) -> PrefixCache:
         cache = PrefixCache(config, tiny, clock=time.monotonic)
         for prompt in prompts:  # index metadata only: lookups never touch the tensors
             plan = StorePlan(BENCH_KEY, block_hashes(BENCH_KEY, prompt), 0, 0, Placement.REUSED, 0)
@@ -344,7 +344,7 @@ def bench_materialize(
     k = torch.randn(shape).to(dtype)
     v = torch.randn(shape).to(dtype)
     prompt = list(range(tokens))
-    config = CacheConfig(
+    config = CacheTuning(
         num_t0_blocks=num_blocks,
         num_t1_blocks=num_blocks,
         admit_min_sightings=1,
@@ -439,7 +439,7 @@ class _KvfleetServer:
     back and release."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.cache = PrefixCache(CacheConfig(num_t0_blocks=num_blocks), _TINY, clock=time.monotonic)
+        self.cache = PrefixCache(CacheTuning(num_t0_blocks=num_blocks), _TINY, clock=time.monotonic)
         kv = self.cache.device_kv
         assert kv is not None
         self.kv = kv
@@ -646,7 +646,7 @@ def bench_metadata(*, num_blocks: int = 100_000, chain_blocks: int = 125) -> flo
     for _ in range(-(-num_blocks // chain_blocks)):
         tokens = [rng.randrange(128_000) for _ in range(chain_blocks * BLOCK_SIZE)]
         chains.append(block_hashes(BENCH_KEY, tokens))
-    config = CacheConfig(num_t0_blocks=len(chains) * chain_blocks)
+    config = CacheTuning(num_t0_blocks=len(chains) * chain_blocks)
     gc.collect()
     manager = CacheManager(config, bytes_per_block=1, clock=time.monotonic)
     tracemalloc.start()
@@ -733,7 +733,7 @@ def run_cache_bench(
     ) if "request-cpu" in wanted else None
     materialize = bench_materialize(layout=layout, device=device, reps=materialize_reps) if (
         "materialize" in wanted) else None
-    memo_steps = CacheConfig(num_t0_blocks=1).hash_memo_entries
+    memo_steps = CacheTuning(num_t0_blocks=1).hash_memo_entries
     if "metadata" in wanted:
         per_block = bench_metadata(num_blocks=index_blocks)
         per_step = bench_memo_bytes_per_step(num_steps=memo_steps)

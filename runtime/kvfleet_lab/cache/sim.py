@@ -15,7 +15,7 @@ capacity counted in blocks:
 - `simulate_belady`: Belady's offline optimum (MIN with bypass): evict the block whose next use is
   furthest away, deepest first among ties, never admit a block that would be that victim;
 - `simulate_kvfleet`: the shipped policy, i.e. `kvfleet_runtime.cache.CacheManager` (sketch,
-  admission from `CacheConfig.admit_min_sightings`, TinyLFU duel, pinning, thrash detector) via its
+  admission from `CacheTuning.admit_min_sightings`, TinyLFU duel, pinning, thrash detector) via its
   `replay` with the same hashes: the lab's one kvfleet replay (the fleet simulator and the fleet
   routing replay drive the same manager).
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet_runtime.breakeven import MODELS, ModelProfile, prefill_flops
-from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheConfig, CacheKey, CacheManager
+from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheKey, CacheManager, CacheTuning
 from kvfleet_runtime.cache._keys import continue_chain, key_digest
 
 __all__ = [
@@ -267,12 +267,12 @@ def simulate_kvfleet(
     requests: Sequence[TraceRequest],
     capacity_blocks: int,
     *,
-    config: Callable[[int], CacheConfig] | None = None,
+    config: Callable[[int], CacheTuning] | None = None,
     bytes_per_block: int = BLOCK_SIZE * 327_680,
 ) -> SimResult:
     """The shipped admission and eviction policy, one tier of `capacity_blocks`, with each
     request's store committed before the next request (an always-drained store queue)."""
-    cfg = config(capacity_blocks) if config else CacheConfig(num_t0_blocks=capacity_blocks)
+    cfg = config(capacity_blocks) if config else CacheTuning(num_t0_blocks=capacity_blocks)
     now = [0.0]
     manager = CacheManager(cfg, bytes_per_block=bytes_per_block, clock=lambda: now[0])
     result = SimResult("kvfleet", capacity_blocks)

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from kvfleet_runtime.cache import CacheConfig
+from kvfleet_runtime.cache import CacheTuning
 
 __all__ = ["admission_words", "write_plots"]
 
@@ -21,8 +21,8 @@ _TIER_COLORS = {"t0": "#2b6a99", "t1": "#5fa2ce", "t2": "#a1d99b", "miss": "#d3d
 
 def admission_words(admit_min_sightings: int | None = None) -> str:
     """When a cold cache stores a prefix, in words: the demo's replicas run the shipped default
-    (`CacheConfig.admit_min_sightings`, which the replica's settings default to)."""
-    n = CacheConfig(num_t0_blocks=1).admit_min_sightings if admit_min_sightings is None else (
+    (`CacheTuning.admit_min_sightings`, which the replica's settings default to)."""
+    n = CacheTuning(num_t0_blocks=1).admit_min_sightings if admit_min_sightings is None else (
         admit_min_sightings)
     return "stored on first sighting" if n == 1 else f"stored from sighting {n}"
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from kvfleet_lab.engine.t0 import suffix_at_position_s
-from kvfleet_runtime.cache import CacheConfig, Hit, KVLayout, PrefixCache
+from kvfleet_runtime.cache import CacheTuning, Hit, KVLayout, PrefixCache
 from kvfleet_runtime.engine._engine import (
     CacheKeyFields,
     DecodeGraphMode,
@@ -199,7 +199,7 @@ def _tokens(n: int, seed: int) -> tuple[int, ...]:
 
 def _cache(loaded: LoadedModel, *, t0: int, t1: int) -> PrefixCache:
     a = loaded.args
-    return PrefixCache(CacheConfig(num_t0_blocks=t0, num_t1_blocks=t1, admit_min_sightings=1),
+    return PrefixCache(CacheTuning(num_t0_blocks=t0, num_t1_blocks=t1, admit_min_sightings=1),
                        KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype=a.dtype),
                        clock=time.monotonic, device=loaded.model.device)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
+from kvfleet_runtime.cache import CacheTuning, KVLayout, PrefixCache
 from kvfleet_runtime.engine import (
     CacheKeyFields,
     Engine,
@@ -75,7 +75,7 @@ async def run_burst(loaded: LoadedModel, *, concurrency: int, waiting: bool,
                     num_prefixes: int = 2, prefix_len: int = 64, suffix_len: int = 16,
                     num_prompts: int = 48, output_len: int = 8, seed: int = 0) -> BurstResult:
     a = loaded.args
-    cache = PrefixCache(CacheConfig(num_t0_blocks=512, num_t1_blocks=0, admit_min_sightings=1),
+    cache = PrefixCache(CacheTuning(num_t0_blocks=512, num_t1_blocks=0, admit_min_sightings=1),
                         KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype=a.dtype),
                         clock=time.monotonic, device="cpu")
     engine = Engine(loaded.model, CacheKeyFields.for_model(loaded, "tiny"), cache=cache,

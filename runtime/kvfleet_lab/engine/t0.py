@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache, usable_tokens
+from kvfleet_runtime.cache import CacheTuning, KVLayout, PrefixCache, usable_tokens
 from kvfleet_runtime.engine._engine import (
     CacheKeyFields,
     Engine,
@@ -94,11 +94,11 @@ def _engines(loaded: LoadedModel, budget: int, engine_blocks: int | None,
     config = EngineConfig(num_kv_blocks=engine_blocks or budget, max_batch_size=max_batch_size)
     if engine_blocks is None:
         kv = PagedKV.allocate(loaded.args, budget, device=device)
-        cache = PrefixCache(CacheConfig(num_t0_blocks=budget), _layout(loaded),
+        cache = PrefixCache(CacheTuning(num_t0_blocks=budget), _layout(loaded),
                             clock=time.monotonic, device_kv=kv)
     else:
         kv = PagedKV.allocate(loaded.args, engine_blocks, device=device)
-        cache = PrefixCache(CacheConfig(num_t0_blocks=budget - engine_blocks), _layout(loaded),
+        cache = PrefixCache(CacheTuning(num_t0_blocks=budget - engine_blocks), _layout(loaded),
                             clock=time.monotonic, device=device)
     return Engine(loaded.model, fields, cache=cache, config=config, kv=kv), cache, kv
 

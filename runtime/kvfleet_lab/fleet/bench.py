@@ -42,8 +42,8 @@ from kvfleet_lab.cache.sim import (
     simulate_infinite,
     unique_blocks,
 )
-from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, CacheManager
-from kvfleet_runtime.routing import ReplicaLoad, choose_replica, least_loaded
+from kvfleet_runtime.affinity import ReplicaLoad, choose_replica, least_loaded
+from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, CacheManager, CacheTuning
 
 __all__ = [
     "FleetBenchReport",
@@ -85,7 +85,7 @@ def serve_t2(port: int, num_layers: int, num_kv_heads: int, head_dim: int, num_t
     layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype="float16")
     num_blocks = num_tokens // BLOCK_SIZE
     cache = PrefixCache(
-        CacheConfig(
+        CacheTuning(
             num_t0_blocks=num_blocks + 8,
             admit_min_sightings=1,
             hot_min_sightings=2,
@@ -257,7 +257,7 @@ async def _fetch_pairs(
     url: str, raw_port: int, num_blocks: int, num_bytes: int, reps: int
 ) -> tuple[list[float], list[float]]:
     from kvfleet_runtime.fleet import PeerFetcher
-    from kvfleet_runtime.fleet.index import EmbeddedHintIndex
+    from kvfleet_runtime.fleet.hint_index import EmbeddedHintIndex
 
     tokens = _tokens(num_blocks * BLOCK_SIZE)
     t2_times: list[float] = []
@@ -426,7 +426,7 @@ def _simulate_routing(
     admit_min_sightings: int,
 ) -> HitRateResult:
     clock = [0.0]
-    cfg = CacheConfig(
+    cfg = CacheTuning(
         num_t0_blocks=capacity_blocks,
         admit_min_sightings=admit_min_sightings,
         hot_min_sightings=max(admit_min_sightings, 3),

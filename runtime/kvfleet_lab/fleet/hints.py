@@ -38,7 +38,7 @@ from typing import Any
 from kvfleet_lab.fleet.bench import _free_port, _pct
 from kvfleet_lab.fleet.redis_servers import RedisCluster, RedisNode, cluster_ports
 from kvfleet_lab.simulate import Fleet, Workload
-from kvfleet_runtime.fleet.index import (
+from kvfleet_runtime.fleet.hint_index import (
     RedisClusterHintIndex,
     RedisHintIndex,
     leading_runs,

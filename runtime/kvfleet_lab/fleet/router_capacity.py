@@ -247,7 +247,7 @@ def _evalsha_calls(node: RedisNode) -> int:
 def _publish_prompt_hints(redis_url: str, prompt_tokens: int, replicas: list[str]) -> None:
     """The prompt's chain held by one replica, as its publisher would have said."""
     from kvfleet_runtime.cache import CacheKey, block_hashes
-    from kvfleet_runtime.fleet.index import RedisHintIndex
+    from kvfleet_runtime.fleet.hint_index import RedisHintIndex
     from kvfleet_runtime.tokenizer import ByteTokenizer
 
     key = CacheKey(TENANT, *BENCH_KEY_FIELDS)

@@ -27,7 +27,7 @@ from kvfleet_operator.planning import (
     decide_tiers,
     plan_home_sets,
 )
-from kvfleet_runtime.fleetconfig import dump_fleet_config
+from kvfleet_runtime.config.fleet import dump_fleet_config
 
 __all__ = ["median_s", "run_all"]
 

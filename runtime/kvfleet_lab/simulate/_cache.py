@@ -12,7 +12,7 @@ decides it: `kvfleet simulate all` replays 2.5 million requests, and even a one-
 costs several times the rest of a request's simulation (a whole run went from 27 s to 210 s of
 CPU with the manager; docs/benchmarks.md); a 93-block replay costs ~6x a one-block replay (420
 vs 67 us measured on the shared machine), i.e. ~18 minutes of CPU per run. The knobs of
-`CacheConfig` that count blocks rather than bytes are rescaled to the same number of tokens
+`CacheTuning` that count blocks rather than bytes are rescaled to the same number of tokens
 (`scaled_config`), so that one prefix-sized block weighs what its 16-token blocks weigh in a
 replica.
 
@@ -29,7 +29,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheConfig, CacheKey, CacheManager
+from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheKey, CacheManager, CacheTuning
 
 __all__ = [
     "TIER_DRAM",
@@ -61,14 +61,14 @@ def sketch_width(num_distinct_keys: int) -> int:
     a replica at the shipped width (hours of traffic before the first aging)."""
     wanted = max(_MIN_SKETCH_WIDTH, _SKETCH_WIDTH_PER_KEY * num_distinct_keys)
     width = 1 << (wanted - 1).bit_length()
-    return min(width, CacheConfig(num_t0_blocks=1).sketch_width)
+    return min(width, CacheTuning(num_t0_blocks=1).sketch_width)
 
 
 def admission_sightings(admit_after: int | None) -> int:
     """The sighting a prefix is stored on: `admit_after`, or the shipped cache's own admission."""
     if admit_after is not None:
         return admit_after
-    return CacheConfig(num_t0_blocks=1).admit_min_sightings
+    return CacheTuning(num_t0_blocks=1).admit_min_sightings
 
 
 def scaled_config(
@@ -77,13 +77,13 @@ def scaled_config(
     *,
     sketch_width: int,
     admit_min_sightings: int | None = None,
-) -> CacheConfig:
-    """The shipped `CacheConfig` for a host pool of `num_entries` prefix-sized blocks.
+) -> CacheTuning:
+    """The shipped `CacheTuning` for a host pool of `num_entries` prefix-sized blocks.
 
     Block counts (`thrash_min_blocks`, `store_min_blocks`) are converted to prefixes of the same
     tokens, rounded up; byte figures (`pin_max_bytes`) need nothing since a block's bytes are the
     prefix's; the hash memo is off (replays are given hashes, nothing is hashed)."""
-    shipped = CacheConfig(num_t0_blocks=0, num_t1_blocks=num_entries)
+    shipped = CacheTuning(num_t0_blocks=0, num_t1_blocks=num_entries)
     admit = admission_sightings(admit_min_sightings)
 
     def per_prefix(num_blocks: int) -> int:
@@ -107,8 +107,8 @@ class ReplicaCache:
 
     def __init__(
         self,
-        dram: CacheConfig | None,
-        nvme: CacheConfig | None,
+        dram: CacheTuning | None,
+        nvme: CacheTuning | None,
         *,
         prefix_bytes: int,
         prefix_tokens: int,

@@ -67,7 +67,7 @@ class Fleet:
     limits prefill throughput without stretching a lone prefill."""
     admit_after: int | None = None
     """Store a prefix from its n-th sighting at the replica; None: the shipped cache's own
-    admission (`CacheConfig.admit_min_sightings`)."""
+    admission (`CacheTuning.admit_min_sightings`)."""
     nvme_bytes: int = 0
     """T3 local NVMe behind DRAM (DRAM evictions are demoted there); 0 switches the tier off."""
 

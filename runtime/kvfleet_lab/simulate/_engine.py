@@ -31,8 +31,8 @@ from kvfleet_lab.simulate._cache import (
 )
 from kvfleet_lab.simulate._config import Routing, SimConfig
 from kvfleet_lab.simulate._link import SharedLink
+from kvfleet_runtime.affinity import ReplicaLoad, choose_replica, home_sets
 from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheKey, block_hashes
-from kvfleet_runtime.routing import ReplicaLoad, choose_replica, home_sets
 
 __all__ = [
     "TIER_DRAM",

@@ -35,9 +35,9 @@ from kvfleet_lab.simulate._engine import (
 from kvfleet_lab.simulate._link import SharedLink
 from kvfleet_lab.simulate._metrics import Metrics, Window, measure, time_series
 from kvfleet_lab.simulate._profile import FleetProfile, fleet_profile
+from kvfleet_runtime.affinity import home_sets
 from kvfleet_runtime.breakeven import MODELS, KVDtype
 from kvfleet_runtime.breakeven.plan import REFERENCE_MLA
-from kvfleet_runtime.routing import home_sets
 
 PLANNED_HIT_RATE = 0.6
 """The design's value case: 60% of prefix tokens hit. The savings workload makes 60% of requests

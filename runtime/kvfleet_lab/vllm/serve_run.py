@@ -470,7 +470,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _write_fleet_config(path: Path, fleet: Sequence[Proc]) -> None:
-    from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, dump_fleet_config
+    from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
 
     path.write_text(dump_fleet_config(FleetConfig(
         generation=1, replicas=tuple(ReplicaEndpoint(name=p.name.removeprefix("fleet-"),

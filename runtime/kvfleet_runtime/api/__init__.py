@@ -23,7 +23,7 @@ from kvfleet_runtime.api._listen import (
     handler_args,
     run_app,
 )
-from kvfleet_runtime.api._openai import (
+from kvfleet_runtime.api._requests import (
     MAX_N,
     MAX_STOP_SEQUENCES,
     PROMPT_TAGS,

@@ -1,8 +1,8 @@
 """Read a model profile from a Hugging Face `config.json`.
 
 Layers, KV heads, head dim and MLA latent dims are read directly. For an architecture the
-replica serves (`kvfleet_runtime.architectures`), the config is read by the replica's own parser
-and the parameter count is exact (biases, norms, tied embeddings), so the planner agrees with
+replica serves (`kvfleet_runtime.model.architectures`), the config is read by the replica's own
+parser and the parameter count is exact (biases, norms, tied embeddings), so the planner agrees with
 `kvfleet model inspect`. Otherwise (MoE, MLA, ...) the count is estimated from the shapes
 (embeddings, attention, MLP or the activated experts of a MoE layer), because `config.json` does
 not carry it; `num_params` overrides either.
@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvfleet_runtime.architectures import parse_hf_config
 from kvfleet_runtime.breakeven.profiles import MLAShape, ModelProfile
+from kvfleet_runtime.model.architectures import parse_hf_config
 
 
 def _int_field(config: dict[str, Any], name: str, path: Path, default: int | None = None) -> int:

@@ -5,7 +5,7 @@ Public facade (what the replica engine and the fleet tier code against)::
     key = CacheKey(tenant_id, model_id, weights_digest="sha256:<64 hex>", kv_dtype,
                    rope_config_hash, attn_impl_id)          # TP degree is not part of it
     kv = PagedKV.allocate(model_args, num_blocks, device=device)   # the engine's KV
-    cache = PrefixCache(CacheConfig(num_t0_blocks=num_blocks, num_t1_blocks=...),
+    cache = PrefixCache(CacheTuning(num_t0_blocks=num_blocks, num_t1_blocks=...),
                         KVLayout(num_layers, num_kv_heads, head_dim, dtype="float16"),
                         clock=time.monotonic, device_kv=kv, registry=prometheus_registry)
 
@@ -65,8 +65,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvfleet_runtime.cache._allocator import BlockRefs, paired_runs
-from kvfleet_runtime.cache._config import CacheConfig, KVLayout
-from kvfleet_runtime.cache._index import BlockNode
+from kvfleet_runtime.cache._block_node import BlockNode
+from kvfleet_runtime.cache._config import CacheTuning, KVLayout
 from kvfleet_runtime.cache._keys import (
     BLOCK_SIZE,
     PLATFORM_TENANT,
@@ -102,10 +102,10 @@ __all__ = [
     "BlockHash",
     "BlockNode",
     "BlockRefs",
-    "CacheConfig",
     "CacheKey",
     "CacheManager",
     "CacheStats",
+    "CacheTuning",
     "Commit",
     "EvictedRun",
     "Hit",

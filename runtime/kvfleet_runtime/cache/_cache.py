@@ -28,8 +28,8 @@ import torch
 from prometheus_client.registry import CollectorRegistry
 
 from kvfleet_runtime.cache._allocator import CachedSlots
-from kvfleet_runtime.cache._config import CacheConfig, KVLayout
-from kvfleet_runtime.cache._index import BlockNode, Tier
+from kvfleet_runtime.cache._block_index import BlockNode, Tier
+from kvfleet_runtime.cache._config import CacheTuning, KVLayout
 from kvfleet_runtime.cache._keys import BLOCK_SIZE, BlockHash, CacheKey, usable_tokens
 from kvfleet_runtime.cache._manager import (
     BlockEvent,
@@ -129,7 +129,7 @@ class PrefixCache:
 
     def __init__(
         self,
-        config: CacheConfig,
+        config: CacheTuning,
         layout: KVLayout,
         *,
         clock: Callable[[], float],
@@ -634,7 +634,7 @@ class PrefixCache:
         t0 = self._pools[0]
         return t0 is not None and kv.refs is t0.refs
 
-    def _check_device_kv(self, kv: PagedBlocks, config: CacheConfig) -> None:
+    def _check_device_kv(self, kv: PagedBlocks, config: CacheTuning) -> None:
         layout = self.layout
         expected = (layout.num_layers, kv.num_blocks, layout.num_kv_heads, BLOCK_SIZE,
                     layout.head_dim)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from kvfleet_runtime.cache._keys import BLOCK_SIZE
 from kvfleet_runtime.cache._reuse import REUSE_RANKING
 
-__all__ = ["DTYPE_BYTES", "CacheConfig", "KVLayout"]
+__all__ = ["DTYPE_BYTES", "CacheTuning", "KVLayout"]
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -47,7 +47,7 @@ class KVLayout:
 
 
 @dataclass(slots=True, frozen=True)
-class CacheConfig:
+class CacheTuning:
     """Sizes and knobs. Nothing here declares a per-prefix policy: that is inferred (R4)."""
 
     num_t0_blocks: int

@@ -1,9 +1,9 @@
 """The pure cache manager: keys -> hashes -> index, admission, placement, stats and events.
 
 Everything the cache decides, without tensors, and the one place that wires the policy to the
-index: `Admission` (`_policy.py`) decides what is worth storing and which eviction ranking is in
+index: `Admission` (`_admission.py`) decides what is worth storing and which eviction ranking is in
 use; the `BlockIndex` (blocks, chains, refs, tiers) asks that ranking's `EvictionPolicy`
-(`_ranking.py`) for victims. The `PrefixCache` facade adds the pools and the copies, and the
+(`_eviction.py`) for victims. The `PrefixCache` facade adds the pools and the copies, and the
 hit-rate simulator (`kvfleet_lab.cache.sim`) drives this same class with
 precomputed hashes, so the simulated policy is the shipped policy. Not thread-safe by itself: the
 facade serializes calls under its lock.
@@ -16,9 +16,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvfleet_runtime.cache._admission import (
+    AdaptiveRanking,
+    Admission,
+    Placement,
+    ThrashDetector,
+    ghost_rankings,
+    place,
+)
 from kvfleet_runtime.cache._allocator import Slots
-from kvfleet_runtime.cache._config import CacheConfig
-from kvfleet_runtime.cache._index import BlockIndex, BlockNode
+from kvfleet_runtime.cache._block_index import BlockIndex, BlockNode
+from kvfleet_runtime.cache._config import CacheTuning
+from kvfleet_runtime.cache._eviction import note_floors
 from kvfleet_runtime.cache._keys import (
     BLOCK_SIZE,
     PLATFORM_TENANT,
@@ -31,15 +40,6 @@ from kvfleet_runtime.cache._keys import (
     validate_weights_digest,
 )
 from kvfleet_runtime.cache._moves import Move, Plan, Tier
-from kvfleet_runtime.cache._policy import (
-    AdaptiveRanking,
-    Admission,
-    Placement,
-    ThrashDetector,
-    ghost_rankings,
-    place,
-)
-from kvfleet_runtime.cache._ranking import note_floors
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
 
@@ -133,7 +133,7 @@ def check_key(key: CacheKey) -> CacheKey:
 class CacheManager:
     def __init__(
         self,
-        config: CacheConfig,
+        config: CacheTuning,
         *,
         bytes_per_block: int,
         clock: Callable[[], float],

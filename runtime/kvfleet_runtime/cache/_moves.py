@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the index imports this module: the node type is only needed for checking
-    from kvfleet_runtime.cache._index import BlockNode
+    from kvfleet_runtime.cache._block_node import BlockNode
 
 __all__ = ["Move", "Plan", "Tier"]
 

@@ -39,16 +39,16 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from kvfleet_runtime.cache._ranking import Evictable, VictimQueue
+from kvfleet_runtime.cache._eviction import Evictable, VictimQueue
 from kvfleet_runtime.cache._sketch import CountMinSketch
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.cache._index import BlockNode
+    from kvfleet_runtime.cache._block_node import BlockNode
 
 __all__ = ["HORIZON_WEIGHT", "REUSE_RANKING", "GhostReuse", "Horizon", "ReuseEviction"]
 
 REUSE_RANKING = "reuse"
-"""Its name among `CacheConfig.eviction_rankings` (the others are sighting caps)."""
+"""Its name among `CacheTuning.eviction_rankings` (the others are sighting caps)."""
 
 HORIZON_WEIGHT = 1.0 / 256
 """Weight of one victim's age in the horizon's EWMA: the horizon follows the last few hundred

@@ -74,7 +74,7 @@ class CacheStats:
     """The eviction ranking the cache follows now: "recency" (LRU), "count<=N" (sightings capped
     at N, then recency) or "count" (raw sightings)."""
     strictness: int = 0
-    """Position of that ranking in `CacheConfig.eviction_rankings` (0: the first, recency)."""
+    """Position of that ranking in `CacheTuning.eviction_rankings` (0: the first, recency)."""
     num_ranking_switches: int = 0
     num_ghost_hit_blocks: int = 0
     """Blocks the followed ranking's ghost matched beyond the cache: evicted or refused blocks

@@ -15,12 +15,12 @@ def main() -> None:
 
 
 # Subcommands register themselves on `app` when imported.
-from kvfleet_runtime.cli import bench as _bench  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_cache as _bench_cache  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_fleet as _bench_fleet  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_nvme as _bench_nvme  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_operator as _bench_operator  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_policies as _bench_policies  # noqa: E402, F401
+from kvfleet_runtime.cli import bench_replica as _bench  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_scale as _bench_scale  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_startup as _bench_startup  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_vllm as _bench_vllm  # noqa: E402, F401

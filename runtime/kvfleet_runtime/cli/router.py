@@ -169,16 +169,16 @@ def router(
 
     With KVFLEET_ROUTER_SECRET[_FILE] it signs each request's tenant for its replica.
     Replicas holding that secret accept a tenant only so signed (docs/security.md)."""
+    from kvfleet_runtime.affinity import load_api_keys
     from kvfleet_runtime.api import run_app
     from kvfleet_runtime.auth import read_router_secret
-    from kvfleet_runtime.fleet.index import (
+    from kvfleet_runtime.fleet.hint_index import (
         HintIndex,
         RedisClusterHintIndex,
         RedisHintIndex,
         split_seed_urls,
     )
     from kvfleet_runtime.router import FleetView, KvEventViews, RouterState, create_router_app
-    from kvfleet_runtime.routing import load_api_keys
     from kvfleet_runtime.tokenizer import load_tokenizer
 
     if not 1 <= k <= 16:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvfleet_runtime._lazy import lazy_exports
-from kvfleet_runtime.fleet.index import (
+from kvfleet_runtime.fleet.hint_index import (
     DEFAULT_TTL_S,
     EmbeddedHintIndex,
     HintIndex,

@@ -40,7 +40,7 @@ from typing import Any
 
 import aiohttp
 
-from kvfleet_runtime.fleet.index import HintIndexStats
+from kvfleet_runtime.fleet.hint_index import HintIndexStats
 from kvfleet_runtime.fleet.t2_protocol import MAX_PROBE_BLOCKS, peer_token
 from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER
 

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvfleet_runtime.fleet.index import HintIndex
+from kvfleet_runtime.fleet.hint_index import HintIndex
 
 __all__ = ["HintPublisher", "PublisherStats"]
 

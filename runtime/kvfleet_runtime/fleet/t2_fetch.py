@@ -18,7 +18,7 @@ import xxhash
 
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
 from kvfleet_runtime.fleet._receive import BodyReader, post
-from kvfleet_runtime.fleet.index import HintIndex, best_peer
+from kvfleet_runtime.fleet.hint_index import HintIndex, best_peer
 from kvfleet_runtime.fleet.t2_protocol import (
     MAGIC,
     MAX_HEADER_BYTES,

@@ -17,7 +17,7 @@ What it adds to the replica's aiohttp app:
 - `replica.before_submit`: before a request enters the engine, if the prompt's leading blocks are
   not all held here, ask the hint index for the peer with the longest run and import it over T2.
   The engine's own lookup then hits. Any failure: nothing imported, the engine prefills.
-- The fleet config file (if any) is watched (`configwatch`: applied at the first poll that sees
+- The fleet config file (if any) is watched (`config.watch`: applied at the first poll that sees
   it, never half-written) and every tier toggle applies live, within that poll, with no restart:
   `tiers.t0_device` off stops caching in the engine's KV and drains T0 into T1
   (`Replica.sync_t0`, `PrefixCache.set_t0_enabled`; on only where `cache.t0_enabled` is too);
@@ -67,8 +67,9 @@ import aiohttp
 from aiohttp import web
 
 from kvfleet_runtime.cache import BlockEvent, CacheKey, usable_tokens
-from kvfleet_runtime.configwatch import ConfigFileWatcher
-from kvfleet_runtime.fleet.index import (
+from kvfleet_runtime.config.fleet import FleetConfig, next_fleet_config
+from kvfleet_runtime.config.watch import ConfigFileWatcher
+from kvfleet_runtime.fleet.hint_index import (
     EmbeddedHintIndex,
     HintIndex,
     RedisClusterHintIndex,
@@ -81,7 +82,6 @@ from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
 from kvfleet_runtime.fleet.t2_fetch import PeerFetcher
 from kvfleet_runtime.fleet.t2_protocol import PeerSecrets
 from kvfleet_runtime.fleet.t2_serve import DEFAULT_PEER_BODY_TIMEOUT_S, ExportedRun, peer_routes
-from kvfleet_runtime.fleetconfig import FleetConfig, next_fleet_config
 from kvfleet_runtime.nvme import mode_for
 from kvfleet_runtime.wire import (
     BLOCK_SIZE,

@@ -1,6 +1,6 @@
 """The model (Llama-family GQA decoders over a paged KV) and its checkpoints.
 
-Which architectures are served and how a config is read: `kvfleet_runtime.architectures`; the
+Which architectures are served and how a config is read: `kvfleet_runtime.model.architectures`; the
 model's tokenizer: `kvfleet_runtime.tokenizer` (torch-free, so the router loads the same one)."""
 
 from typing import TYPE_CHECKING

@@ -2,7 +2,7 @@
 
 `generate_checkpoint` writes a deterministic random checkpoint (same preset and seed -> the same
 bytes, so the same weights digest on every machine). `load_checkpoint` reads a checkpoint of any
-architecture in `kvfleet_runtime.architectures` the way a serving engine does:
+architecture in `kvfleet_runtime.model.architectures` the way a serving engine does:
 
 - the model is built on the meta device (no random init, no memory), then each tensor is read
   straight from the file into its own buffer and assigned (`assign=True`): no second copy;
@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 import torch
 from safetensors.torch import save_file
 
-from kvfleet_runtime.architectures import ModelArgs, parse_dtype, parse_hf_config
+from kvfleet_runtime.model.architectures import ModelArgs, parse_dtype, parse_hf_config
 from kvfleet_runtime.model.model import Transformer, torch_dtype
 from kvfleet_runtime.tokenizer import BYTE_TOKENIZER_DECLARATION, BYTE_TOKENIZER_NAME
 
@@ -241,7 +241,7 @@ def args_to_hf_config(args: ModelArgs) -> dict[str, Any]:
 
 
 def args_from_hf_config(config: dict[str, Any], *, attn_impl: str | None = None) -> ModelArgs:
-    """`config.json` -> ModelArgs (see `kvfleet_runtime.architectures.parse_hf_config`)."""
+    """`config.json` -> ModelArgs (see `kvfleet_runtime.model.architectures.parse_hf_config`)."""
     return parse_hf_config(config, attn_impl=attn_impl)
 
 

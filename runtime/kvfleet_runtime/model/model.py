@@ -29,7 +29,7 @@ Weight names follow Hugging Face's Llama (`q_proj`, `gate_proj`, ...), and RoPE 
 (`rotate_half`), so Llama-format checkpoints load without permuting q/k. The architectures it
 computes exactly like transformers (Llama, Mistral's sliding window, Qwen2's q/k/v bias, Qwen3's
 q/k norm, tied embeddings, the rope variants) and how a config maps onto `ModelArgs` live in
-`kvfleet_runtime.architectures`; operations follow transformers' order and precision (norms in
+`kvfleet_runtime.model.architectures`; operations follow transformers' order and precision (norms in
 float32, softmax in float32, RoPE tables in float32), so float32 logits agree to ~1e-6.
 """
 
@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvfleet_runtime.architectures import ATTN_IMPLS, PRESETS, ModelArgs
 from kvfleet_runtime.cache import BlockRefs, PagedBlocks
+from kvfleet_runtime.model.architectures import ATTN_IMPLS, PRESETS, ModelArgs
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The router: API keys -> tenants, tenant-affinity + cache-aware replica choice, streaming proxy.
 
-Pure decisions live in `kvfleet_runtime.routing`; this package is the aiohttp shell around them
+Pure decisions live in `kvfleet_runtime.affinity`; this package is the aiohttp shell around them
 (fleet view, load polling, config watching, proxying, metrics). It never imports torch.
 """
 

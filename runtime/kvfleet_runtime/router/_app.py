@@ -14,7 +14,7 @@ depth, no lone surrogates) before anything is forwarded: a 50 MB body is refused
 the first byte over the limit, never sent on to a replica.
 
 Per request: API key -> tenant (a client-sent `X-Kvfleet-Tenant` is discarded and replaced, and
-the API key is not forwarded), then the pure decision (`kvfleet_runtime.routing.choose_replica`)
+the API key is not forwarded), then the pure decision (`kvfleet_runtime.affinity.choose_replica`)
 over the fleet view, then the proxy. A vLLM replica (the fleet config's `engine`) takes the tenant
 from the body's `cache_salt`, not from a header: the router replaces that field, whatever the
 client sent, with the tenant's signed salt (`kvfleet_runtime.auth.cache_salt`).
@@ -63,6 +63,7 @@ from prometheus_client import (
 )
 
 from kvfleet_runtime import __version__
+from kvfleet_runtime.affinity import ApiKeyMap, RouteDecision, choose_replica
 from kvfleet_runtime.api import (
     ApiError,
     ListenerLimits,
@@ -77,11 +78,10 @@ from kvfleet_runtime.api import (
 )
 from kvfleet_runtime.auth import cache_salt, sign_assertion
 from kvfleet_runtime.cache import CacheKey, block_hashes
-from kvfleet_runtime.fleet.index import HintIndex
+from kvfleet_runtime.fleet.hint_index import HintIndex
 from kvfleet_runtime.pools import UPSTREAM_MAX_CONNECTIONS, UPSTREAM_MAX_CONNECTIONS_PER_REPLICA
 from kvfleet_runtime.router._kv_events import KvEventViews
 from kvfleet_runtime.router._view import FleetView
-from kvfleet_runtime.routing import ApiKeyMap, RouteDecision, choose_replica
 from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
 from kvfleet_runtime.wire import ASSERTION_HEADER, BLOCK_SIZE, CACHE_SALT_FIELD, TENANT_HEADER
 

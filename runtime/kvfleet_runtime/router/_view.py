@@ -21,9 +21,9 @@ from pathlib import Path
 
 import aiohttp
 
-from kvfleet_runtime.configwatch import ConfigFileWatcher
-from kvfleet_runtime.fleetconfig import FleetConfig, ReplicaEndpoint, next_fleet_config
-from kvfleet_runtime.routing import ReplicaLoad, home_sets
+from kvfleet_runtime.affinity import ReplicaLoad, home_sets
+from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, next_fleet_config
+from kvfleet_runtime.config.watch import ConfigFileWatcher
 from kvfleet_runtime.wire import LOAD_PATH, Engine, LoadReport, parse_load_report
 
 __all__ = ["FleetView", "vllm_load_report"]
@@ -259,7 +259,7 @@ class FleetView:
         self, session: aiohttp.ClientSession, *, poll_interval_s: float, config_poll_s: float
     ) -> None:
         """Poll loads every `poll_interval_s` and the config file every `config_poll_s` (a change
-        applies at the first poll that sees it whole: `configwatch`)."""
+        applies at the first poll that sees it whole: `config.watch`)."""
         loop = asyncio.get_running_loop()
         next_config = next_load = loop.time()
         while True:

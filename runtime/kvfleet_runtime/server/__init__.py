@@ -8,6 +8,7 @@ from kvfleet_runtime.server._app import (
     openapi_document,
 )
 from kvfleet_runtime.server._auth import ReplicaAuth
+from kvfleet_runtime.server._completions import MIN_TOKENS_CODE, system_fingerprint
 from kvfleet_runtime.server._config import (
     CONFIG_ENV,
     ENV_PREFIX,
@@ -17,7 +18,6 @@ from kvfleet_runtime.server._config import (
     ReplicaConfig,
     load_config,
 )
-from kvfleet_runtime.server._openai import MIN_TOKENS_CODE, system_fingerprint
 from kvfleet_runtime.server._replica import Replica
 from kvfleet_runtime.server._schemas import InvalidateRequest
 

@@ -12,7 +12,7 @@ Routes:
 
 Every error is JSON, `{"error": {"message", "type", "param", "code"}}` (`kvfleet_runtime.api`),
 and names the problem; bad input is a 4xx and never takes the server down. Only an internal bug
-gives a 500. The OpenAI endpoints themselves live in `server/_openai.py`; what a running
+gives a 500. The OpenAI endpoints themselves live in `server/_completions.py`; what a running
 replica holds (`Replica`), in `_replica.py`.
 """
 
@@ -60,8 +60,8 @@ from kvfleet_runtime.api import (
     read_json,
     refused_fields,
 )
-from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
-from kvfleet_runtime.configwatch import ConfigFileWatcher
+from kvfleet_runtime.cache import CacheTuning, KVLayout, PrefixCache
+from kvfleet_runtime.config.watch import ConfigFileWatcher
 from kvfleet_runtime.engine import (
     CacheKeyFields,
     Engine,
@@ -70,6 +70,7 @@ from kvfleet_runtime.engine import (
 from kvfleet_runtime.model import PagedKV, default_device, load_checkpoint
 from kvfleet_runtime.nvme import NvmeConfig, NvmeStore, NvmeTier
 from kvfleet_runtime.server._auth import ReplicaAuth, auth_middleware
+from kvfleet_runtime.server._completions import chat_completions, completions, detokenize, tokenize
 from kvfleet_runtime.server._config import (
     CacheSettings,
     Limits,
@@ -77,7 +78,6 @@ from kvfleet_runtime.server._config import (
     load_config,
     restart_fields,
 )
-from kvfleet_runtime.server._openai import chat_completions, completions, detokenize, tokenize
 from kvfleet_runtime.server._replica import Replica
 from kvfleet_runtime.server._schemas import (
     TENANT_PATTERN,
@@ -130,7 +130,7 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
     # on and off live (`cache.t0_enabled`, the fleet config's `tiers.t0_device`).
     kv = PagedKV.allocate(args, e.num_kv_blocks, device=device)
     cache = PrefixCache(
-        CacheConfig(num_t0_blocks=e.num_kv_blocks,
+        CacheTuning(num_t0_blocks=e.num_kv_blocks,
                     num_t1_blocks=cache_cfg.num_t1_blocks,
                     admit_min_sightings=cache_cfg.admit_min_sightings,
                     store_queue_max_entries=cache_cfg.store_queue_max_entries),
@@ -204,7 +204,7 @@ def apply_config(replica: Replica, new: ReplicaConfig) -> list[str]:
 
 async def watch_config(replica: Replica) -> None:
     """Poll the config file; apply a changed, valid file at the first poll that sees it; keep
-    the last good config otherwise (`configwatch`: a half-written file is never applied)."""
+    the last good config otherwise (`config.watch`: a half-written file is never applied)."""
     path = replica.config_path
     assert path is not None and replica.reloads is not None
     watcher = ConfigFileWatcher(path)

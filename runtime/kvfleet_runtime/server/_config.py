@@ -19,8 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvfleet_runtime.api import ListenerLimits
-from kvfleet_runtime.cache import CacheConfig
-from kvfleet_runtime.configwatch import MAX_CONFIG_BYTES, one_line_error, parse_config_text
+from kvfleet_runtime.cache import CacheTuning
+from kvfleet_runtime.config.watch import MAX_CONFIG_BYTES, one_line_error, parse_config_text
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
@@ -39,8 +39,8 @@ __all__ = [
 ENV_PREFIX = "KVFLEET_REPLICA_"
 CONFIG_ENV = "KVFLEET_REPLICA_CONFIG"
 """The config file's path (read by the CLI), not a config field."""
-_SHIPPED = CacheConfig(num_t0_blocks=1)
-"""The cache's shipped defaults (`CacheConfig`), where a replica setting takes one of them."""
+_SHIPPED = CacheTuning(num_t0_blocks=1)
+"""The cache's shipped defaults (`CacheTuning`), where a replica setting takes one of them."""
 
 
 class _Strict(BaseModel):
@@ -88,7 +88,7 @@ class CacheSettings(_Strict):
     turn it off too: T0 is used only when both say on."""
     num_t1_blocks: int = Field(default=2048, ge=0)
     admit_min_sightings: int = Field(default=_SHIPPED.admit_min_sightings, ge=1)
-    """The shipped policy's default (`CacheConfig`'s, its one home): store on first sighting,
+    """The shipped policy's default (`CacheTuning`'s, its one home): store on first sighting,
     stricter while the cache thrashes."""
     store_queue_max_entries: int = Field(default=64, ge=1)
     nvme_path: str = ""

@@ -1,6 +1,6 @@
 """What a running replica holds (`Replica`): its config, model, engine, cache and tiers, and the
 state the config watcher and the fleet tier update. The app (`_app.py`), the endpoints
-(`server/_openai.py`) and the tier hooks (`_tiers.py`) all read it; it imports none of them."""
+(`server/_completions.py`) and the tier hooks (`_tiers.py`) all read it; it imports none of them."""
 
 from __future__ import annotations
 

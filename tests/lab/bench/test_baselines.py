@@ -16,7 +16,7 @@ from kvfleet_lab.cache.sim import (
     simulate_radix,
     simulate_vllm,
 )
-from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheConfig
+from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheTuning
 
 
 def h(n: int) -> BlockHash:
@@ -133,7 +133,7 @@ def test_belady_and_infinite_bound_every_online_policy(trace: list[TraceRequest]
         "vllm": simulate_vllm(trace, cap).num_hit_tokens,
         "radix": simulate_radix(trace, cap).num_hit_tokens,
         "kvfleet": simulate_kvfleet(
-            trace, cap, config=lambda c: CacheConfig(num_t0_blocks=c)
+            trace, cap, config=lambda c: CacheTuning(num_t0_blocks=c)
         ).num_hit_tokens,
         "lru": simulate_lru(trace, cap).num_hit_tokens,
     }

@@ -22,7 +22,7 @@ from kvfleet_lab.cache.sim import (
     simulate_popularity_oracle,
     unique_blocks,
 )
-from kvfleet_runtime.cache import BlockHash, CacheConfig, block_hashes
+from kvfleet_runtime.cache import BlockHash, CacheTuning, block_hashes
 
 
 def write_trace(path: Path, rows: list[tuple[int, int, list[int]]]) -> Path:
@@ -70,12 +70,12 @@ def test_policies_on_a_tiny_trace_with_exact_hit_counts() -> None:
     assert simulate_lru(trace, 4).num_hit_tokens == 3 * 32
     assert simulate_belady(trace, 2).num_hit_tokens == 3 * 32  # keeps A, bypasses one-shots
     strict = simulate_kvfleet(
-        trace, 2, config=lambda c: CacheConfig(c, admit_min_sightings=2, eviction_rankings=(3,))
+        trace, 2, config=lambda c: CacheTuning(c, admit_min_sightings=2, eviction_rankings=(3,))
     )
     # Second-sighting admission: stored on A's second sighting, hit on the third and fourth;
     # one-shots never enter.
     assert strict.num_hit_tokens == 2 * 32 and strict.num_hit_requests == 2
-    kv = simulate_kvfleet(trace, 2, config=lambda c: CacheConfig(num_t0_blocks=c))
+    kv = simulate_kvfleet(trace, 2, config=lambda c: CacheTuning(num_t0_blocks=c))
     # The default starts as LRU (admit everything, A flushed by each one-shot); at A's third
     # sighting the count ghosts have hit it and LRU's has not, so the cache follows a count
     # ranking from then on and A's fourth sighting hits.

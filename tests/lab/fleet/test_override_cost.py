@@ -29,7 +29,7 @@ def test_override_cost_reports_both_lookups_side_by_side() -> None:
 
 def test_the_bench_refuses_a_lookup_that_misses(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvfleet_lab.fleet import override_cost
-    from kvfleet_runtime.fleet.index import RedisHintIndex
+    from kvfleet_runtime.fleet.hint_index import RedisHintIndex
 
     async def nothing(self: RedisHintIndex, hashes: object, *, tenant: str | None = None) -> dict[
             str, int]:

@@ -25,14 +25,14 @@ from kvfleet_lab.simulate._engine import (
     tenant_name,
     version_digest,
 )
-from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, CacheManager, block_hashes
-from kvfleet_runtime.routing import home_sets
+from kvfleet_runtime.affinity import home_sets
+from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, CacheManager, CacheTuning, block_hashes
 
 REF = fleet_profile()
 PREFIX_BYTES = 1500 * REF.kv_bytes_per_token
 MISS_S = 1600 * REF.recompute_s_per_token
 HIT_S = PREFIX_BYTES / REF.dram_bytes_per_s + 100 * REF.recompute_s_per_token
-ADMIT = CacheConfig(num_t0_blocks=1).admit_min_sightings
+ADMIT = CacheTuning(num_t0_blocks=1).admit_min_sightings
 """The shipped admission: a prefix is stored from this sighting on."""
 
 
@@ -132,7 +132,7 @@ def test_a_replica_hits_exactly_what_the_shipped_manager_holds(
 
 
 def test_scaled_config_is_the_shipped_one_with_block_counts_in_prefix_tokens() -> None:
-    shipped = CacheConfig(num_t0_blocks=0, num_t1_blocks=7)
+    shipped = CacheTuning(num_t0_blocks=0, num_t1_blocks=7)
     cfg = scaled_config(7, 1500, sketch_width=4096)
     assert (cfg.num_t0_blocks, cfg.num_t1_blocks) == (0, 7)  # host DRAM is the manager's T1
     assert cfg.admit_min_sightings == shipped.admit_min_sightings
@@ -147,7 +147,7 @@ def test_scaled_config_is_the_shipped_one_with_block_counts_in_prefix_tokens() -
 def test_sketch_width_is_wide_against_the_keys_and_never_beyond_the_shipped_width() -> None:
     assert sketch_width(1) == 4096
     assert sketch_width(10_000) == 131_072  # 8 counters per key, rounded up to a power of two
-    assert sketch_width(10**9) == CacheConfig(num_t0_blocks=1).sketch_width
+    assert sketch_width(10**9) == CacheTuning(num_t0_blocks=1).sketch_width
 
 
 def test_one_shot_prefixes_never_hit() -> None:

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from kvfleet_runtime.cache import CacheConfig
+from kvfleet_runtime.cache import CacheTuning
+from kvfleet_runtime.cache._admission import Placement, ThrashDetector, place
 from kvfleet_runtime.cache._manager import CacheManager, StoreOutcome, StorePlan
-from kvfleet_runtime.cache._policy import Placement, ThrashDetector, place
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from kvfleet_runtime.cache._store_queue import StoreQueue
 
@@ -196,7 +196,7 @@ def test_sketch_counts_structured_ids_exactly(label: Callable[[int], bytes]) -> 
 def test_one_store_writes_at_most_its_share_of_the_cache_and_the_prefix_grows() -> None:
     # 8 blocks, a store may write a quarter of them (2) or the free room, whichever is more,
     # under a ranking that counts reuse (the cap protects counted prefixes).
-    config = CacheConfig(
+    config = CacheTuning(
         num_t0_blocks=8,
         store_max_fraction=0.25,
         store_min_blocks=1,
@@ -232,7 +232,7 @@ def test_one_store_writes_at_most_its_share_of_the_cache_and_the_prefix_grows() 
 def test_under_plain_recency_a_store_is_not_cut_by_the_cap() -> None:
     # The same cache as above, ranked by recency (vLLM's order): a prompt that does not fit the
     # free room is stored whole, evicting the least recent blocks, as vLLM would.
-    config = CacheConfig(
+    config = CacheTuning(
         num_t0_blocks=8, store_max_fraction=0.25, store_min_blocks=1, eviction_rankings=(1,)
     )
     manager = CacheManager(config, bytes_per_block=1, clock=lambda: 0.0)
@@ -254,15 +254,15 @@ def _plan(plan: StorePlan | StoreOutcome) -> StorePlan:
 
 def test_store_cap_floor_keeps_small_caches_storing_whole_prompts() -> None:
     def cap(t0: int, t1: int = 0) -> int:
-        config = CacheConfig(num_t0_blocks=t0, num_t1_blocks=t1)
+        config = CacheTuning(num_t0_blocks=t0, num_t1_blocks=t1)
         return CacheManager(config, bytes_per_block=1, clock=lambda: 0.0).store_max_blocks
 
     assert cap(512, 2048) == 1024  # the floor (the server's default pools)
     assert cap(13_321) == 1332  # 10% of a 1% cache of the Mooncake trace
     assert cap(1000, 39_000) == 4000  # T1 counts
     with pytest.raises(ValueError, match="store_max_fraction"):
-        CacheConfig(num_t0_blocks=8, store_max_fraction=0.0)
+        CacheTuning(num_t0_blocks=8, store_max_fraction=0.0)
     with pytest.raises(ValueError, match="store_max_fraction"):
-        CacheConfig(num_t0_blocks=8, store_max_fraction=1.5)
+        CacheTuning(num_t0_blocks=8, store_max_fraction=1.5)
     with pytest.raises(ValueError, match="store_min_blocks"):
-        CacheConfig(num_t0_blocks=8, store_min_blocks=0)
+        CacheTuning(num_t0_blocks=8, store_min_blocks=0)

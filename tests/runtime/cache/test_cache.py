@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from kvfleet_runtime.cache import (
     BlockEvent,
-    CacheConfig,
+    CacheTuning,
     Hit,
     KVLayout,
     Miss,
@@ -38,7 +38,7 @@ def kv(num_tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_cache(clock: FakeClock, t0: int = 16, t1: int = 0, **kw: Any) -> PrefixCache:
-    return PrefixCache(CacheConfig(num_t0_blocks=t0, num_t1_blocks=t1, **kw), LAYOUT, clock=clock)
+    return PrefixCache(CacheTuning(num_t0_blocks=t0, num_t1_blocks=t1, **kw), LAYOUT, clock=clock)
 
 
 def warm(
@@ -231,7 +231,7 @@ def test_block_hashes_are_the_chain_a_hit_is_filed_under(
 
 def test_a_memo_too_small_for_two_steps_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="hash_memo_entries"):
-        CacheConfig(num_t0_blocks=4, hash_memo_entries=1)
+        CacheTuning(num_t0_blocks=4, hash_memo_entries=1)
 
 
 def test_invalidate_makes_a_version_unreachable_and_reclaims_it(clock: FakeClock) -> None:
@@ -320,10 +320,10 @@ def test_store_rejects_bad_tensors(
 
 def test_stats_per_tenant_and_prometheus_metrics(clock: FakeClock) -> None:
     registry = CollectorRegistry()
-    config = CacheConfig(num_t0_blocks=8, admit_min_sightings=2)
+    config = CacheTuning(num_t0_blocks=8, admit_min_sightings=2)
     cache = PrefixCache(config, LAYOUT, clock=clock, registry=registry)
     PrefixCache(
-        CacheConfig(num_t0_blocks=8), LAYOUT, clock=clock, registry=CollectorRegistry()
+        CacheTuning(num_t0_blocks=8), LAYOUT, clock=clock, registry=CollectorRegistry()
     )  # a second cache does not collide
     a, b = make_key("tenant-a"), make_key("tenant-b")
     prompt = list(range(40))

@@ -12,15 +12,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfleet_runtime.cache import (
-    CacheConfig,
     CacheKey,
+    CacheTuning,
     Hit,
     KVLayout,
     PrefixCache,
     Tier,
     block_hashes,
 )
-from kvfleet_runtime.cache._index import _GONE
+from kvfleet_runtime.cache._block_index import _GONE
 from tests.runtime.cache.conftest import DIGEST_A, DIGEST_B, FakeClock, make_key
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=2, head_dim=2, dtype="float32")
@@ -51,7 +51,7 @@ class CacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock()
         self.cache = PrefixCache(
-            CacheConfig(
+            CacheTuning(
                 num_t0_blocks=4,
                 num_t1_blocks=5,
                 store_queue_max_entries=3,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheConfig, Hit, KVLayout, PrefixCache
+from kvfleet_runtime.cache import BLOCK_SIZE, BlockHash, CacheTuning, Hit, KVLayout, PrefixCache
 from tests.runtime.cache.conftest import FakeClock, make_key
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32")
@@ -39,7 +39,7 @@ def empty(num_blocks: int, fill: float = float("nan")) -> tuple[torch.Tensor, to
 
 
 def test_out_equals_fresh_export_and_is_returned(clock: FakeClock) -> None:
-    cache = PrefixCache(CacheConfig(num_t0_blocks=16), LAYOUT, clock=clock)
+    cache = PrefixCache(CacheTuning(num_t0_blocks=16), LAYOUT, clock=clock)
     blocks, (k, v) = held(cache, list(range(80)))
     fresh = cache.read_blocks(blocks)
     assert fresh is not None
@@ -51,7 +51,7 @@ def test_out_equals_fresh_export_and_is_returned(clock: FakeClock) -> None:
 
 
 def test_reused_buffer_gets_each_run_exactly(clock: FakeClock) -> None:
-    cache = PrefixCache(CacheConfig(num_t0_blocks=32), LAYOUT, clock=clock)
+    cache = PrefixCache(CacheTuning(num_t0_blocks=32), LAYOUT, clock=clock)
     a_blocks, (ka, va) = held(cache, list(range(64)), seed=1)
     b_blocks, (kb, vb) = held(cache, list(range(1000, 1064)), seed=2)
     out = empty(4)
@@ -68,7 +68,7 @@ def test_reused_buffer_gets_each_run_exactly(clock: FakeClock) -> None:
 
 
 def test_out_across_t0_and_t1(clock: FakeClock) -> None:
-    cache = PrefixCache(CacheConfig(num_t0_blocks=2, num_t1_blocks=8), LAYOUT, clock=clock)
+    cache = PrefixCache(CacheTuning(num_t0_blocks=2, num_t1_blocks=8), LAYOUT, clock=clock)
     blocks, (k, v) = held(cache, list(range(96)))
     assert len(blocks) == 6
     out = empty(6)
@@ -77,7 +77,7 @@ def test_out_across_t0_and_t1(clock: FakeClock) -> None:
 
 
 def test_missing_block_leaves_out_untouched(clock: FakeClock) -> None:
-    cache = PrefixCache(CacheConfig(num_t0_blocks=16), LAYOUT, clock=clock)
+    cache = PrefixCache(CacheTuning(num_t0_blocks=16), LAYOUT, clock=clock)
     blocks, _ = held(cache, list(range(48)))
     out = empty(4, fill=7.0)
     assert cache.read_blocks([*blocks, b"x" * 16], out=out) is None  # type: ignore[list-item]
@@ -85,7 +85,7 @@ def test_missing_block_leaves_out_untouched(clock: FakeClock) -> None:
 
 
 def test_out_must_fit(clock: FakeClock) -> None:
-    cache = PrefixCache(CacheConfig(num_t0_blocks=16), LAYOUT, clock=clock)
+    cache = PrefixCache(CacheTuning(num_t0_blocks=16), LAYOUT, clock=clock)
     blocks, _ = held(cache, list(range(48)))
     good = empty(3, fill=7.0)
     for bad in [

@@ -6,21 +6,21 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_runtime.cache import CacheConfig, CacheManager
-from kvfleet_runtime.cache._index import BlockIndex, BlockNode
-from kvfleet_runtime.cache._moves import Tier
-from kvfleet_runtime.cache._policy import (
+from kvfleet_runtime.cache import CacheManager, CacheTuning
+from kvfleet_runtime.cache._admission import (
     AdaptiveRanking,
     Admission,
     GhostRanking,
     ThrashDetector,
     ghost_rankings,
 )
+from kvfleet_runtime.cache._block_index import BlockIndex, BlockNode
+from kvfleet_runtime.cache._moves import Tier
 from kvfleet_runtime.cache._reuse import HORIZON_WEIGHT, GhostReuse, Horizon, ReuseEviction
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from tests.runtime.cache.conftest import make_key
-from tests.runtime.cache.test_index import h
-from tests.runtime.cache.test_ranking import always, drain, nodes
+from tests.runtime.cache.test_block_index import h
+from tests.runtime.cache.test_eviction import always, drain, nodes
 
 
 def test_with_no_horizon_yet_it_is_plain_lru() -> None:
@@ -140,7 +140,7 @@ def test_the_factory_builds_one_ghost_per_ranking_and_rejects_unknown_names() ->
     with pytest.raises(ValueError, match="got 'lfu'"):
         ghost_rankings(100, (1, "lfu"))
     with pytest.raises(ValueError, match="eviction_rankings must be"):
-        CacheConfig(num_t0_blocks=8, eviction_rankings=(1, "lfu"))
+        CacheTuning(num_t0_blocks=8, eviction_rankings=(1, "lfu"))
 
 
 def test_admission_hands_out_the_reuse_ranking_when_its_ghost_leads() -> None:
@@ -158,7 +158,7 @@ def test_admission_hands_out_the_reuse_ranking_when_its_ghost_leads() -> None:
 def test_a_manager_following_it_reports_it_and_keeps_its_invariants() -> None:
     now = [0.0]
     manager = CacheManager(
-        CacheConfig(num_t0_blocks=6, eviction_rankings=("reuse",)),
+        CacheTuning(num_t0_blocks=6, eviction_rankings=("reuse",)),
         bytes_per_block=16,
         clock=lambda: now[0],
     )

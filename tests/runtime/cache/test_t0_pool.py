@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from kvfleet_runtime.cache import (
     BLOCK_SIZE,
-    CacheConfig,
     CacheKey,
+    CacheTuning,
     Hit,
     KVLayout,
     PagedBlocks,
@@ -35,7 +35,7 @@ def pool(num_blocks: int = 11) -> PagedBlocks:
 
 def bound(kv: PagedBlocks, clock: FakeClock, t1: int = 0, **kw: object) -> PrefixCache:
     return PrefixCache(
-        CacheConfig(num_t0_blocks=kv.num_blocks, num_t1_blocks=t1, **kw),  # type: ignore[arg-type]
+        CacheTuning(num_t0_blocks=kv.num_blocks, num_t1_blocks=t1, **kw),  # type: ignore[arg-type]
         LAYOUT,
         clock=clock,
         device_kv=kv,
@@ -238,10 +238,10 @@ def test_peers_read_t0_blocks_in_the_canonical_layout(clock: FakeClock) -> None:
 def test_device_kv_must_match_the_layout_and_the_t0_size(clock: FakeClock) -> None:
     kv = pool(4)
     with pytest.raises(ValueError, match="num_t0_blocks must equal its 4 blocks, got 5"):
-        PrefixCache(CacheConfig(num_t0_blocks=5), LAYOUT, clock=clock, device_kv=kv)
+        PrefixCache(CacheTuning(num_t0_blocks=5), LAYOUT, clock=clock, device_kv=kv)
     other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
     with pytest.raises(ValueError, match="device_kv: k must be"):
-        PrefixCache(CacheConfig(num_t0_blocks=4), other, clock=clock, device_kv=kv)
+        PrefixCache(CacheTuning(num_t0_blocks=4), other, clock=clock, device_kv=kv)
     bound(kv, clock)
     with pytest.raises(ValueError, match="another PrefixCache"):
         bound(kv, clock)

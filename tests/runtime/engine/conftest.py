@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
+from kvfleet_runtime.cache import CacheTuning, KVLayout, PrefixCache
 from kvfleet_runtime.engine import CacheKeyFields, Engine, EngineConfig
 from kvfleet_runtime.model import LoadedModel, load_checkpoint
 from tests.support import tiny_dir
@@ -32,7 +32,7 @@ def make_cache(loaded: LoadedModel, *, t0: int = 256, t1: int = 0,
                admit_min_sightings: int = 1) -> PrefixCache:
     a = loaded.args
     return PrefixCache(
-        CacheConfig(num_t0_blocks=t0, num_t1_blocks=t1, admit_min_sightings=admit_min_sightings),
+        CacheTuning(num_t0_blocks=t0, num_t1_blocks=t1, admit_min_sightings=admit_min_sightings),
         KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype="float32"),
         clock=time.monotonic,
         device="cpu",

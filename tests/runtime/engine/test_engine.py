@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfleet_runtime.cache import CacheConfig, Hit, KVLayout, PrefixCache
+from kvfleet_runtime.cache import CacheTuning, Hit, KVLayout, PrefixCache
 from kvfleet_runtime.engine import (
     CacheKeyFields,
     Engine,
@@ -516,7 +516,7 @@ def test_hit_equals_miss_on_cuda_with_a_pinned_t1(tiny_dir: Path, deterministic:
     prompt = tokens(90, seed=77)
     for t0, t1 in ((256, 0), (0, 256)):
         a = loaded.args
-        cache = PrefixCache(CacheConfig(num_t0_blocks=t0, num_t1_blocks=t1,
+        cache = PrefixCache(CacheTuning(num_t0_blocks=t0, num_t1_blocks=t1,
                                         admit_min_sightings=1),
                             KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype="float32"),
                             clock=lambda: 0.0, device="cuda")

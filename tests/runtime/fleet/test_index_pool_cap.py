@@ -8,7 +8,7 @@ import asyncio
 
 import redis
 
-from kvfleet_runtime.fleet.index import RedisHintIndex
+from kvfleet_runtime.fleet.hint_index import RedisHintIndex
 from tests.runtime.fleet.conftest import RedisProcess
 
 CHAIN = [bytes([i]) * 16 for i in range(100)]

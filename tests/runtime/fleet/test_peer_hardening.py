@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from kvfleet_runtime.api import AppRunner, ListenerLimits, error_middleware, handler_args
-from kvfleet_runtime.cache import CacheConfig, KVLayout, PrefixCache
+from kvfleet_runtime.cache import CacheTuning, KVLayout, PrefixCache
 from kvfleet_runtime.fleet import CacheBlockSource, PeerSecrets, peer_routes, peer_token
 from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
 from tests.rawhttp import RawAnswer, cut_while_sending, exchange, malformed, request
@@ -40,7 +40,7 @@ class Peer:
 
 @pytest.fixture
 async def peer() -> AsyncIterator[Peer]:
-    cache = PrefixCache(CacheConfig(num_t0_blocks=16, admit_min_sightings=1), LAYOUT,
+    cache = PrefixCache(CacheTuning(num_t0_blocks=16, admit_min_sightings=1), LAYOUT,
                         clock=time.monotonic)
     app = web.Application(middlewares=[error_middleware(log)],
                           handler_args=handler_args(ListenerLimits(header_timeout_s=1.0)))
@@ -127,7 +127,7 @@ async def test_the_router_reaches_a_password_protected_redis_with_the_password_f
     # Issue 25: the router's Redis password by file (or environment), never in argv; against a
     # real redis-server with requirepass.
     from kvfleet_runtime.cli.router import redis_url_from
-    from kvfleet_runtime.fleet.index import RedisHintIndex
+    from kvfleet_runtime.fleet.hint_index import RedisHintIndex
 
     if not Path(REDIS_SERVER).exists():
         pytest.skip("redis-server is not installed")
@@ -181,7 +181,7 @@ async def test_peer_secrets_rotate_without_dropping_a_request_in_flight(tmp_path
     path.write_bytes(old + b"\n")
     secrets = PeerSecrets.from_file(path)
     assert secrets is not None
-    cache = PrefixCache(CacheConfig(num_t0_blocks=16, admit_min_sightings=1), LAYOUT,
+    cache = PrefixCache(CacheTuning(num_t0_blocks=16, admit_min_sightings=1), LAYOUT,
                         clock=time.monotonic)
     app = web.Application(middlewares=[error_middleware(log)])
     app.add_routes(peer_routes(CacheBlockSource(cache), secrets, held=lambda hashes, t: 0))

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvfleet_runtime.cache import CacheConfig, Hit, PrefixCache
+from kvfleet_runtime.cache import CacheTuning, Hit, PrefixCache
 from kvfleet_runtime.fleet import (
     MAX_PROBE_BLOCKS,
     CacheBlockSource,
@@ -224,7 +224,7 @@ async def test_platform_blocks_count_for_every_tenant() -> None:
     tenant's own blocks after them do not."""
     held = _HeldBlocks()
     cache = PrefixCache(
-        CacheConfig(
+        CacheTuning(
             num_t0_blocks=64,
             admit_min_sightings=1,
             hot_min_sightings=2,

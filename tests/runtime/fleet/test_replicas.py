@@ -20,9 +20,9 @@ import pytest
 import redis
 import requests
 
+from kvfleet_runtime.affinity import rendezvous_top_k
 from kvfleet_runtime.fleet import peer_token
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
-from kvfleet_runtime.routing import rendezvous_top_k
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
 from tests import credentials
 from tests.runtime.fleet.conftest import RedisProcess

@@ -15,7 +15,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from kvfleet_runtime.cache import BLOCK_SIZE, CacheConfig, CacheKey, Hit, KVLayout, PrefixCache
+from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, CacheTuning, Hit, KVLayout, PrefixCache
 from kvfleet_runtime.fleet import (
     CacheBlockSource,
     EmbeddedHintIndex,
@@ -38,7 +38,7 @@ TOKENS = list(range(1000, 1000 + 8 * BLOCK_SIZE + 5))  # 8 full blocks and a par
 
 def make_cache() -> PrefixCache:
     return PrefixCache(
-        CacheConfig(num_t0_blocks=64, admit_min_sightings=1, hot_min_sightings=2),
+        CacheTuning(num_t0_blocks=64, admit_min_sightings=1, hot_min_sightings=2),
         LAYOUT,
         clock=time.monotonic,
     )

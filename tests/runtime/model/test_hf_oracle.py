@@ -23,7 +23,7 @@ import torch
 import transformers
 from aiohttp import web
 
-from kvfleet_runtime.cache import CacheConfig, Hit, KVLayout, PrefixCache
+from kvfleet_runtime.cache import CacheTuning, Hit, KVLayout, PrefixCache
 from kvfleet_runtime.engine import (
     CacheKeyFields,
     Engine,
@@ -267,7 +267,7 @@ def test_bf16_checkpoint_is_served_in_bf16(cases: dict[str, Case], tmp_path: Pat
 
 def make_cache(loaded: LoadedModel, *, t0: int, t1: int) -> PrefixCache:
     a = loaded.args
-    return PrefixCache(CacheConfig(num_t0_blocks=t0, num_t1_blocks=t1, admit_min_sightings=1),
+    return PrefixCache(CacheTuning(num_t0_blocks=t0, num_t1_blocks=t1, admit_min_sightings=1),
                        KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, dtype=a.dtype),
                        clock=time.monotonic, device="cpu")
 

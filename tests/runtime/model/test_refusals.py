@@ -16,13 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvfleet_runtime.architectures import ARCHITECTURES, parse_hf_config
 from kvfleet_runtime.model import (
     ModelArgs,
     generate_checkpoint,
     inspect_checkpoint,
     load_checkpoint,
 )
+from kvfleet_runtime.model.architectures import ARCHITECTURES, parse_hf_config
 
 LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvfleet_runtime.cache import CacheConfig, CacheKey, Hit, KVLayout, Miss, PrefixCache
+from kvfleet_runtime.cache import CacheKey, CacheTuning, Hit, KVLayout, Miss, PrefixCache
 from kvfleet_runtime.nvme import STORE_FILENAME, NvmeConfig, NvmeStore, NvmeTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=8, head_dim=4, dtype="float32")  # 8 KiB blocks
@@ -39,7 +39,7 @@ def store_twice(cache: PrefixCache, tokens: list[int], k: torch.Tensor, v: torch
 @pytest.fixture
 def cache() -> PrefixCache:
     # 4 + 4 blocks: storing B (8 blocks) after A pushes A's first half out of T1.
-    return PrefixCache(CacheConfig(num_t0_blocks=4, num_t1_blocks=4), LAYOUT, clock=lambda: 0.0)
+    return PrefixCache(CacheTuning(num_t0_blocks=4, num_t1_blocks=4), LAYOUT, clock=lambda: 0.0)
 
 
 def make_tier(cache: PrefixCache, path: Path, **kw: object) -> NvmeTier:

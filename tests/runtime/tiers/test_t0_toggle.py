@@ -176,10 +176,10 @@ def test_a_chain_t1_cannot_hold_whole_keeps_its_head_in_t1_and_drops_its_tail(
 def test_t0_off_on_a_cache_that_serves_alone_demotes_through_the_same_path(
     clock: FakeClock,
 ) -> None:
-    from kvfleet_runtime.cache import CacheConfig, PrefixCache
+    from kvfleet_runtime.cache import CacheTuning, PrefixCache
     from tests.runtime.cache.test_t0_pool import LAYOUT
 
-    cache = PrefixCache(CacheConfig(num_t0_blocks=4, num_t1_blocks=4, admit_min_sightings=1,
+    cache = PrefixCache(CacheTuning(num_t0_blocks=4, num_t1_blocks=4, admit_min_sightings=1,
                                     hot_min_sightings=1), LAYOUT, clock=clock)
     tokens = prompt(2, 5)
     g = torch.Generator().manual_seed(5)

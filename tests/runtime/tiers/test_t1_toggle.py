@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet_runtime.cache import BlockEvent, CacheConfig, CacheKey, Hit, KVLayout, PrefixCache
+from kvfleet_runtime.cache import BlockEvent, CacheKey, CacheTuning, Hit, KVLayout, PrefixCache
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
 KEY = CacheKey("tenant-a", "tiny", "sha256:" + "a" * 64, "float32", "rope-1", "sdpa-v1")
@@ -24,7 +24,7 @@ def used(cache: PrefixCache) -> tuple[int, int]:
 
 
 def test_t1_off_drains_t1_and_in_flight_hits_keep_their_refs() -> None:
-    cache = PrefixCache(CacheConfig(num_t0_blocks=2, num_t1_blocks=8), LAYOUT, clock=lambda: 0.0)
+    cache = PrefixCache(CacheTuning(num_t0_blocks=2, num_t1_blocks=8), LAYOUT, clock=lambda: 0.0)
     events: list[BlockEvent] = []
     cache.add_listener(events.append)
     a, b = list(range(64)), list(range(100, 164))  # 4 blocks each

@@ -39,7 +39,7 @@ files, so an unchanged tokenizer still matches, and a changed one turns the over
 {{ include "kvfleet.redisUrlEnv" . }}
 {{- end -}}
 
-{{/* The router's keys file: {tenants: {tenant: [key or sha256:<hex>, ...]}} (routing/tenants.py). */}}
+{{/* The router's keys file: {tenants: {tenant: [key or sha256:<hex>, ...]}} (affinity/tenants.py). */}}
 {{- define "kvfleet.router.keysFile" -}}
 {{- toYaml (dict "tenants" .Values.router.apiKeys.tenants) -}}
 {{- end -}}

@@ -20,7 +20,7 @@ from kvfleet_lab.fleet.redis_servers import (
     running_cluster,
 )
 from kvfleet_runtime.fleet import HintPublisher, RedisClusterHintIndex
-from kvfleet_runtime.fleet.index import tenant_tag
+from kvfleet_runtime.fleet.hint_index import tenant_tag
 from tests.support import FakeClock
 
 H = [bytes([i]) * 16 for i in range(8)]

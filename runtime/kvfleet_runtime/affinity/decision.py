@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kvfleet_runtime.routing.rendezvous import rendezvous_rank, rendezvous_top_k
+from kvfleet_runtime.affinity.rendezvous import rendezvous_rank, rendezvous_top_k
 
 __all__ = ["ReplicaLoad", "RouteDecision", "RouteReason", "choose_replica", "least_loaded"]
 

@@ -6,21 +6,21 @@ these, and several router replicas given the same inputs make the same choice.
 
 from __future__ import annotations
 
-from kvfleet_runtime.routing.decision import (
+from kvfleet_runtime.affinity.decision import (
     ReplicaLoad,
     RouteDecision,
     RouteReason,
     choose_replica,
     least_loaded,
 )
-from kvfleet_runtime.routing.rendezvous import (
+from kvfleet_runtime.affinity.rendezvous import (
     home_sets,
     rendezvous_rank,
     rendezvous_top_k,
     rendezvous_weight,
     weighted_top_k,
 )
-from kvfleet_runtime.routing.tenants import ApiKeyMap, bearer_token, load_api_keys, parse_api_keys
+from kvfleet_runtime.affinity.tenants import ApiKeyMap, bearer_token, load_api_keys, parse_api_keys
 
 __all__ = [
     "ApiKeyMap",

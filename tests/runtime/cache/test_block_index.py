@@ -14,8 +14,8 @@ from kvfleet_runtime.cache._allocator import (
     contiguous_runs,
     paired_runs,
 )
-from kvfleet_runtime.cache._index import BlockIndex, BlockNode, Move, Namespace
-from kvfleet_runtime.cache._ranking import RankedEviction
+from kvfleet_runtime.cache._block_index import BlockIndex, BlockNode, Move, Namespace
+from kvfleet_runtime.cache._eviction import RankedEviction
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from tests.runtime.cache.conftest import DIGEST_A, DIGEST_B, make_key
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_runtime.cache import CacheConfig
-from kvfleet_runtime.cache._index import BlockIndex
+from kvfleet_runtime.cache import CacheTuning
+from kvfleet_runtime.cache._admission import AdaptiveRanking, GhostRanking
+from kvfleet_runtime.cache._block_index import BlockIndex
+from kvfleet_runtime.cache._eviction import RankedEviction
 from kvfleet_runtime.cache._manager import CacheManager, StorePlan
-from kvfleet_runtime.cache._policy import AdaptiveRanking, GhostRanking
-from kvfleet_runtime.cache._ranking import RankedEviction
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from tests.runtime.cache.conftest import make_key
-from tests.runtime.cache.test_index import chain, h, put
+from tests.runtime.cache.test_block_index import chain, h, put
 
 
 def held(ghost: GhostRanking, names: str) -> list[str]:
@@ -89,7 +89,7 @@ def test_index_re_ranks_every_evictable_block_when_the_cap_drops() -> None:
 
 
 def test_manager_switches_to_a_count_ranking_where_lru_would_lose_the_hot_prefix() -> None:
-    config = CacheConfig(num_t0_blocks=4, ranking_decay=0.5, ranking_margin=0.0)
+    config = CacheTuning(num_t0_blocks=4, ranking_decay=0.5, ranking_margin=0.0)
     manager = CacheManager(config, bytes_per_block=1, clock=lambda: 0.0)
     key = make_key()
     hot = chain("hot", 2)
@@ -112,8 +112,8 @@ def test_manager_switches_to_a_count_ranking_where_lru_would_lose_the_hot_prefix
 
 def test_config_rejects_bad_rankings() -> None:
     with pytest.raises(ValueError, match="eviction_rankings"):
-        CacheConfig(num_t0_blocks=4, eviction_rankings=())
+        CacheTuning(num_t0_blocks=4, eviction_rankings=())
     with pytest.raises(ValueError, match="eviction_rankings"):
-        CacheConfig(num_t0_blocks=4, eviction_rankings=(0,))
+        CacheTuning(num_t0_blocks=4, eviction_rankings=(0,))
     with pytest.raises(ValueError, match="ranking_decay"):
-        CacheConfig(num_t0_blocks=4, ranking_decay=1.0)
+        CacheTuning(num_t0_blocks=4, ranking_decay=1.0)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet_runtime import configwatch
-from kvfleet_runtime.configwatch import ConfigFileWatcher
-from kvfleet_runtime.fleetconfig import check_successor, parse_fleet_config
+from kvfleet_runtime.config import watch as configwatch
+from kvfleet_runtime.config.fleet import check_successor, parse_fleet_config
+from kvfleet_runtime.config.watch import ConfigFileWatcher
 
 
 def test_a_change_is_handed_out_at_the_first_poll_that_sees_it(tmp_path: Path) -> None:
@@ -113,7 +113,7 @@ def test_a_fleet_config_that_drops_the_generation_in_force_is_refused() -> None:
 # ---- bounded config text (issue 25) ----------------------------------------------------------
 
 def test_config_text_is_bounded_in_size_depth_and_expanded_aliases() -> None:
-    from kvfleet_runtime.configwatch import (
+    from kvfleet_runtime.config.watch import (
         MAX_CONFIG_BYTES,
         MAX_CONFIG_DEPTH,
         parse_config_text,
@@ -154,8 +154,8 @@ def test_a_reverted_file_clears_the_rejection(tmp_path: Path) -> None:
 def test_json_text_is_read_by_json_within_the_same_bounds() -> None:
     import json as _json
 
-    from kvfleet_runtime import configwatch
-    from kvfleet_runtime.configwatch import MAX_CONFIG_DEPTH, MAX_CONFIG_NODES, parse_config_text
+    from kvfleet_runtime.config import watch as configwatch
+    from kvfleet_runtime.config.watch import MAX_CONFIG_DEPTH, MAX_CONFIG_NODES, parse_config_text
 
     config = {"generation": 3, "replicas": [{"name": f"r{i}", "ready": True} for i in range(50)],
               "home_sets": {}, "t": 0.5, "s": "x: y"}

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvfleet_runtime.configwatch import (
+from kvfleet_runtime.config.watch import (
     MAX_CONFIG_BYTES,
     ConfigFileWatcher,
     one_line_error,
@@ -88,7 +88,7 @@ class FleetConfig(_Strict):
 
 
 def parse_fleet_config(text: str | bytes, source: str = "<fleet config>") -> FleetConfig:
-    """Parse YAML or JSON text within the config bounds (`configwatch.parse_config_text`);
+    """Parse YAML or JSON text within the config bounds (`config.watch.parse_config_text`);
     raises ValueError, one line naming the source and the offending field."""
     data = parse_config_text(text, source) if text.strip() else {}
     if data is None:

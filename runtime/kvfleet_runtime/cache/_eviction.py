@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvfleet_runtime.cache._sketch import CountMinSketch
 
 if TYPE_CHECKING:  # the index imports this module: the node type is only needed for checking
-    from kvfleet_runtime.cache._index import BlockNode
+    from kvfleet_runtime.cache._block_node import BlockNode
 
 __all__ = ["EvictionPolicy", "RankedEviction", "VictimQueue", "note_floors"]
 

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_runtime.cache._index import BlockNode, Namespace
-from kvfleet_runtime.cache._policy import AdaptiveRanking, Admission, GhostRanking, ThrashDetector
-from kvfleet_runtime.cache._ranking import RankedEviction
+from kvfleet_runtime.cache._admission import (
+    AdaptiveRanking,
+    Admission,
+    GhostRanking,
+    ThrashDetector,
+)
+from kvfleet_runtime.cache._block_index import BlockNode, Namespace
+from kvfleet_runtime.cache._eviction import RankedEviction
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from tests.runtime.cache.conftest import make_key
-from tests.runtime.cache.test_index import h
+from tests.runtime.cache.test_block_index import h
 
 
 def always(node: BlockNode) -> bool:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet_runtime.fleetconfig import (
+from kvfleet_runtime.config.fleet import (
     FleetConfig,
     ReplicaEndpoint,
     dump_fleet_config,

@@ -28,7 +28,7 @@ more poll for the file to hold still):
   handed out again at every poll until it changes (`repeated` then says the caller already
   reported it), so a writer that stalled past the settle delay is picked up once it finishes.
 - The fleet config's readers also refuse a config without a `generation` after one that had one
-  (`fleetconfig.check_successor`): the operator always writes it, so its absence means a
+  (`config.fleet.check_successor`): the operator always writes it, so its absence means a
   hand-written file cut short where it still parses. Generations are not required to grow: a
   recreated policy starts again from 1.
 

@@ -18,7 +18,7 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
 
 The index decides what is evictable (unreferenced, valid, a leaf of its tier) and carries out
 evictions, demotions and promotions; which evictable block goes first, and whether a newcomer may
-take its slot, is the `EvictionPolicy`'s (`_ranking.py`), handed in by the caller: the index knows
+take its slot, is the `EvictionPolicy`'s (`_eviction.py`), handed in by the caller: the index knows
 no counts. A newcomer that the policy's victim outranks is refused ("the duel"); a demotion
 T0 -> T1 must win the same duel in T1, as a candidate of its own weight.
 """
@@ -29,44 +29,16 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvfleet_runtime.cache._allocator import BlockAllocator, Slots
+from kvfleet_runtime.cache._block_node import BlockNode, Namespace
+from kvfleet_runtime.cache._eviction import EvictionPolicy
 from kvfleet_runtime.cache._keys import BlockHash, CacheKey
 from kvfleet_runtime.cache._moves import Move, Plan, Tier
-from kvfleet_runtime.cache._ranking import EvictionPolicy
 
 __all__ = ["BlockIndex", "BlockNode", "Move", "Namespace", "Plan", "Tier", "TierCounters"]
 
 
 _GONE = -1
 """`BlockNode.tier` of a block whose slot has been freed."""
-
-
-@dataclass(slots=True, eq=False)
-class Namespace:
-    """One scoped cache key: the radix tree root of a (tenant, key)."""
-
-    key: CacheKey
-    valid: bool = True
-    num_blocks: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class BlockNode:
-    """Metadata of one indexed block. Kept to a handful of slots: the index holds 100k+ of these
-    and the budget is 256 B per block (see the bench)."""
-
-    block_hash: BlockHash
-    parent: BlockNode | None
-    namespace: Namespace
-    tier: int
-    block_id: int
-    num_children: int = 0
-    num_t0_children: int = 0
-    ref_count: int = 0
-    last_tick: int = 0
-    pinned: bool = False
-    floor: int = 0
-    """A floor of the sketch's estimate of this block, kept by the eviction ranking:
-    `(epoch + 1) << 8 | estimate`, valid while the sketch's reset count is `epoch` (0: none)."""
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ reuse only (R4). No caller declares a policy.
 `Admission` is the one object the manager asks: it counts sightings (the count-min sketch),
 replays every offer into the ghost rankings (`AdaptiveRanking`), watches for thrash
 (`ThrashDetector`), says how many leading blocks of a chain are worth storing, and hands out the
-`EvictionPolicy` (`_ranking.py`) of the ranking the ghosts chose, for the index to use.
+`EvictionPolicy` (`_eviction.py`) of the ranking the ghosts chose, for the index to use.
 
     sightings < admit threshold           -> not stored          (one-shot)
     sightings >= hot threshold and small  -> pinned in T0        (the "system prompt" case)
@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvfleet_runtime.cache._ranking import EvictionPolicy, RankedEviction
+from kvfleet_runtime.cache._eviction import EvictionPolicy, RankedEviction
 from kvfleet_runtime.cache._reuse import REUSE_RANKING, GhostReuse
 from kvfleet_runtime.cache._sketch import CountMinSketch
 
@@ -242,7 +242,7 @@ Ghost = GhostRanking | GhostReuse
 def ghost_rankings(
     capacity_blocks: int, rankings: Sequence[int | str | None], *, sample: int = 1
 ) -> list[Ghost]:
-    """One ghost per entry of `CacheConfig.eviction_rankings`: a sighting cap (`GhostRanking`)
+    """One ghost per entry of `CacheTuning.eviction_rankings`: a sighting cap (`GhostRanking`)
     or `REUSE_RANKING` (the reuse-time prediction, `GhostReuse`)."""
     ghosts: list[Ghost] = []
     for ranking in rankings:
