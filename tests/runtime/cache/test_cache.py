@@ -394,9 +394,9 @@ def test_pure_modules_do_not_import_torch() -> None:
         f"kvfleet_runtime.cache.{m}"
         for m in (
             "_keys",
-            "_index",
+            "_block_index",
             "_sketch",
-            "_policy",
+            "_admission",
             "_store_queue",
             "_stats",
             "_manager",
