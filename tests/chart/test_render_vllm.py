@@ -9,10 +9,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvfleet_operator.constants import ENGINE_ANNOTATION, PEER_PORT_ANNOTATION
 from kvfleet_runtime.auth import ROUTER_SECRET_FILE
+from kvfleet_runtime.router._kv_subscriber import TOPIC
 from kvfleet_vllm import _options
-from tests.chart.conftest import Render, run_helm, template_args
+from tests.chart.conftest import Render, kvfleet_cli_params, run_helm, template_args
 
 VLLM = "vllm-values.yaml"
 DIGEST = "sha256:4f1c7fb2a0c94f7c6b57e2a1d5b3e8c9a0f1e2d3c4b5a69788796a5b4c3d2e1f"
@@ -119,7 +122,8 @@ def test_vllm_replicas_serve_t2_on_the_peer_port_and_say_where(render: Render) -
     c, pod = out["container"], out["deployment"]["spec"]["template"]
     config = json.loads(_flag(c["args"], "--kv-transfer-config"))
     assert config["kv_connector_extra_config"]["kvfleet.peer_port"] == 9100
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "peer": 9100}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+        "http": 8000, "peer": 9100, "kv-events": 5557}
     names = [e["name"] for e in c["env"]]
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["KVFLEET_PEER_URL"] == "http://$(POD_IP):9100"
@@ -155,3 +159,69 @@ def test_kvfleet_replicas_have_no_separate_peer_port(render: Render) -> None:
         "NetworkPolicy", "kvfleet-replica")
     ports = [p["port"] for rule in netpol["spec"]["ingress"] for p in rule["ports"]]
     assert "peer" not in ports
+
+
+def _router_params(render: Render, *values: str, set: tuple[str, ...] = ()) -> dict[str, Any]:
+    router = render(*values, set=set).get("Deployment", "kvfleet-router")
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    # what the router's own command line makes of the chart's arguments
+    return kvfleet_cli_params(container["args"])
+
+
+def test_vllm_replicas_publish_kv_events_and_the_router_follows_them(render: Render) -> None:
+    """One value (`replica.vllm.kvEvents.port`) is the port vLLM's ZMQ publisher binds in each
+    replica pod, the container's `kv-events` port, and the port the router subscribes to at
+    every vLLM replica of the fleet config; the topic is the one the subscriber takes."""
+    out = _replica(render, VLLM, set=("replica.vllm.kvEvents.port=6123",))
+    c = out["container"]
+    config = json.loads(_flag(c["args"], "--kv-events-config"))
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": "tcp://*:6123", "topic": TOPIC}
+    assert {"name": "kv-events", "containerPort": 6123, "protocol": "TCP"} in c["ports"]
+    params = _router_params(render, VLLM, set=("replica.vllm.kvEvents.port=6123",))
+    assert params["kv_events_port"] == 6123
+    assert not params["kv_events"]
+    # the default port, the same in both pods
+    default = _replica(render, VLLM)["container"]
+    port = json.loads(_flag(default["args"], "--kv-events-config"))["endpoint"].rsplit(":")[-1]
+    assert _router_params(render, VLLM)["kv_events_port"] == int(port) == 5557
+
+
+def test_only_the_routers_reach_the_kv_event_port(render: Render) -> None:
+    """The events say what each replica caches (tenants' tokens): one ingress rule opens the
+    `kv-events` port, to the router pods alone; no other rule names it."""
+    out = render(VLLM, set=("networkPolicy.enabled=true",))
+    rules = out.get("NetworkPolicy", "kvfleet-replica")["spec"]["ingress"]
+    kv_rules = [r for r in rules if any(p["port"] == "kv-events" for p in r["ports"])]
+    assert len(kv_rules) == 1
+    assert kv_rules[0]["ports"] == [{"port": "kv-events", "protocol": "TCP"}]
+    (source,) = kv_rules[0]["from"]
+    router = out.get("Deployment", "kvfleet-router")
+    assert source == {"podSelector": {"matchLabels": router["spec"]["selector"]["matchLabels"]}}
+    replica_labels = out.get("Deployment", "kvfleet-replica")["spec"]["template"]["metadata"][
+        "labels"]
+    assert not source["podSelector"]["matchLabels"].items() <= replica_labels.items()
+
+
+@pytest.mark.parametrize("values, set", [
+    (VLLM, ("replica.vllm.kvEvents.enabled=false",)),
+    ("default-values.yaml", ()),  # a kvfleet replica publishes no such stream
+])
+def test_no_kv_events_when_switched_off_or_not_vllm(render: Render, values: str,
+                                                    set: tuple[str, ...]) -> None:
+    out = _replica(render, values, set=set)
+    assert "--kv-events-config" not in out["container"]["args"]
+    assert "kv-events" not in {p["name"] for p in out["container"]["ports"]}
+    assert _router_params(render, values, set=set)["kv_events_port"] is None
+    netpol = render(values, set=(*set, "networkPolicy.enabled=true")).get(
+        "NetworkPolicy", "kvfleet-replica")
+    assert "kv-events" not in {p["port"] for r in netpol["spec"]["ingress"] for p in r["ports"]}
+
+
+@pytest.mark.parametrize("port", ["8000", "8701"])
+def test_a_kv_event_port_equal_to_another_port_is_refused(helm: Path, helm_env: dict[str, str],
+                                                          port: str) -> None:
+    result = run_helm(helm, helm_env,
+                      *template_args([VLLM], [f"replica.vllm.kvEvents.port={port}"]))
+    assert result.returncode != 0
+    assert "replica.vllm.kvEvents.port must differ" in result.stderr

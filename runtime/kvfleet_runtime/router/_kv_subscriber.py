@@ -28,10 +28,13 @@ from kvfleet_runtime.router._kv_events import (
     decode_seq,
 )
 
-__all__ = ["KvEventSubscriber"]
+__all__ = ["TOPIC", "KvEventSubscriber"]
 
 log = logging.getLogger(__name__)
 
+TOPIC = ""
+"""The topic subscribed to (a prefix: "" takes every message), vLLM's `KVEventsConfig.topic`
+default; the chart's `--kv-events-config` publishes on it."""
 RCVHWM = 100_000
 """vLLM's own publisher default (`KVEventsConfig.hwm`): messages past it are dropped, and the
 sequence gap drops the view."""
@@ -77,7 +80,7 @@ class KvEventSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, RCVHWM)
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)

@@ -65,6 +65,19 @@ size; the fleet config's tiers.nvme / tiers.nvme_shadow decide what the replica 
 {{- end }}
 {{- end -}}
 
+{{/* Non-empty when the vLLM replicas publish their KV events and the router follows them
+(`replica.vllm.kvEvents`); a kvfleet replica publishes no such stream. */}}
+{{- define "kvfleet.vllm.kvEvents" -}}
+{{- if and (eq .Values.replica.engine "vllm") .Values.replica.vllm.kvEvents.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* vLLM's `--kv-events-config`: its ZMQ publisher bound on every interface of the pod at the
+`kv-events` port (vLLM binds only `*` or ipc endpoints), on the topic the router's subscriber
+takes (`router._kv_subscriber.TOPIC`). */}}
+{{- define "kvfleet.vllm.kvEventsConfig" -}}
+{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.replica.vllm.kvEvents.port)) "topic" "" | toJson -}}
+{{- end -}}
+
 {{/* `replica.engine: vllm`: the `vllm serve` command line with kvfleet's KV connector
 (docs/vllm.md). The connector's key takes the weights digest of the pod template (a ModelRollout
 replaces it) and the served model name, the same fields a kvfleet replica keys its blocks by;
@@ -92,6 +105,10 @@ replica pod) verifies each request's cache_salt, which the router signs per tena
 - --enable-prefix-caching
 - --kv-transfer-config
 - {{ $kvt | toJson | quote }}
+{{- if include "kvfleet.vllm.kvEvents" . }}
+- --kv-events-config
+- {{ include "kvfleet.vllm.kvEventsConfig" . | quote }}
+{{- end }}
 {{- range $v.extraArgs }}
 - {{ . | quote }}
 {{- end }}

@@ -15,6 +15,12 @@ the URL never reaches its argv (the process list). */}}
 - --tokenizer
 - {{ .Values.replica.model.dir | quote }}
 {{- end }}
+{{- if include "kvfleet.vllm.kvEvents" . }}
+{{- /* The replicas' KV event streams, at each vLLM replica's pod IP (the fleet config's URL)
+on the port their --kv-events-config binds. */}}
+- --kv-events-port
+- {{ .Values.replica.vllm.kvEvents.port | quote }}
+{{- end }}
 - --log-level
 - {{ .Values.router.logLevel | quote }}
 {{- end -}}
