@@ -4,7 +4,8 @@
     POST /v1/chat/completions   (SSE too)
     GET  /v1/models[/{id}]      proxied to a ready replica
     GET  /openapi.json          the replicas' OpenAI schemas (their limits) with the router's auth
-    GET  /metrics               Prometheus: decisions by reason, spill_rate, overhead, outcomes
+    GET  /metrics               Prometheus: decisions by reason, spill_rate, overhead, outcomes,
+                                the KV event views (`router._kv_metrics`)
     GET  /healthz               the event loop answers
     GET  /readyz                keys loaded and at least one replica ready
 
@@ -81,6 +82,7 @@ from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.fleet.hint_index import HintIndex
 from kvfleet_runtime.pools import UPSTREAM_MAX_CONNECTIONS, UPSTREAM_MAX_CONNECTIONS_PER_REPLICA
 from kvfleet_runtime.router._kv_events import KvEventViews
+from kvfleet_runtime.router._kv_metrics import KvEventCollector
 from kvfleet_runtime.router._view import FleetView
 from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
 from kvfleet_runtime.wire import ASSERTION_HEADER, BLOCK_SIZE, CACHE_SALT_FIELD, TENANT_HEADER
@@ -230,6 +232,7 @@ class RouterState:
             "Requests refused for a missing or unknown API key.",
             registry=r,
         )
+        r.register(KvEventCollector(lambda: self.kv_events))
 
     def record(self, decision: RouteDecision) -> None:
         self.m_decisions.labels(decision.reason).inc()
