@@ -16,7 +16,7 @@ pytestmark = pytest.mark.k8s
 
 
 @pytest.mark.parametrize(
-    "scenario", ["default-values.yaml", "external-redis-secret-values.yaml"]
+    "scenario", ["default-values.yaml", "external-redis-secret-values.yaml", "vllm-values.yaml"]
 )
 def test_api_server_accepts_every_rendered_object(
     k8s_cluster: Cluster, k8s_namespace: str, scenario: str
