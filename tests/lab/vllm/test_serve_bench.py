@@ -1,20 +1,30 @@
 """`kvfleet bench vllm-serve`'s pure parts: the trace as prompts, vLLM's counters and the bench
-client's result read back, the targets' ratios. No vLLM, no server."""
+client's result read back, the targets' ratios; the runner's options, its report written as it
+goes and its stop on a signal. No vLLM, no server."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
 from kvfleet_lab.traces import DEFAULT_TRACE
+from kvfleet_lab.vllm import serve_run
 from kvfleet_lab.vllm.serve_bench import (
+    FLEET_FRONTS,
+    FRONT_SEEDS,
+    FRONTS,
     RunFigures,
     SourceTokens,
     busiest_roots,
     by_source,
     read_run,
     saved_ratio,
+    select_fronts,
     summary,
     trace_rows,
 )
@@ -132,3 +142,80 @@ def test_summary_gives_the_targets_ratios() -> None:
     assert row["router_vs_round-robin-plain_saved"] == 120 / 20
     assert saved_ratio(runs[0], _run("none", 0, 0, 1)) is None
     assert summary(runs[:1]) == {"w": {}}
+
+
+def test_select_fronts_keeps_the_order_given_and_defaults_to_every_front() -> None:
+    assert select_fronts(None, lmcache=False) == tuple(f for f in FRONTS if f != "lmcache")
+    assert select_fronts(None, lmcache=True) == FRONTS
+    assert select_fronts("fleet-router, fleet-round-robin,vllm,fleet-router", lmcache=False) == (
+        "fleet-router", "fleet-round-robin", "vllm")
+    assert set(FLEET_FRONTS) == {"fleet-router", "fleet-round-robin", "fleet-round-robin-plain"}
+    assert len(set(FRONT_SEEDS.values())) == len(FRONTS)  # no two fronts share prompts
+
+
+@pytest.mark.parametrize(("text", "lmcache", "message"), [
+    ("fleet-router,fleet-rr", False, r"unknown front\(s\) 'fleet-rr'; known: vllm, "),
+    (" , ", False, "no front named"),
+    ("lmcache", False, "needs --lmcache-vllm"),
+])
+def test_select_fronts_refuses_what_it_cannot_run(text: str, lmcache: bool, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        select_fronts(text, lmcache=lmcache)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--fronts", "vllm,bogus"], "--fronts: unknown front(s) 'bogus'"),
+    (["--fronts", "lmcache"], "--fronts: front 'lmcache' needs --lmcache-vllm"),
+    (["--out", "/nonexistent-dir/report.json"], "--out: /nonexistent-dir is not a directory"),
+])
+def test_the_command_refuses_bad_options_with_a_usage_error(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        serve_run.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def _bench(tmp_path: Path, *argv: str) -> serve_run.Bench:
+    args = serve_run.parser().parse_args([*argv, "--out", str(tmp_path / "report.json")])
+    return serve_run.Bench(args, tmp_path, tmp_path / "model", "vllm")
+
+
+def test_the_report_is_rewritten_whole_after_each_run(tmp_path: Path) -> None:
+    b = _bench(tmp_path)
+    b.runs.append(_run("fleet-router", 40, 80, 50))
+    b.save()
+    first = json.loads((tmp_path / "report.json").read_text())
+    assert [r["config"] for r in first["runs"]] == ["fleet-router"]
+    assert first["engine_vs_vllm"] == [] and "stopped" not in first
+    b.runs.append(_run("fleet-round-robin", 20, 60, 55))
+    b.fail("fleet-round-robin-plain/mooncake", RuntimeError("vllm bench serve exited 1"))
+    b.stopped = "SIGTERM"
+    b.save()
+    second = json.loads((tmp_path / "report.json").read_text())
+    assert second["summary"]["w"]["router_vs_round-robin_saved"] == 120 / 80
+    assert second["errors"] == {"fleet-round-robin-plain/mooncake": "vllm bench serve exited 1"}
+    assert second["stopped"] == "SIGTERM"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # no part left over
+    assert "engine_vs_vllm" not in _bench(tmp_path, "--no-engine").report()
+
+
+def test_sigterm_and_sigint_stop_the_bench_once(tmp_path: Path) -> None:
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serve_run._stop_on_signals()
+        with pytest.raises(serve_run.Stopped, match="SIGTERM") as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises at the next bytecode; this never ends
+        assert stop.value.signum == signal.SIGTERM
+        # the cleanup after a stop is not cut short by a second signal
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        serve_run._stop_on_signals()
+        with pytest.raises(serve_run.Stopped, match="SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
