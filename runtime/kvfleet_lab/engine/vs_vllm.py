@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -436,17 +436,19 @@ def first_tokens(kvfleet_url: str, vllm_url: str, model: str, *, vocab: range,
 def compare_checkpoint(vllm: str, name: str, *, work_dir: Path, concurrencies: Sequence[int],
                        num_prompts: int, runs: int, cpu_threads: int,
                        engine: Mapping[str, Any] | None = None,
-                       workload: Sequence[str] | None = None, hit_reps: int = 5
-                       ) -> list[EngineComparison]:
+                       workload: Sequence[str] | None = None, hit_reps: int = 5,
+                       on_row: Callable[[EngineComparison], None] | None = None,
+                       kvfleet_python: str = sys.executable) -> list[EngineComparison]:
     """Make checkpoint `name` under `work_dir` (reused when there), serve it from both sides
     and compare at each concurrency: the whole comparison for one checkpoint. `hit_reps` > 0
     also measures a 601-token prompt's first token, miss and hit, on both (`first_tokens`,
-    the same on every row)."""
+    the same on every row). `on_row` gets each row as soon as it is measured; `kvfleet_python`
+    is the kvfleet environment's (the replica's side)."""
     checkpoint = work_dir / name
     if not (checkpoint / "config.json").is_file():
         make_checkpoint(checkpoint, name)
     servers = [kvfleet_server(checkpoint, model=name, cpu_threads=cpu_threads,
-                              log_dir=work_dir, engine=engine),
+                              log_dir=work_dir, engine=engine, python=kvfleet_python),
                vllm_server(vllm, checkpoint, model=name, cpu_threads=cpu_threads,
                            log_dir=work_dir)]
     args = list(prefix_repetition_args() if workload is None else workload)
@@ -460,6 +462,8 @@ def compare_checkpoint(vllm: str, name: str, *, work_dir: Path, concurrencies: S
                                   tokenizer=str(checkpoint), concurrency=c,
                                   num_prompts=num_prompts, runs=runs, extra=args)
             out.append(dataclasses.replace(row, first_tokens=first))
+            if on_row is not None:
+                on_row(out[-1])
     return out
 
 

@@ -25,7 +25,8 @@ checkpoint's tokenizer (`--fleet-kv-events` / `--no-fleet-kv-events`).
 
 Figures: prompt tokens by source (`vllm:prompt_tokens_by_source_total`, scraped before and after
 each run), TTFT p50/p99 and request throughput from `--save-result`. With `--engine`, the same
-client against a kvfleet replica and the `vllm` server (kvfleet_lab.engine.vs_vllm).
+client against a kvfleet replica and `vllm serve` of the same checkpoint, after the fronts' servers
+stopped, on servers of its own (kvfleet_lab.engine.vs_vllm.compare_checkpoint).
 
 `--fronts` measures only the fronts named, in that order (and starts only their servers). A front
 whose server does not start, or whose client fails, lands in the report's `errors` and the others
@@ -508,7 +509,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         secret_file = work / "router-secret"
         secret_file.write_text(ROUTER_SECRET + "\n")
         servers: dict[str, Proc] = {}
-        if "vllm" in fronts or args.engine:  # the engine comparison's vLLM side
+        if "vllm" in fronts:
             servers["vllm"] = b.vllm_server("vllm")
         if "kvfleet" in fronts:
             servers["kvfleet"] = b.vllm_server(
@@ -534,14 +535,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         redis_url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis_port}/0"
         if any(f in FLEET_FRONTS for f in fronts):
             fleet, events = _fleet_replicas(b, secret_file, redis_url, args.fleet_kv_events)
-        engine: Proc | None = None
-        if args.engine:
-            port = free_port()
-            engine = Proc("kvfleet-replica", [
-                kv_python, "-m", "kvfleet_runtime.cli", "replica", "--model-dir", str(model),
-                "--host", "127.0.0.1", "--port", str(port), "--model-id", MODEL,
-                "--log-level", "WARNING"], work / "kvfleet-replica.log",
-                b.base_env(), port, health="/health")
         rr: list[RoundRobin] = []
         keys = {f"sk-{t}": t for t in TENANTS}
         try:
@@ -552,7 +545,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "--requirepass", REDIS_PASSWORD], stdout=subprocess.DEVNULL,
                     stderr=subprocess.STDOUT, start_new_session=True)
             started = time.monotonic()
-            down = _start_all([*b.procs, *([engine] if engine else [])])
+            down = _start_all(b.procs)
             for name, error in down.items():
                 b.fail(name, error)
             _progress(f"servers ready in {time.monotonic() - started:.0f} s"
@@ -581,26 +574,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue  # its start-up error is in `errors` already
                 else:
                     b.measure(front, [(servers[front].url, None)], [servers[front]])
-            if engine is not None:
-                if engine.name in down or "vllm" in down:
-                    b.fail("engine_vs_vllm", "the kvfleet replica or the vllm server did not "
-                           "start")
-                else:
-                    _engine(b, engine, servers["vllm"])
+            _stop_all(b, rr, redis)
+            if args.engine:
+                _engine(b)
         except Stopped as stop:
             b.stopped = str(stop)
             _progress(f"stopped by {stop}: the report keeps what was measured")
         finally:
-            b.kill_clients()
-            for proxy in rr:
-                proxy.close()
-            for p in [*b.procs, *([engine] if engine else [])]:
-                p.stop()
-            if redis is not None:
-                redis.terminate()
-                redis.wait(timeout=30)
+            _stop_all(b, rr, redis)
             b.save()
         return b.report()
+
+
+def _stop_all(b: Bench, proxies: list[RoundRobin], redis: subprocess.Popen[bytes] | None
+              ) -> None:
+    """The fronts' clients and servers (again after a stop: whatever is still running)."""
+    b.kill_clients()
+    while proxies:
+        proxies.pop().close()
+    for p in b.procs:
+        p.stop()
+    if redis is not None and redis.poll() is None:
+        redis.terminate()
+        redis.wait(timeout=30)
 
 
 def _start_router(b: Bench, kv_python: str, fleet: Sequence[Proc], keys: dict[str, str],
@@ -648,26 +644,31 @@ def _wait_router(router: Proc) -> None:
     raise RuntimeError(f"router not ready:\n{router.tail()}")
 
 
-def _engine(b: Bench, engine: Proc, baseline: Proc) -> None:
-    """The engine comparison at each `--engine-concurrency`, each row reported as it lands."""
-    from kvfleet_lab.engine.vs_vllm import run_interleaved
+def _engine(b: Bench) -> None:
+    """The engine comparison (kvfleet_lab.engine.vs_vllm.compare_checkpoint) for each
+    `--engine-checkpoint`, on servers of its own, each row reported as it lands."""
+    from kvfleet_lab.engine.vs_vllm import EngineComparison, compare_checkpoint
 
     args = b.args
-    for concurrency in args.engine_concurrency:
-        try:
-            cmp = run_interleaved(
-                b.vllm, checkpoint="tiny-llama-2l-h128", kvfleet_url=engine.url,
-                vllm_url=baseline.url, model=MODEL, tokenizer=str(b.model),
-                concurrency=concurrency, num_prompts=args.engine_prompts, runs=args.engine_runs,
-                extra=["--dataset-name", "random", "--random-input-len", "256",
-                       "--random-output-len", "32", "--ignore-eos", "--seed", "0"])
-        except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
-            b.fail(f"engine_vs_vllm/c={concurrency}", exc)
-            continue
-        b.engine_rows.append(cmp.to_dict())
+
+    def landed(row: EngineComparison) -> None:
+        b.engine_rows.append(row.to_dict())
         b.save()
-        _progress(f"  engine c={concurrency}: tpot p50 x{cmp.tpot_p50_ratio:.2f} ttft p99 "
-                  f"x{cmp.ttft_p99_ratio:.2f} throughput x{cmp.throughput_ratio:.2f}")
+        _progress(f"  engine {row.checkpoint} c={row.concurrency}: tpot p50 "
+                  f"x{row.tpot_p50_ratio:.2f} ttft p99 x{row.ttft_p99_ratio:.2f} throughput "
+                  f"x{row.throughput_ratio:.2f}")
+
+    (b.work / "engine").mkdir(exist_ok=True)
+    for name in args.engine_checkpoint or ["tiny-llama"]:
+        try:
+            compare_checkpoint(b.vllm, name, work_dir=b.work / "engine",
+                               concurrencies=args.engine_concurrency,
+                               num_prompts=args.engine_prompts, runs=args.engine_runs,
+                               cpu_threads=args.engine_cpu_threads,
+                               hit_reps=args.engine_hit_reps, on_row=landed,
+                               kvfleet_python=args.kvfleet_python)
+        except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+            b.fail(f"engine_vs_vllm/{name}", exc)
 
 
 def _ints(text: str) -> list[int]:
@@ -675,6 +676,7 @@ def _ints(text: str) -> list[int]:
 
 
 def parser() -> argparse.ArgumentParser:
+    from kvfleet_lab.engine.vs_vllm import CHECKPOINTS
     from kvfleet_lab.traces import DEFAULT_TRACE
 
     p = argparse.ArgumentParser(prog="kvfleet bench vllm-serve", description=__doc__,
@@ -702,9 +704,16 @@ def parser() -> argparse.ArgumentParser:
                    help="the fleet replicas publish their KV events and the router follows them")
     p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
                    help="kvfleet's engine vs vLLM (kvfleet_lab.engine.vs_vllm)")
-    p.add_argument("--engine-concurrency", type=_ints, default=[4])
-    p.add_argument("--engine-prompts", type=int, default=32)
-    p.add_argument("--engine-runs", type=int, default=1)
+    p.add_argument("--engine-checkpoint", action="append", choices=sorted(CHECKPOINTS),
+                   help="the engine comparison's checkpoint(s) (default: tiny-llama)")
+    p.add_argument("--engine-concurrency", type=_ints, default=[4, 16])
+    p.add_argument("--engine-prompts", type=int, default=48)
+    p.add_argument("--engine-runs", type=int, default=1,
+                   help="interleaved runs per side and concurrency (medians)")
+    p.add_argument("--engine-cpu-threads", type=int, default=2,
+                   help="CPU threads of each side (torch's, vLLM's OMP binding)")
+    p.add_argument("--engine-hit-reps", type=int, default=5,
+                   help="601-token first-token reps (miss, then hit) per side; 0: skip")
     p.add_argument("--lmcache-vllm", default="",
                    help="the `vllm` command of an env with LMCache (empty: not run)")
     p.add_argument("--kvfleet-python", default=sys.executable,
@@ -744,8 +753,9 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], Any] = print) -
                 f"failed {r['num_failed']}")
         out(json.dumps(report["summary"], indent=2))
         for e in report.get("engine_vs_vllm", []):
-            out(f"engine c={e['concurrency']}: tpot p50 x{e['tpot_p50_ratio']:.2f} "
-                f"ttft p99 x{e['ttft_p99_ratio']:.2f} throughput x{e['throughput_ratio']:.2f}")
+            out(f"engine {e['checkpoint']} c={e['concurrency']}: tpot p50 "
+                f"x{e['tpot_p50_ratio']:.2f} ttft p99 x{e['ttft_p99_ratio']:.2f} "
+                f"throughput x{e['throughput_ratio']:.2f}")
         for name, error in report["errors"].items():
             out(f"not measured: {name}: {error.splitlines()[-1] if error else ''}")
     if "stopped" in report:

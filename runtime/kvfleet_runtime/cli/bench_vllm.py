@@ -75,8 +75,9 @@ def vllm_serve(ctx: typer.Context) -> None:
     trace): vLLM alone, + its OffloadingConnector, + kvfleet's connector (+ LMCache with
     --lmcache-vllm) at one host-memory budget; two replicas behind kvfleet's router vs
     round-robin; kvfleet's engine vs vLLM (--engine/--no-engine). Options are the lab's
-    (--kv-bytes, --host-bytes, --num-prompts, --concurrency, --fleet/--no-fleet, --json,
-    --help, ...). Starts 6-7 servers: 5-20 minutes on a small CPU box."""
+    (--fronts, --kv-bytes, --host-bytes, --num-prompts, --concurrency, --json, --out, --help,
+    ...). Starts up to 6 servers, then the engine comparison's 2: 5-30 minutes on a small CPU
+    box."""
     args = [str(a) for a in ctx.args]
     pythonpath = os.pathsep.join(str(_ROOT / p) for p in ("runtime", "operator", "."))
     python = _vllm_python(serve=True)
