@@ -454,7 +454,7 @@ def compare_checkpoint(vllm: str, name: str, *, work_dir: Path, concurrencies: S
     args = list(prefix_repetition_args() if workload is None else workload)
     out = []
     with serving(servers):
-        first = first_tokens(servers[0].url, servers[1].url, name,
+        first = first_tokens(servers[0].url, servers[1].url, name, reps=hit_reps,
                              vocab=range(len(_SPECIALS), VOCAB_SIZE)) if hit_reps else None
         for c in concurrencies:
             row = run_interleaved(vllm, checkpoint=name, kvfleet_url=servers[0].url,

@@ -203,6 +203,8 @@ class RoundRobin:
         self.salt_secret = salt_secret
         self.port = free_port()
         self._next = 0
+        self._session: Any = None
+        self._runner: Any = None
         self._loop = asyncio.new_event_loop()
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
@@ -220,7 +222,6 @@ class RoundRobin:
         from kvfleet_runtime.auth import cache_salt
 
         asyncio.set_event_loop(self._loop)
-        session: Any = None
 
         async def handle(request: web.Request) -> web.StreamResponse:
             backend = self.backends[self._next % len(self.backends)]
@@ -231,7 +232,7 @@ class RoundRobin:
                 data = json.loads(body)
                 data["cache_salt"] = cache_salt(self.salt_secret, self.keys[key])
                 body = json.dumps(data).encode()
-            async with session.post(backend + request.path, data=body,
+            async with self._session.post(backend + request.path, data=body,
                                     headers={"Content-Type": "application/json"}) as up:
                 out = web.StreamResponse(status=up.status, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json")})
@@ -242,21 +243,27 @@ class RoundRobin:
                 return out
 
         async def start() -> None:
-            nonlocal session
-            session = ClientSession(timeout=ClientTimeout(total=None))
+            self._session = ClientSession(timeout=ClientTimeout(total=None))
             app = web.Application()
             app.router.add_post("/v1/completions", handle)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            self._runner = web.AppRunner(app)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
 
         self._loop.run_until_complete(start())
         ready.set()
         self._loop.run_forever()
 
     def close(self) -> None:
+        async def shutdown() -> None:
+            await self._runner.cleanup()
+            await self._session.close()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()
 
 
 @dataclass
