@@ -154,8 +154,14 @@ class GhostRanking:
         self.max_frequency = max_frequency
         self.sample = sample
         num_classes = _MAX_CLASS if max_frequency is None else max_frequency
-        self._classes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_classes)]
+        self._classes: list[OrderedDict[bytes, int | None]] = [
+            OrderedDict() for _ in range(num_classes)
+        ]
         self._where: dict[bytes, int] = {}
+        """Each held block's class; with one class (plain recency) the class itself, whose
+        values are that class's index, 0 (one dict instead of two)."""
+        if num_classes == 1:
+            self._where = self._classes[0]  # type: ignore[assignment]
         self._low = 0
         """Every class below this one is empty: eviction starts its scan here, not at class 0
         (the raw-count ghost has 255 classes, most of them empty)."""
@@ -205,9 +211,26 @@ class GhostRanking:
         so the leading run they find present is the match."""
         where, classes = self._where, self._classes
         top = len(classes)
+        n = len(sampled)
+        first_absent = n
+        if top == 1:
+            # Plain recency: one class, which is also the directory (`_where` is that same
+            # OrderedDict, see `__init__`): one probe and one move or insert per block.
+            lru = classes[0]
+            for i in range(n - 1, -1, -1):
+                h = sampled[i][0]
+                if h in lru:
+                    lru.move_to_end(h)
+                else:
+                    first_absent = i
+                    lru[h] = 0
+            excess = len(lru) - self._limit
+            popitem = lru.popitem
+            for _ in range(excess):
+                popitem(last=False)
+            return first_absent * self.sample
         low = self._low
-        first_absent = len(sampled)
-        for i in range(len(sampled) - 1, -1, -1):
+        for i in range(n - 1, -1, -1):
             h, count = sampled[i]
             k = (count if count < top else top) - 1 if count > 1 else 0
             old = where.get(h)
@@ -221,7 +244,8 @@ class GhostRanking:
                 del classes[old][h]
                 classes[k][h] = None
                 where[h] = k
-            low = min(low, k)
+            if k < low:
+                low = k
         excess = len(where) - self._limit
         while excess > 0:
             while not classes[low]:
