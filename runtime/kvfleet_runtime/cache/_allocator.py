@@ -257,7 +257,7 @@ class CachedSlots:
 
     def all_free(self, ids: Sequence[int]) -> bool:
         cached = self.refs._cached
-        return not any(cached[i] for i in ids)
+        return not any(map(cached.__getitem__, ids))
 
     def in_use(self, block_id: int) -> bool:
         """A sequence (or a pending write) still holds it: evicting it frees no room."""

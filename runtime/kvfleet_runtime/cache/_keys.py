@@ -187,6 +187,18 @@ class ChainMemo:
                         h = copy()
                         h.update(link)
                         digest = h.digest()
+                        if not remember:
+                            # Only lookups fill the memo, each from a chain's first block on, so
+                            # past a chain's first miss its steps are all but never there: a
+                            # store (every miss's) hashes the rest without two probes a block.
+                            yield digest
+                            for i in range(i + _BLOCK_BYTES, stop, _BLOCK_BYTES):
+                                misses += 1
+                                h = copy()
+                                h.update(digest + data[i : i + _BLOCK_BYTES])
+                                digest = h.digest()
+                                yield digest
+                            return
                     if remember:
                         if len(young) >= self._half:
                             self._old = old = young
