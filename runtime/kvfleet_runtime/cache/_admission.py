@@ -17,10 +17,9 @@ threshold is raised by one: under pressure the scarce resource is the right to o
 from __future__ import annotations
 
 import enum
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import compress, islice, repeat
+from itertools import compress, repeat
 
 from kvfleet_runtime.cache._eviction import EvictionPolicy, RankedEviction
 from kvfleet_runtime.cache._reuse import REUSE_RANKING, GhostReuse
@@ -128,9 +127,6 @@ def sample_chain(
     return list(compress(hashes, keep)), list(compress(counts, keep))
 
 
-_consume = deque(maxlen=0).extend
-"""Runs an iterator of calls for their effect, in C (a whole chain's dict calls at once)."""
-
 _MAX_CLASS = 255
 """Sketch counters saturate at 255: an uncapped ranking has at most this many classes."""
 
@@ -154,14 +150,16 @@ class GhostRanking:
 
     Layout, for the request path's sake (a ghost takes a chain's worth of blocks and evicts as
     many at every miss): each held block has one int, its last touch's stamp and class (`stamp
-    << 8 | class`); each class is a queue of its touches (hash and that int, two deques) in
-    touch order, where a touch that a later one superseded is stale and skipped when it reaches
-    the front. A chain is queued and its victims dequeued by whole-chain calls into C; an
-    ordered dict per class (what this replaced) cost a linked node per block and a Python step
-    per victim, most of an evicting miss's ghost replay."""
+    << 8 | class`); each class is a queue of its touches (hash and that int, two lists read
+    from a head index) in touch order, where a touch that a later one superseded is stale and
+    skipped when it reaches the front. A chain is queued and its victims dequeued by
+    whole-chain calls into C (one probe a block each way); an ordered dict per class (what this
+    replaced) cost a linked node per block and a Python step per victim, most of an evicting
+    miss's ghost replay."""
 
     __slots__ = (
         "_entries",
+        "_heads",
         "_limit",
         "_live",
         "_low",
@@ -191,11 +189,10 @@ class GhostRanking:
         num_classes = _MAX_CLASS if max_frequency is None else max_frequency
         self._entries: dict[bytes, int] = {}
         """Each held block's last touch: `stamp << 8 | class`."""
-        self._queues: list[tuple[deque[bytes], deque[int]]] = [
-            (deque(), deque()) for _ in range(num_classes)
-        ]
-        """Per class, the hashes and entries of its touches, oldest first; a touch is live
-        while it is its block's entry."""
+        self._queues: list[tuple[list[bytes], list[int]]] = [([], []) for _ in range(num_classes)]
+        """Per class, the hashes and entries of its touches, oldest first, from `_heads[class]`
+        on (what is before it was dequeued); a touch is live while it is its block's entry."""
+        self._heads = [0] * num_classes
         self._live = [0] * num_classes
         """Blocks held per class."""
         self._queued = 0
@@ -262,10 +259,14 @@ class GhostRanking:
         k = self._class(min(counts))
         if k != self._class(max(counts)):  # classes are monotone in the count
             first_absent = self._walk(hashes, counts)
-        elif entries.keys().isdisjoint(hashes) and len(set(hashes)) == n:
-            first_absent = 0
-            self._live[k] += n
+        elif entries.keys().isdisjoint(hashes):
+            before = len(entries)
             self._touch(hashes, k)
+            added = len(entries) - before
+            self._live[k] += added
+            # Every block new to the ghost. A chain's hashes are distinct (each commits to its
+            # prefix); were one repeated, the walk would find its head-side copy present.
+            first_absent = 0 if added == n else min({h: i for i, h in enumerate(hashes)}.values())
         elif set(map(_class_of, map(entries.get, hashes, repeat(-1)))) == {k}:
             first_absent = n  # every block held, in the class it stays in
             self._touch(hashes, k)
@@ -284,13 +285,12 @@ class GhostRanking:
         self._stamp = stamp + n
         tail_first = hashes[::-1]
         stamps = range(stamp << 8 | k, (stamp + n) << 8 | k, 1 << 8)
-        self._entries.update(zip(tail_first, stamps))
+        self._entries.update(zip(tail_first, stamps, strict=True))
         queue_hashes, queue_entries = self._queues[k]
         queue_hashes.extend(tail_first)
         queue_entries.extend(stamps)
         self._queued += n
-        if k < self._low:
-            self._low = k
+        self._low = min(self._low, k)
 
     def _walk(self, hashes: Sequence[bytes], counts: Sequence[int]) -> int:
         """`replay`'s general case, a block at a time (tail first); returns the first absent
@@ -316,8 +316,7 @@ class GhostRanking:
             queue_hashes, queue_entries = queues[k]
             queue_hashes.append(h)
             queue_entries.append(entry)
-            if k < low:
-                low = k
+            low = min(low, k)
         self._queued += len(hashes)
         self._stamp = stamp
         self._low = low
@@ -325,22 +324,29 @@ class GhostRanking:
 
     def _evict(self, excess: int) -> None:
         """Drop `excess` blocks: the lowest class's least recent first."""
-        entries, queues, live = self._entries, self._queues, self._live
+        entries, queues, heads, live = self._entries, self._queues, self._heads, self._live
         low = self._low
         while excess > 0:
             while not live[low]:
                 low += 1
             queue_hashes, queue_entries = queues[low]
             take = min(excess, live[low])
-            # The class's `take` oldest touches, dequeued in C: when none is stale (superseded
-            # by a later touch) they are its `take` least recent blocks, and all go at once.
-            hashes = list(islice(iter(queue_hashes.popleft, None), take))
-            stamps = list(islice(iter(queue_entries.popleft, None), take))
+            head = heads[low]
+            # The class's `take` oldest touches. When none is stale (superseded by a later
+            # touch) they are its `take` least recent blocks: one pop each, and all go.
+            hashes = queue_hashes[head : head + take]
+            stamps = queue_entries[head : head + take]
+            heads[low] = head = head + take
             self._queued -= take
-            if list(map(entries.get, hashes)) == stamps:
-                _consume(map(entries.__delitem__, hashes))
+            popped = list(map(entries.pop, hashes, repeat(None)))
+            if popped == stamps:
                 gone = take
             else:
+                # Put back what the pops took (a repeated hash: its first pop took the entry),
+                # then one touch at a time.
+                for h, entry in zip(hashes, popped, strict=True):
+                    if entry is not None:
+                        entries[h] = entry
                 gone = 0
                 for h, entry in zip(hashes, stamps, strict=True):
                     if entries.get(h) == entry:
@@ -348,6 +354,9 @@ class GhostRanking:
                         gone += 1
             live[low] -= gone
             excess -= gone
+            if head > _QUEUE_SLACK and 2 * head > len(queue_hashes):
+                del queue_hashes[:head], queue_entries[:head]
+                heads[low] = 0
         self._low = low
 
     def _compact(self) -> None:
@@ -355,11 +364,13 @@ class GhostRanking:
         twice the blocks (and some), so each touch pays for its own removal about once."""
         entries = self._entries
         for k, (queue_hashes, queue_entries) in enumerate(self._queues):
-            if len(queue_hashes) == self._live[k]:
+            head = self._heads[k]
+            if len(queue_hashes) - head == self._live[k]:
                 continue
-            kept = [(h, e) for h, e in zip(queue_hashes, queue_entries, strict=True)
+            kept = [(h, e) for h, e in zip(queue_hashes[head:], queue_entries[head:], strict=True)
                     if entries.get(h) == e]
-            self._queues[k] = (deque(h for h, _ in kept), deque(e for _, e in kept))
+            self._queues[k] = ([h for h, _ in kept], [e for _, e in kept])
+            self._heads[k] = 0
         self._queued = len(entries)
 
     def __len__(self) -> int:
