@@ -284,7 +284,8 @@ class GhostRanking:
         stamp = self._stamp
         self._stamp = stamp + n
         tail_first = hashes[::-1]
-        stamps = range(stamp << 8 | k, (stamp + n) << 8 | k, 1 << 8)
+        # One int object per touch, held by both the directory and the queue.
+        stamps = list(range(stamp << 8 | k, (stamp + n) << 8 | k, 1 << 8))
         self._entries.update(zip(tail_first, stamps, strict=True))
         queue_hashes, queue_entries = self._queues[k]
         queue_hashes.extend(tail_first)
