@@ -24,6 +24,7 @@ the demo's tenants. The requests are a sample of whole prefix trees (`trace_work
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import random
@@ -192,11 +193,14 @@ def _is_int(value: object) -> bool:
 
 
 def parse_trace(path: Path, *, max_records: int | None = None) -> list[TraceRecord]:
-    """Read a Mooncake-format JSONL trace. A malformed line raises ValueError naming the line
-    number and the field. Blank lines are skipped."""
+    """Read a Mooncake-format JSONL trace (gzip-compressed if its name ends in .gz). A malformed
+    line raises ValueError naming the line number and the field. Blank lines are skipped."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        raw_bytes = path.read_bytes()
+        if path.name.endswith(".gz"):
+            raw_bytes = gzip.decompress(raw_bytes)
+        text = raw_bytes.decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read trace {path}: {exc}") from exc
     records: list[TraceRecord] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.benchmarks import TRACE_HELP, bench, default_trace
+from kvfleet_runtime.cli.benchmarks import TRACE_HELP, bench, default_trace, trace_path
 
 __all__ = ["DEFAULT_FRACTIONS", "DEFAULT_OUT", "policies"]
 
@@ -27,6 +27,20 @@ TRACE_WORKLOAD = "trace"
 
 
 
+def _trace_row_sets(given: list[str] | None) -> list[tuple[str, Path]]:
+    """(row-set name, file) per `--trace`: one trace is the row set `trace`, as it always was;
+    several are `trace:<vendored name or file stem>` each, in the order given."""
+    from kvfleet_lab.traces import TRACES
+
+    if not given:
+        return [(TRACE_WORKLOAD, default_trace())]
+    paths = [trace_path(t) for t in given]
+    if len(paths) == 1:
+        return [(TRACE_WORKLOAD, paths[0])]
+    names = [f"{TRACE_WORKLOAD}:{t if t in TRACES else Path(t).name.split('.')[0]}" for t in given]
+    if len(set(names)) < len(names) or len(set(paths)) < len(paths):
+        fail(f"--trace: each trace once, with distinct file names; got {', '.join(given)}")
+    return list(zip(names, paths, strict=True))
 
 
 def _parse_fractions(text: str) -> list[float]:
@@ -42,8 +56,11 @@ def _parse_fractions(text: str) -> list[float]:
 @bench.command("policies")
 def policies(
     trace: Annotated[
-        Path | None,
-        typer.Option(help=TRACE_HELP),
+        list[str] | None,
+        typer.Option(
+            help=TRACE_HELP + " Give it more than once for a row set per trace, e.g. "
+            "--trace synthetic --trace conversation."
+        ),
     ] = None,
     trace_requests: Annotated[
         int, typer.Option(help="Replay the first N requests of the trace (the quick run).")
@@ -84,6 +101,7 @@ def policies(
     from kvfleet_lab.cache.compare import compare_policies
     from kvfleet_lab.cache.sim import TraceRequest, load_mooncake_trace
     from kvfleet_lab.cache.workloads import WORKLOADS, generate_workload
+    from kvfleet_lab.traces import trace_label
 
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     known = (TRACE_WORKLOAD, *WORKLOADS)
@@ -96,15 +114,16 @@ def policies(
     err = Console(stderr=True, highlight=False)
     start = time.perf_counter()
     inputs: list[tuple[str, str, list[TraceRequest]]] = []
+    traces = _trace_row_sets(trace) if TRACE_WORKLOAD in names else []
     for name in names:
         if name == TRACE_WORKLOAD:
-            path = trace if trace is not None else default_trace()
-            try:
-                reqs = load_mooncake_trace(path, max_requests=None if full else trace_requests)
-            except (ValueError, OSError) as exc:
-                fail(f"{exc} (pass --trace with a Mooncake-format JSONL file)")
-            scope = "whole trace" if full else f"first {len(reqs):,} requests"
-            inputs.append((name, f"Mooncake synthetic trace ({path.name}), {scope}", reqs))
+            for row_set, path in traces:
+                try:
+                    reqs = load_mooncake_trace(path, max_requests=None if full else trace_requests)
+                except (ValueError, OSError) as exc:
+                    fail(f"{exc} (pass --trace with a Mooncake-format JSONL file)")
+                scope = "whole trace" if full else f"first {len(reqs):,} requests"
+                inputs.append((row_set, f"{trace_label(path)} ({path.name}), {scope}", reqs))
         else:
             generated = generate_workload(name, num_requests=requests, seed=seed)
             inputs.append((name, generated.description, generated.requests))
