@@ -1,8 +1,10 @@
 """`kvfleet bench policies` (also plain `kvfleet bench`).
 
 `policies`: no cache, vLLM-style hash + LRU, SGLang-style radix + LRU, kvfleet's shipped policy,
-Belady's offline optimum and the infinite cache, side by side on the Mooncake trace and on the
-generated populations (`kvfleet_lab.cache.compare`, `.workloads`), at several capacities.
+Belady's offline optimum and the infinite cache, side by side on the Mooncake traces (each
+`--trace` given, its own row set: the synthetic one by default, `--trace synthetic --trace
+conversation` for both) and on the generated populations (`kvfleet_lab.cache.compare`,
+`.workloads`), at several capacities.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def policies(
     ] = 2000,
     full: Annotated[
         bool,
-        typer.Option("--full", help="Replay the whole trace (about 2.5 minutes of CPU)."),
+        typer.Option("--full", help="Replay each trace whole (minutes: docs/benchmarks.md)."),
     ] = False,
     requests: Annotated[int, typer.Option(help="Requests per generated workload.")] = 1000,
     workloads: Annotated[
