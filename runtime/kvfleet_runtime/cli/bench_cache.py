@@ -23,7 +23,7 @@ QUICK_REQUESTS = 2000
 
 @bench.command("cache")
 def cache(
-    trace: Annotated[str | None, typer.Option(help=TRACE_HELP)] = None,
+    trace: Annotated[str | None, typer.Option(help=TRACE_HELP, metavar="NAME|PATH")] = None,
     requests: Annotated[
         int, typer.Option(help="Replay the first N requests of the trace (the quick run).")
     ] = QUICK_REQUESTS,

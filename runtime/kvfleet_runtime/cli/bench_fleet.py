@@ -18,7 +18,7 @@ __all__ = ["fleet"]
 
 @bench.command("fleet")
 def fleet(
-    trace: Annotated[str | None, typer.Option(help=TRACE_HELP)] = None,
+    trace: Annotated[str | None, typer.Option(help=TRACE_HELP, metavar="NAME|PATH")] = None,
     replicas: Annotated[int, typer.Option(help="Replicas in the hit-rate simulation.")] = 4,
     capacity_fraction: Annotated[
         float,

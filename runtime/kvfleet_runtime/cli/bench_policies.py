@@ -60,12 +60,13 @@ def policies(
     trace: Annotated[
         list[str] | None,
         typer.Option(
+            metavar="NAME|PATH",
             help=TRACE_HELP + " Give it more than once for a row set per trace, e.g. "
             "--trace synthetic --trace conversation."
         ),
     ] = None,
     trace_requests: Annotated[
-        int, typer.Option(help="Replay the first N requests of the trace (the quick run).")
+        int, typer.Option(help="Replay the first N requests of each trace (the quick run).")
     ] = 2000,
     full: Annotated[
         bool,

@@ -83,6 +83,7 @@ def demo(
     workload: Annotated[str, typer.Option(
         help="Built-in workload: mixed, system-prompts, rag or conversations.")] = "mixed",
     trace: Annotated[str | None, typer.Option(
+        metavar="NAME|PATH",
         help="A trace to replay instead of a built-in workload: a vendored one by name "
         "(synthetic, conversation) or a Mooncake-format JSONL file (.gz read compressed).")]
         = None,
