@@ -63,7 +63,7 @@ def test_bench_fleet_bad_flags(tmp_path: Path) -> None:
             str(tmp_path / "none.jsonl"),
         ],
     )
-    assert result.exit_code == 2 and "trace file not found" in result.output
+    assert result.exit_code == 2 and "--trace: trace not found" in result.output
     result = runner.invoke(app, ["bench", "fleet", "--t2-layout", "8,8", "--skip", "hit-rates"])
     assert result.exit_code == 2 and "LAYERS,KV_HEADS,HEAD_DIM" in result.output
 
