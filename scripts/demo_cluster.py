@@ -212,6 +212,8 @@ def run(keep: bool, n: Narrator, keep_logs: Callable[..., None]) -> None:
             raise DemoError(f"{image} (this checkout's build) is not there: run `make images` "
                             "(scripts/images.sh), or `make demo-cluster`, which builds it")
     with contextlib.ExitStack() as stack:
+        n.title("Open this checkout's runtime and operator images; generate two tiny checkpoints "
+                "(weights v1 and v2)")
         work = Path(tempfile.mkdtemp(prefix="kvfleet-demo-cluster-"))
         stack.callback(keep_logs, work)
         containers = {}
@@ -227,6 +229,9 @@ def run(keep: bool, n: Narrator, keep_logs: Callable[..., None]) -> None:
             digests = {"v1": generate_model(models, seed=0), "v2": generate_model(models, seed=1)}
         except RuntimeError as exc:
             raise DemoError(str(exc)) from None
+        n.say(f"images {images['runtime']} and {images['operator']}; weights v1 "
+              f"{digests['v1'][:19]}..., v2 {digests['v2'][:19]}... (`kvfleet model generate "
+              "--preset tiny`), one folder per digest as the chart's model volume expects.")
 
         n.title("Start a local Kubernetes control plane (etcd, kube-apiserver, controller-manager, "
                 "scheduler, kwok) on 127.0.0.1")

@@ -110,6 +110,6 @@ for image in runtime operator; do
 done
 for image in runtime operator; do
   tag=$(source_tag "$image")
-  size=$("${buildah[@]}" images --format '{{.Size}}' "$tag")
+  size=$("${buildah[@]}" images --format '{{.Size}}' "$tag" | head -n 1)
   echo "images: $tag $size"
 done
