@@ -71,6 +71,8 @@ HIT_RATE_QUERY = (
 # shared with other work a TLS handshake can miss client-go's 10 s; past this it is down.
 KUBECTL_RETRY_S = 90.0
 KUBECTL_RETRY_PAUSE_S = 2.0
+# A rollout's row is printed when its phase, step or reason changes, and at least this often.
+WATCH_ROW_S = 15.0
 # What kubectl prints when the request never got an answer (not when the server said no).
 TRANSIENT = ("Unable to connect to the server", "TLS handshake timeout", "i/o timeout",
              "connection refused", "connection reset", "context deadline exceeded",
@@ -102,7 +104,8 @@ class Narrator:
         _print(f"\n[{self.elapsed():4.0f}s] {self.step}. {text}")
 
     def say(self, text: str) -> None:
-        _print(textwrap.fill(text, 100, initial_indent="   ", subsequent_indent="   "))
+        _print(textwrap.fill(text, 100, initial_indent="   ", subsequent_indent="   ",
+                             break_on_hyphens=False, break_long_words=False))
 
     def show(self, command: str, output: str) -> None:
         _print(f"\n   $ {command}")
@@ -175,22 +178,26 @@ def _events(cluster: Cluster, name: str) -> str:
 
 def _watch_rollout(cluster: Cluster, name: str, phases: set[str], timeout_s: float,
                    diagnostics: Callable[[], str]) -> dict[str, Any]:
-    """Print the rollout's row each time it changes (what `kubectl get mro -w` shows); return
-    its status once its phase is one of `phases`."""
-    last = ""
+    """Print the rollout's row as `kubectl get mro -w` shows it: when its phase, step or reason
+    changes, and every WATCH_ROW_S in between (the hit rates move every scrape); return its
+    status once its phase is one of `phases`."""
+    last: tuple[str, ...] = ()
+    printed = 0.0
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         table = cluster.kubectl("get", "-n", NAMESPACE, "mro", name, "-o", "wide",
                                 check=False, timeout_s=60).stdout.splitlines()
-        row = table[1].rsplit(None, 1)[0] if len(table) == 2 else ""  # all but AGE
-        if row and row != last:
-            if not last:
-                _print("   " + table[0])
-            _print("   " + table[1])
-            last = row
-        status = _status(cluster, name)
-        if status.get("phase") in phases:
-            return status
+        if len(table) == 2:
+            status = _status(cluster, name)
+            key = tuple(str(status.get(k)) for k in ("phase", "currentStep", "reason",
+                                                     "stepState"))
+            if key != last or time.monotonic() - printed >= WATCH_ROW_S:
+                if not last:
+                    _print("   " + table[0])
+                _print("   " + table[1])
+                last, printed = key, time.monotonic()
+            if status.get("phase") in phases:
+                return status
         time.sleep(2)
     raise DemoError(f"ModelRollout {name} did not reach {' or '.join(sorted(phases))} in "
                     f"{timeout_s:.0f} s (load average {_load()})\n{diagnostics()}")
