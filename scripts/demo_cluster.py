@@ -41,6 +41,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.cluster.api import ApiClient, ApiError  # noqa: E402
 from tests.cluster.binaries import MissingBinariesError  # noqa: E402
 from tests.cluster.cluster import Cluster, CommandError, open_cluster  # noqa: E402
 from tests.cluster.processes import ComponentError  # noqa: E402
@@ -159,14 +160,13 @@ def _rollout(name: str, digest: str, prometheus_url: str, window_s: int,
     return yaml.safe_dump(doc)
 
 
-def _status(cluster: Cluster, name: str) -> dict[str, Any]:
-    """The rollout's status; {} when the API server did not answer this time (the watch asks
-    again)."""
-    out = cluster.kubectl("get", "-n", NAMESPACE, "mro", name, "-o", "json", check=False,
-                          timeout_s=60)
-    if out.returncode != 0:
+def _get(api: ApiClient, resource: str, name: str) -> dict[str, Any]:
+    """A kvfleet.dev object of the demo's namespace; {} when the API server did not answer this
+    time (the caller asks again)."""
+    try:
+        return dict(api.get(f"/apis/kvfleet.dev/v1alpha1/namespaces/{NAMESPACE}/{resource}/{name}"))
+    except ApiError:
         return {}
-    return dict(json.loads(out.stdout).get("status") or {})
 
 
 def _events(cluster: Cluster, name: str) -> str:
@@ -176,8 +176,8 @@ def _events(cluster: Cluster, name: str) -> str:
         "-o", "custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message")
 
 
-def _watch_rollout(cluster: Cluster, name: str, phases: set[str], timeout_s: float,
-                   diagnostics: Callable[[], str]) -> dict[str, Any]:
+def _watch_rollout(cluster: Cluster, api: ApiClient, name: str, phases: set[str],
+                   timeout_s: float, diagnostics: Callable[[], str]) -> dict[str, Any]:
     """Print the rollout's row as `kubectl get mro -w` shows it: when its phase, step or reason
     changes, and every WATCH_ROW_S in between (the hit rates move every scrape); return its
     status once its phase is one of `phases`."""
@@ -185,22 +185,26 @@ def _watch_rollout(cluster: Cluster, name: str, phases: set[str], timeout_s: flo
     printed = 0.0
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        table = cluster.kubectl("get", "-n", NAMESPACE, "mro", name, "-o", "wide",
-                                check=False, timeout_s=60).stdout.splitlines()
-        if len(table) == 2:
-            status = _status(cluster, name)
-            key = tuple(str(status.get(k)) for k in ("phase", "currentStep", "reason",
-                                                     "stepState"))
-            if key != last or time.monotonic() - printed >= WATCH_ROW_S:
+        status = _get(api, "modelrollouts", name).get("status") or {}
+        key = tuple(str(status.get(k)) for k in ("phase", "currentStep", "reason", "stepState"))
+        if status and (key != last or time.monotonic() - printed >= WATCH_ROW_S):
+            table = cluster.kubectl("get", "-n", NAMESPACE, "mro", name, "-o", "wide",
+                                    check=False, timeout_s=60).stdout.splitlines()
+            if len(table) == 2:
                 if not last:
                     _print("   " + table[0])
                 _print("   " + table[1])
                 last, printed = key, time.monotonic()
-            if status.get("phase") in phases:
-                return status
+        if status.get("phase") in phases:
+            return dict(status)
         time.sleep(2)
     raise DemoError(f"ModelRollout {name} did not reach {' or '.join(sorted(phases))} in "
                     f"{timeout_s:.0f} s (load average {_load()})\n{diagnostics()}")
+
+
+def _ready(obj: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (obj.get("status") or {}).get("conditions") or [])
 
 
 def _stable_pods(cluster: Cluster) -> dict[str, str]:
@@ -255,6 +259,8 @@ def run(keep: bool, n: Narrator, keep_logs: Callable[..., None]) -> None:
               "two kwok nodes with 8 fake GPUs each; the kubelet shim runs each replica and router "
               "pod as a real process inside the built runtime image, and the operator pod inside "
               "the built operator image, at the pod's own IP.")
+        api = ApiClient(cluster.kubeconfig)
+        stack.callback(api.close)
         nodes = create_loopback_nodes(cluster)
         kubectl(cluster, "apply", "-f", "-", stdin=json.dumps(
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}))
@@ -318,7 +324,7 @@ def run(keep: bool, n: Narrator, keep_logs: Callable[..., None]) -> None:
                 json.dumps(patch))
         n.say("(examples/kvcachepolicy.yaml, patched for this release: its replica pods' labels "
               "and port, the trace's 48 tenants, one home replica each.)")
-        wait_for(lambda: "True" in cluster.kubectl("get", "-n", NAMESPACE, "kvcp", "chat").stdout,
+        wait_for(lambda: _ready(_get(api, "kvcachepolicies", "chat")),
                  "the policy Ready (the operator pod logged in and reconciled it)", 240,
                  diagnostics)
         n.show(f"kubectl get kvcachepolicy -n {NAMESPACE} -o wide",
@@ -349,7 +355,7 @@ def run(keep: bool, n: Narrator, keep_logs: Callable[..., None]) -> None:
         kubectl(cluster, "apply", "-n", NAMESPACE, "-f", "-",
                 stdin=_rollout("bad", digests["v2"], prometheus.url, 50, image=UNSTABLE_KEY_IMAGE))
         n.show(f"kubectl get modelrollout bad -n {NAMESPACE} -o wide -w", "")
-        status = _watch_rollout(cluster, "bad", {"RolledBack", "Succeeded", "Failed"}, 420,
+        status = _watch_rollout(cluster, api, "bad", {"RolledBack", "Succeeded", "Failed"}, 420,
                                 diagnostics)
         if status.get("phase") != "RolledBack" or status.get("reason") != "HitRateNotRecovered":
             raise DemoError(f"the bad canary ended {status.get('phase')} ({status.get('reason')}): "
@@ -384,7 +390,7 @@ def run(keep: bool, n: Narrator, keep_logs: Callable[..., None]) -> None:
         kubectl(cluster, "apply", "-n", NAMESPACE, "-f", "-",
                 stdin=_rollout("v2", digests["v2"], prometheus.url, 150))
         n.show(f"kubectl get modelrollout v2 -n {NAMESPACE} -o wide -w", "")
-        status = _watch_rollout(cluster, "v2", {"Succeeded", "RolledBack", "Failed"}, 600,
+        status = _watch_rollout(cluster, api, "v2", {"Succeeded", "RolledBack", "Failed"}, 600,
                                 diagnostics)
         if status.get("phase") != "Succeeded":
             raise DemoError(f"the v2 rollout ended {status.get('phase')} ({status.get('reason')}): "
