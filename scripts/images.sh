@@ -110,6 +110,7 @@ for image in runtime operator; do
 done
 for image in runtime operator; do
   tag=$(source_tag "$image")
-  size=$("${buildah[@]}" images --format '{{.Size}}' "$tag" | head -n 1)
+  size=$("${buildah[@]}" images --format '{{.Size}}' "$tag")
+  size=${size%%$'\n'*}  # one line per tag of the image: the first (no pipe: a SIGPIPE fails it)
   echo "images: $tag $size"
 done
