@@ -1,11 +1,11 @@
 """JSON requests to the test cluster's API server over one kept-alive TLS connection.
 
 For loops that ask the API server several times a second (the e2e's kubelet shim, the demo's
-rollout watch): a kubectl process per request costs about 0.1 s of CPU (the Go binary's start, a
-TLS handshake, printing the objects again), which on two shared cores was the demo's largest CPU
-user (~0.4 core, more than its replicas, router, operator and API server together) and so a cause
-of the very TLS handshake timeouts it then hit. One connection, kept alive, costs a request's
-work only. Authenticates as the kubeconfig's user: a client certificate or a token (the shapes
+rollout watch): a kubectl process per request costs about 0.05 s of CPU (the Go binary's start, a
+TLS handshake, printing the objects again): the demo's polls that way took 0.24 of two shared
+cores, more than its API server, router or operator (docs/benchmarks.md), load that fed the very
+TLS handshake timeouts it then hit. One connection, kept alive, costs a request's work only.
+Authenticates as the kubeconfig's user: a client certificate or a token (the shapes
 tests/cluster/kubeconfig.py writes).
 """
 

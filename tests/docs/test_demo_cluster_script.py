@@ -83,3 +83,22 @@ def test_kubectl_gives_up_naming_the_command_and_the_error(
     with pytest.raises(demo.DemoError, match="Forbidden"):  # type: ignore[attr-defined]
         demo.kubectl(refused, "get", "pods")  # type: ignore[attr-defined]
     assert refused.calls == 1
+
+
+def test_the_quickstart_shows_the_columns_kubectl_prints() -> None:
+    """docs/quickstart.md's excerpt of a run has the CRD's `-o wide` columns, in order, and rows
+    with one cell each and a phase the operator writes (the figures are a recorded run's)."""
+    guide = (ROOT / "docs" / "quickstart.md").read_text()
+    start = guide.index("```text", guide.index("`make demo-cluster` walks"))
+    block = guide[start:guide.index("```", start + 3)].splitlines()[1:]
+    crd = yaml.safe_load((ROOT / "charts" / "kvfleet" / "crds" /
+                          "kvfleet.dev_modelrollouts.yaml").read_text())
+    columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    assert block[0].split() == ["NAME", *(c["name"].upper() for c in columns)]
+    phases = set(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+                 ["status"]["properties"]["phase"]["enum"])
+    rows = {row.split()[0]: row.split() for row in block[1:]}
+    assert set(rows) == {"bad", "v2"}
+    assert all(len(row) == len(columns) + 1 for row in rows.values())
+    assert rows["bad"][2] == "RolledBack" and rows["v2"][2] == "Succeeded"
+    assert {rows["bad"][2], rows["v2"][2]} <= phases
