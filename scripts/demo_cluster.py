@@ -78,7 +78,7 @@ WATCH_ROW_S = 15.0
 TRANSIENT = ("Unable to connect to the server", "TLS handshake timeout", "i/o timeout",
              "connection refused", "connection reset", "context deadline exceeded",
              "Client.Timeout", "(Timeout)", "(ServiceUnavailable)", "etcdserver: request timed out",
-             "timed out after", "EOF")
+             "timed out after", "\": EOF")
 
 
 class DemoError(Exception):
