@@ -5,35 +5,23 @@
 # size. Called by `make test` (the image smoke tests in tests/images run on what it built).
 #
 # Cached outside the clone: the images live in buildah's own storage (root's, under
-# /var/lib/containers), the stamps under $KVFLEET_HOME/images. The base is rebuilt only when its
-# recipe changes; an image only when its Dockerfile, the lock, pyproject.toml or the sources
-# change, and then buildah's layer cache rebuilds only from the first changed step (a change of
-# the sources rebuilds the wheel and one small layer; torch's layer stays).
+# /var/lib/containers), shared by every checkout on the machine. Each build is also tagged by what
+# its build context holds, <version>-src-<digest> (`scripts/images.sh --tag runtime` prints this
+# checkout's): the tests and `make demo-cluster` run that tag, so another checkout rebuilding
+# <version> from other sources meanwhile cannot swap the image under them. The base is rebuilt
+# only when its recipe changes; an image only when no build of the same context exists, and then
+# buildah's layer cache rebuilds only from the first changed step (a change of the sources
+# rebuilds the wheel and one small layer; torch's layer stays).
+#
+#   scripts/images.sh                     # build what is missing, point <version> at this checkout's
+#   scripts/images.sh --tag runtime|operator   # print this checkout's tag; builds nothing
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$KVFLEET_ROOT"
-STAMPS="$KVFLEET_HOME/images"
-mkdir -p "$STAMPS"
-
-if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi
-need=()
-command -v buildah >/dev/null 2>&1 || need+=(buildah)
-command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
-if [ ${#need[@]} -gt 0 ]; then
-  echo "images: installing ${need[*]}"
-  $sudo apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${need[@]}"
-fi
-buildah=($sudo buildah)
+LOGS="$KVFLEET_HOME/images"
 
 version=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
 base="localhost/kvfleet-python:3.11-bookworm-$(sha256sum docker/python-base.sh | cut -c1-12)"
-if ! "${buildah[@]}" inspect --type image "$base" >/dev/null 2>&1; then
-  echo "images: making the base $base (debootstrap of bookworm + python3.11)"
-  start=$SECONDS
-  $sudo docker/python-base.sh "$base"
-  echo "images: base made in $((SECONDS - start)) s"
-fi
 
 # What the build context holds (.dockerignore lets in pyproject.toml, the lock, README.md, runtime/
 # and operator/, without caches), by content, so a fresh clone of the same tree hits the cache.
@@ -47,10 +35,47 @@ context_digest() {
   } | sha256sum | cut -c1-64
 }
 
+# This checkout's build of an image: the tag its build context decides.
+source_tag() { echo "localhost/kvfleet/kvfleet-$1:$version-src-$(context_digest "$1" | cut -c1-16)"; }
+
+if [ "${1:-}" = "--tag" ]; then
+  case "${2:-}" in
+    runtime|operator) source_tag "$2"; exit 0 ;;
+    *) echo "usage: scripts/images.sh [--tag runtime|operator]" >&2; exit 2 ;;
+  esac
+elif [ $# -gt 0 ]; then
+  echo "usage: scripts/images.sh [--tag runtime|operator]" >&2; exit 2
+fi
+mkdir -p "$LOGS"
+
+if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi
+need=()
+command -v buildah >/dev/null 2>&1 || need+=(buildah)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "images: installing ${need[*]}"
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${need[@]}"
+fi
+buildah=($sudo buildah)
+
+if ! "${buildah[@]}" inspect --type image "$base" >/dev/null 2>&1; then
+  echo "images: making the base $base (debootstrap of bookworm + python3.11)"
+  start=$SECONDS
+  $sudo docker/python-base.sh "$base"
+  echo "images: base made in $((SECONDS - start)) s"
+fi
+
 # The layer cache keeps one torch layer per lock; old ones are dropped when space runs short.
 free_gib() { df -P --block-size=1G /var/lib/containers 2>/dev/null | awk 'NR == 2 {print $4}'; }
 if [ "$(free_gib)" -lt 25 ]; then
-  echo "images: under 25 GiB free for buildah's storage; pruning images no tag names"
+  echo "images: under 25 GiB free for buildah's storage; dropping other sources' builds and" \
+    "pruning images no tag names"
+  keep=" $(source_tag runtime) $(source_tag operator) "
+  for tag in $("${buildah[@]}" images --format '{{.Name}}:{{.Tag}}' | grep -- '-src-' || true); do
+    # One in use by a working container (a test or demo running now) is refused: it stays.
+    case "$keep" in *" $tag "*) ;; *) "${buildah[@]}" rmi "$tag" >/dev/null 2>&1 || true ;; esac
+  done
   "${buildah[@]}" rmi --prune >/dev/null || true
 fi
 
@@ -64,28 +89,28 @@ fi
 
 for image in runtime operator; do
   name="localhost/kvfleet/kvfleet-$image:$version"
-  digest=$(context_digest "$image")
-  stamp="$STAMPS/kvfleet-$image.context"
-  if [ "$(cat "$stamp" 2>/dev/null)" = "$digest" ] \
-     && "${buildah[@]}" inspect --type image "$name" >/dev/null 2>&1; then
-    echo "images: $name is up to date"
+  tag=$(source_tag "$image")
+  if "${buildah[@]}" inspect --type image "$tag" >/dev/null 2>&1; then
+    echo "images: $tag is up to date"
   else
-    echo "images: building $name (docker/$image.Dockerfile)"
+    echo "images: building $tag (docker/$image.Dockerfile)"
     start=$SECONDS
-    log="$STAMPS/kvfleet-$image.build.log"
+    log="$LOGS/kvfleet-$image.build.log"
     if ! "${buildah[@]}" bud --isolation chroot --layers --force-rm \
-         "${ca_args[@]}" --build-arg "PYTHON_IMAGE=$base" -f "docker/$image.Dockerfile" -t "$name" . >"$log" 2>&1
+         "${ca_args[@]}" --build-arg "PYTHON_IMAGE=$base" -f "docker/$image.Dockerfile" -t "$tag" . >"$log" 2>&1
     then
       tail -n 40 "$log" >&2
-      echo "images: building $name failed (whole log: $log)" >&2
+      echo "images: building $tag failed (whole log: $log)" >&2
       exit 1
     fi
-    echo "$digest" > "$stamp"
-    echo "images: built $name in $((SECONDS - start)) s"
+    echo "images: built $tag in $((SECONDS - start)) s"
   fi
+  # <version>, the tag the chart names, is this checkout's build (until another checkout's run).
+  "${buildah[@]}" tag "$tag" "$name"
 done
 for image in runtime operator; do
-  name="localhost/kvfleet/kvfleet-$image:$version"
-  size=$("${buildah[@]}" images --format '{{.Size}}' "$name")
-  echo "images: $name $size"
+  tag=$(source_tag "$image")
+  size=$("${buildah[@]}" images --format '{{.Size}}' "$tag")
+  size=${size%%$'\n'*}  # one line per tag of the image: the first (no pipe: a SIGPIPE fails it)
+  echo "images: $tag $size"
 done

@@ -10,8 +10,9 @@ How each piece runs (and why):
   the pods' own specs (args, env, mounted ConfigMaps and Secrets, the hostPath model volume,
   uid 10001), inside the runtime image scripts/images.sh built (`buildah run --isolation
   chroot`, read-only root): the bytes a cluster would pull, not this checkout's venv. The image
-  must be there and built from this checkout's sources, or the e2e fails saying so (`make test`
-  builds it first; `make images` alone rebuilds it). One image tag is a fault injected for
+  is this checkout's build (the tag scripts/images.sh gives these sources, which another
+  checkout's build cannot replace); not built, the e2e fails saying so (`make test` builds it
+  first; `make images` alone does). One image tag is a fault injected for
   scenario B (kubelet.UNSTABLE_KEY_IMAGE: the same image's replica through unstable_key.py, its
   cache key nonced per request); every other pod runs as is.
 - Operator: `kvfleet-operator run` as a local process (this checkout's venv) with a kubeconfig
@@ -50,7 +51,7 @@ from tests.e2e.world import (
     free_port,
     generate_model,
 )
-from tests.images.buildah import RUNTIME, Container, have_image, working_container
+from tests.images.buildah import Container, checkout_image, have_image, working_container
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvfleet"
@@ -128,14 +129,15 @@ def runtime_image() -> Iterator[Container]:
     Missing or stale, the e2e fails (no fall back to the host's venv): `make test` always builds
     it before pytest, so either is a real fault (a failed or skipped build, a pruned image, or a
     focused run after a source change)."""
-    if not have_image(RUNTIME):
-        pytest.fail(f"the e2e runs the replica and router pods in {RUNTIME}, which is not built "
+    image = checkout_image("runtime")
+    if not have_image(image):
+        pytest.fail(f"the e2e runs the replica and router pods in {image}, which is not built "
                     "(or buildah is missing): run `make images` (scripts/images.sh), which "
                     "`make test` runs before the tests", pytrace=False)
-    with working_container(RUNTIME, prefix="kvfleet-e2e") as container:
+    with working_container(image, prefix="kvfleet-e2e") as container:
         stale = container.stale_sources()
         if stale:
-            pytest.fail(f"{RUNTIME} was built from other sources than this checkout's "
+            pytest.fail(f"{image} was built from other sources than this checkout's "
                         f"({len(stale)} files differ, e.g. {', '.join(stale[:3])}): run "
                         "`make images` (scripts/images.sh) to rebuild it", pytrace=False)
         yield container

@@ -66,7 +66,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from tests.cluster.fixtures import Cluster, CommandError
+from tests.cluster.api import STRATEGIC_MERGE, ApiClient
+from tests.cluster.fixtures import Cluster
 from tests.cluster.kubeconfig import current_cluster
 from tests.cluster.processes import ManagedProcess, start_process
 from tests.images.buildah import VERSION, Container, stop_run
@@ -147,6 +148,8 @@ class KubeletShim:
         on_change: Callable[[list[PodProcess]], None] | None = None,
     ) -> None:
         self.cluster = cluster
+        # Its polls go over one kept-alive connection, not a kubectl process each (api.py).
+        self.api = ApiClient(cluster.kubeconfig)
         self.namespace = namespace
         self.work_dir = work_dir
         self.selector = selector
@@ -189,6 +192,7 @@ class KubeletShim:
             self._stop_pod(pod)
         for thread in self._stoppers:
             thread.join(STOP_GRACE_S * 3)
+        self.api.close()
         # Beside the pods' logs (kept with KVFLEET_E2E_KEEP=1): what started and stopped, when.
         (self.work_dir / "events.log").write_text("\n".join([*self.events, *self.errors]) + "\n")
 
@@ -207,20 +211,24 @@ class KubeletShim:
         while not self._stop.is_set():
             try:
                 self._sync()
-            except CommandError as exc:
-                self.errors.append(f"{time.strftime('%H:%M:%S')} {exc.argv[3:6]}: {exc.stderr}")
             except (ValueError, KeyError, OSError) as exc:
                 self.errors.append(f"{time.strftime('%H:%M:%S')} {exc!r}"[:500])
             self._stop.wait(POLL_S)
 
-    def _get(self, *what: str) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl("get", "-n", self.namespace, *what, "-o", "json", timeout_s=20)
-        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+    def _list(self, kind: str, resource: str, **query: str) -> list[dict[str, Any]]:
+        """The namespace's objects of one kind, each with its `kind` (a list's items have none)."""
+        items: list[dict[str, Any]] = self.api.get(
+            f"/api/v1/namespaces/{self.namespace}/{resource}", **query)["items"]
+        for item in items:
+            item["kind"] = kind
         return items
 
     def _sync(self) -> None:
-        pods = self._get("pods", "-l", self.selector)
-        objects = {(o["kind"], o["metadata"]["name"]): o for o in self._get("configmaps,secrets")}
+        pods = self._list("Pod", "pods", labelSelector=self.selector)
+        # Helm's release records (the whole chart, gzipped, per revision) are no pod's volume.
+        objects = {(o["kind"], o["metadata"]["name"]): o for o in [
+            *self._list("ConfigMap", "configmaps"),
+            *self._list("Secret", "secrets", fieldSelector="type!=helm.sh/release.v1")]}
         wanted: dict[str, dict[str, Any]] = {}
         for pod in pods:
             meta, spec, status = pod["metadata"], pod["spec"], pod.get("status") or {}
@@ -296,8 +304,8 @@ class KubeletShim:
             {"type": kind, "status": value, "lastTransitionTime": now}
             for kind in ("Ready", "ContainersReady")
         ]}}
-        self.cluster.kubectl("patch", "pod", name, "-n", self.namespace, "--subresource=status",
-                             "--type=strategic", "-p", json.dumps(patch), timeout_s=20)
+        self.api.patch(f"/api/v1/namespaces/{self.namespace}/pods/{name}/status", patch,
+                       STRATEGIC_MERGE)
 
     # -- the pod's container ---------------------------------------------------------------
 
@@ -392,11 +400,13 @@ class KubeletShim:
         namespace, readable by the container's user."""
         meta, spec = pod["metadata"], pod["spec"]
         account = spec.get("serviceAccountName") or "default"
-        token = self.cluster.kubectl(
-            "create", "token", account, "-n", meta["namespace"], "--bound-object-kind=Pod",
-            f"--bound-object-name={meta['name']}", f"--bound-object-uid={meta['uid']}",
-            f"--duration={TOKEN_DURATION_S}s", timeout_s=20,
-        ).stdout.strip()
+        token = str(self.api.post(
+            f"/api/v1/namespaces/{meta['namespace']}/serviceaccounts/{account}/token",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+             "spec": {"expirationSeconds": TOKEN_DURATION_S,
+                      "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"],
+                                         "uid": meta["uid"]}}},
+        )["status"]["token"])
         entry = current_cluster(self.cluster.kubeconfig)
         if "certificate-authority-data" in entry:
             ca = base64.b64decode(entry["certificate-authority-data"])

@@ -28,6 +28,10 @@ E2E_NODE_LABEL = "kvfleet.dev/e2e-node"
 NUM_E2E_NODES = 2
 
 
+# `kvfleet model generate --preset tiny` (a torch import and a few MB of weights) takes ~15 s on
+# 2 idle cores and has taken over 2 min on 2 cores shared with builds; past this it is stuck.
+MODEL_GENERATE_S = 300.0
+
 METRICS_TOKEN_KEY = "metrics-token"
 """The chart's `auth.metricsTokenKey` (values.yaml)."""
 
@@ -48,6 +52,10 @@ def wait_for(check: Callable[[], Any], what: str, timeout_s: float,
         time.sleep(0.5)
     extra = "" if on_timeout is None else "\n" + on_timeout()
     raise AssertionError(f"{what}: not true after {timeout_s:.0f} s (last: {last!r}){extra}")
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def free_port() -> int:
@@ -104,11 +112,18 @@ def generate_model(models: Path, seed: int, attn_impl: str = "eager") -> str:
     """`kvfleet model generate` into models/<digest> (the chart's folder-per-digest layout)."""
     staging = models / f"staging-{seed}-{attn_impl}"
     kvfleet = Path(sys.executable).with_name("kvfleet")
-    out = subprocess.run(
-        [str(kvfleet), "model", "generate", "--out", str(staging), "--preset", "tiny",
-         "--seed", str(seed), "--attn-impl", attn_impl],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout.split()
+    argv = [str(kvfleet), "model", "generate", "--out", str(staging), "--preset", "tiny",
+            "--seed", str(seed), "--attn-impl", attn_impl]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=MODEL_GENERATE_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"`kvfleet model generate --seed {seed}` did not finish in "
+                           f"{MODEL_GENERATE_S:.0f} s (load average {_load()}); it takes about "
+                           "15 s on 2 idle cores") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"`kvfleet model generate --seed {seed}` exited {done.returncode}:\n"
+                           f"{done.stderr.strip()[-2000:]}")
+    out = done.stdout.split()
     digest = out[-1]
     assert digest.startswith("sha256:"), out
     # The replica pods run as uid 10001 and read this folder through a hostPath; safetensors

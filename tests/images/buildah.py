@@ -15,6 +15,7 @@ every run its own /dev (with a /dev/shm tmpfs), /proc, /sys and /etc/hosts, host
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -29,9 +30,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-# The tags scripts/images.sh gives (buildah names a local image localhost/<repository>:<tag>).
+# The tags the chart names, which scripts/images.sh points at the last checkout it ran for
+# (buildah names a local image localhost/<repository>:<tag>); what runs is checkout_image's.
 RUNTIME = f"localhost/kvfleet/kvfleet-runtime:{VERSION}"
 OPERATOR = f"localhost/kvfleet/kvfleet-operator:{VERSION}"
+IMAGES_SCRIPT = ROOT / "scripts" / "images.sh"
 # The chart's writable mounts (emptyDirs); everything else in the root filesystem is read-only.
 WRITABLE = {"tmp"}
 # Set up by buildah run itself (devices, proc, the resolver files it injects).
@@ -47,6 +50,16 @@ PACKAGES = tuple(
 
 def buildah() -> list[str]:
     return ["buildah"] if os.geteuid() == 0 else ["sudo", "-n", "buildah"]
+
+
+@functools.cache
+def checkout_image(kind: str) -> str:
+    """This checkout's build of the `runtime` or `operator` image: the tag scripts/images.sh
+    gives a build of exactly these sources (`<version>-src-<digest of the build context>`), which
+    another checkout's build of other sources cannot replace (its <version> tag can)."""
+    out = subprocess.run(["bash", str(IMAGES_SCRIPT), "--tag", kind], capture_output=True,
+                         text=True, timeout=60, check=True)
+    return out.stdout.strip()
 
 
 def have_image(name: str) -> bool:

@@ -15,6 +15,7 @@ from tests.images.buildah import (
     RUNTIME,
     VERSION,
     Container,
+    checkout_image,
     have_image,
     stop_run,
     working_container,
@@ -27,7 +28,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     stop_run(proc, grace_s=30)
 
 
-def _container(image: str) -> Iterator[Container]:
+def _container(kind: str) -> Iterator[Container]:
+    image = checkout_image(kind)
     if not have_image(image):
         pytest.skip(f"{image} is not built (scripts/images.sh builds it; `make test` runs it)")
     with working_container(image) as container:
@@ -36,9 +38,9 @@ def _container(image: str) -> Iterator[Container]:
 
 @pytest.fixture(scope="module")
 def runtime_image() -> Iterator[Container]:
-    yield from _container(RUNTIME)
+    yield from _container("runtime")
 
 
 @pytest.fixture(scope="module")
 def operator_image() -> Iterator[Container]:
-    yield from _container(OPERATOR)
+    yield from _container("operator")

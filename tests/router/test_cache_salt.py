@@ -161,14 +161,17 @@ async def test_vllm_gets_the_authenticated_tenants_salt_never_the_clients(
     vllm: VllmServer, start_router: StartRouter
 ) -> None:
     router = await _router(start_router, _config([vllm]))
-    acme, globex = _client(router, "sk-acme"), _client(router, "sk-globex")
-    # acme names globex's real salt: it must not get globex's cache
-    await acme.completions.create(model="tiny", prompt="hi",
-                                  extra_body={CACHE_SALT_FIELD: cache_salt(SECRET, "globex")})
-    await acme.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                       extra_body={CACHE_SALT_FIELD: "globex"})
-    await globex.completions.create(model="tiny", prompt="hi")
-    await acme.completions.create(model="tiny", prompt="hé ☃ again", max_tokens=3)
+    # Closed here: an unclosed client is collected later, in another test's event loop, and
+    # its aclose task fails there ("Event loop is closed").
+    async with _client(router, "sk-acme") as acme, _client(router, "sk-globex") as globex:
+        # acme names globex's real salt: it must not get globex's cache
+        await acme.completions.create(model="tiny", prompt="hi",
+                                      extra_body={CACHE_SALT_FIELD: cache_salt(SECRET, "globex")})
+        await acme.chat.completions.create(model="tiny",
+                                           messages=[{"role": "user", "content": "x"}],
+                                           extra_body={CACHE_SALT_FIELD: "globex"})
+        await globex.completions.create(model="tiny", prompt="hi")
+        await acme.completions.create(model="tiny", prompt="hé ☃ again", max_tokens=3)
     salts = [b[CACHE_SALT_FIELD] for b in vllm.bodies]
     assert salts == [cache_salt(SECRET, "acme")] * 2 + [cache_salt(SECRET, "globex"),
                                                         cache_salt(SECRET, "acme")]

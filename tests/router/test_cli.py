@@ -63,7 +63,7 @@ def test_bench_fleet_bad_flags(tmp_path: Path) -> None:
             str(tmp_path / "none.jsonl"),
         ],
     )
-    assert result.exit_code == 2 and "trace file not found" in result.output
+    assert result.exit_code == 2 and "--trace: trace not found" in result.output
     result = runner.invoke(app, ["bench", "fleet", "--t2-layout", "8,8", "--skip", "hit-rates"])
     assert result.exit_code == 2 and "LAYERS,KV_HEADS,HEAD_DIM" in result.output
 
@@ -87,3 +87,21 @@ def test_the_redis_password_comes_from_the_environment_or_a_file(tmp_path: Path)
     assert redis_url_from(None, {"KVFLEET_REDIS_URL": "redis://r:1/0",
                                  "KVFLEET_REDIS_PASSWORD_FILE": str(secret)}) == (
         "redis://:p%40ss%2Fword@r:1/0")
+
+
+def test_cli_defaults_are_the_router_state_defaults() -> None:
+    """An option named like a RouterState field defaults to that field's default: the CLI
+    states each deadline and limit, the state holds them, and a change to one must reach both."""
+    import dataclasses
+    import inspect
+
+    from kvfleet_runtime.cli.router import router
+    from kvfleet_runtime.router import RouterState
+
+    fields = {f.name: f.default for f in dataclasses.fields(RouterState)
+              if f.default is not dataclasses.MISSING}
+    shared = {name: p.default for name, p in inspect.signature(router).parameters.items()
+              if name in fields}
+    assert {"upstream_first_byte_timeout_s", "upstream_read_timeout_s", "replica_backoff_s",
+            "body_read_timeout_s", "header_read_timeout_s", "poll_interval_s"} <= set(shared)
+    assert {name: fields[name] for name in shared} == shared

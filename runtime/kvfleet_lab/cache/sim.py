@@ -26,6 +26,7 @@ blocks of deterministic tokens derived from (hash id, sub-block index), the last
 
 from __future__ import annotations
 
+import gzip
 import heapq
 import itertools
 import json
@@ -120,16 +121,26 @@ def mooncake_block_tokens(hash_id: int, sub_block: int) -> list[int]:
 def load_mooncake_trace(
     path: Path, *, max_requests: int | None = None, key: CacheKey = SIM_KEY
 ) -> list[TraceRequest]:
-    """Read a Mooncake-format JSONL trace into requests of chained block hashes.
+    """Read a Mooncake-format JSONL trace (gzip-compressed if its name ends in .gz) into
+    requests of chained block hashes.
 
     Equal hash ids at equal positions mean an equal prefix, so the 32 chain hashes of a hash id
     are computed once, chained onto the last hash of the id before it."""
     if not path.is_file():
         raise ValueError(f"trace file not found: {path}")
+    try:
+        return _read_mooncake_trace(path, max_requests, key)
+    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable Mooncake trace ({exc})") from exc
+
+
+def _read_mooncake_trace(
+    path: Path, max_requests: int | None, key: CacheKey
+) -> list[TraceRequest]:
     expanded: dict[int, list[BlockHash]] = {}
     requests: list[TraceRequest] = []
     root = key_digest(key)
-    with path.open() as f:
+    with gzip.open(path, "rt") if path.name.endswith(".gz") else path.open() as f:
         for line_no, line in enumerate(f, 1):
             if max_requests is not None and len(requests) >= max_requests:
                 break

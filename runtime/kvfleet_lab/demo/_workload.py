@@ -24,6 +24,7 @@ the demo's tenants. The requests are a sample of whole prefix trees (`trace_work
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import random
@@ -192,11 +193,14 @@ def _is_int(value: object) -> bool:
 
 
 def parse_trace(path: Path, *, max_records: int | None = None) -> list[TraceRecord]:
-    """Read a Mooncake-format JSONL trace. A malformed line raises ValueError naming the line
-    number and the field. Blank lines are skipped."""
+    """Read a Mooncake-format JSONL trace (gzip-compressed if its name ends in .gz). A malformed
+    line raises ValueError naming the line number and the field. Blank lines are skipped."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        raw_bytes = path.read_bytes()
+        if path.name.endswith(".gz"):
+            raw_bytes = gzip.decompress(raw_bytes)
+        text = raw_bytes.decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read trace {path}: {exc}") from exc
     records: list[TraceRecord] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):
@@ -252,6 +256,19 @@ def _sub_block(hash_id: int, j: int) -> list[int]:
     return [rng.randrange(_VOCAB) for _ in range(_SUB_BLOCK)]
 
 
+def _shared_prefix_ids(records: list[TraceRecord]) -> int:
+    """How many leading hash ids every record has in common."""
+    first = records[0].hash_ids if records else ()
+    n = len(first)
+    for r in records:
+        n = min(n, len(r.hash_ids))
+        while n and r.hash_ids[:n] != first[:n]:
+            n -= 1
+        if not n:
+            break
+    return n
+
+
 def trace_workload(
     path: Path,
     *,
@@ -276,8 +293,20 @@ def trace_workload(
         )
     records = sorted(parse_trace(path), key=lambda r: (r.timestamp_ms, r.line))
     sample = max(1, len(records) // num_requests)
-    records = [r for r in records if _root_hash(r.hash_ids[0], "sample") % sample == 0]
+    # The hash ids every request opens with (a system prompt all traffic shares, as in Mooncake's
+    # conversation trace) root no tree of their own: trees root at the first id after them.
+    shared = _shared_prefix_ids(records)
+
+    def root(r: TraceRecord) -> int:
+        return r.hash_ids[min(shared, len(r.hash_ids) - 1)]
+
+    records = [r for r in records if _root_hash(root(r), "sample") % sample == 0]
     records = records[:num_requests]
+    if not records:
+        raise ValueError(
+            f"trace {path.name}: sampling 1 in {sample} of its prefix trees kept no request; "
+            f"pass more --requests"
+        )
     tenants = tenant_names(num_tenants)
     cache: dict[tuple[int, int], list[int]] = {}
     requests = []
@@ -295,7 +324,7 @@ def trace_workload(
                 if block is None:
                     block = cache[(hid, j)] = _sub_block(hid, j)
                 tokens += block
-        tenant = tenants[_root_hash(rec.hash_ids[0], "tenant") % num_tenants]
+        tenant = tenants[_root_hash(root(rec), "tenant") % num_tenants]
         requests.append(DemoRequest(idx, tenant, "trace", tuple(tokens[:length])))
     desc = (
         f"trace {path.name}: {len(requests)} requests (1/{sample} of its root blocks), "

@@ -150,9 +150,17 @@ class BlockRefs:
     def _pop(self, n: int) -> list[int] | None:
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks: {n}")
-        if n > len(self._free):
+        free = self._free
+        if n > len(free):
             return None
-        return [heapq.heappop(self._free) for _ in range(n)]
+        if 8 * n >= len(free):
+            # Most of the heap (a full pool's reclaim just freed about n): one sort, then the
+            # lowest n, as n pops would give them; a sorted list is still a heap.
+            free.sort()
+            ids = free[:n]
+            del free[:n]
+            return ids
+        return [heapq.heappop(free) for _ in range(n)]
 
     def allocate(self, n: int) -> list[int] | None:
         """`n` free ids, lowest first, each with one user ref; None when fewer are free."""
@@ -199,13 +207,22 @@ class BlockRefs:
 
     def uncache(self, ids: Sequence[int]) -> None:
         """The cache stops holding the blocks (evicted, demoted or invalidated)."""
+        cached, refs = self._cached, self._refs
+        freed = []
         for i in ids:
-            assert self._cached[i], f"uncache of block {i} the cache does not hold"
-            self._cached[i] = 0
-            self.num_cached -= 1
-            if not self._refs[i]:
-                self.num_cache_only -= 1
-                heapq.heappush(self._free, i)
+            assert cached[i], f"uncache of block {i} the cache does not hold"
+            cached[i] = 0
+            if not refs[i]:
+                freed.append(i)
+        self.num_cached -= len(ids)
+        self.num_cache_only -= len(freed)
+        free = self._free
+        if len(freed) > len(free):  # more than the heap holds: one heapify, not a push each
+            free.extend(freed)
+            heapq.heapify(free)
+        else:
+            for i in freed:
+                heapq.heappush(free, i)
 
 
 class CachedSlots:
@@ -240,7 +257,7 @@ class CachedSlots:
 
     def all_free(self, ids: Sequence[int]) -> bool:
         cached = self.refs._cached
-        return not any(cached[i] for i in ids)
+        return not any(map(cached.__getitem__, ids))
 
     def in_use(self, block_id: int) -> bool:
         """A sequence (or a pending write) still holds it: evicting it frees no room."""

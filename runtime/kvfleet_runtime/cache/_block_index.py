@@ -561,17 +561,22 @@ class BlockIndex:
         tick = self._tick
         t0 = tier == Tier.T0
         new: list[BlockNode] = []
-        # Positional BlockNode fields: block_hash, parent, namespace, tier, block_id,
-        # num_children, num_t0_children, ref_count, last_tick, pinned.
+        # Every new node but the last has one child, the next (of the same tier): created with
+        # its counts, the last one's zeroed after the loop. Positional BlockNode fields:
+        # block_hash, parent, namespace, tier, block_id, num_children, num_t0_children,
+        # ref_count, last_tick, pinned.
+        t0_child = 1 if t0 else 0
+        above = parent
         for h, block_id in zip(hashes, block_ids, strict=True):
-            node = BlockNode(h, parent, namespace, tier, block_id, 0, 0, 1, tick, pinned)
+            node = BlockNode(h, above, namespace, tier, block_id, 1, t0_child, 1, tick, pinned)
             nodes[h] = node
+            new.append(node)
+            above = node
+        if new:
+            new[-1].num_children = new[-1].num_t0_children = 0
             if parent is not None:
                 parent.num_children += 1
-                if t0:
-                    parent.num_t0_children += 1
-            new.append(node)
-            parent = node
+                parent.num_t0_children += t0_child
         assert len(nodes) == num_before + len(new), "a block that is already indexed"
         namespace.num_blocks += len(new)
         if pinned:
@@ -614,7 +619,8 @@ class BlockIndex:
         evictable = self._evictable_t0
         t0 = Tier.T0
         pop = policy.pop
-        push_pop = getattr(policy, "push_pop", None)
+        push_pop_in = getattr(policy, "push_pop_in", None)
+        push_pop = push_pop_in(t0) if push_pop_in is not None else None
         slots = self.allocators[t0]
         in_use = slots.in_use
         nodes = self._nodes
@@ -648,7 +654,7 @@ class BlockIndex:
                         policy.push(parent, evictable)
                         break
                     if push_pop is not None:
-                        victim = push_pop(parent, t0, evictable)
+                        victim = push_pop(parent, evictable)
                     else:
                         policy.push(parent, evictable)
                         victim = pop(t0, evictable)

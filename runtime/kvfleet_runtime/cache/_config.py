@@ -87,8 +87,9 @@ class CacheTuning:
     ranking_margin: float = 0.02
     """Another ranking must lead the current one's score by this share to take over."""
     ghost_max_blocks: int = 65_536
-    """Blocks one ghost holds at most: a larger cache samples 1 block hash in 2^k (~70 B per
-    ghost entry, so 5 ghosts cost ~23 MB at most, whatever the capacity)."""
+    """Blocks one ghost holds at most: a larger cache samples 1 block hash in 2^k (~145 B per
+    ghost entry beside its hash, measured; 5 ghosts cost ~50 MB at most, whatever the
+    capacity)."""
     store_max_fraction: float = 0.1
     """Under a ranking that counts reuse, one store writes at most `max(store_min_blocks,
     store_max_fraction x (T0 + T1 blocks), free blocks)` new blocks beyond what is already

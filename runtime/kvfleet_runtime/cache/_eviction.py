@@ -148,9 +148,16 @@ class VictimQueue:
 
     def push_pop(self, node: BlockNode, evictable: Evictable) -> BlockNode | None:
         """`push(node)` then `pop()`, in one step: the victim those two would give."""
-        # `_entry`, spelled out: this runs once per block of a chain evicted leaf first.
-        entry = (node.pinned, self.node_frequency(node) << self.sketch.num_resets,
-                 node.last_tick, next(self._seq), node)
+        # `_entry` and `node_frequency`'s floor, spelled out: this runs once per block of a
+        # chain evicted leaf first.
+        resets = self.sketch.num_resets
+        cap = self.max_frequency
+        floor = node.floor
+        if cap is not None and floor >> 8 == resets + 1 and floor & 0xFF >= cap:
+            freq = cap
+        else:
+            freq = self.node_frequency(node)
+        entry = (node.pinned, freq << resets, node.last_tick, next(self._seq), node)
         heap = self._heap
         if not heap or entry < heap[0]:
             return node  # fresh, hence valid and current: it would be popped right back
@@ -200,10 +207,11 @@ class RankedEviction:
     def pop(self, tier: int, evictable: Evictable) -> BlockNode | None:
         return self._queues[tier].pop(evictable)
 
-    def push_pop(self, node: BlockNode, tier: int, evictable: Evictable) -> BlockNode | None:
-        """`push(node)` then `pop(tier)` in one call (a chain evicted leaf first: the dropped
-        block's parent is usually the next victim)."""
-        return self._queues[tier].push_pop(node, evictable)
+    def push_pop_in(self, tier: int) -> Callable[[BlockNode, Evictable], BlockNode | None]:
+        """`push(node)` then `pop(tier)` as one call, `tier`'s own (a chain evicted leaf first:
+        the dropped block's parent is usually the next victim; taken once per reclaim, so a
+        victim costs no call through this class)."""
+        return self._queues[tier].push_pop
 
     def candidate_weights(self, hashes: Sequence[bytes]) -> list[int]:
         freqs = self.sketch.estimate_many(hashes)

@@ -175,18 +175,23 @@ class ChainMemo:
         young, old = self._young, self._old
         copy = _BLOCK_PROTO.copy
         misses = 0
+        probe = True
         i = start - _BLOCK_BYTES
         try:
             for i in range(start, stop, _BLOCK_BYTES):
                 link = prev + data[i : i + _BLOCK_BYTES]
-                digest = young.get(link)
+                digest = young.get(link) if probe else None
                 if digest is None:
-                    digest = old.get(link)
+                    digest = old.get(link) if probe else None
                     if digest is None:
                         misses += 1
                         h = copy()
                         h.update(link)
                         digest = h.digest()
+                        # Only lookups fill the memo, each from a chain's first block on, so
+                        # past a chain's first miss its steps are all but never there: a store
+                        # (every miss's) hashes the rest without two probes a block.
+                        probe = remember
                     if remember:
                         if len(young) >= self._half:
                             self._old = old = young

@@ -162,15 +162,15 @@ class GhostReuse:
     def eviction(self, sketch: CountMinSketch) -> ReuseEviction:
         return ReuseEviction(sketch)
 
-    def replay(self, sampled: Sequence[tuple[bytes, int]]) -> int:
-        """`GhostRanking.replay`: match, then offer (head first in `sampled`, counts after this
-        sighting); returns the blocks of the leading run that was present, scaled back."""
+    def replay(self, hashes: Sequence[bytes], counts: Sequence[int]) -> int:
+        """`GhostRanking.replay`: match, then offer (the sampled blocks head first, counts after
+        this sighting); returns the blocks of the leading run that was present, scaled back."""
         where, heap, horizon = self._where, self._heap, self.horizon
         horizon.now += 1
         tick = horizon.now
-        first_absent = len(sampled)
-        for i in range(len(sampled) - 1, -1, -1):
-            h, count = sampled[i]
+        first_absent = len(hashes)
+        for i in range(len(hashes) - 1, -1, -1):
+            h, count = hashes[i], counts[i]
             if h not in where:
                 first_absent = i
             where[h] = tick

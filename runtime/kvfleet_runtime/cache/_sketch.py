@@ -46,9 +46,13 @@ class CountMinSketch:
     __slots__ = (
         "_array",
         "_counters",
+        "_flat_counters",
         "_mask",
         "_mults",
+        "_np_mask",
         "_np_mults",
+        "_np_row_offsets",
+        "_np_shift",
         "_num_increments",
         "_shift",
         "depth",
@@ -75,9 +79,14 @@ class CountMinSketch:
         self._shift = 64 - (width.bit_length() - 1)  # keeps the top log2(width) bits
         self._mults = _ROW_MULTIPLIERS[:depth]
         self._np_mults = np.array(self._mults, dtype=np.uint64).T  # [2, depth]
+        # (numpy's shift by 64 is undefined: width 1 shifts by 63 and masks to 0)
+        self._np_shift = np.uint64(min(self._shift, 63))
+        self._np_mask = np.uint64(self._mask)
+        self._np_row_offsets = np.arange(depth, dtype=np.uint64) * np.uint64(width)
         # One buffer, two views: bytes for single lookups (fast in pure Python), numpy for chains.
         self._counters = bytearray(width * depth)
         self._array = np.frombuffer(self._counters, dtype=np.uint8).reshape(depth, width)
+        self._flat_counters = self._array.reshape(-1)
         self._num_increments = 0
         self.num_resets = 0
 
@@ -90,13 +99,18 @@ class CountMinSketch:
             for row, (a, b) in enumerate(self._mults)
         ]
 
-    def _columns(self, hashes: Sequence[bytes]) -> np.ndarray:
-        raw = np.frombuffer(b"".join(h[:16] for h in hashes), dtype="<u8").reshape(-1, 2)
-        lo, hi = raw[:, :1], raw[:, 1:]  # [n, 1] each; uint64 products wrap mod 2^64
-        mixed = (lo * self._np_mults[0]) ^ (hi * self._np_mults[1])  # [n, depth]
-        # (numpy's shift by 64 is undefined: width 1 shifts by 63 and masks to 0)
-        cols: np.ndarray = (mixed >> np.uint64(min(self._shift, 63))) & np.uint64(self._mask)
-        return cols
+    def _flat(self, hashes: Sequence[bytes]) -> np.ndarray:
+        """Each id's counter in every row, as indices into the flat buffer: `[n, depth]`."""
+        raw = b"".join(hashes)
+        if len(raw) != 16 * len(hashes):  # ids longer than 16 bytes: only the first 16 count
+            raw = b"".join(h[:16] for h in hashes)
+        ids = np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
+        lo, hi = ids[:, :1], ids[:, 1:]  # [n, 1] each; uint64 products wrap mod 2^64
+        flat: np.ndarray = (lo * self._np_mults[0]) ^ (hi * self._np_mults[1])  # [n, depth]
+        flat >>= self._np_shift
+        flat &= self._np_mask
+        flat += self._np_row_offsets
+        return flat
 
     def estimate(self, block_hash: bytes) -> int:
         if self.depth != 4:
@@ -117,9 +131,7 @@ class CountMinSketch:
     def estimate_many(self, hashes: Sequence[bytes]) -> list[int]:
         if len(hashes) <= _SCALAR_MAX_HASHES:
             return [self.estimate(h) for h in hashes]
-        cols = self._columns(hashes)
-        rows = np.arange(self.depth)
-        values: list[int] = self._array[rows, cols].min(axis=1).tolist()
+        values: list[int] = self._flat_counters[self._flat(hashes)].min(axis=1).tolist()
         return values
 
     def increment(self, block_hash: bytes) -> int:
@@ -135,19 +147,19 @@ class CountMinSketch:
             scalar = self._increment_scalar(hashes)
             if scalar is not None:
                 return scalar
-        cols = self._columns(hashes)
-        rows = np.arange(self.depth)
-        current = self._array[rows, cols]  # [n, depth]
-        new = np.minimum(current.min(axis=1).astype(np.int32) + 1, MAX_COUNT).astype(np.uint8)
+        flat = self._flat(hashes)
+        counters = self._flat_counters
+        current = counters[flat]  # [n, depth]
+        new = np.minimum(current.min(axis=1), MAX_COUNT - 1) + 1  # saturating, still uint8
         # Conservative update: raise each row's counter to the new estimate, never beyond it.
-        # Where ids of one batch share a counter only the largest write is kept, so no id's
-        # increment is lost (a plain fancy assignment keeps an arbitrary one of them).
-        values = np.maximum(current, new[:, None]).ravel()
-        flat = (cols + (rows * self.width).astype(np.uint64)).ravel()
-        order = np.lexsort((values, flat))  # by counter, then by value
-        flat, values = flat[order], values[order]
-        last = np.append(flat[1:] != flat[:-1], True)  # the largest write to each counter
-        self._array.ravel()[flat[last]] = values[last]
+        values = np.maximum(current, new[:, None])
+        counters[flat] = values
+        # Where ids of one batch share a counter the largest write must be the one kept, so no
+        # id's increment is lost; a plain fancy assignment keeps an arbitrary one of them. Read
+        # back: every counter at least what was written to it means each kept its largest
+        # write, else the rare collision is settled by an unbuffered maximum.
+        if not (counters[flat] >= values).all():
+            np.maximum.at(counters, flat, values)
         self._num_increments += len(hashes)
         if self._num_increments >= self.sample_size:
             self.age()

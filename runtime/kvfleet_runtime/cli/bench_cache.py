@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.benchmarks import TRACE_HELP, bench, default_trace
+from kvfleet_runtime.cli.benchmarks import TRACE_HELP, bench, default_trace, trace_path
 
 if TYPE_CHECKING:
     from kvfleet_lab.cache.bench import CacheBenchReport, MaterializeBandwidth, RequestCpu
@@ -23,10 +23,7 @@ QUICK_REQUESTS = 2000
 
 @bench.command("cache")
 def cache(
-    trace: Annotated[
-        Path | None,
-        typer.Option(help=TRACE_HELP),
-    ] = None,
+    trace: Annotated[str | None, typer.Option(help=TRACE_HELP, metavar="NAME|PATH")] = None,
     requests: Annotated[
         int, typer.Option(help="Replay the first N requests of the trace (the quick run).")
     ] = QUICK_REQUESTS,
@@ -60,9 +57,7 @@ def cache(
     if unknown or not sections:
         fail(f"--only: unknown section(s) {', '.join(unknown) or '(none given)'}; "
              f"known: {', '.join(SECTIONS)}")
-    path = trace if trace is not None else default_trace()
-    if "hit-rates" in sections and not path.is_file():
-        fail(f"trace not found: {path} (pass --trace with a Mooncake-format JSONL file)")
+    path = trace_path(trace) if "hit-rates" in sections else default_trace()
     if min(requests, lookup_reps, materialize_reps, request_reps, index_blocks) < 1:
         fail("--requests, --lookup-reps, --materialize-reps, --request-reps and --index-blocks "
              "must be >= 1")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -11,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.benchmarks import TRACE_HELP, bench, default_trace
+from kvfleet_runtime.cli.benchmarks import TRACE_HELP, bench, default_trace, trace_path
 
 __all__ = ["fleet"]
 
@@ -19,10 +18,7 @@ __all__ = ["fleet"]
 
 @bench.command("fleet")
 def fleet(
-    trace: Annotated[
-        Path | None,
-        typer.Option(help=TRACE_HELP),
-    ] = None,
+    trace: Annotated[str | None, typer.Option(help=TRACE_HELP, metavar="NAME|PATH")] = None,
     replicas: Annotated[int, typer.Option(help="Replicas in the hit-rate simulation.")] = 4,
     capacity_fraction: Annotated[
         float,
@@ -62,9 +58,7 @@ def fleet(
         layers, heads, head_dim = (int(x) for x in t2_layout.split(","))
     except ValueError:
         fail(f"--t2-layout expects LAYERS,KV_HEADS,HEAD_DIM, got {t2_layout!r}")
-    trace = trace if trace is not None else default_trace()
-    if "hit-rates" not in skipped and not trace.is_file():
-        fail(f"trace file not found: {trace}")
+    path = trace_path(trace) if "hit-rates" not in skipped else default_trace()
     report = FleetBenchReport()
     try:
         if "t2" not in skipped:
@@ -79,7 +73,7 @@ def fleet(
             report.router = bench_router_overhead(num_requests=router_requests)
         if "hit-rates" not in skipped:
             report.hit_rates = bench_hit_rates(
-                trace,
+                path,
                 num_replicas=replicas,
                 capacity_fraction=capacity_fraction,
                 max_requests=max_requests,

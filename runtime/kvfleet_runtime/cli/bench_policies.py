@@ -1,8 +1,10 @@
 """`kvfleet bench policies` (also plain `kvfleet bench`).
 
 `policies`: no cache, vLLM-style hash + LRU, SGLang-style radix + LRU, kvfleet's shipped policy,
-Belady's offline optimum and the infinite cache, side by side on the Mooncake trace and on the
-generated populations (`kvfleet_lab.cache.compare`, `.workloads`), at several capacities.
+Belady's offline optimum and the infinite cache, side by side on the Mooncake traces (each
+`--trace` given, its own row set: the synthetic one by default, `--trace synthetic --trace
+conversation` for both) and on the generated populations (`kvfleet_lab.cache.compare`,
+`.workloads`), at several capacities.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.benchmarks import TRACE_HELP, bench, default_trace
+from kvfleet_runtime.cli.benchmarks import TRACE_HELP, bench, default_trace, trace_path
 
 __all__ = ["DEFAULT_FRACTIONS", "DEFAULT_OUT", "policies"]
 
@@ -27,6 +29,20 @@ TRACE_WORKLOAD = "trace"
 
 
 
+def _trace_row_sets(given: list[str] | None) -> list[tuple[str, Path]]:
+    """(row-set name, file) per `--trace`: one trace is the row set `trace`, as it always was;
+    several are `trace:<vendored name or file stem>` each, in the order given."""
+    from kvfleet_lab.traces import TRACES
+
+    if not given:
+        return [(TRACE_WORKLOAD, default_trace())]
+    paths = [trace_path(t) for t in given]
+    if len(paths) == 1:
+        return [(TRACE_WORKLOAD, paths[0])]
+    names = [f"{TRACE_WORKLOAD}:{t if t in TRACES else Path(t).name.split('.')[0]}" for t in given]
+    if len(set(names)) < len(names) or len(set(paths)) < len(paths):
+        fail(f"--trace: each trace once, with distinct file names; got {', '.join(given)}")
+    return list(zip(names, paths, strict=True))
 
 
 def _parse_fractions(text: str) -> list[float]:
@@ -42,15 +58,19 @@ def _parse_fractions(text: str) -> list[float]:
 @bench.command("policies")
 def policies(
     trace: Annotated[
-        Path | None,
-        typer.Option(help=TRACE_HELP),
+        list[str] | None,
+        typer.Option(
+            metavar="NAME|PATH",
+            help=TRACE_HELP + " Give it more than once for a row set per trace, e.g. "
+            "--trace synthetic --trace conversation."
+        ),
     ] = None,
     trace_requests: Annotated[
-        int, typer.Option(help="Replay the first N requests of the trace (the quick run).")
+        int, typer.Option(help="Replay the first N requests of each trace (the quick run).")
     ] = 2000,
     full: Annotated[
         bool,
-        typer.Option("--full", help="Replay the whole trace (about 2.5 minutes of CPU)."),
+        typer.Option("--full", help="Replay each trace whole (minutes: docs/benchmarks.md)."),
     ] = False,
     requests: Annotated[int, typer.Option(help="Requests per generated workload.")] = 1000,
     workloads: Annotated[
@@ -84,6 +104,7 @@ def policies(
     from kvfleet_lab.cache.compare import compare_policies
     from kvfleet_lab.cache.sim import TraceRequest, load_mooncake_trace
     from kvfleet_lab.cache.workloads import WORKLOADS, generate_workload
+    from kvfleet_lab.traces import trace_label
 
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     known = (TRACE_WORKLOAD, *WORKLOADS)
@@ -96,15 +117,16 @@ def policies(
     err = Console(stderr=True, highlight=False)
     start = time.perf_counter()
     inputs: list[tuple[str, str, list[TraceRequest]]] = []
+    traces = _trace_row_sets(trace) if TRACE_WORKLOAD in names else []
     for name in names:
         if name == TRACE_WORKLOAD:
-            path = trace if trace is not None else default_trace()
-            try:
-                reqs = load_mooncake_trace(path, max_requests=None if full else trace_requests)
-            except (ValueError, OSError) as exc:
-                fail(f"{exc} (pass --trace with a Mooncake-format JSONL file)")
-            scope = "whole trace" if full else f"first {len(reqs):,} requests"
-            inputs.append((name, f"Mooncake synthetic trace ({path.name}), {scope}", reqs))
+            for row_set, path in traces:
+                try:
+                    reqs = load_mooncake_trace(path, max_requests=None if full else trace_requests)
+                except (ValueError, OSError) as exc:
+                    fail(f"{exc} (pass --trace with a Mooncake-format JSONL file)")
+                scope = "whole trace" if full else f"first {len(reqs):,} requests"
+                inputs.append((row_set, f"{trace_label(path)} ({path.name}), {scope}", reqs))
         else:
             generated = generate_workload(name, num_requests=requests, seed=seed)
             inputs.append((name, generated.description, generated.requests))

@@ -21,12 +21,14 @@ import typer.core
 from rich.console import Console
 from rich.table import Table
 
-from kvfleet_runtime.cli._app import app
+from kvfleet_runtime.cli._app import app, fail
 
 __all__ = ["QUICK_ARGS", "TRACE_HELP", "all_benchmarks", "bench",
-           "default_trace"]
+           "default_trace", "trace_path"]
 
-TRACE_HELP = "Mooncake-format JSONL trace; default: the vendored Mooncake synthetic trace."
+TRACE_HELP = ("A vendored trace by name (synthetic: Mooncake's synthetic trace, the default; "
+              "conversation: Mooncake's conversation trace) or a Mooncake-format JSONL file "
+              "(.gz read compressed).")
 
 
 def default_trace() -> Path:
@@ -34,6 +36,18 @@ def default_trace() -> Path:
     from kvfleet_lab.traces import DEFAULT_TRACE
 
     return DEFAULT_TRACE
+
+
+def trace_path(name_or_path: str | None) -> Path:
+    """What a `--trace` names (None: the default trace), or a clear CLI error."""
+    from kvfleet_lab.traces import resolve_trace
+
+    if name_or_path is None:
+        return default_trace()
+    try:
+        return resolve_trace(name_or_path)
+    except ValueError as exc:
+        fail(f"--trace: {exc}")
 
 
 bench = typer.Typer(

@@ -82,8 +82,11 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 def demo(
     workload: Annotated[str, typer.Option(
         help="Built-in workload: mixed, system-prompts, rag or conversations.")] = "mixed",
-    trace: Annotated[Path | None, typer.Option(
-        help="A Mooncake-format JSONL trace to replay instead of a built-in workload.")] = None,
+    trace: Annotated[str | None, typer.Option(
+        metavar="NAME|PATH",
+        help="A trace to replay instead of a built-in workload: a vendored one by name "
+        "(synthetic, conversation) or a Mooncake-format JSONL file (.gz read compressed).")]
+        = None,
     requests: Annotated[int | None, typer.Option(
         help="Requests per run (default 120; --quick 36; --trace: about N, whole prefix trees).")]
         = None,
@@ -117,6 +120,7 @@ def demo(
         run_demo,
         trace_workload,
     )
+    from kvfleet_lab.traces import resolve_trace
 
     num_requests = requests if requests is not None else (36 if quick else 120)
     length_scale = scale if scale is not None else (0.1 if quick else 0.2)
@@ -137,8 +141,9 @@ def demo(
         fail(f"--model-dir {model_dir} has no config.json")
     try:
         if trace is not None:
-            wl = trace_workload(trace, num_requests=num_requests, num_tenants=num_tenants,
-                                block_tokens=trace_block_tokens, max_prompt_tokens=2000)
+            wl = trace_workload(resolve_trace(trace), num_requests=num_requests,
+                                num_tenants=num_tenants, block_tokens=trace_block_tokens,
+                                max_prompt_tokens=2000)
         else:
             wl = builtin_workload(workload, WorkloadSpec(
                 num_requests=num_requests, num_tenants=num_tenants, scale=length_scale, seed=seed))

@@ -21,28 +21,19 @@ from kvfleet_runtime.pools import (
 __all__ = ["router"]
 
 
-def _parse_replicas(items: list[str]) -> dict[str, str]:
-    replicas: dict[str, str] = {}
+def _parse_named_urls(
+    items: list[str], flag: str, schemes: tuple[str, ...], expects: str
+) -> dict[str, str]:
+    """`NAME=URL` options (one per replica), each URL in one of `schemes`, each name once."""
+    urls: dict[str, str] = {}
     for item in items:
         name, sep, url = item.partition("=")
-        if not sep or not name or not url.startswith(("http://", "https://")):
-            fail(f"--replica expects NAME=http://host:port, got {item!r}")
-        if name in replicas:
-            fail(f"--replica {name!r} given twice")
-        replicas[name] = url
-    return replicas
-
-
-def _parse_kv_events(items: list[str]) -> dict[str, str]:
-    endpoints: dict[str, str] = {}
-    for item in items:
-        name, sep, url = item.partition("=")
-        if not sep or not name or not url.startswith(("tcp://", "ipc://")):
-            fail(f"--kv-events expects NAME=tcp://host:port (or NAME=ipc://path), got {item!r}")
-        if name in endpoints:
-            fail(f"--kv-events {name!r} given twice")
-        endpoints[name] = url
-    return endpoints
+        if not sep or not name or not url.startswith(schemes):
+            fail(f"{flag} expects {expects}, got {item!r}")
+        if name in urls:
+            fail(f"{flag} {name!r} given twice")
+        urls[name] = url
+    return urls
 
 
 REDIS_URL_ENV = "KVFLEET_REDIS_URL"
@@ -196,8 +187,15 @@ def router(
         fail(f"--poll-interval-s must be > 0, got {poll_interval_s}")
     if recompute_s_per_token is not None and recompute_s_per_token <= 0:
         fail(f"--recompute-s-per-token must be > 0, got {recompute_s_per_token}")
-    replicas = _parse_replicas(replica or [])
-    event_endpoints = _parse_kv_events(kv_events or [])
+    replicas = _parse_named_urls(
+        replica or [], "--replica", ("http://", "https://"), "NAME=http://host:port"
+    )
+    event_endpoints = _parse_named_urls(
+        kv_events or [],
+        "--kv-events",
+        ("tcp://", "ipc://"),
+        "NAME=tcp://host:port (or NAME=ipc://path)",
+    )
     if kv_events_port is not None and not 0 < kv_events_port < 65536:
         fail(f"--kv-events-port must be in [1, 65535], got {kv_events_port}")
     try:

@@ -4,6 +4,7 @@ group's default and `all`; the other benchmarks still reachable."""
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from kvfleet_lab.cache.sim import load_mooncake_trace
+from kvfleet_lab.traces import TRACES
 from kvfleet_runtime.cli import app
 from tests.lab.cache.test_sim import write_trace
 
@@ -80,6 +83,55 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2 and "--fractions" in result.stderr
     result = kvfleet("policies", "--trace", str(tmp_path / "none.jsonl"), "--out", str(tmp_path))
     assert result.returncode == 2 and "not found" in result.stderr
+
+
+def test_policies_replays_each_trace_it_is_given_as_its_own_row_set(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = kvfleet(
+        "policies", "--trace", "synthetic", "--trace", "conversation", "--trace-requests", "30",
+        "--workloads", "trace", "--fractions", "0.1", "--no-vllm-pool", "--json", "--out", str(out),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    synthetic, conversation = json.loads(result.stdout)["workloads"]
+    assert (synthetic["name"], conversation["name"]) == ("trace:synthetic", "trace:conversation")
+    assert synthetic["description"] == (
+        "Mooncake synthetic trace (mooncake_synthetic_trace.jsonl), first 30 requests"
+    )
+    assert conversation["description"] == (
+        "Mooncake conversation trace (mooncake_conversation_trace.jsonl.gz), first 30 requests"
+    )
+    # The first 30 conversation requests, from the vendored file (tests/lab/cache/test_traces.py).
+    assert conversation["num_requests"] == 30 and conversation["num_tokens"] == sum(
+        r.num_tokens for r in load_mooncake_trace(TRACES["conversation"].path, max_requests=30)
+    )
+    (row,) = conversation["rows"]
+    figures = row["figures"]
+    assert 0 < figures["belady"]["num_hit_tokens"] <= figures["infinite"]["num_hit_tokens"]
+    assert "### trace:conversation" in (out / "policies.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("traces", "expected"),
+    [
+        (["chat"], "error: --trace: trace not found: 'chat' is neither a vendored trace "
+         "(synthetic, conversation) nor a file"),
+        (["conversation", "conversation"], "error: --trace: each trace once"),
+        (["BROKEN"], "broken.jsonl.gz: not a readable Mooncake trace"),
+    ],
+)
+def test_a_bad_trace_is_one_line_and_exit_2(
+    traces: list[str], expected: str, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken.jsonl.gz"
+    row = b'{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}\n'
+    broken.write_bytes(gzip.compress(row)[:-8])  # cut short: the gzip trailer is missing
+    args = [a for t in traces for a in ("--trace", str(broken) if t == "BROKEN" else t)]
+    result = CliRunner().invoke(
+        app, ["bench", "policies", *args, "--workloads", "trace", "--out", str(tmp_path / "o")]
+    )
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert expected in line and "Traceback" not in result.output
 
 
 def _replace_policies(monkeypatch: pytest.MonkeyPatch, fake: Callable[..., None]) -> None:

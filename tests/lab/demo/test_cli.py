@@ -33,7 +33,7 @@ def bad_trace(tmp_path: Path) -> Path:
         (["--kv-blocks", "8"], "error: --kv-blocks must be in [64, 65536], got 8"),
         (["--kv-blocks", "64", "--scale", "1"], "cannot hold the workload's longest prompt"),
         (["--redis-url", "localhost:6379"], "error: --redis-url must start with redis://"),
-        (["--trace", "/nonexistent/trace.jsonl"], "error: cannot read trace"),
+        (["--trace", "/nonexistent/trace.jsonl"], "error: trace not found"),
         (["--trace-block-tokens", "40", "--trace", "TRACE"], "multiple of 16, got 40"),
         (["--trace", "TRACE"], "line 2: field 'hash_ids' must be a non-empty list"),
     ],

@@ -9,7 +9,7 @@ import pytest
 
 from kvfleet_lab.demo import parse_trace, trace_workload
 from kvfleet_lab.demo._workload import _sub_block
-from kvfleet_lab.traces import DEFAULT_TRACE
+from kvfleet_lab.traces import DEFAULT_TRACE, TRACES
 
 GOOD = {"timestamp": 0, "input_length": 600, "output_length": 10, "hash_ids": [7, 8]}
 
@@ -119,3 +119,14 @@ def test_block_tokens_must_be_a_multiple_of_16(tmp_path: Path) -> None:
 def test_the_vendored_mooncake_trace_parses() -> None:
     records = parse_trace(DEFAULT_TRACE)
     assert len(records) == 3993
+
+
+def test_the_vendored_conversation_trace_parses_compressed() -> None:
+    records = parse_trace(TRACES["conversation"].path)
+    assert len(records) == 12_031
+    wl = trace_workload(TRACES["conversation"].path, num_requests=40, num_tenants=2,
+                        block_tokens=16, max_prompt_tokens=2000)
+    # Every request opens with the same hash id: trees root at the next one, so about 1 in 300 of
+    # the conversations is kept (not all or nothing), spread over both tenants.
+    assert 10 <= len(wl.requests) <= 40 and {r.tenant for r in wl.requests} == set(wl.tenants)
+    assert all(len(r.token_ids) <= 2000 for r in wl.requests)

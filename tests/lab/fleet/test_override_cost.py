@@ -25,6 +25,13 @@ def test_override_cost_reports_both_lookups_side_by_side() -> None:
     assert all(s["p50_us"] > 0 for s in report["stages"].values())
     assert set(report["redis_us_per_lookup"]) == {"lookup (keys)", "lookup (one argument)"}
     assert report["ratio_total_p50"] > 0
+    # The override's work without the run queue: the router thread's CPU and Redis' own latency.
+    cpu = report["router_cpu_us"]
+    assert 0 < cpu["p50_us"] <= cpu["p99_us"]
+    # A round's CPU time cannot exceed its wall time.
+    assert cpu["p50_us"] <= report["stages"]["total (one argument)"]["p99_us"]
+    assert set(report["redis_lookup_us"]) >= {"p50", "p99"}
+    assert report["work_p99_us"] == round(cpu["p99_us"] + report["redis_lookup_us"]["p99"], 1)
 
 
 def test_the_bench_refuses_a_lookup_that_misses(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -117,3 +117,64 @@ def test_config_rejects_bad_rankings() -> None:
         CacheTuning(num_t0_blocks=4, eviction_rankings=(0,))
     with pytest.raises(ValueError, match="ranking_decay"):
         CacheTuning(num_t0_blocks=4, ranking_decay=1.0)
+
+
+class _OrderedGhost:
+    """The ghost's ranking spelled out a block at a time, one ordered dict per class: the
+    reference the whole-chain replay must match."""
+
+    def __init__(self, limit: int, max_frequency: int | None) -> None:
+        self.limit = limit
+        self.classes: list[dict[bytes, None]] = [{} for _ in range(max_frequency or 255)]
+        self.where: dict[bytes, int] = {}
+
+    def replay(self, hashes: list[bytes], counts: list[int]) -> int:
+        top = len(self.classes)
+        first_absent = len(hashes)
+        for i in range(len(hashes) - 1, -1, -1):
+            block, count = hashes[i], counts[i]
+            k = (count if count < top else top) - 1 if count > 1 else 0
+            old = self.where.get(block)
+            if old is None:
+                first_absent = i
+            else:
+                del self.classes[old][block]
+            self.classes[k][block] = None  # a dict keeps insertion order: the end is the newest
+            self.where[block] = k
+        while len(self.where) > self.limit:
+            victim = next(iter(next(c for c in self.classes if c)))
+            del self.classes[self.where.pop(victim)][victim]
+        return first_absent
+
+
+@pytest.mark.parametrize("max_frequency", [1, 2, 6, None])
+def test_the_whole_chain_replay_keeps_the_block_at_a_time_ranking(
+    max_frequency: int | None,
+) -> None:
+    """Misses (chains new to the ghost), repeated hits in one class, chains whose blocks change
+    class, repeated hashes: the same matches, and the same blocks held, in the same order of
+    eviction, as the ranking replayed a block at a time."""
+    import random
+
+    rng = random.Random(max_frequency or 0)
+    ghost = GhostRanking(40, max_frequency)
+    reference = _OrderedGhost(40, max_frequency)
+    pool = [rng.randbytes(16) for _ in range(120)]
+    seen: dict[bytes, int] = {}
+    for _ in range(3000):
+        if rng.random() < 0.3:
+            hashes = [rng.randbytes(16) for _ in range(rng.randrange(0, 30))]
+        else:
+            hashes = rng.sample(pool, rng.randrange(1, 30))
+            if rng.random() < 0.05:
+                hashes.insert(rng.randrange(len(hashes)), rng.choice(hashes))
+        counts = []
+        for block in hashes:
+            seen[block] = seen.get(block, 0) + rng.choice([0, 1, 1, 3])
+            counts.append(max(1, seen[block]))
+        if rng.random() < 0.4:
+            counts = [counts[0]] * len(counts) if counts else []
+        assert ghost.replay(hashes, counts) == reference.replay(hashes, counts)
+        assert len(ghost) == len(reference.where)
+        probe = rng.sample(pool, 10)
+        assert [ghost.match([b]) for b in probe] == [int(b in reference.where) for b in probe]

@@ -116,21 +116,21 @@ def test_in_the_index_it_picks_exact_victims_on_a_four_block_pool() -> None:
 def test_its_ghost_matches_then_holds_the_most_credited_blocks() -> None:
     ghost = GhostReuse(3)
     ghost.horizon.ticks = 4.0
-    assert ghost.replay([(h("a"), 1), (h("b"), 1)]) == 0  # tick 1, credit 1
-    assert ghost.replay([(h("a"), 2), (h("b"), 2)]) == 2  # the leading run it held; credit 6
-    assert ghost.replay([(h("x"), 1), (h("y"), 1)]) == 0  # tick 3, credit 3: one of x, y goes
+    assert ghost.replay([h("a"), h("b")], [1, 1]) == 0  # tick 1, credit 1
+    assert ghost.replay([h("a"), h("b")], [2, 2]) == 2  # the leading run it held; credit 6
+    assert ghost.replay([h("x"), h("y")], [1, 1]) == 0  # tick 3, credit 3: one of x, y goes
     assert len(ghost) == 3
-    assert ghost.replay([(h("a"), 3), (h("b"), 3)]) == 2  # a and b outlasted the newcomers
-    assert ghost.replay([(h("y"), 2)]) == 1  # equal credits: the smaller hash went, x
-    assert ghost.replay([(h("x"), 2)]) == 0
+    assert ghost.replay([h("a"), h("b")], [3, 3]) == 2  # a and b outlasted the newcomers
+    assert ghost.replay([h("y")], [2]) == 1  # equal credits: the smaller hash went, x
+    assert ghost.replay([h("x")], [2]) == 0
 
 
 def test_a_sampled_ghost_keeps_its_share_and_scales_its_hits() -> None:
     ghost = GhostReuse(8, sample=2)
     even = [bytes([i]) * 16 for i in range(0, 8, 2)]
     assert ghost.limit == 4
-    ghost.replay([(b, 1) for b in even])
-    assert ghost.replay([(b, 2) for b in even]) == 8
+    ghost.replay(even, [1] * len(even))
+    assert ghost.replay(even, [2] * len(even)) == 8
 
 
 def test_the_factory_builds_one_ghost_per_ranking_and_rejects_unknown_names() -> None:

@@ -89,9 +89,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         server.stop()
 
 
-def _via_router(world: World, key: str, headers: dict[str, str] | None = None) -> Any:
+def _via_router(world: World, key: str, headers: dict[str, str] | None = None,
+                prompt: str = PROMPT) -> Any:
     r = requests.post(world.router_url + "/v1/completions",
-                      json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0},
+                      json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
                       headers={"Authorization": f"Bearer {key}", **(headers or {})}, timeout=120)
     return r.status_code, r.json()
 
@@ -164,11 +165,19 @@ def test_redis_refuses_a_client_without_the_password(world: World) -> None:
     # The replica, with the password in its URL, published its hints and registered itself.
     client = redis.Redis.from_url(world.redis.url)
     try:
-        assert _via_router(world, "sk-acme")[0] == 200
-        deadline = time.monotonic() + 20
-        while not list(client.scan_iter("kvfleet:b:*")):
-            assert time.monotonic() < deadline, "the replica never published a hint"
-            time.sleep(0.1)
+        # A publish that times out is dropped (hints are best effort) and a hit publishes
+        # nothing new, so each try stores a prompt of its own; on a loaded machine the first
+        # may miss its 0.5 s write budget.
+        published = False
+        for attempt in range(10):
+            assert _via_router(world, "sk-acme", prompt=f"{attempt} {PROMPT}")[0] == 200
+            polls_left = 30
+            while not (published := bool(list(client.scan_iter("kvfleet:b:*")))) and polls_left:
+                polls_left -= 1
+                time.sleep(0.1)
+            if published:
+                break
+        assert published, "the replica never published a hint (10 prompts, 3 s each)"
         assert client.get("kvfleet:h:r0") == world.replica_url.encode()
     finally:
         client.close()
