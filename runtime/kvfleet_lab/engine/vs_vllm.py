@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -34,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvfleet_lab.processes import log_tail, stop_group
 
 __all__ = [
     "CHECKPOINTS",
@@ -294,19 +295,10 @@ class Server:
             return False
 
     def tail(self, n: int = 30) -> str:
-        if not self.log.exists():
-            return ""
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        return log_tail(self.log, n)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        stop_group(self.proc)
 
 
 def kvfleet_server(checkpoint: Path, *, model: str, cpu_threads: int, log_dir: Path,

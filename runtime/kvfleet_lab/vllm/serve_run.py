@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfleet_lab.processes import log_tail, stop_group
 from kvfleet_lab.vllm.serve_bench import (
     FLEET_FRONTS,
     FRONT_SEEDS,
@@ -174,17 +175,10 @@ class Proc:
         raise RuntimeError(f"{self.name} not ready:\n{self.tail()}")
 
     def tail(self, n: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        return log_tail(self.log, n)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        stop_group(self.proc)
 
     def tokens(self) -> SourceTokens:
         with urllib.request.urlopen(self.url + "/metrics", timeout=60) as r:
