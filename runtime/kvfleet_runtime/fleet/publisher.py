@@ -64,6 +64,10 @@ class HintPublisher:
         self._recent: OrderedDict[bytes, float] = OrderedDict()  # hash -> last published at
         self._lock = threading.Lock()
         self._wake = asyncio.Event()
+        # One flush at a time: a batch is popped before it is sent, so without this an explicit
+        # flush() finding nothing pending could return while the background flush still has the
+        # last batch in flight, and a caller that flushed could look its hashes up and miss.
+        self._flushing = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -109,6 +113,7 @@ class HintPublisher:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._flushing = asyncio.Lock()
         self._task = asyncio.create_task(self._run(), name=f"hint-publisher-{self.host}")
 
     async def close(self) -> None:
@@ -126,7 +131,12 @@ class HintPublisher:
 
     async def flush(self) -> None:
         """Send everything pending now (per batch, one publish and one withdraw call per
-        tenant)."""
+        tenant). On return every offer made before the call has been sent, including a batch the
+        background task had in flight."""
+        async with self._flushing:
+            await self._flush_pending()
+
+    async def _flush_pending(self) -> None:
         while True:
             with self._lock:
                 if not self._pending:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Sequence
 
 from kvfleet_runtime.fleet import EmbeddedHintIndex, HintPublisher
 
@@ -60,4 +61,39 @@ async def test_background_task_flushes_offers_from_other_threads() -> None:
             await asyncio.sleep(0.01)
         assert await index.lookup(H) == [frozenset({"r1"})] * 64
     finally:
+        await pub.close()
+
+
+class _SlowIndex(EmbeddedHintIndex):
+    """Holds every publish until `release` is set: a Redis round trip that takes a while."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def publish(
+        self, host: str, hashes: Sequence[bytes], *, tenant: str | None = None
+    ) -> None:
+        self.entered.set()
+        await self.release.wait()
+        await super().publish(host, hashes, tenant=tenant)
+
+
+async def test_flush_waits_for_the_batch_the_background_task_has_in_flight() -> None:
+    index = _SlowIndex()
+    pub = HintPublisher(index, "r1", flush_interval_s=0.01)
+    pub.start()
+    try:
+        pub.offer_stored(H[:4])
+        await asyncio.wait_for(index.entered.wait(), 5)  # the background flush took the batch
+        assert pub.num_pending == 0
+        explicit = asyncio.create_task(pub.flush())
+        await asyncio.sleep(0.05)
+        assert not explicit.done()  # nothing pending, but the batch is not sent yet
+        index.release.set()
+        await asyncio.wait_for(explicit, 5)
+        assert await index.lookup(H[:4]) == [frozenset({"r1"})] * 4
+    finally:
+        index.release.set()
         await pub.close()
