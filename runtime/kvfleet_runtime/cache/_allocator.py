@@ -165,8 +165,9 @@ class BlockRefs:
     def allocate(self, n: int) -> list[int] | None:
         """`n` free ids, lowest first, each with one user ref; None when fewer are free."""
         ids = self._pop(n)
+        refs = self._refs  # bound once: these loops run once per block of a prompt
         for i in ids or ():
-            self._refs[i] = 1
+            refs[i] = 1
         return ids
 
     def allocate_cached(self, n: int) -> list[int] | None:
@@ -189,20 +190,25 @@ class BlockRefs:
 
     def release(self, ids: Sequence[int]) -> None:
         """One user fewer on each block; a block nobody holds any more is free again."""
+        refs, cached, free = self._refs, self._cached, self._free
+        num_cache_only = 0
         for i in ids:
-            assert self._refs[i] > 0, f"release of block {i} that no user holds"
-            self._refs[i] -= 1
-            if not self._refs[i]:
-                if self._cached[i]:
-                    self.num_cache_only += 1
+            held = refs[i]
+            assert held > 0, f"release of block {i} that no user holds"
+            refs[i] = held = held - 1
+            if not held:
+                if cached[i]:
+                    num_cache_only += 1
                 else:
-                    heapq.heappush(self._free, i)
+                    heapq.heappush(free, i)
+        self.num_cache_only += num_cache_only
 
     def cache(self, ids: Sequence[int]) -> None:
         """The cache starts holding user-held blocks (a prompt's blocks indexed in place)."""
+        refs, cached = self._refs, self._cached
         for i in ids:
-            assert self._refs[i] > 0 and not self._cached[i], f"cache of block {i}"
-            self._cached[i] = 1
+            assert refs[i] > 0 and not cached[i], f"cache of block {i}"
+            cached[i] = 1
         self.num_cached += len(ids)
 
     def uncache(self, ids: Sequence[int]) -> None:

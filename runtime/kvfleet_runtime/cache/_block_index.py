@@ -25,6 +25,7 @@ T0 -> T1 must win the same duel in T1, as a candidate of its own weight.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -281,6 +282,7 @@ class BlockIndex:
         tier: Tier,
         pinned: bool,
         held: list[BlockNode] | None = None,
+        floors: Sequence[int] = (),
     ) -> tuple[list[BlockNode], Plan]:
         """Index new blocks below `parent` (the chain's resident prefix), as many as fit.
 
@@ -288,7 +290,8 @@ class BlockIndex:
         the blocks cannot be evicted before their data is there. `held`: a caller that plans
         more before it carries out the moves (a write in segments) collects the demoted blocks
         there and releases them with `release_held` once its last step is planned; without it,
-        they are released when this insert is planned."""
+        they are released when this insert is planned. `floors`: the new nodes'
+        `BlockNode.floor`s, in chain order (empty: none known)."""
         plan = Plan()
         if parent is not None:
             tier = max(tier, Tier(parent.tier))  # monotone tiers along a chain
@@ -299,7 +302,7 @@ class BlockIndex:
         if parent is not None:
             parent.ref_count -= 1
             self._push(parent)
-        nodes = self._link(namespace, parent, hashes[: len(ids)], ids, tier, pinned)
+        nodes = self._link(namespace, parent, hashes[: len(ids)], ids, tier, pinned, floors)
         if held is None:
             self.release_held(plan.held)
         else:
@@ -530,6 +533,7 @@ class BlockIndex:
         block_ids: Sequence[int],
         *,
         pinned: bool,
+        floors: Sequence[int] = (),
     ) -> list[BlockNode]:
         """Index blocks already computed in T0 slots `block_ids` (the engine's own blocks, held by
         the sequence): bookkeeping, no data moves. The parent must be in T0 (monotone tiers).
@@ -542,7 +546,7 @@ class BlockIndex:
         if self.num_pinned + len(hashes) > self.pin_limit:
             pinned = False
         assert len(hashes) == len(block_ids)
-        return self._link(namespace, parent, hashes, block_ids, Tier.T0, pinned)
+        return self._link(namespace, parent, hashes, block_ids, Tier.T0, pinned, floors)
 
     def _link(
         self,
@@ -552,9 +556,12 @@ class BlockIndex:
         block_ids: Sequence[int],
         tier: Tier,
         pinned: bool,
+        floors: Sequence[int] = (),
     ) -> list[BlockNode]:
         """Index `hashes[i]` in slot `block_ids[i]` of `tier`, a chain below `parent`, every node
-        referenced once (`insert` and `adopt`: the one loop that creates nodes)."""
+        referenced once (`insert` and `adopt`: the one loop that creates nodes), node i created
+        with floor `floors[i]` (0 beyond them: none known; set here rather than in a second pass
+        over the new nodes, which cost an evicting miss ~10 us)."""
         nodes = self._nodes
         num_before = len(nodes)
         self._tick += 1
@@ -564,11 +571,16 @@ class BlockIndex:
         # Every new node but the last has one child, the next (of the same tier): created with
         # its counts, the last one's zeroed after the loop. Positional BlockNode fields:
         # block_hash, parent, namespace, tier, block_id, num_children, num_t0_children,
-        # ref_count, last_tick, pinned.
+        # ref_count, last_tick, pinned, floor.
         t0_child = 1 if t0 else 0
         above = parent
-        for h, block_id in zip(hashes, block_ids, strict=True):
-            node = BlockNode(h, above, namespace, tier, block_id, 1, t0_child, 1, tick, pinned)
+        if len(hashes) != len(block_ids):
+            raise ValueError(f"{len(hashes)} hashes for {len(block_ids)} blocks")
+        floor_of = itertools.chain(floors, itertools.repeat(0)) if floors else itertools.repeat(0)
+        for h, block_id, floor in zip(hashes, block_ids, floor_of, strict=False):
+            node = BlockNode(
+                h, above, namespace, tier, block_id, 1, t0_child, 1, tick, pinned, floor
+            )
             nodes[h] = node
             new.append(node)
             above = node

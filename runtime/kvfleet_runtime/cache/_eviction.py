@@ -33,7 +33,7 @@ from kvfleet_runtime.cache._sketch import CountMinSketch
 if TYPE_CHECKING:  # the index imports this module: the node type is only needed for checking
     from kvfleet_runtime.cache._block_node import BlockNode
 
-__all__ = ["EvictionPolicy", "RankedEviction", "VictimQueue", "note_floors"]
+__all__ = ["EvictionPolicy", "RankedEviction", "VictimQueue", "floors"]
 
 Evictable = Callable[["BlockNode"], bool]
 
@@ -49,14 +49,13 @@ the valid ones it held after its last compaction: lazy entries stay bounded with
 push."""
 
 
-def note_floors(nodes: Iterable[BlockNode], counts: Iterable[int], epoch: int) -> None:
-    """Record what the sketch said of new nodes' blocks: `counts[i]` is an estimate of
-    `nodes[i]`'s block taken in sketch epoch `epoch` (`CountMinSketch.num_resets`). Counters
+def floors(counts: Iterable[int], epoch: int) -> list[int]:
+    """What the sketch said of new blocks, as their `BlockNode.floor`s: `counts[i]` is an
+    estimate of block i taken in sketch epoch `epoch` (`CountMinSketch.num_resets`). Counters
     only grow within an epoch, so it stays a floor of the estimate until the next reset
     (`VictimQueue.node_frequency`)."""
     base = (epoch + 1) << 8
-    for node, count in zip(nodes, counts, strict=False):
-        node.floor = base | count
+    return [base | count for count in counts]
 
 
 class EvictionPolicy(Protocol):

@@ -27,7 +27,7 @@ from kvfleet_runtime.cache._admission import (
 from kvfleet_runtime.cache._allocator import Slots
 from kvfleet_runtime.cache._block_index import BlockIndex, BlockNode
 from kvfleet_runtime.cache._config import CacheTuning
-from kvfleet_runtime.cache._eviction import note_floors
+from kvfleet_runtime.cache._eviction import floors
 from kvfleet_runtime.cache._keys import (
     BLOCK_SIZE,
     PLATFORM_TENANT,
@@ -364,10 +364,9 @@ class CacheManager:
                 continue
             nodes, moves = index.insert(
                 index.namespace(key), parent, plan.hashes[lo:hi], tier=tier, pinned=pinned,
-                held=held,
+                held=held, floors=self._floors(plan, lo, hi),
             )
             self._after(moves)
-            self._note_floors(plan, nodes, lo)
             commit.moves.extend(moves.moves)
             commit.nodes.extend(nodes)
             if nodes:
@@ -400,9 +399,9 @@ class CacheManager:
             if lo >= hi:
                 continue
             nodes = index.adopt(
-                index.namespace(key), parent, plan.hashes[lo:hi], block_ids[lo:hi], pinned=pinned
+                index.namespace(key), parent, plan.hashes[lo:hi], block_ids[lo:hi], pinned=pinned,
+                floors=self._floors(plan, lo, hi),
             )
-            self._note_floors(plan, nodes, lo)
             commit.nodes.extend(nodes)
             # `adopt` indexed exactly these hashes, in order.
             self.events.append(BlockEvent("stored", key, tuple(plan.hashes[lo:hi])))
@@ -410,9 +409,12 @@ class CacheManager:
         self._tenant(plan.key.tenant_id).num_blocks_stored += len(commit.nodes)
         return commit
 
-    def _note_floors(self, plan: StorePlan, nodes: list[BlockNode], first: int) -> None:
-        if plan.epoch == self.sketch.num_resets and len(plan.counts) >= first + len(nodes):
-            note_floors(nodes, plan.counts[first : first + len(nodes)], plan.epoch)
+    def _floors(self, plan: StorePlan, lo: int, hi: int) -> list[int]:
+        """The floors of chain blocks [lo, hi) (`floors`), none when the plan's counts are
+        from an earlier sketch epoch."""
+        if plan.epoch == self.sketch.num_resets and len(plan.counts) >= hi:
+            return floors(plan.counts[lo:hi], plan.epoch)
+        return []
 
     def reclaim(self, num_free: int) -> list[Move]:
         """Make room in T0 for in-flight work (`BlockIndex.reclaim`); the demotion copies."""

@@ -29,6 +29,9 @@ MAX_COUNT = 255
 _SCALAR_MAX_HASHES = 8
 """Chains up to this many blocks take the pure-Python path (numpy wins beyond ~10 on the bench)."""
 
+_SATURATED_NEXT = np.minimum(np.arange(MAX_COUNT + 1) + 1, MAX_COUNT).astype(np.uint8)
+"""A count after one more sighting, saturating at `MAX_COUNT` (indexed by the count before)."""
+
 _M64 = (1 << 64) - 1
 _ROW_MULTIPLIERS = (
     (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F),
@@ -108,7 +111,8 @@ class CountMinSketch:
         lo, hi = ids[:, :1], ids[:, 1:]  # [n, 1] each; uint64 products wrap mod 2^64
         flat: np.ndarray = (lo * self._np_mults[0]) ^ (hi * self._np_mults[1])  # [n, depth]
         flat >>= self._np_shift
-        flat &= self._np_mask
+        if self.width == 1:  # shifted by 63, not 64: mask to 0 (wider, the shift alone keeps
+            flat &= self._np_mask  # log2(width) bits; one numpy call less a chain)
         flat += self._np_row_offsets
         return flat
 
@@ -150,7 +154,7 @@ class CountMinSketch:
         flat = self._flat(hashes)
         counters = self._flat_counters
         current = counters[flat]  # [n, depth]
-        new = np.minimum(current.min(axis=1), MAX_COUNT - 1) + 1  # saturating, still uint8
+        new = _SATURATED_NEXT[current.min(axis=1)]  # one lookup, not a minimum and an add
         # Conservative update: raise each row's counter to the new estimate, never beyond it.
         values = np.maximum(current, new[:, None])
         counters[flat] = values
