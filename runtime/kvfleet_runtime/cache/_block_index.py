@@ -576,7 +576,7 @@ class BlockIndex:
         above = parent
         if len(hashes) != len(block_ids):
             raise ValueError(f"{len(hashes)} hashes for {len(block_ids)} blocks")
-        floor_of = itertools.chain(floors, itertools.repeat(0)) if floors else itertools.repeat(0)
+        floor_of = itertools.chain(floors, itertools.repeat(0))
         for h, block_id, floor in zip(hashes, block_ids, floor_of, strict=False):
             node = BlockNode(
                 h, above, namespace, tier, block_id, 1, t0_child, 1, tick, pinned, floor
