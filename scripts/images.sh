@@ -98,11 +98,12 @@ if [ -n "$ca" ] && [ -f "$ca" ]; then
 fi
 
 # The vLLM image's ~3 GB of wheels: the host's uv cache (the serving env's downloads) mounted for
-# its RUN steps only; uv copies out of it, nothing of the mount lands in a layer.
+# its RUN steps only, on the base's empty /srv (chroot isolation mounts only on folders the base
+# has; /mnt is the CA's); uv copies out of it, nothing of the mount lands in a layer.
 uv_args=()
 if [ "${images[*]}" = vllm ]; then
   mkdir -p "$UV_CACHE_DIR"
-  uv_args=(--volume "$UV_CACHE_DIR:/mnt/uv-cache" --build-arg UV_CACHE_DIR=/mnt/uv-cache --shm-size 1g)
+  uv_args=(--volume "$UV_CACHE_DIR:/srv" --build-arg UV_CACHE_DIR=/srv --shm-size 1g)
 fi
 
 for image in "${images[@]}"; do
