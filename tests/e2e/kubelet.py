@@ -15,9 +15,11 @@ would, from the image scripts/images.sh built (`localhost/kvfleet/kvfleet-runtim
   UNSTABLE_KEY_IMAGE: its pods run the same image, but through unstable_key.py (bind-mounted
   read-only into the container), which makes one cache-key field differ on every request (what no
   real replica can be made to do);
-- the command is the image's ENTRYPOINT (its OCI config) followed by the container's `args`, with
-  `$(VAR)` references expanded from the container's environment; the user is the pod's
-  securityContext runAsUser:runAsGroup (the chart's 10001), the hostname the pod's name;
+- the command is the container's `command` where it has one (the chart's vLLM replicas: `vllm`),
+  else the image's ENTRYPOINT (its OCI config), followed by the container's `args`, with
+  `$(VAR)` references expanded from the container's environment, as the kubelet does; the user
+  is the pod's securityContext runAsUser:runAsGroup (the chart's 10001), the hostname the pod's
+  name;
 - the environment is the image's, then the container's: plain values, the downward API
   (`metadata.name`, `metadata.namespace`, `status.podIP`) and Secret/ConfigMap key references;
 - each volume mount is a bind mount of a host folder at its mountPath (read-only where the pod
@@ -76,6 +78,9 @@ from tests.images.buildah import VERSION, Container, stop_run
 # the local build of a tag is scripts/images.sh's localhost/<repository>:<version>.
 RUNTIME_REPOSITORY = "kvfleet/kvfleet-runtime"
 OPERATOR_REPOSITORY = "kvfleet/kvfleet-operator"
+# The vLLM replica image (docker/vllm.Dockerfile, `scripts/images.sh vllm`): pods of
+# `replica.engine: vllm` name it as replica.vllm.image.repository.
+VLLM_REPOSITORY = "kvfleet/kvfleet-vllm"
 # Where a kubelet projects a pod's ServiceAccount credentials (token, the cluster's CA, the
 # namespace): what in-cluster clients (kopf's login, the kubernetes client) read.
 SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -133,7 +138,9 @@ class KubeletShim:
     whose pods this shim runs, `container` a working container of the built runtime image (every
     pod runs in it: the root is read-only, so nothing one pod writes reaches another);
     `operator_container`, one of the built operator image: given, the shim runs the operator pod
-    too (else the operator pod is left to kwok, and the caller runs the operator itself)."""
+    too (else the operator pod is left to kwok, and the caller runs the operator itself);
+    `vllm_container`, one of the built vLLM image: given, the shim runs `replica.engine: vllm`
+    pods in it."""
 
     def __init__(
         self,
@@ -145,6 +152,7 @@ class KubeletShim:
         nodes: set[str],
         container: Container,
         operator_container: Container | None = None,
+        vllm_container: Container | None = None,
         on_change: Callable[[list[PodProcess]], None] | None = None,
     ) -> None:
         self.cluster = cluster
@@ -159,6 +167,8 @@ class KubeletShim:
         self.images = {RUNTIME_REPOSITORY: container}
         if operator_container is not None:
             self.images[OPERATOR_REPOSITORY] = operator_container
+        if vllm_container is not None:
+            self.images[VLLM_REPOSITORY] = vllm_container
         for image in self.images.values():
             if not image.entrypoint():
                 raise ValueError(f"the image of {image.name} has no ENTRYPOINT")
@@ -373,6 +383,10 @@ class KubeletShim:
             env[item["name"]] = value
         args = [_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a)
                 for a in container.get("args", [])]
+        if "command" in container and not fault:
+            # The kubelet's rule: a container's command replaces the image's ENTRYPOINT.
+            entrypoint = [_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a)
+                          for a in container["command"]]
         # The pod's network namespace: its own address instead of every address (`--host
         # 0.0.0.0`, the operator's `--liveness http://0.0.0.0:<port>/healthz`).
         args = [ip if a == "0.0.0.0" and i and args[i - 1] == "--host" else a

@@ -83,13 +83,15 @@ takes (`router._kv_subscriber.TOPIC`). */}}
 replaces it) and the served model name, the same fields a kvfleet replica keys its blocks by;
 T2 runs in the connector on `kvfleet.peer_port` (the container's `peer` port);
 Kubernetes expands $(KVFLEET_WEIGHTS_DIGEST) inside the JSON. The router secret (mounted in every
-replica pod) verifies each request's cache_salt, which the router signs per tenant. */}}
+replica pod) verifies each request's cache_salt, which the router signs per tenant.
+kv_load_failure_policy "recompute": vLLM's default ("fail") fails the request whose KV load
+failed; a cache fault must cost only the prefill, never the answer. */}}
 {{- define "kvfleet.replica.vllmArgs" -}}
 {{- $v := .Values.replica.vllm -}}
 {{- $extra := dict "kvfleet.host_pool_path" "/dev/shm/kvfleet-host-pool" "kvfleet.num_host_blocks" (int $v.numHostBlocks) "kvfleet.default_tenant" $v.defaultTenant "kvfleet.salt_secret_file" "/etc/kvfleet/router-secret/secret" "kvfleet.peer_port" (int $v.peerPort) -}}
 {{- with .Values.replica.model.id }}{{ $_ := set $extra "kvfleet.model_id" . }}{{ end -}}
 {{- with .Values.replica.model.weightsDigest }}{{ $_ := set $extra "kvfleet.weights_digest" "$(KVFLEET_WEIGHTS_DIGEST)" }}{{ end -}}
-{{- $kvt := dict "kv_connector" "KvfleetConnector" "kv_connector_module_path" "kvfleet_vllm.connector" "kv_role" "kv_both" "kv_connector_extra_config" $extra -}}
+{{- $kvt := dict "kv_connector" "KvfleetConnector" "kv_connector_module_path" "kvfleet_vllm.connector" "kv_role" "kv_both" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" $extra -}}
 - serve
 - {{ .Values.replica.model.dir | quote }}
 {{- with .Values.replica.model.id }}
