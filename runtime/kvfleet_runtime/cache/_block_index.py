@@ -534,10 +534,13 @@ class BlockIndex:
         *,
         pinned: bool,
         floors: Sequence[int] = (),
+        referenced: bool = True,
     ) -> list[BlockNode]:
         """Index blocks already computed in T0 slots `block_ids` (the engine's own blocks, held by
         the sequence): bookkeeping, no data moves. The parent must be in T0 (monotone tiers).
-        The returned nodes are referenced, as from `insert`."""
+        The returned nodes are referenced, as from `insert`; without `referenced`, created
+        unreferenced (the caller has nothing to write and pushes the chain's leaf, `push_leaf`,
+        once it is done: what a release of the referenced nodes would have queued)."""
         assert parent is None or parent.tier == Tier.T0, "adopt below a T1 block"
         slots = self.allocators[Tier.T0]
         adopt = getattr(slots, "adopt", None)
@@ -546,7 +549,14 @@ class BlockIndex:
         if self.num_pinned + len(hashes) > self.pin_limit:
             pinned = False
         assert len(hashes) == len(block_ids)
-        return self._link(namespace, parent, hashes, block_ids, Tier.T0, pinned, floors)
+        return self._link(
+            namespace, parent, hashes, block_ids, Tier.T0, pinned, floors, 1 if referenced else 0
+        )
+
+    def push_leaf(self, node: BlockNode) -> None:
+        """Queue an unreferenced new leaf (`adopt(referenced=False)`) for eviction: the one
+        push `release` of the chain it ends would make (interior blocks are not evictable)."""
+        self._push(node)
 
     def _link(
         self,
@@ -557,9 +567,10 @@ class BlockIndex:
         tier: Tier,
         pinned: bool,
         floors: Sequence[int] = (),
+        refs: int = 1,
     ) -> list[BlockNode]:
         """Index `hashes[i]` in slot `block_ids[i]` of `tier`, a chain below `parent`, every node
-        referenced once (`insert` and `adopt`: the one loop that creates nodes), node i created
+        with `refs` refs (`insert` and `adopt`: the one loop that creates nodes), node i created
         with floor `floors[i]` (0 beyond them: none known; set here rather than in a second pass
         over the new nodes, which cost an evicting miss ~10 us)."""
         nodes = self._nodes
@@ -579,7 +590,7 @@ class BlockIndex:
         floor_of = itertools.chain(floors, itertools.repeat(0))
         for h, block_id, floor in zip(hashes, block_ids, floor_of, strict=False):
             node = BlockNode(
-                h, above, namespace, tier, block_id, 1, t0_child, 1, tick, pinned, floor
+                h, above, namespace, tier, block_id, 1, t0_child, refs, tick, pinned, floor
             )
             nodes[h] = node
             new.append(node)

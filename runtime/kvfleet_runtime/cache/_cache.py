@@ -406,9 +406,7 @@ class PrefixCache:
                     f"store_blocks: table has {len(table)} blocks, the prompt {len(plan.hashes)}"
                 )
             ids = list(table[: len(plan.hashes)])
-            commit = self._manager.commit_in_place(plan, ids) if self._is_t0(kv) else None
-            if commit is not None:
-                self._manager.finish_commit(commit)
+            if self._is_t0(kv) and self._manager.store_in_place(plan, ids) is not None:
                 return StoreOutcome.STORED
             else:
                 kv.share(ids)

@@ -378,9 +378,12 @@ class CacheManager:
         self._tenant(plan.key.tenant_id).num_blocks_stored += len(commit.nodes)
         return commit
 
-    def commit_in_place(self, plan: StorePlan, block_ids: Sequence[int]) -> Commit | None:
-        """Index the plan's new blocks where they already are: `block_ids[i]` is the engine's
-        T0 block holding chain block i. None when they cannot be indexed in place (the resident
+    def store_in_place(self, plan: StorePlan, block_ids: Sequence[int]) -> int | None:
+        """Index the plan's new blocks where they already are, done at once: `block_ids[i]` is
+        the engine's T0 block holding chain block i; nothing to write, so the nodes are created
+        unreferenced and the chain's leaf is queued for eviction, as `commit` then
+        `finish_commit` would leave them (without a pass over the nodes to take and drop refs).
+        Returns the blocks indexed; None when they cannot be indexed in place (the resident
         prefix ends in T1, or a block is already cached): then `commit` copies them instead."""
         index = self.index
         if not index.t0_enabled:
@@ -394,20 +397,22 @@ class CacheManager:
         if not slots.all_free(block_ids[start : len(plan.hashes)]):
             return None
         pinned = plan.placement is Placement.PINNED
-        commit = Commit([], start, adopted=True)
+        num_stored = 0
         for key, lo, hi in _segments(plan, start):
             if lo >= hi:
                 continue
             nodes = index.adopt(
                 index.namespace(key), parent, plan.hashes[lo:hi], block_ids[lo:hi], pinned=pinned,
-                floors=self._floors(plan, lo, hi),
+                floors=self._floors(plan, lo, hi), referenced=False,
             )
-            commit.nodes.extend(nodes)
+            num_stored += len(nodes)
             # `adopt` indexed exactly these hashes, in order.
             self.events.append(BlockEvent("stored", key, tuple(plan.hashes[lo:hi])))
             parent = nodes[-1]
-        self._tenant(plan.key.tenant_id).num_blocks_stored += len(commit.nodes)
-        return commit
+        if parent is not None and num_stored:
+            index.push_leaf(parent)  # after the last segment: its leaf is the chain's
+        self._tenant(plan.key.tenant_id).num_blocks_stored += num_stored
+        return num_stored
 
     def _floors(self, plan: StorePlan, lo: int, hi: int) -> list[int]:
         """The floors of chain blocks [lo, hi) (`floors`), none when the plan's counts are
