@@ -100,8 +100,6 @@ class Commit:
     first_block: int
     """Index in the chain of nodes[0], i.e. the token offset is first_block * BLOCK_SIZE."""
     moves: list[Move] = field(default_factory=list)
-    adopted: bool = False
-    """The nodes were indexed in place in the engine's blocks: no data to write."""
 
 
 def block_events(
