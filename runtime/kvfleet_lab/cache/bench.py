@@ -307,19 +307,27 @@ def bench_memo_bytes_per_step(*, num_steps: int = 65_536) -> float:
     rng = random.Random(2)
     tokens = [rng.randrange(128_000) for _ in range(num_steps * BLOCK_SIZE)]
     memo = ChainMemo(2 * num_steps)  # room for every step in the young generation
-    # Only what the memo's own module allocated counts: in a busy process (a test run, a
-    # replica) other threads allocate while the loop runs, and the process total would bill
-    # their bytes to the memo.
-    own = (tracemalloc.Filter(True, _keys_module.__file__),)
+
+    def remember_all() -> None:
+        for _ in iter_block_hashes(BENCH_KEY, tokens, memo=memo, remember=True):
+            pass
+
+    return _bytes_grown_by(remember_all, _keys_module.__file__) / len(memo)
+
+
+def _bytes_grown_by(run: Callable[[], None], files: str) -> int:
+    """Bytes still held after `run` that code in `files` (a glob) allocated. Only the measured
+    code's own allocations count: in a busy process (a test run, a replica) other threads
+    allocate while `run` runs, and the process total would bill their bytes to it."""
+    own = (tracemalloc.Filter(True, files),)
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.take_snapshot().filter_traces(own)
-    for _ in iter_block_hashes(BENCH_KEY, tokens, memo=memo, remember=True):
-        pass
+    run()
+    gc.collect()
     after = tracemalloc.take_snapshot().filter_traces(own)
     tracemalloc.stop()
-    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
-    return grown / len(memo)
+    return sum(stat.size_diff for stat in after.compare_to(before, "filename"))
 
 
 def _best_s(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
@@ -655,16 +663,15 @@ def bench_metadata(*, num_blocks: int = 100_000, chain_blocks: int = 125) -> flo
     config = CacheTuning(num_t0_blocks=len(chains) * chain_blocks)
     gc.collect()
     manager = CacheManager(config, bytes_per_block=1, clock=time.monotonic)
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    for hashes in chains:
-        manager.finish_commit(
-            manager.commit(StorePlan(BENCH_KEY, hashes, 0, 0, Placement.REUSED, 0))
-        )
-    gc.collect()
-    after = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    return (after - before) / len(manager.index)
+
+    def index_all() -> None:
+        for hashes in chains:
+            manager.finish_commit(
+                manager.commit(StorePlan(BENCH_KEY, hashes, 0, 0, Placement.REUSED, 0))
+            )
+
+    cache_files = str(Path(_keys_module.__file__).parent / "*")
+    return _bytes_grown_by(index_all, cache_files) / len(manager.index)
 
 
 def bench_hit_rates(

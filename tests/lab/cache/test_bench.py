@@ -33,7 +33,9 @@ def test_lookup_and_materialize_and_metadata_on_tiny_sizes() -> None:
     assert m.promote_ratio == pytest.approx(m.raw_copy_s / m.promote_s)
     assert m.per_block_ratio == pytest.approx(m.raw_copy_s / m.per_block_s)
     assert m.tp4_ratio == pytest.approx(m.raw_copy_s / 4 / m.tp4_gather_s)
-    assert 0 < bench_metadata(num_blocks=500, chain_blocks=50) < 2000
+    # Bytes, not time: only what the cache package allocated counts (~170 B a block here; a
+    # process-wide count billed other threads' allocations to it: 2,277 B in CI).
+    assert 100 < bench_metadata(num_blocks=500, chain_blocks=50) < 400
     # An 80-byte key, a shared 16-byte digest and a dict slot: well under 400 B.
     assert 100 < bench_memo_bytes_per_step(num_steps=2000) < 400
 
