@@ -27,32 +27,19 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
-from kvfleet_runtime.cache._allocator import BlockAllocator, Slots
+from kvfleet_runtime.cache._allocator import Slots
 from kvfleet_runtime.cache._block_node import BlockNode, Namespace
 from kvfleet_runtime.cache._eviction import EvictionPolicy
 from kvfleet_runtime.cache._keys import BlockHash, CacheKey
 from kvfleet_runtime.cache._moves import Move, Plan, Tier
+from kvfleet_runtime.cache._tier_slots import GONE, TierCounters, TierSlots
 
 __all__ = ["BlockIndex", "BlockNode", "Move", "Namespace", "Plan", "Tier", "TierCounters"]
 
 
-_GONE = -1
-"""`BlockNode.tier` of a block whose slot has been freed."""
-
-
-@dataclass(slots=True)
-class TierCounters:
-    num_evictions: int = 0
-    """Blocks dropped from the cache out of this tier."""
-    num_demotions: int = 0
-    num_promotions: int = 0
-    num_stored: int = 0
-
-
-class BlockIndex:
-    """Chain hash -> block node, plus per-tier slot accounting, ref counts and eviction."""
+class BlockIndex(TierSlots):
+    """Chain hash -> block node, plus ref counts and eviction (the slots: `TierSlots`)."""
 
     def __init__(
         self,
@@ -64,24 +51,12 @@ class BlockIndex:
     ) -> None:
         """`t0_slots`: T0's slots when T0 is the engine's KV (`CachedSlots`); its blocks are then
         also held by sequences, and one that a sequence still holds is never a victim."""
+        super().__init__(num_blocks, pin_limit=pin_limit, t0_slots=t0_slots)
         self.policy = policy
         """Victim order and the duel (`set_policy` swaps it)."""
-        self.allocators: tuple[Slots, Slots] = (
-            t0_slots if t0_slots is not None else BlockAllocator(num_blocks[0]),
-            BlockAllocator(num_blocks[1]),
-        )
-        self.counters = (TierCounters(), TierCounters())
-        self.num_pinned = 0
-        self.pin_limit = pin_limit
-        """Pinned blocks T0 may hold at most."""
         self._nodes: dict[BlockHash, BlockNode] = {}
         self._namespaces: dict[CacheKey, Namespace] = {}
         self._tick = 0
-        self.t1_enabled = True
-        """False (the fleet config's `tiers.t1_host` off): no slot of T1 is handed out."""
-        self.t0_enabled = True
-        """False (the fleet config's `tiers.t0_device` off): no slot of T0 is handed to the
-        cache (no store in place, no promotion), so nothing is filed in T0."""
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -134,7 +109,7 @@ class BlockIndex:
             node.ref_count -= 1
             if node.ref_count == 0:
                 if not node.namespace.valid:
-                    if node.tier != _GONE:
+                    if node.tier != GONE:
                         self._free_slot(node)
                         freed.append(node)
                 elif (node.num_t0_children if node.tier == Tier.T0 else node.num_children) == 0:
@@ -188,14 +163,6 @@ class BlockIndex:
 
     def _pop_victim(self, tier: int) -> BlockNode | None:
         return self.policy.pop(tier, self._evictable_in(tier))
-
-    def _free_slot(self, node: BlockNode) -> None:
-        tier = node.tier
-        self.allocators[tier].free([node.block_id])
-        if node.pinned:
-            self.num_pinned -= 1
-            node.pinned = False
-        node.tier = _GONE
 
     def _drop(self, node: BlockNode, plan: Plan) -> None:
         """Remove a leaf from the index and free its slot."""
@@ -333,15 +300,6 @@ class BlockIndex:
         self.release_held(plan.held)
         return plan
 
-    def _move_to_t0(self, node: BlockNode, slot: int) -> None:
-        """File `node` in T0 slot `slot` (its data is, or is planned to be, copied there): its T1
-        slot is freed, the parent counts one T0 child more. `_move_to_t1`'s reverse."""
-        self.allocators[Tier.T1].free([node.block_id])
-        node.tier, node.block_id = Tier.T0, slot
-        if node.parent is not None:
-            node.parent.num_t0_children += 1
-        self.counters[Tier.T1].num_promotions += 1
-
     def disable_t1(self) -> list[BlockNode]:
         """Turn T1 off: no more T1 slots, and every T1 block leaves the index now (unreachable).
         Unreferenced blocks free their slots now; a block an in-flight hit references keeps its
@@ -424,19 +382,6 @@ class BlockIndex:
         plan.held.append(node)  # keeps the ref taken above
         return True
 
-    def _move_to_t1(self, node: BlockNode, slot: int, plan: Plan) -> None:
-        """Move `node` from its T0 block to T1 slot `slot` (the copy is `plan`'s move): the T0
-        block is freed, a pin is dropped, the parent counts one T0 child less."""
-        plan.moves.append(Move(Tier.T0, node.block_id, Tier.T1, slot))
-        self.allocators[Tier.T0].free([node.block_id])
-        if node.pinned:
-            self.num_pinned -= 1
-            node.pinned = False
-        node.tier, node.block_id = Tier.T1, slot
-        self.counters[Tier.T0].num_demotions += 1
-        if node.parent is not None:
-            node.parent.num_t0_children -= 1
-
     def _unindex_subtree(
         self, top: BlockNode, children: dict[int, list[BlockNode]], gone: list[BlockNode]
     ) -> None:
@@ -500,9 +445,9 @@ class BlockIndex:
         children: dict[int, int] = {}
         t0_children: dict[int, int] = {}
         live = list(self._nodes.values())
-        detached = [n for n in held if not n.namespace.valid and n.tier != _GONE]
+        detached = [n for n in held if not n.namespace.valid and n.tier != GONE]
         for node in live + detached:
-            assert node.tier != _GONE, "indexed block without a slot"
+            assert node.tier != GONE, "indexed block without a slot"
             slot = (node.tier, node.block_id)
             other = owners.setdefault(slot, node)
             assert other is node, f"slot {slot} held by two blocks"
@@ -663,7 +608,7 @@ class BlockIndex:
             if victim.pinned:
                 victim.pinned = False
                 num_unpinned += 1
-            victim.tier = _GONE
+            victim.tier = GONE
             del nodes[victim.block_hash]
             victim.namespace.num_blocks -= 1
             dropped.append(victim)
