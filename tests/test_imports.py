@@ -27,6 +27,7 @@ PURE_CACHE_CORE = [
     "kvfleet_runtime.cache._keys",
     "kvfleet_runtime.cache._block_index",
     "kvfleet_runtime.cache._tier_slots",
+    "kvfleet_runtime.cache._index_audit",
     "kvfleet_runtime.cache._moves",
     "kvfleet_runtime.cache._eviction",
     "kvfleet_runtime.cache._sketch",

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from kvfleet_runtime.cache._allocator import Slots
 from kvfleet_runtime.cache._block_node import BlockNode, Namespace
 from kvfleet_runtime.cache._eviction import EvictionPolicy
+from kvfleet_runtime.cache._index_audit import check_invariants
 from kvfleet_runtime.cache._keys import BlockHash, CacheKey
 from kvfleet_runtime.cache._moves import Move, Plan, Tier
 from kvfleet_runtime.cache._tier_slots import GONE, TierCounters, TierSlots
@@ -440,33 +441,9 @@ class BlockIndex(TierSlots):
     # -- checks ----------------------------------------------------------------------------
 
     def check_invariants(self, held: Iterable[BlockNode] = ()) -> None:
-        """O(n) audit used by tests: accounting, tree shape, tier monotonicity."""
-        owners: dict[tuple[int, int], BlockNode] = {}
-        children: dict[int, int] = {}
-        t0_children: dict[int, int] = {}
-        live = list(self._nodes.values())
-        detached = [n for n in held if not n.namespace.valid and n.tier != GONE]
-        for node in live + detached:
-            assert node.tier != GONE, "indexed block without a slot"
-            slot = (node.tier, node.block_id)
-            other = owners.setdefault(slot, node)
-            assert other is node, f"slot {slot} held by two blocks"
-            assert not self.allocators[node.tier].is_free(node.block_id), f"slot {slot} is free"
-        for node in live:
-            parent = node.parent
-            if parent is not None:
-                assert self._nodes.get(parent.block_hash) is parent, "orphaned block"
-                assert parent.tier <= node.tier, "T0 block below a T1 block"
-                children[id(parent)] = children.get(id(parent), 0) + 1
-                if node.tier == Tier.T0:
-                    t0_children[id(parent)] = t0_children.get(id(parent), 0) + 1
-        for node in live:
-            assert node.num_children == children.get(id(node), 0), "child count drift"
-            assert node.num_t0_children == t0_children.get(id(node), 0), "T0 child count drift"
-        for tier in (Tier.T0, Tier.T1):
-            used = sum(1 for t, _ in owners if t == tier)
-            assert used == self.allocators[tier].num_used, f"{tier.label}: leaked slots"
-        assert self.num_pinned == sum(1 for n in live + detached if n.pinned), "pin count drift"
+        """The O(n) audit the tests run (`_index_audit.py`); `held`: detached blocks still
+        referenced by in-flight requests."""
+        check_invariants(self, held)
 
     # -- T0 as the engine's KV -------------------------------------------------------------
 

@@ -396,6 +396,7 @@ def test_pure_modules_do_not_import_torch() -> None:
             "_keys",
             "_block_index",
             "_tier_slots",
+            "_index_audit",
             "_sketch",
             "_admission",
             "_store_queue",
