@@ -28,6 +28,7 @@ PURE_CACHE_CORE = [
     "kvfleet_runtime.cache._block_index",
     "kvfleet_runtime.cache._tier_slots",
     "kvfleet_runtime.cache._index_audit",
+    "kvfleet_runtime.cache._tier_drains",
     "kvfleet_runtime.cache._moves",
     "kvfleet_runtime.cache._eviction",
     "kvfleet_runtime.cache._sketch",
@@ -364,6 +365,7 @@ def test_replays_and_the_fleet_tier_stay_above_the_cache_manager(module: str) ->
             "kvfleet_runtime.cache._manager",
             "kvfleet_runtime.cache._block_index",
             "kvfleet_runtime.cache._tier_slots",
+            "kvfleet_runtime.cache._tier_drains",
         ))
         or n.endswith(".StorePlan")
     )

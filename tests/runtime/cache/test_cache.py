@@ -397,6 +397,7 @@ def test_pure_modules_do_not_import_torch() -> None:
             "_block_index",
             "_tier_slots",
             "_index_audit",
+            "_tier_drains",
             "_sketch",
             "_admission",
             "_store_queue",
