@@ -39,6 +39,9 @@ from kvfleet_runtime.cache._tier_slots import GONE, TierCounters
 
 __all__ = ["BlockIndex", "BlockNode", "Move", "Namespace", "Plan", "Tier", "TierCounters"]
 
+_MAX_SPARE = 4096
+"""Recycled nodes kept for re-use at most (~600 KB): a few evicting misses' worth."""
+
 
 class BlockIndex(TierDrains):
     """Chain hash -> block node, plus ref counts and eviction (the slots: `TierSlots`; a tier
@@ -60,6 +63,8 @@ class BlockIndex(TierDrains):
         self._nodes: dict[BlockHash, BlockNode] = {}
         self._namespaces: dict[CacheKey, Namespace] = {}
         self._tick = 0
+        self._spare: list[BlockNode] = []
+        """Dropped nodes nobody reads any more (`recycle`), which `_link` fills anew."""
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -340,6 +345,16 @@ class BlockIndex(TierDrains):
             namespace, parent, hashes, block_ids, Tier.T0, pinned, floors, 1 if referenced else 0
         )
 
+    def recycle(self, dropped: list[BlockNode]) -> None:
+        """Dropped nodes (`Plan.dropped`) that nothing will read again (their withdrawal events
+        are built, no eviction sink holds them), for `_link` to re-use, up to `_MAX_SPARE`. A
+        stale victim-queue entry of one stays stale: it names the node's old tick, and a re-used
+        node gets a newer one."""
+        spare = self._spare
+        room = _MAX_SPARE - len(spare)
+        if room > 0:
+            spare.extend(dropped[:room])
+
     def push_leaf(self, node: BlockNode) -> None:
         """Queue an unreferenced new leaf (`adopt(referenced=False)`) for eviction: the one
         push `release` of the chain it ends would make (interior blocks are not evictable)."""
@@ -375,6 +390,33 @@ class BlockIndex(TierDrains):
         if len(hashes) != len(block_ids):
             raise ValueError(f"{len(hashes)} hashes for {len(block_ids)} blocks")
         floor_of = itertools.chain(floors, itertools.repeat(0))
+        spare = self._spare
+        num_reused = min(len(spare), len(hashes))
+        if num_reused:
+            # Recycled nodes first, every field set as the constructor would (an evicting miss
+            # drops a chain's worth of nodes and creates as many: allocating and freeing them
+            # cost ~4x setting the fields). `reused` leads the zip, so it stops before taking
+            # a floor it will not use.
+            reused = spare[-num_reused:]
+            del spare[-num_reused:]
+            for node, h, block_id, floor in zip(
+                reused, hashes, block_ids, floor_of, strict=False
+            ):
+                node.block_hash = h
+                node.parent = above
+                node.namespace = namespace
+                node.tier = tier
+                node.block_id = block_id
+                node.num_children = 1
+                node.num_t0_children = t0_child
+                node.ref_count = refs
+                node.last_tick = tick
+                node.pinned = pinned
+                node.floor = floor
+                nodes[h] = node
+                above = node
+            new = reused
+            hashes, block_ids = hashes[num_reused:], block_ids[num_reused:]
         for h, block_id, floor in zip(hashes, block_ids, floor_of, strict=False):
             node = BlockNode(
                 h, above, namespace, tier, block_id, 1, t0_child, refs, tick, pinned, floor
