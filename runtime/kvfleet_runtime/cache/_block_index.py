@@ -501,7 +501,9 @@ class BlockIndex(TierDrains):
             if parent is not None:
                 parent.num_children -= 1
                 parent.num_t0_children -= 1
-                if parent.tier == t0 and evictable(parent):
+                # `_evictable_t0(parent)` spelled out (once per victim): a leaf of T0 now?
+                if (not parent.num_t0_children and parent.tier == t0 and not parent.ref_count
+                        and parent.namespace.valid):
                     if not need:
                         policy.push(parent, evictable)
                         break
