@@ -26,6 +26,9 @@ PACKAGES = {
 PURE_CACHE_CORE = [
     "kvfleet_runtime.cache._keys",
     "kvfleet_runtime.cache._block_index",
+    "kvfleet_runtime.cache._tier_slots",
+    "kvfleet_runtime.cache._index_audit",
+    "kvfleet_runtime.cache._tier_drains",
     "kvfleet_runtime.cache._moves",
     "kvfleet_runtime.cache._eviction",
     "kvfleet_runtime.cache._sketch",
@@ -358,7 +361,12 @@ _CACHE_INTERNALS_ALLOWED = {"kvfleet_lab.cache.bench"}
 def test_replays_and_the_fleet_tier_stay_above_the_cache_manager(module: str) -> None:
     below = sorted(
         n for n in _imports(module, top_level_only=False)
-        if n.startswith(("kvfleet_runtime.cache._manager", "kvfleet_runtime.cache._block_index"))
+        if n.startswith((
+            "kvfleet_runtime.cache._manager",
+            "kvfleet_runtime.cache._block_index",
+            "kvfleet_runtime.cache._tier_slots",
+            "kvfleet_runtime.cache._tier_drains",
+        ))
         or n.endswith(".StorePlan")
     )
     assert below == [], f"{module} reaches into the cache manager: {below}"

@@ -8,8 +8,8 @@ One run, one checkpoint, one device and thread count; every figure next to its b
 2. For one `prompt_tokens` prompt: TTFT on a T0 hit and on a T1 hit vs a fresh prefill of only
    the unmatched suffix (a miss of a prompt that is just the suffix) and vs the hit's physical
    floor (`suffix_at_position_s`: the model computing the suffix at its own positions with the
-   prefix's KV already resident, no cache call), and the T1 copy into the engine's blocks vs one
-   raw copy of the same bytes.
+   prefix's KV already resident, no cache call; T0 hit and floor run alternately), and the T1
+   copy into the engine's blocks vs one raw copy of the same bytes (alternately too).
 3. Decode throughput (generated tokens/s, the prompts' prefill included on both sides) at each
    concurrency, without and with the cache (every prompt a hit), vs transformers' batched
    `generate` of the same prompts. On CUDA also without the decode step's CUDA graphs
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kvfleet_lab.engine.t0 import suffix_at_position_s
+from kvfleet_lab.engine.t0 import suffix_at_position
 from kvfleet_runtime.cache import CacheTuning, Hit, KVLayout, PrefixCache
 from kvfleet_runtime.engine._engine import (
     CacheKeyFields,
@@ -116,7 +116,8 @@ class ReplicaBenchReport:
     """A miss of a prompt that is just the unmatched suffix (its tokens at positions 0..)."""
     suffix_at_position_s: float
     """The hit's physical floor: the model computing the unmatched suffix at its own positions,
-    the prefix's KV already resident in its blocks, no cache call (`t0.suffix_at_position_s`)."""
+    the prefix's KV already resident in its blocks, no cache call (`t0.suffix_at_position`),
+    timed run by run beside the T0 hit."""
     ttft_t0_hit_s: float
     ttft_t1_hit_s: float
     cached_tokens_t0: int
@@ -305,6 +306,29 @@ def _hit_ttft(b: _Bench, prompt: tuple[int, ...], cache: PrefixCache, reps: int
     return statistics.median(t for t, _ in runs), min(c for _, c in runs)
 
 
+def _t0_hit_beside_floor(b: _Bench, prompt: tuple[int, ...], reps: int
+                         ) -> tuple[float, int, float]:
+    """The T0 hit's TTFT and its physical floor (`suffix_at_position`: the suffix over the
+    prefix's resident KV, no engine, no cache call), run by run alternately so that load on the
+    box falls on both alike: (hit median, cached tokens, floor median)."""
+    cache = _cache(b.loaded, t0=len(prompt) // BLOCK_SIZE + 2, t1=0)
+
+    async def body(engine: Engine) -> tuple[list[tuple[float, int]], list[float]]:
+        await _ttft(engine, _one(prompt))  # the miss that stores the prompt
+        _, cached = await _ttft(engine, _one(prompt))  # warm-up hit
+        floor = suffix_at_position(b.loaded, prompt, cached)
+        _timed(b.device, floor)  # warm-up
+        hits, floors = [], []
+        for _ in range(reps):
+            hits.append(await _ttft(engine, _one(prompt)))
+            floors.append(_timed(b.device, floor))
+        return hits, floors
+
+    hits, floors = asyncio.run(_with(b.engine(cache, blocks=len(prompt) // BLOCK_SIZE + 2), body))
+    return (statistics.median(t for t, _ in hits), min(c for _, c in hits),
+            statistics.median(floors))
+
+
 def _miss_ttft(b: _Bench, prompt: tuple[int, ...], reps: int, *, deterministic: bool = False
                ) -> float:
     async def body(engine: Engine) -> list[float]:
@@ -344,9 +368,11 @@ def _t1_copy(b: _Bench, prompt: tuple[int, ...], reps: int) -> tuple[float, floa
     if non_blocking:
         src = src.pin_memory()
     dst = torch.empty(nbytes, dtype=torch.uint8, device=b.device)
-    ours = [_timed(b.device, path) for _ in range(reps + 1)][1:]
-    raw = [_timed(b.device, lambda: dst.copy_(src, non_blocking=non_blocking))
-           for _ in range(reps + 1)][1:]
+    ours, raw = [], []
+    for _ in range(reps + 1):  # alternate, so load falls on both alike; the first warms up
+        ours.append(_timed(b.device, path))
+        raw.append(_timed(b.device, lambda: dst.copy_(src, non_blocking=non_blocking)))
+    ours, raw = ours[1:], raw[1:]
     cache.release(hit)
     return statistics.median(ours), statistics.median(raw), nbytes
 
@@ -455,11 +481,10 @@ def run_replica_bench(*, model_dir: Path | None = None, preset: str = "small",
     prefill = _prefill_vs_transformers(b, sorted({*prefill_tokens, prompt_tokens}), reps)
     main = next(p for p in prefill if p.tokens == prompt_tokens)
     blocks = prompt_tokens // BLOCK_SIZE + 2
-    t_t0, c_t0 = _hit_ttft(b, prompt, _cache(loaded, t0=blocks, t1=0), reps)
+    t_t0, c_t0, t_at_position = _t0_hit_beside_floor(b, prompt, reps)
     # No T0: every hit is copied from the host pool (pinned when CUDA is present).
     t_t1, c_t1 = _hit_ttft(b, prompt, _cache(loaded, t0=0, t1=blocks), reps)
     t_suffix = _miss_ttft(b, prompt[c_t0:], reps)
-    t_at_position = suffix_at_position_s(loaded, prompt, c_t0, reps)
     copy_s, raw_s, copy_bytes = _t1_copy(b, prompt, reps)
     cuda = device.type == "cuda"
     decode = [DecodeFigures(c, _decode(b, c, decode_new_tokens, reps, cache=False),

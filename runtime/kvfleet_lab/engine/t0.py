@@ -20,7 +20,7 @@ import asyncio
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,9 @@ from kvfleet_runtime.model import (
 )
 from kvfleet_runtime.wire import BLOCK_SIZE
 
-__all__ = ["T0Report", "format_t0_report", "run_t0_bench", "suffix_at_position_s"]
+__all__ = [
+    "T0Report", "format_t0_report", "run_t0_bench", "suffix_at_position", "suffix_at_position_s",
+]
 
 
 @dataclass(slots=True)
@@ -160,12 +162,12 @@ async def _ttft_hit(loaded: LoadedModel, prompt: tuple[int, ...], reps: int,
         await engine.stop()
 
 
-def suffix_at_position_s(loaded: LoadedModel, prompt: Sequence[int], start: int,
-                         reps: int) -> float:
-    """The physical floor of a hit of `start` tokens: the model computing prompt[start:] at its
-    own positions with the prefix's KV already resident in its blocks (attending to all of it),
-    and picking the first token (greedy), with no cache call. Median of `reps` after a warm-up;
-    `start` 0 is the full prefill."""
+def suffix_at_position(loaded: LoadedModel, prompt: Sequence[int], start: int
+                       ) -> Callable[[], int]:
+    """The physical floor of a hit of `start` tokens, ready to time: a call computes prompt[start:]
+    at its own positions with the prefix's KV already resident in its blocks (attending to all
+    of it) and picks the first token (greedy, on the host), with no cache call. `start` 0 is the
+    full prefill."""
     model = loaded.model
     kv = PagedKV.allocate(loaded.args, -(-len(prompt) // BLOCK_SIZE), device=model.device)
     table = kv.take(kv.num_blocks)
@@ -173,12 +175,19 @@ def suffix_at_position_s(loaded: LoadedModel, prompt: Sequence[int], start: int,
     if start:
         model.prefill(prompt[:start], 0, table, kv)
     suffix = prompt[start:]
+    return lambda: int(model.prefill(suffix, start, table, kv).argmax())
+
+
+def suffix_at_position_s(loaded: LoadedModel, prompt: Sequence[int], start: int,
+                         reps: int) -> float:
+    """`suffix_at_position`'s time: median of `reps` after a warm-up."""
+    floor = suffix_at_position(loaded, prompt, start)
     runs = []
     for _ in range(reps + 1):
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
+        if loaded.model.device.type == "cuda":
+            torch.cuda.synchronize(loaded.model.device)
         t = time.perf_counter()
-        int(model.prefill(suffix, start, table, kv).argmax())  # the first token, on the host
+        floor()
         runs.append(time.perf_counter() - t)
     return statistics.median(runs[1:])
 

@@ -27,32 +27,25 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
-from kvfleet_runtime.cache._allocator import BlockAllocator, Slots
+from kvfleet_runtime.cache._allocator import Slots
 from kvfleet_runtime.cache._block_node import BlockNode, Namespace
 from kvfleet_runtime.cache._eviction import EvictionPolicy
+from kvfleet_runtime.cache._index_audit import check_invariants
 from kvfleet_runtime.cache._keys import BlockHash, CacheKey
 from kvfleet_runtime.cache._moves import Move, Plan, Tier
+from kvfleet_runtime.cache._tier_drains import TierDrains
+from kvfleet_runtime.cache._tier_slots import GONE, TierCounters
 
 __all__ = ["BlockIndex", "BlockNode", "Move", "Namespace", "Plan", "Tier", "TierCounters"]
 
-
-_GONE = -1
-"""`BlockNode.tier` of a block whose slot has been freed."""
-
-
-@dataclass(slots=True)
-class TierCounters:
-    num_evictions: int = 0
-    """Blocks dropped from the cache out of this tier."""
-    num_demotions: int = 0
-    num_promotions: int = 0
-    num_stored: int = 0
+_MAX_SPARE = 4096
+"""Recycled nodes kept for re-use at most (~600 KB): a few evicting misses' worth."""
 
 
-class BlockIndex:
-    """Chain hash -> block node, plus per-tier slot accounting, ref counts and eviction."""
+class BlockIndex(TierDrains):
+    """Chain hash -> block node, plus ref counts and eviction (the slots: `TierSlots`; a tier
+    turned off, a version invalidated: `TierDrains`)."""
 
     def __init__(
         self,
@@ -64,24 +57,14 @@ class BlockIndex:
     ) -> None:
         """`t0_slots`: T0's slots when T0 is the engine's KV (`CachedSlots`); its blocks are then
         also held by sequences, and one that a sequence still holds is never a victim."""
+        super().__init__(num_blocks, pin_limit=pin_limit, t0_slots=t0_slots)
         self.policy = policy
         """Victim order and the duel (`set_policy` swaps it)."""
-        self.allocators: tuple[Slots, Slots] = (
-            t0_slots if t0_slots is not None else BlockAllocator(num_blocks[0]),
-            BlockAllocator(num_blocks[1]),
-        )
-        self.counters = (TierCounters(), TierCounters())
-        self.num_pinned = 0
-        self.pin_limit = pin_limit
-        """Pinned blocks T0 may hold at most."""
         self._nodes: dict[BlockHash, BlockNode] = {}
         self._namespaces: dict[CacheKey, Namespace] = {}
         self._tick = 0
-        self.t1_enabled = True
-        """False (the fleet config's `tiers.t1_host` off): no slot of T1 is handed out."""
-        self.t0_enabled = True
-        """False (the fleet config's `tiers.t0_device` off): no slot of T0 is handed to the
-        cache (no store in place, no promotion), so nothing is filed in T0."""
+        self._spare: list[BlockNode] = []
+        """Dropped nodes nobody reads any more (`recycle`), which `_link` fills anew."""
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -134,7 +117,7 @@ class BlockIndex:
             node.ref_count -= 1
             if node.ref_count == 0:
                 if not node.namespace.valid:
-                    if node.tier != _GONE:
+                    if node.tier != GONE:
                         self._free_slot(node)
                         freed.append(node)
                 elif (node.num_t0_children if node.tier == Tier.T0 else node.num_children) == 0:
@@ -188,14 +171,6 @@ class BlockIndex:
 
     def _pop_victim(self, tier: int) -> BlockNode | None:
         return self.policy.pop(tier, self._evictable_in(tier))
-
-    def _free_slot(self, node: BlockNode) -> None:
-        tier = node.tier
-        self.allocators[tier].free([node.block_id])
-        if node.pinned:
-            self.num_pinned -= 1
-            node.pinned = False
-        node.tier = _GONE
 
     def _drop(self, node: BlockNode, plan: Plan) -> None:
         """Remove a leaf from the index and free its slot."""
@@ -333,195 +308,12 @@ class BlockIndex:
         self.release_held(plan.held)
         return plan
 
-    def _move_to_t0(self, node: BlockNode, slot: int) -> None:
-        """File `node` in T0 slot `slot` (its data is, or is planned to be, copied there): its T1
-        slot is freed, the parent counts one T0 child more. `_move_to_t1`'s reverse."""
-        self.allocators[Tier.T1].free([node.block_id])
-        node.tier, node.block_id = Tier.T0, slot
-        if node.parent is not None:
-            node.parent.num_t0_children += 1
-        self.counters[Tier.T1].num_promotions += 1
-
-    def disable_t1(self) -> list[BlockNode]:
-        """Turn T1 off: no more T1 slots, and every T1 block leaves the index now (unreachable).
-        Unreferenced blocks free their slots now; a block an in-flight hit references keeps its
-        slot (and its data) until that hit's release, as an invalidated block does: it moves to
-        a detached namespace. Returns the blocks removed from the index."""
-        self.t1_enabled = False
-        gone = [n for n in self._nodes.values() if n.tier == Tier.T1]
-        detached: dict[int, Namespace] = {}
-        for node in gone:
-            del self._nodes[node.block_hash]
-            node.namespace.num_blocks -= 1
-            self.counters[Tier.T1].num_evictions += 1
-            parent = node.parent
-            if parent is not None and parent.tier != Tier.T1:  # a T0 parent stays indexed
-                parent.num_children -= 1
-                self._push(parent)
-        for node in gone:
-            self._free_or_detach(node, detached)
-        return gone
-
-    def disable_t0(self) -> tuple[Plan, list[BlockNode]]:
-        """Turn T0 off: no more T0 slots for the cache, and every T0 block leaves T0 now.
-
-        Root first, a T0 block is demoted to T1 by copy when T1 is on and takes it (it must win
-        T1's duel as a candidate of its own weight, as an eviction's demotion does); otherwise it
-        leaves the index together with everything below it (its descendants are unreachable
-        without it). Referenced blocks are treated alike: a demoted one's in-flight hit reads it
-        from T1 (the sequence keeps its own ref on the T0 slot); a removed one keeps its slot and
-        data until that hit's release, in a detached namespace (as in `disable_t1`), and
-        unreferenced removed blocks free their slots now.
-
-        Returns the plan (the demotion copies, and the T1 blocks evicted to make room for them:
-        carry out its moves before anyone may take a T0 slot) and the blocks removed."""
-        self.t0_enabled = False
-        plan = Plan()
-        children: dict[int, list[BlockNode]] = {}
-        for node in self._nodes.values():
-            if node.parent is not None:
-                children.setdefault(id(node.parent), []).append(node)
-        depth: dict[int, int] = {}
-
-        def depth_of(node: BlockNode) -> int:
-            above: list[BlockNode] = []
-            top: BlockNode | None = node
-            while top is not None and id(top) not in depth:
-                above.append(top)
-                top = top.parent
-            d = -1 if top is None else depth[id(top)]
-            for n in reversed(above):  # chains run to thousands of blocks: no recursion
-                d += 1
-                depth[id(n)] = d
-            return depth[id(node)]
-
-        t0 = sorted((n for n in self._nodes.values() if n.tier == Tier.T0), key=depth_of)
-        demoted: list[BlockNode] = []
-        gone: list[BlockNode] = []
-        for node in t0:
-            if self._nodes.get(node.block_hash) is not node:
-                continue  # it left with an ancestor
-            if self._demote_for_drain(node, plan):
-                demoted.append(node)
-            else:
-                self._unindex_subtree(node, children, gone)
-        self._order_demotions(demoted, plan)
-        self.release_held(plan.held)
-        return plan, gone
-
-    def _demote_for_drain(self, node: BlockNode, plan: Plan) -> bool:
-        """Demote one T0 block to T1 for `disable_t0`, if T1 takes it (held until the drain is
-        planned, `Plan.held`)."""
-        if not self.t1_enabled or not self.allocators[Tier.T1].num_blocks:
-            return False
-        weights = self.policy.candidate_weights([node.block_hash])
-        node.ref_count += 1
-        got = self._reserve(Tier.T1, 1, weights, plan)
-        if not got:
-            node.ref_count -= 1
-            return False
-        self._move_to_t1(node, got[0], plan)
-        plan.held.append(node)  # keeps the ref taken above
-        return True
-
-    def _move_to_t1(self, node: BlockNode, slot: int, plan: Plan) -> None:
-        """Move `node` from its T0 block to T1 slot `slot` (the copy is `plan`'s move): the T0
-        block is freed, a pin is dropped, the parent counts one T0 child less."""
-        plan.moves.append(Move(Tier.T0, node.block_id, Tier.T1, slot))
-        self.allocators[Tier.T0].free([node.block_id])
-        if node.pinned:
-            self.num_pinned -= 1
-            node.pinned = False
-        node.tier, node.block_id = Tier.T1, slot
-        self.counters[Tier.T0].num_demotions += 1
-        if node.parent is not None:
-            node.parent.num_t0_children -= 1
-
-    def _unindex_subtree(
-        self, top: BlockNode, children: dict[int, list[BlockNode]], gone: list[BlockNode]
-    ) -> None:
-        """Remove `top` and every indexed block below it from the index (unreachable now);
-        unreferenced ones free their slots, referenced ones move to a detached namespace."""
-        parent = top.parent
-        if parent is not None:
-            parent.num_children -= 1
-            if top.tier == Tier.T0:
-                parent.num_t0_children -= 1
-            self._push(parent)
-        stack = [top]
-        detached: dict[int, Namespace] = {}
-        while stack:
-            node = stack.pop()
-            if self._nodes.get(node.block_hash) is not node:
-                continue
-            stack.extend(children.get(id(node), ()))
-            del self._nodes[node.block_hash]
-            node.namespace.num_blocks -= 1
-            self.counters[node.tier].num_evictions += 1
-            gone.append(node)
-            self._free_or_detach(node, detached)
-
-    def _free_or_detach(self, node: BlockNode, detached: dict[int, Namespace]) -> None:
-        """A node that left the index: its slot is freed now, or, while a request still holds
-        it, it moves to an invalid copy of its namespace (one per namespace, in `detached`) so
-        it is never found again and its slot is freed when the last ref goes."""
-        if node.ref_count == 0:
-            self._free_slot(node)
-            return
-        ns = detached.get(id(node.namespace))
-        if ns is None:
-            ns = detached[id(node.namespace)] = Namespace(node.namespace.key, valid=False)
-        node.namespace = ns
-
-    def invalidate(self, weights_digest: str) -> tuple[int, list[BlockNode]]:
-        """Make every block of a weights version unreachable; free the unreferenced ones now and
-        the referenced ones at their release. Returns (blocks unindexed, blocks freed now)."""
-        stale = [ns for k, ns in self._namespaces.items() if k.weights_digest == weights_digest]
-        if not stale:
-            return 0, []
-        for ns in stale:
-            ns.valid = False
-            del self._namespaces[ns.key]
-        gone = [n for n in self._nodes.values() if not n.namespace.valid]
-        freed: list[BlockNode] = []
-        for node in gone:
-            del self._nodes[node.block_hash]
-            node.namespace.num_blocks -= 1
-            if node.ref_count == 0:
-                self._free_slot(node)
-                freed.append(node)
-        return len(gone), freed
-
     # -- checks ----------------------------------------------------------------------------
 
     def check_invariants(self, held: Iterable[BlockNode] = ()) -> None:
-        """O(n) audit used by tests: accounting, tree shape, tier monotonicity."""
-        owners: dict[tuple[int, int], BlockNode] = {}
-        children: dict[int, int] = {}
-        t0_children: dict[int, int] = {}
-        live = list(self._nodes.values())
-        detached = [n for n in held if not n.namespace.valid and n.tier != _GONE]
-        for node in live + detached:
-            assert node.tier != _GONE, "indexed block without a slot"
-            slot = (node.tier, node.block_id)
-            other = owners.setdefault(slot, node)
-            assert other is node, f"slot {slot} held by two blocks"
-            assert not self.allocators[node.tier].is_free(node.block_id), f"slot {slot} is free"
-        for node in live:
-            parent = node.parent
-            if parent is not None:
-                assert self._nodes.get(parent.block_hash) is parent, "orphaned block"
-                assert parent.tier <= node.tier, "T0 block below a T1 block"
-                children[id(parent)] = children.get(id(parent), 0) + 1
-                if node.tier == Tier.T0:
-                    t0_children[id(parent)] = t0_children.get(id(parent), 0) + 1
-        for node in live:
-            assert node.num_children == children.get(id(node), 0), "child count drift"
-            assert node.num_t0_children == t0_children.get(id(node), 0), "T0 child count drift"
-        for tier in (Tier.T0, Tier.T1):
-            used = sum(1 for t, _ in owners if t == tier)
-            assert used == self.allocators[tier].num_used, f"{tier.label}: leaked slots"
-        assert self.num_pinned == sum(1 for n in live + detached if n.pinned), "pin count drift"
+        """The O(n) audit the tests run (`_index_audit.py`); `held`: detached blocks still
+        referenced by in-flight requests."""
+        check_invariants(self, held)
 
     # -- T0 as the engine's KV -------------------------------------------------------------
 
@@ -552,6 +344,16 @@ class BlockIndex:
         return self._link(
             namespace, parent, hashes, block_ids, Tier.T0, pinned, floors, 1 if referenced else 0
         )
+
+    def recycle(self, dropped: list[BlockNode]) -> None:
+        """Dropped nodes (`Plan.dropped`) that nothing will read again (their withdrawal events
+        are built, no eviction sink holds them), for `_link` to re-use, up to `_MAX_SPARE`. A
+        stale victim-queue entry of one stays stale: it names the node's old tick, and a re-used
+        node gets a newer one."""
+        spare = self._spare
+        room = _MAX_SPARE - len(spare)
+        if room > 0:
+            spare.extend(dropped[:room])
 
     def push_leaf(self, node: BlockNode) -> None:
         """Queue an unreferenced new leaf (`adopt(referenced=False)`) for eviction: the one
@@ -588,6 +390,33 @@ class BlockIndex:
         if len(hashes) != len(block_ids):
             raise ValueError(f"{len(hashes)} hashes for {len(block_ids)} blocks")
         floor_of = itertools.chain(floors, itertools.repeat(0))
+        spare = self._spare
+        num_reused = min(len(spare), len(hashes))
+        if num_reused:
+            # Recycled nodes first, every field set as the constructor would (an evicting miss
+            # drops a chain's worth of nodes and creates as many: allocating and freeing them
+            # cost ~4x setting the fields). `reused` leads the zip, so it stops before taking
+            # a floor it will not use.
+            reused = spare[-num_reused:]
+            del spare[-num_reused:]
+            for node, h, block_id, floor in zip(
+                reused, hashes, block_ids, floor_of, strict=False
+            ):
+                node.block_hash = h
+                node.parent = above
+                node.namespace = namespace
+                node.tier = tier
+                node.block_id = block_id
+                node.num_children = 1
+                node.num_t0_children = t0_child
+                node.ref_count = refs
+                node.last_tick = tick
+                node.pinned = pinned
+                node.floor = floor
+                nodes[h] = node
+                above = node
+            new = reused
+            hashes, block_ids = hashes[num_reused:], block_ids[num_reused:]
         for h, block_id, floor in zip(hashes, block_ids, floor_of, strict=False):
             node = BlockNode(
                 h, above, namespace, tier, block_id, 1, t0_child, refs, tick, pinned, floor
@@ -663,7 +492,7 @@ class BlockIndex:
             if victim.pinned:
                 victim.pinned = False
                 num_unpinned += 1
-            victim.tier = _GONE
+            victim.tier = GONE
             del nodes[victim.block_hash]
             victim.namespace.num_blocks -= 1
             dropped.append(victim)
@@ -672,7 +501,9 @@ class BlockIndex:
             if parent is not None:
                 parent.num_children -= 1
                 parent.num_t0_children -= 1
-                if parent.tier == t0 and evictable(parent):
+                # `_evictable_t0(parent)` spelled out (once per victim): a leaf of T0 now?
+                if (not parent.num_t0_children and parent.tier == t0 and not parent.ref_count
+                        and parent.namespace.valid):
                     if not need:
                         policy.push(parent, evictable)
                         break

@@ -175,23 +175,32 @@ class ChainMemo:
         young, old = self._young, self._old
         copy = _BLOCK_PROTO.copy
         misses = 0
-        probe = True
-        i = start - _BLOCK_BYTES
+        i = j = start - _BLOCK_BYTES  # the last step taken: i, then j past the first miss
         try:
             for i in range(start, stop, _BLOCK_BYTES):
                 link = prev + data[i : i + _BLOCK_BYTES]
-                digest = young.get(link) if probe else None
+                digest = young.get(link)
                 if digest is None:
-                    digest = old.get(link) if probe else None
+                    digest = old.get(link)
                     if digest is None:
                         misses += 1
                         h = copy()
                         h.update(link)
                         digest = h.digest()
-                        # Only lookups fill the memo, each from a chain's first block on, so
-                        # past a chain's first miss its steps are all but never there: a store
-                        # (every miss's) hashes the rest without two probes a block.
-                        probe = remember
+                        if not remember:
+                            # Only lookups fill the memo, each from a chain's first block on,
+                            # so past a chain's first miss its steps are all but never there:
+                            # a store (every miss's) hashes the rest as `_plain_chain` does,
+                            # without the probes and the step's bytes a block.
+                            yield digest
+                            for j in range(i + _BLOCK_BYTES, stop, _BLOCK_BYTES):
+                                misses += 1
+                                h = copy()
+                                h.update(digest)
+                                h.update(data[j : j + _BLOCK_BYTES])
+                                digest = h.digest()
+                                yield digest
+                            return
                     if remember:
                         if len(young) >= self._half:
                             self._old = old = young
@@ -200,7 +209,7 @@ class ChainMemo:
                 prev = digest
                 yield digest
         finally:  # also when a lookup stops at its first miss and drops the chain
-            steps = (i - start) // _BLOCK_BYTES + 1
+            steps = (max(i, j) - start) // _BLOCK_BYTES + 1
             self.num_hits += steps - misses
             self.num_misses += misses
 
@@ -238,7 +247,8 @@ def _plain_chain(prev: bytes, data: bytes, start: int, stop: int) -> Iterator[by
     copy = _BLOCK_PROTO.copy
     for i in range(start, stop, _BLOCK_BYTES):
         h = copy()
-        h.update(prev + data[i : i + _BLOCK_BYTES])
+        h.update(prev)  # two updates hash what one of `prev + chunk` would, without the join
+        h.update(data[i : i + _BLOCK_BYTES])
         prev = h.digest()
         yield prev
 

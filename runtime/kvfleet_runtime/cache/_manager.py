@@ -423,6 +423,8 @@ class CacheManager:
         """Make room in T0 for in-flight work (`BlockIndex.reclaim`); the demotion copies."""
         plan = self.index.reclaim(num_free)
         self._after(plan)
+        if self.evicted is None:  # else the eviction sink still reads the dropped nodes
+            self.index.recycle(plan.dropped)
         return plan.moves
 
     def promote_in_place(self, nodes: Sequence[BlockNode], block_ids: Sequence[int]) -> None:

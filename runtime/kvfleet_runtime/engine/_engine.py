@@ -499,9 +499,16 @@ class Engine:
                 budget = (budget - n) // BLOCK_SIZE * BLOCK_SIZE
         if plan:
             self._prefill_chunks(plan)
-        for seq in self._running:
-            if seq.prefilled and not seq.output and seq.last_logits is not None:
-                self._first_token(seq)
+        # First tokens go out before their prompts are stored: the store (the cache's plan for
+        # a 2,000-token prompt: ~0.7 ms of CPU) is not on the time to first token. A snapshot,
+        # since a request that ends at its first token leaves `_running`.
+        firsts = [(seq, self._first_token(seq)) for seq in list(self._running)
+                  if seq.prefilled and not seq.output and seq.last_logits is not None]
+        if firsts:
+            self._flush()
+        for seq, token in firsts:
+            if token is not None:
+                self._after_first_token(seq, token)
         for seq in [s for s in self._batch.seqs if s.cancelled]:
             self._finish(seq, seq.cancel_reason)
         if self._batch:
@@ -609,16 +616,20 @@ class Engine:
             seq.last_logits = logits if seq.prefilled else None
             self.metrics.prefilled_tokens.inc(n)
 
-    def _first_token(self, seq: _Sequence) -> None:
+    def _first_token(self, seq: _Sequence) -> int | None:
+        """Sample and emit the first token (None: sampling failed, the request is over)."""
         assert seq.last_logits is not None
         sampled = self._sample(seq, seq.last_logits)
         seq.last_logits = None
         if sampled is None:
-            return
-        token = sampled.token_id
-        self._push_token(seq, sampled)  # the first token is on its way before the store copy
+            return None
+        self._push_token(seq, sampled)
         self.metrics.generated_tokens.inc()
         self.metrics.ttft.observe(time.monotonic() - seq.submitted_s)
+        return sampled.token_id
+
+    def _after_first_token(self, seq: _Sequence, token: int) -> None:
+        """Store the prompt, then end the request or start decoding it."""
         self._store_prompt(seq)  # before a finish can free the blocks
         if not self._finish_if_done(seq, token):
             self._batch.add(seq, seq.table, len(seq.prompt), token)

@@ -395,6 +395,9 @@ def test_pure_modules_do_not_import_torch() -> None:
         for m in (
             "_keys",
             "_block_index",
+            "_tier_slots",
+            "_index_audit",
+            "_tier_drains",
             "_sketch",
             "_admission",
             "_store_queue",

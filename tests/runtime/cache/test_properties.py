@@ -20,7 +20,7 @@ from kvfleet_runtime.cache import (
     Tier,
     block_hashes,
 )
-from kvfleet_runtime.cache._block_index import _GONE
+from kvfleet_runtime.cache._tier_slots import GONE
 from tests.runtime.cache.conftest import DIGEST_A, DIGEST_B, FakeClock, make_key
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=2, head_dim=2, dtype="float32")
@@ -121,7 +121,7 @@ class CacheMachine(RuleBasedStateMachine):
     def accounting_and_refs(self) -> None:
         held_nodes = [n for hit, _ in self.held for n in hit._path]
         for node in held_nodes:
-            assert node.tier != _GONE and node.ref_count > 0, "a referenced block was freed"
+            assert node.tier != GONE and node.ref_count > 0, "a referenced block was freed"
         self.cache._manager.index.check_invariants(held_nodes)
         stats = self.cache.stats()
         assert sum(t.num_blocks_used for t in stats.tiers) >= stats.num_indexed_blocks

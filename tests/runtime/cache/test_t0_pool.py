@@ -393,3 +393,62 @@ def test_a_block_demoted_by_a_reclaim_is_not_evicted_by_the_same_reclaim(
     assert got is not None and torch.equal(got[0], data[kept[0]])
     kv.give_back(table)
     cache._manager.index.check_invariants()
+
+
+
+def _evicting_miss(cache: PrefixCache, kv: PagedBlocks) -> list[tuple[object, ...]]:
+    """A hot pinned chain of another tenant, then a miss that evicts it: every field of every
+    indexed node (the parent by its hash)."""
+    old_key = make_key("tenant-b")
+    old = prompt(5, seed=1)
+    sketch = cache._manager.sketch
+    for _ in range(2):  # seen twice before: its store is the third sighting, which pins it
+        sketch.increment_many(cache.block_hashes(old_key, old))
+    table = kv.take(5)
+    assert table is not None
+    assert cache.store_blocks(old_key, old, kv, table) is StoreOutcome.STORED
+    kv.give_back(table)
+    run_sequence(cache, kv, prompt(8, seed=3), seed=3)  # 6 blocks free: 2 of the old go
+    return sorted(
+        (n.block_hash, n.parent.block_hash if n.parent else None, n.namespace.key, n.tier,
+         n.block_id, n.num_children, n.num_t0_children, n.ref_count, n.last_tick, n.pinned,
+         n.floor)
+        for n in cache._manager.index.nodes()
+    )
+
+
+def test_an_evicting_miss_files_its_chain_in_the_nodes_it_dropped_set_anew(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv = pool()
+    cache = bound(kv, clock)
+    index = cache._manager.index
+    created: list[object] = []
+    recycle = index.recycle
+    monkeypatch.setattr(index, "recycle", lambda dropped: (created.extend(dropped),
+                                                           recycle(dropped)))
+    got = _evicting_miss(cache, kv)
+    assert len(created) == 2 and all(any(n is m for m in index.nodes()) for n in created)
+    assert any(row[9] for row in got)  # the old chain's pinned rest is still there
+    index.check_invariants()
+    # The same steps on a cache that never re-uses a node: the same index, field by field.
+    twin_kv = pool()
+    twin = bound(twin_kv, FakeClock())
+    monkeypatch.setattr(twin._manager.index, "recycle", lambda dropped: None)
+    assert _evicting_miss(twin, twin_kv) == got
+
+
+def test_with_an_eviction_sink_the_dropped_nodes_are_not_re_used(clock: FakeClock) -> None:
+    kv = pool()
+    cache = bound(kv, clock)
+    runs: list[object] = []
+    cache.set_eviction_sink(runs.append)
+    old = prompt(5, seed=1)
+    run_sequence(cache, kv, old, seed=1)
+    old_nodes = [cache._manager.index.get(h) for h in cache.block_hashes(make_key(), old)]
+    new = prompt(8, seed=3)
+    run_sequence(cache, kv, new, seed=3)
+    new_nodes = [cache._manager.index.get(h) for h in cache.block_hashes(make_key(), new)]
+    assert not {id(n) for n in new_nodes} & {id(n) for n in old_nodes}
+    assert runs  # the sink got the old chain's blocks, read from the nodes it kept
+    cache._manager.index.check_invariants()
