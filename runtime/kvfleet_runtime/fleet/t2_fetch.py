@@ -36,6 +36,7 @@ __all__ = [
     "FetchOutcome",
     "FetchStats",
     "FetchedRun",
+    "Landing",
     "PeerFetcher",
 ]
 
@@ -119,6 +120,13 @@ class FetchStats:
         """One more `outcome` (a FetchOutcome's value is taken too: ValueError for any other)."""
         key = FetchOutcome(outcome)
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+
+Landing = Callable[[int, int], Sequence[memoryview]]
+"""Where a run's bytes land, for `PeerFetcher.fetch_into`: `landing(lo, hi)` is the views that
+blocks [lo, hi) of the run (0 = its first block) fill, in wire order: each K row
+`[layer][kv_head]` then each V row, `(hi - lo) * 16 * head_dim` values each, exactly
+`(hi - lo) * bytes_per_block` bytes in all (e.g. slices of the caller's pool)."""
 
 
 class FetchFailed(Exception):
@@ -250,9 +258,84 @@ class PeerFetcher:
     async def fetch_from(
         self, url: str, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
     ) -> FetchedRun:
-        """One transfer from a known peer, unverified against a chain; raises FetchFailed,
-        aiohttp and OS errors (`fetch` is the never-raising path; the vLLM connector's peer
-        tier and the benchmarks call this one with a peer of their choosing)."""
+        """One transfer from a known peer into receive buffers, unverified against a chain;
+        raises FetchFailed, aiohttp and OS errors (`fetch` is the never-raising path; the
+        benchmarks call this one with a peer of their choosing)."""
+        reader = await self._request(url, key, token_ids, start_block, max_blocks)
+        try:
+            return await self._read_run(reader)
+        finally:
+            reader.close()
+
+    async def fetch_into(
+        self,
+        url: str,
+        key: CacheKey,
+        token_ids: Sequence[int],
+        expected_hashes: Sequence[bytes],
+        *,
+        start_block: int,
+        dtype: str,
+        layout: tuple[int, int, int],
+        landing: Landing,
+    ) -> tuple[int, FetchOutcome | None]:
+        """Fetch blocks `[start_block, + len(expected_hashes))` from a known peer straight into
+        the caller's memory (`landing`), with no receive buffer in between.
+
+        Nothing lands before the header is checked: the run must start at `start_block`, be no
+        longer than asked, carry exactly the leading hashes of `expected_hashes` and the
+        caller's dtype and layout (`FetchFailed` otherwise, the memory untouched). Then each
+        chunk is received in place and checksummed where it landed. Returns (how many leading
+        blocks hold verified KV, why the run ended early or None when complete). Bytes after
+        those blocks may have landed (a chunk that failed its checksum, a chunk cut short):
+        the caller must never use them. Raises FetchFailed when no block was verified, and
+        aiohttp and OS errors (the vLLM connector's peer tier calls this into its host pool)."""
+        n_wanted = len(expected_hashes)
+        reader = await self._request(url, key, token_ids, start_block, n_wanted)
+        try:
+            try:
+                magic, version, header_len = PREAMBLE.unpack(await reader.exactly(PREAMBLE.size))
+                if magic != MAGIC or version != VERSION or header_len > MAX_HEADER_BYTES:
+                    raise FetchFailed(FetchOutcome.PROTOCOL, f"bad preamble {magic!r} v{version}")
+                header = json.loads(await reader.exactly(header_len))
+                hashes = tuple(bytes.fromhex(h) for h in header["block_hashes"])
+                got_dtype = str(header["dtype"])
+                got_layout = _layout(header["layout"])
+                bytes_per_block = int(header["bytes_per_block"])
+                got_start, got_n = int(header["start_block"]), int(header["num_blocks"])
+            except asyncio.IncompleteReadError as exc:
+                raise FetchFailed(FetchOutcome.SHORT_READ,
+                                  f"{len(exc.partial)} of {exc.expected} bytes") from exc
+            except (KeyError, TypeError, ValueError) as exc:
+                raise FetchFailed(FetchOutcome.PROTOCOL, repr(exc)) from exc
+            # Everything that decides where bytes land is checked before the first one does.
+            if got_dtype != dtype or got_layout != tuple(layout):
+                raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH,
+                                  f"{got_dtype} {got_layout} != {dtype} {tuple(layout)}")
+            layers, heads, head_dim = layout
+            expected_bytes = 2 * layers * heads * BLOCK_SIZE * head_dim * _DTYPE_BYTES.get(dtype, 0)
+            if bytes_per_block != expected_bytes:
+                raise FetchFailed(FetchOutcome.PROTOCOL,
+                                  f"{bytes_per_block} bytes per block of {dtype}")
+            if got_start != start_block or got_n != len(hashes) or not 0 < got_n <= n_wanted:
+                raise FetchFailed(FetchOutcome.PROTOCOL,
+                                  f"run [{got_start}, +{got_n}) not requested")
+            if hashes != tuple(expected_hashes[:got_n]):
+                raise FetchFailed(FetchOutcome.HASH_MISMATCH,
+                                  "peer blocks are not the requested chain")
+            verified, failure = await _read_chunks(reader, got_n, bytes_per_block, landing)
+        finally:
+            reader.close()
+        if failure is not None:
+            if verified == 0:
+                raise failure
+            return verified, failure.outcome
+        return verified, None
+
+    async def _request(
+        self, url: str, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
+    ) -> BodyReader:
+        """POST the block request; the reader of a 200 body (FetchFailed for any other)."""
         assert self.secret
         body = {
             "key": key._asdict(),
@@ -267,14 +350,12 @@ class PeerFetcher:
         status, reader = await post(
             url, T2_PATH, body, headers, connect_timeout_s=self.connect_timeout_s
         )
-        try:
-            if status != 200:
-                outcome = {404: FetchOutcome.STALE, 401: FetchOutcome.REFUSED,
-                           403: FetchOutcome.REFUSED}.get(status, FetchOutcome.HTTP)
-                raise FetchFailed(outcome, f"HTTP {status}")
-            return await self._read_run(reader)
-        finally:
+        if status != 200:
             reader.close()
+            outcome = {404: FetchOutcome.STALE, 401: FetchOutcome.REFUSED,
+                       403: FetchOutcome.REFUSED}.get(status, FetchOutcome.HTTP)
+            raise FetchFailed(outcome, f"HTTP {status}")
+        return reader
 
     async def _read_run(self, reader: BodyReader) -> FetchedRun:
         try:
@@ -309,7 +390,8 @@ class PeerFetcher:
                               f"{len(exc.partial)} of {exc.expected} bytes") from exc
         except (KeyError, TypeError, ValueError) as exc:
             raise FetchFailed(FetchOutcome.PROTOCOL, repr(exc)) from exc
-        verified, failure = await _read_chunks(reader, run, bytes_per_block)
+        verified, failure = await _read_chunks(reader, n, bytes_per_block,
+                                               _buffer_landing(run, bytes_per_block))
         run.block_hashes = hashes[:verified]
         if failure is not None:
             if verified == 0:
@@ -354,20 +436,30 @@ def _check_rows(views: Sequence[memoryview], first_block: int) -> int:
     return digest.intdigest()
 
 
-async def _read_chunks(
-    reader: BodyReader, run: FetchedRun, bytes_per_block: int
-) -> tuple[int, FetchFailed | None]:
-    """Read chunks into place; returns (blocks verified from the start, why it stopped early).
-
-    A chunk's K rows (one per layer and KV head) are received straight into their strided places
-    in the canonical K buffer and its V rows into V (scatter reads: a few large socket reads per
-    chunk, no staging copy); a worker thread checksums the chunk's rows where they landed while
-    the next chunk arrives. A chunk that fails its checksum is not counted as verified, so its
-    (overwritten) rows are never used."""
+def _buffer_landing(run: FetchedRun, bytes_per_block: int) -> Landing:
+    """Blocks land in the run's canonical K and V buffers, each row at its strided place."""
     layers, heads, _ = run.layout
     num_rows = layers * heads
     row_per_block = bytes_per_block // (2 * num_rows)
     row_stride = run.capacity_blocks * row_per_block
+
+    def landing(lo: int, hi: int) -> list[memoryview]:
+        a, b = lo * row_per_block, hi * row_per_block
+        return [buf[row * row_stride + a : row * row_stride + b]
+                for buf in (run.k, run.v) for row in range(num_rows)]
+
+    return landing
+
+
+async def _read_chunks(
+    reader: BodyReader, num_blocks: int, bytes_per_block: int, landing: Landing
+) -> tuple[int, FetchFailed | None]:
+    """Read chunks into place; returns (blocks verified from the start, why it stopped early).
+
+    A chunk's rows are received straight into the views `landing` gives (scatter reads: a few
+    large socket reads per chunk, no staging copy); a worker thread checksums the chunk's rows
+    where they landed while the next chunk arrives. A chunk that fails its checksum is not
+    counted as verified, nor is any chunk after it, so their bytes are never used."""
     checks: list[tuple[asyncio.Future[int], int, int]] = []
     failure: FetchFailed | None = None
     try:
@@ -376,14 +468,12 @@ async def _read_chunks(
             (n,) = U32.unpack(await reader.exactly(U32.size))
             if n == 0:
                 break
-            if lo + n > run.capacity_blocks:
+            if lo + n > num_blocks:
                 raise FetchFailed(FetchOutcome.PROTOCOL, f"chunk of {n} blocks at block {lo}")
-            a, b = lo * row_per_block, (lo + n) * row_per_block
-            views = [
-                buf[row * row_stride + a : row * row_stride + b]
-                for buf in (run.k, run.v)
-                for row in range(num_rows)
-            ]
+            views = landing(lo, lo + n)
+            # The caller's landing must match the checked header exactly (no byte off its map).
+            if sum(len(view) for view in views) != n * bytes_per_block:
+                raise FetchFailed(FetchOutcome.PROTOCOL, f"landing of {n} blocks, wrong size")
             await reader.into_all(views)
             (expected,) = U64.unpack(await reader.exactly(U64.size))
             check = asyncio.ensure_future(asyncio.to_thread(_check_rows, views, lo))
@@ -395,7 +485,7 @@ async def _read_chunks(
     except FetchFailed as exc:
         failure = exc
     finally:
-        # Every worker finishes before the run is handed on (or its buffers recycled).
+        # Every worker finishes before the run is handed on (or its memory reused).
         await asyncio.gather(*(c for c, _, _ in checks), return_exceptions=True)
     verified = 0
     for checksum, expected, n in checks:

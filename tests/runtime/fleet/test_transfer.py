@@ -25,6 +25,7 @@ from kvfleet_runtime.fleet import (
     peer_routes,
     peer_token,
 )
+from kvfleet_runtime.fleet.t2_fetch import FetchFailed
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
 from tests.support import free_port
 
@@ -393,3 +394,122 @@ async def test_receive_buffers_are_reused_without_mixing_runs(
     for tokens, (k, _) in zip(prompts, stored, strict=True):
         got_k, _ = materialized(b.cache, KEY_A, tokens)
         assert torch.equal(got_k, k[:, :, : 8 * BLOCK_SIZE])
+
+
+# -- fetch_into: received in place, into a pool-like landing ------------------------------------
+
+SLOTS = 12
+"""Slots of the landing pool below; the run lands in scattered and consecutive slots."""
+RUN_SLOTS = (7, 8, 9, 2, 3, 11, 0, 5)
+SENTINEL = 0x5A
+
+
+class LandingPool:
+    """A host pool `[K|V, layer, head, slot, 16, head_dim]` as bytes (the vLLM connector's
+    layout), filled with a sentinel so that any byte a fetch wrote shows."""
+
+    def __init__(self) -> None:
+        self.slot_bytes = BLOCK_SIZE * LAYOUT.head_dim * 2
+        self.rows = 2 * LAYOUT.num_layers * LAYOUT.num_kv_heads
+        self.data = bytearray([SENTINEL]) * (self.rows * SLOTS * self.slot_bytes)
+
+    def landing(self, lo: int, hi: int) -> list[memoryview]:
+        whole = memoryview(self.data)
+        return [whole[(row * SLOTS + s) * self.slot_bytes : (row * SLOTS + s + 1) * self.slot_bytes]
+                for row in range(self.rows) for s in RUN_SLOTS[lo:hi]]
+
+    def slot_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one slot, `[layers, heads, 16, head_dim]`."""
+        t = torch.frombuffer(self.data, dtype=torch.float16).view(
+            2, LAYOUT.num_layers, LAYOUT.num_kv_heads, SLOTS, BLOCK_SIZE, LAYOUT.head_dim)
+        return t[0, :, :, slot], t[1, :, :, slot]
+
+    def untouched_slots(self) -> set[int]:
+        out = set()
+        for slot in range(SLOTS):
+            k, v = self.slot_kv(slot)
+            raw = torch.cat([k.flatten(), v.flatten()]).view(torch.uint8)
+            if bool((raw == SENTINEL).all()):
+                out.add(slot)
+        return out
+
+
+async def fetch_into(fetcher: PeerFetcher, url: str, pool: LandingPool,
+                     chain: list[bytes], **changes: object) -> tuple[int, object]:
+    args: dict[str, object] = {"start_block": 0, "dtype": "float16",
+                               "layout": (LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim)}
+    args.update(changes)
+    try:
+        return await fetcher.fetch_into(url, KEY_A, TOKENS, chain, landing=pool.landing,
+                                        **args)  # type: ignore[arg-type]
+    except FetchFailed as exc:
+        return 0, exc.outcome
+
+
+async def test_fetch_into_lands_the_run_bitwise_in_its_slots(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+) -> None:
+    index, replica = fleet
+    a = await replica("a", chunk_bytes=3 * LAYOUT.bytes_per_block)  # chunks of 3, 3 and 2 blocks
+    k, v = store(a.cache, KEY_A, TOKENS)
+    pool = LandingPool()
+    chain = a.cache.block_hashes(KEY_A, TOKENS)
+    assert await fetch_into(PeerFetcher(SECRET, index, "b"), a.url, pool, chain) == (8, None)
+    for i, slot in enumerate(RUN_SLOTS):
+        got_k, got_v = pool.slot_kv(slot)
+        span = slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
+        assert torch.equal(got_k, k[:, :, span]) and torch.equal(got_v, v[:, :, span])
+    assert pool.untouched_slots() == set(range(SLOTS)) - set(RUN_SLOTS)
+
+
+@pytest.mark.parametrize(("mode", "outcome"), [("cut", "short_read"), ("flip", "checksum")])
+async def test_fetch_into_a_cut_or_corrupted_run_keeps_only_its_verified_leading_blocks(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    mode: str,
+    outcome: str,
+) -> None:
+    index, replica = fleet
+    a = await replica("a", chunk_bytes=LAYOUT.bytes_per_block)  # one block per chunk
+    k, _ = store(a.cache, KEY_A, TOKENS)
+    port = int(a.url.rsplit(":", 1)[1])
+    chain = a.cache.block_hashes(KEY_A, TOKENS)
+    # Each chunk is ~2 KiB on the wire: fail inside the fourth or fifth.
+    async with faulty_proxy(port, mode, at_byte=9000) as proxy_url:
+        pool = LandingPool()
+        got, why = await fetch_into(PeerFetcher(SECRET, index, "b"), proxy_url, pool, chain)
+    assert 1 <= got < 8 and why == outcome
+    for i, slot in enumerate(RUN_SLOTS[:got]):
+        assert torch.equal(pool.slot_kv(slot)[0], k[:, :, i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+    # The failed chunk's bytes landed (in place) but are not counted, nor are later chunks a
+    # corrupted stream still delivers; a cut stream lands nothing past the cut.
+    if mode == "cut":
+        assert set(RUN_SLOTS[got + 1 :]) <= pool.untouched_slots()
+    # Cut or corrupted inside the first chunk: nothing verified, the fetch fails.
+    async with faulty_proxy(port, mode, at_byte=1500) as proxy_url:
+        assert (await fetch_into(PeerFetcher(SECRET, index, "b"), proxy_url, LandingPool(),
+                                 chain))[1] == outcome
+
+
+async def test_fetch_into_checks_the_header_before_any_byte_lands(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+) -> None:
+    index, replica = fleet
+    a = await replica("a")
+    store(a.cache, KEY_A, TOKENS)
+    chain = a.cache.block_hashes(KEY_A, TOKENS)
+    fetcher = PeerFetcher(SECRET, index, "b")
+    for changes, outcome in (
+        ({"dtype": "bfloat16"}, "layout_mismatch"),
+        ({"layout": (LAYOUT.num_layers, LAYOUT.num_kv_heads, 2 * LAYOUT.head_dim)},
+         "layout_mismatch"),
+        ({"layout": (LAYOUT.num_layers, 2 * LAYOUT.num_kv_heads, LAYOUT.head_dim // 2)},
+         "layout_mismatch"),
+    ):
+        pool = LandingPool()
+        assert (await fetch_into(fetcher, a.url, pool, chain, **changes))[1] == outcome
+        assert pool.untouched_slots() == set(range(SLOTS)), changes
+    # The peer's blocks are not the chain asked for (a wrong hash in the middle).
+    pool = LandingPool()
+    wrong = [*chain[:3], bytes(16), *chain[4:]]
+    assert (await fetch_into(fetcher, a.url, pool, wrong))[1] == "hash_mismatch"
+    assert pool.untouched_slots() == set(range(SLOTS))
