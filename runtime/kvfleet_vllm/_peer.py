@@ -12,11 +12,13 @@ with:
 - the fetches: `start(...)` (called from `get_num_new_matched_tokens`) asks the hint index
   which peer holds the blocks after the host pool's match; when one holds more, slots are
   reserved (indexed pending, like a save: nothing serves them before they are written and
-  checked) and the blocks are fetched, checked (chain hashes, dtype, layout, every chunk's
-  checksum) and written into the pool. Meanwhile the request waits (`get_num_new_matched_tokens`
-  answers None: vLLM asks again next step), never past `wait_s`; then it answers from the host
-  pool as without T2. Every failure (no peer, peer down, refused credential, bad checksum,
-  timeout) leaves fewer blocks, never wrong ones.
+  checked) and the blocks are received straight into those slots (`PeerFetcher.fetch_into`: the
+  header's chain hashes, dtype and layout checked before any byte lands, every chunk's checksum
+  over the bytes where they landed); only the verified leading blocks become visible.
+  Meanwhile the request waits (`get_num_new_matched_tokens` answers None: vLLM asks again next
+  step), never past `wait_s`; then it answers from the host pool as without T2. Every failure
+  (no peer, peer down, refused credential, bad checksum, timeout) leaves fewer blocks, never
+  wrong ones.
 - the fleet config watcher: `tiers.t2_peer` switches fetching and serving on and off live (the
   server answers 404 "not held" while off), and its replica list is the peer probe's peers when
   there is no Redis.

@@ -36,8 +36,10 @@ user-space copy), and let the client keep every verified leading chunk when a pe
 mid-run (the run is a prefix: still worth its blocks). A block evicted between two chunks ends the
 stream early; the run is then shorter, never wrong. The client (`fleet._receive`) receives each
 chunk's rows straight into their places in the canonical `[layer][kv_head][token][head_dim]`
-buffers (`recvmsg_into` scatter reads, no HTTP-parser or staging copies); a worker thread
-checksums them while the next chunk arrives.
+buffers (`recvmsg_into` scatter reads, no HTTP-parser or staging copies), or with
+`PeerFetcher.fetch_into` into the caller's own memory (the vLLM connector's host-pool slots, whose
+rows are the wire's); a worker thread checksums them where they landed while the next chunk
+arrives.
 
 The fetcher checks the hashes against the chain it computed itself, the dtype/layout against its
 own, the size of every chunk, and every chunk's checksum; a chunk that fails ends the run before
