@@ -293,37 +293,19 @@ class PeerFetcher:
         n_wanted = len(expected_hashes)
         reader = await self._request(url, key, token_ids, start_block, n_wanted)
         try:
-            try:
-                magic, version, header_len = PREAMBLE.unpack(await reader.exactly(PREAMBLE.size))
-                if magic != MAGIC or version != VERSION or header_len > MAX_HEADER_BYTES:
-                    raise FetchFailed(FetchOutcome.PROTOCOL, f"bad preamble {magic!r} v{version}")
-                header = json.loads(await reader.exactly(header_len))
-                hashes = tuple(bytes.fromhex(h) for h in header["block_hashes"])
-                got_dtype = str(header["dtype"])
-                got_layout = _layout(header["layout"])
-                bytes_per_block = int(header["bytes_per_block"])
-                got_start, got_n = int(header["start_block"]), int(header["num_blocks"])
-            except asyncio.IncompleteReadError as exc:
-                raise FetchFailed(FetchOutcome.SHORT_READ,
-                                  f"{len(exc.partial)} of {exc.expected} bytes") from exc
-            except (KeyError, TypeError, ValueError) as exc:
-                raise FetchFailed(FetchOutcome.PROTOCOL, repr(exc)) from exc
+            header = await _read_header(reader, self.max_bytes)
             # Everything that decides where bytes land is checked before the first one does.
-            if got_dtype != dtype or got_layout != tuple(layout):
-                raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH,
-                                  f"{got_dtype} {got_layout} != {dtype} {tuple(layout)}")
-            layers, heads, head_dim = layout
-            expected_bytes = 2 * layers * heads * BLOCK_SIZE * head_dim * _DTYPE_BYTES.get(dtype, 0)
-            if bytes_per_block != expected_bytes:
+            if header.dtype != dtype or header.layout != tuple(layout):
+                raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH, f"{header.dtype} "
+                                  f"{header.layout} != {dtype} {tuple(layout)}")
+            n = len(header.block_hashes)
+            if header.start_block != start_block or n > n_wanted:
                 raise FetchFailed(FetchOutcome.PROTOCOL,
-                                  f"{bytes_per_block} bytes per block of {dtype}")
-            if got_start != start_block or got_n != len(hashes) or not 0 < got_n <= n_wanted:
-                raise FetchFailed(FetchOutcome.PROTOCOL,
-                                  f"run [{got_start}, +{got_n}) not requested")
-            if hashes != tuple(expected_hashes[:got_n]):
+                                  f"run [{header.start_block}, +{n}) not requested")
+            if header.block_hashes != tuple(expected_hashes[:n]):
                 raise FetchFailed(FetchOutcome.HASH_MISMATCH,
                                   "peer blocks are not the requested chain")
-            verified, failure = await _read_chunks(reader, got_n, bytes_per_block, landing)
+            verified, failure = await _read_chunks(reader, n, header.bytes_per_block, landing)
         finally:
             reader.close()
         if failure is not None:
@@ -358,41 +340,20 @@ class PeerFetcher:
         return reader
 
     async def _read_run(self, reader: BodyReader) -> FetchedRun:
-        try:
-            magic, version, header_len = PREAMBLE.unpack(await reader.exactly(PREAMBLE.size))
-            if magic != MAGIC or version != VERSION or header_len > MAX_HEADER_BYTES:
-                raise FetchFailed(FetchOutcome.PROTOCOL, f"bad preamble {magic!r} v{version}")
-            header = json.loads(await reader.exactly(header_len))
-            hashes = tuple(bytes.fromhex(h) for h in header["block_hashes"])
-            dtype = str(header["dtype"])
-            layers, heads, head_dim = _layout(header["layout"])
-            bytes_per_block = int(header["bytes_per_block"])
-            element_bytes = _DTYPE_BYTES.get(dtype)
-            if element_bytes is None or bytes_per_block != (
-                2 * layers * heads * BLOCK_SIZE * head_dim * element_bytes
-            ):
-                raise FetchFailed(FetchOutcome.PROTOCOL,
-                                  f"{bytes_per_block} bytes per block of {dtype}")
-            n = len(hashes)
-            if n != int(header["num_blocks"]) or not 0 < n * bytes_per_block <= self.max_bytes:
-                raise FetchFailed(FetchOutcome.TOO_LARGE, f"{n} blocks of {bytes_per_block} bytes")
-            run = FetchedRun(
-                start_block=int(header["start_block"]),
-                block_hashes=(),
-                dtype=dtype,
-                layout=(layers, heads, head_dim),
-                capacity_blocks=n,
-                k=self._buffer(n * bytes_per_block // 2),
-                v=self._buffer(n * bytes_per_block // 2),
-            )
-        except asyncio.IncompleteReadError as exc:
-            raise FetchFailed(FetchOutcome.SHORT_READ,
-                              f"{len(exc.partial)} of {exc.expected} bytes") from exc
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FetchFailed(FetchOutcome.PROTOCOL, repr(exc)) from exc
+        header = await _read_header(reader, self.max_bytes)
+        n, bytes_per_block = len(header.block_hashes), header.bytes_per_block
+        run = FetchedRun(
+            start_block=header.start_block,
+            block_hashes=(),
+            dtype=header.dtype,
+            layout=header.layout,
+            capacity_blocks=n,
+            k=self._buffer(n * bytes_per_block // 2),
+            v=self._buffer(n * bytes_per_block // 2),
+        )
         verified, failure = await _read_chunks(reader, n, bytes_per_block,
                                                _buffer_landing(run, bytes_per_block))
-        run.block_hashes = hashes[:verified]
+        run.block_hashes = header.block_hashes[:verified]
         if failure is not None:
             if verified == 0:
                 raise failure
@@ -419,6 +380,45 @@ class PeerFetcher:
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclass(slots=True, frozen=True)
+class _Header:
+    start_block: int
+    block_hashes: tuple[bytes, ...]
+    dtype: str
+    layout: tuple[int, int, int]
+    bytes_per_block: int
+
+
+async def _read_header(reader: BodyReader, max_bytes: int) -> _Header:
+    """The 200 body's preamble and header, consistent in itself (bytes per block from dtype and
+    layout, the block count, at most `max_bytes`); FetchFailed otherwise."""
+    try:
+        magic, version, header_len = PREAMBLE.unpack(await reader.exactly(PREAMBLE.size))
+        if magic != MAGIC or version != VERSION or header_len > MAX_HEADER_BYTES:
+            raise FetchFailed(FetchOutcome.PROTOCOL, f"bad preamble {magic!r} v{version}")
+        raw = json.loads(await reader.exactly(header_len))
+        hashes = tuple(bytes.fromhex(h) for h in raw["block_hashes"])
+        dtype = str(raw["dtype"])
+        layers, heads, head_dim = _layout(raw["layout"])
+        bytes_per_block = int(raw["bytes_per_block"])
+        element_bytes = _DTYPE_BYTES.get(dtype)
+        if element_bytes is None or bytes_per_block != (
+            2 * layers * heads * BLOCK_SIZE * head_dim * element_bytes
+        ):
+            raise FetchFailed(FetchOutcome.PROTOCOL,
+                              f"{bytes_per_block} bytes per block of {dtype}")
+        n = len(hashes)
+        if n != int(raw["num_blocks"]) or not 0 < n * bytes_per_block <= max_bytes:
+            raise FetchFailed(FetchOutcome.TOO_LARGE, f"{n} blocks of {bytes_per_block} bytes")
+        return _Header(int(raw["start_block"]), hashes, dtype, (layers, heads, head_dim),
+                       bytes_per_block)
+    except asyncio.IncompleteReadError as exc:
+        raise FetchFailed(FetchOutcome.SHORT_READ,
+                          f"{len(exc.partial)} of {exc.expected} bytes") from exc
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FetchFailed(FetchOutcome.PROTOCOL, repr(exc)) from exc
 
 
 def _layout(raw: Any) -> tuple[int, int, int]:
