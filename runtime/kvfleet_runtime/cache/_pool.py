@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kvfleet_runtime.cache._allocator import BlockRefs, paired_runs
@@ -38,7 +37,6 @@ __all__ = [
     "PagedBlocks",
     "Pool",
     "TensorPool",
-    "copy_on_thread",
     "copy_runs",
     "execute_moves",
     "read_blocks_into",
@@ -193,25 +191,9 @@ def read_blocks_into(
     ov = split_blocks(out_v)
     runs = paired_runs(block_ids, out_blocks)
     for src, dst, n in runs:
-        copy_on_thread(ok[:, :, dst : dst + n], pool.blocks(pool.k, src, n)[:, heads])
-        copy_on_thread(ov[:, :, dst : dst + n], pool.blocks(pool.v, src, n)[:, heads])
+        ok[:, :, dst : dst + n].copy_(pool.blocks(pool.k, src, n)[:, heads])
+        ov[:, :, dst : dst + n].copy_(pool.blocks(pool.v, src, n)[:, heads])
     return len(runs)
-
-
-def copy_on_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst.copy_(src)`, on the calling thread alone when both are in host memory.
-
-    Exports (a peer's T2 read, a block evicted to T3) run in worker threads beside the engine:
-    torch's copy there is a parallel region over the intra-op pool, and on a busy host each one
-    waits for a descheduled pool thread; the T2 server's 64 MiB gather took 87-216 ms with 2
-    threads against 32 ms on one (memcpy of the same bytes 24-37 ms, load 9-11). numpy copies on
-    the caller's thread and leaves the engine's pool alone. Both sides are viewed as bytes (any
-    dtype, bfloat16 included): the innermost axis is contiguous in every pool view."""
-    if dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype \
-            or dst.shape != src.shape or dst.stride(-1) != 1 or src.stride(-1) != 1:
-        dst.copy_(src)
-        return
-    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
 
 
 @contextmanager
