@@ -133,9 +133,17 @@ class _Source:
                 released = True
                 index.release_export(run)
 
+        run_slots = [node.block_id for node in run]
+
+        def views(lo: int, hi: int) -> list[memoryview]:
+            # Sent from the pool as it lies: the run is referenced until `release`, and a
+            # referenced block's slot is neither reused nor rewritten (the pool is one tier,
+            # nothing moves), so these bytes cannot change while they stream.
+            return pool.wire_views(run_slots[lo:hi])
+
         return ExportedRun(start_block, tuple(n.block_hash for n in run), layout.dtype,
                            (layout.num_layers, layout.num_kv_heads, layout.head_dim),
-                           layout.bytes_per_block, read, release)
+                           layout.bytes_per_block, read, release, views)
 
 
 class PeerService:

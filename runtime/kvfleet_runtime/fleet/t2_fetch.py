@@ -14,7 +14,6 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-import xxhash
 
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
 from kvfleet_runtime.fleet._receive import BodyReader, post
@@ -27,6 +26,7 @@ from kvfleet_runtime.fleet.t2_protocol import (
     U64,
     VERSION,
     BufferPool,
+    chunk_checksum,
     peer_token,
 )
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
@@ -427,15 +427,6 @@ def _layout(raw: Any) -> tuple[int, int, int]:
     return (raw[0], raw[1], raw[2])
 
 
-def _check_rows(views: Sequence[memoryview], first_block: int) -> int:
-    """Worker thread: the checksum of one received chunk, over its rows where they landed (K rows
-    then V rows, in wire order); equal to `chunk_checksum` of the contiguous chunk."""
-    digest = xxhash.xxh3_64(seed=first_block)
-    for view in views:
-        digest.update(view)
-    return digest.intdigest()
-
-
 def _buffer_landing(run: FetchedRun, bytes_per_block: int) -> Landing:
     """Blocks land in the run's canonical K and V buffers, each row at its strided place."""
     layers, heads, _ = run.layout
@@ -476,7 +467,7 @@ async def _read_chunks(
                 raise FetchFailed(FetchOutcome.PROTOCOL, f"landing of {n} blocks, wrong size")
             await reader.into_all(views)
             (expected,) = U64.unpack(await reader.exactly(U64.size))
-            check = asyncio.ensure_future(asyncio.to_thread(_check_rows, views, lo))
+            check = asyncio.ensure_future(asyncio.to_thread(chunk_checksum, views, lo))
             checks.append((check, expected, n))
             lo += n
     except asyncio.IncompleteReadError as exc:

@@ -19,6 +19,7 @@ from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, CacheTuning, Hit, KVLayo
 from kvfleet_runtime.fleet import (
     CacheBlockSource,
     EmbeddedHintIndex,
+    ExportedRun,
     HintPublisher,
     PeerFetcher,
     PeerTier,
@@ -513,3 +514,102 @@ async def test_fetch_into_checks_the_header_before_any_byte_lands(
     wrong = [*chain[:3], bytes(16), *chain[4:]]
     assert (await fetch_into(fetcher, a.url, pool, wrong))[1] == "hash_mismatch"
     assert pool.untouched_slots() == set(range(SLOTS))
+
+
+# -- a run served from where it lies (ExportedRun.views) ----------------------------------------
+
+
+class InPlaceSource:
+    """A `BlockSource` over a `LandingPool`-shaped memory holding the run in slots `RUN_SLOTS`:
+    it exposes the run's bytes in place (`views`), and its `read` (the gather) must never be
+    called."""
+
+    def __init__(self, pool: LandingPool, chain: list[bytes]) -> None:
+        self.pool, self.chain = pool, chain
+        self.released = 0
+
+    async def export(self, key: CacheKey, token_ids: object, start_block: int,
+                     max_blocks: int) -> ExportedRun:
+        def read(*_: object) -> bool:
+            raise AssertionError("a run with views is sent in place, never gathered")
+
+        def release() -> None:
+            self.released += 1
+
+        run = tuple(self.chain[start_block : start_block + max_blocks])
+        return ExportedRun(start_block, run, "float16",
+                           (LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim),
+                           LAYOUT.bytes_per_block, read, release,
+                           lambda lo, hi: self.pool.landing(start_block + lo, start_block + hi))
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 8])
+async def test_a_run_with_views_is_sent_in_place_bitwise(chunk_blocks: int) -> None:
+    sender = LandingPool()
+    torch.manual_seed(3)
+    data = torch.randn(len(sender.data) // 2).half()
+    sender.data[:] = data.view(torch.uint8).numpy().tobytes()
+    chain = [bytes([i]) * 16 for i in range(8)]
+    source = InPlaceSource(sender, chain)
+    app = web.Application()
+    app.add_routes(peer_routes(source, SECRET,
+                               chunk_bytes=chunk_blocks * LAYOUT.bytes_per_block))
+    url, runner = await start_app(app)
+    try:
+        fetcher = PeerFetcher(SECRET, EmbeddedHintIndex(), "b")
+        run = await fetcher.fetch_from(url, KEY_A, TOKENS, 2, 6)
+        assert run.num_blocks == 6 and run.partial is None
+        for _ in range(500):  # the server releases the run once its stream ended
+            if source.released:
+                break
+            await asyncio.sleep(0.01)
+        assert source.released == 1
+        got_k = torch.frombuffer(run.k, dtype=torch.float16).view(
+            LAYOUT.num_layers, LAYOUT.num_kv_heads, 6 * BLOCK_SIZE, LAYOUT.head_dim)
+        for i, slot in enumerate(RUN_SLOTS[2:]):
+            want_k, _ = sender.slot_kv(slot)
+            assert torch.equal(got_k[:, :, i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], want_k)
+        # Bytes corrupted after they left the sender's memory fail the checksum taken there.
+        port = int(url.rsplit(":", 1)[1])
+        async with faulty_proxy(port, "flip", at_byte=1500) as proxy_url:
+            with pytest.raises(FetchFailed, match="checksum"):
+                await fetcher.fetch_from(proxy_url, KEY_A, TOKENS, 2, 6)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_large_run_sent_in_place_survives_partial_sends_and_many_views() -> None:
+    # 8 MiB in 4 MiB chunks, each chunk as 4,096 views of 1 KiB: more than one sendmsg's
+    # worth of views, and more bytes than a loopback socket takes at once, so sends are cut
+    # short and resumed mid-view.
+    layers, heads, head_dim, n = 4, 8, 128, 32
+    bytes_per_block = 2 * layers * heads * BLOCK_SIZE * head_dim * 2
+    row_per_block = bytes_per_block // (2 * layers * heads)
+    memory = bytearray(torch.randint(0, 256, (n * bytes_per_block,), dtype=torch.uint8)
+                       .numpy().tobytes())
+    whole = memoryview(memory)
+    half = n * bytes_per_block // 2
+
+    def views(lo: int, hi: int) -> list[memoryview]:
+        rows = [whole[base + row * n * row_per_block + lo * row_per_block :
+                      base + row * n * row_per_block + hi * row_per_block]
+                for base in (0, half) for row in range(layers * heads)]
+        return [row[i : i + 1024] for row in rows for i in range(0, len(row), 1024)]
+
+    class Source:
+        async def export(self, *_: object) -> ExportedRun:
+            return ExportedRun(0, tuple(bytes([i]) * 16 for i in range(n)), "float16",
+                               (layers, heads, head_dim), bytes_per_block,
+                               lambda *_: False, lambda: None, views)
+
+    app = web.Application()
+    app.add_routes(peer_routes(Source(), SECRET, chunk_bytes=16 * bytes_per_block))
+    url, runner = await start_app(app)
+    try:
+        tokens = list(range(n * BLOCK_SIZE))
+        run = await PeerFetcher(SECRET, EmbeddedHintIndex(), "b").fetch_from(
+            url, KEY_A, tokens, 0, n)
+        assert run.num_blocks == n and run.partial is None
+        assert bytes(run.k) == memory[:half] and bytes(run.v) == memory[half:]
+    finally:
+        await runner.cleanup()
