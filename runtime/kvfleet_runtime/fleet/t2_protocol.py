@@ -32,8 +32,10 @@ disabled. The 200 body (octet-stream, HTTP chunked encoding: the server may stop
 Chunks let the server gather block range i + 1 out of its cache into a reused send buffer (and
 checksum it, in a worker thread) while range i goes from its buffer straight to the socket
 (`loop.sock_sendall` on a duplicate of the connection's socket: one HTTP chunk per range, no
-user-space copy), and let the client keep every verified leading chunk when a peer dies or stops
-mid-run (the run is a prefix: still worth its blocks). A block evicted between two chunks ends the
+user-space copy; a source whose rows are the wire's and cannot change while they stream, the
+vLLM connector's referenced host-pool slots, is sent from where it lies, with no gather), and
+let the client keep every verified leading chunk when a peer dies or stops mid-run (the run is
+a prefix: still worth its blocks). A block evicted between two chunks ends the
 stream early; the run is then shorter, never wrong. The client (`fleet._receive`) receives each
 chunk's rows straight into their places in the canonical `[layer][kv_head][token][head_dim]`
 buffers (`recvmsg_into` scatter reads, no HTTP-parser or staging copies), or with
