@@ -120,7 +120,8 @@ class HostPool:
         """The bytes of `slots` in T2's wire order (`kvfleet_runtime.fleet.t2_protocol`: each K
         row `[layer][kv_head]` over the slots' tokens, then each V row): one view per row and
         run of consecutive slots. The wire's canonical rows are the pool's own, so a fetched
-        chunk is received straight into its slots (`PeerFetcher.fetch_into`), no copy after."""
+        chunk is received straight into its slots (`PeerFetcher.fetch_into`) and a served run
+        is sent from them (`ExportedRun.views`): no copy on either side."""
         if self._bytes is None:
             self._bytes = memoryview(self.kv.view(-1).view(torch.uint8).numpy()).cast("B")
         layout = self.layout
