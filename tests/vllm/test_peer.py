@@ -219,12 +219,13 @@ def test_fetches_from_a_kvfleet_peer_then_loads_and_counts_once(engine, peer):
     a = sup.request("a", PROMPT)
     s.add_request(a)
     outs = schedule_through_fetch(s, w, views)
-    assert len(outs) == 2  # one step waiting for the fetch, then scheduled
-    assert outs[0].num_scheduled_tokens == {}
+    # One step waiting for the fetch, then scheduled; a fetch that finishes within the first
+    # call's wait for the hint lookup (6 tiny blocks, received in place) needs no waiting step.
+    assert len(outs) <= 2 and all(o.num_scheduled_tokens == {} for o in outs[:-1])
     svc = conn.scheduler.peers
     assert svc.stats.outcomes == {"ok": 1} and svc.stats.blocks_fetched == 6
     assert peer.served == 1
-    (load, table), = outs[1].kv_connector_metadata.loads
+    (load, table), = outs[-1].kv_connector_metadata.loads
     assert load.chain_blocks == (0, 1, 2, 3, 4, 5) and not load.failed
     assert a.num_computed_tokens == 100  # 96 loaded, the 4-token tail computed
     got_k, got_v = loaded_kv(views, table, 6)
