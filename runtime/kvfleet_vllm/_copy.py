@@ -90,7 +90,7 @@ class HostPool:
     """K and V of `num_slots` canonical blocks in one shared file (`/dev/shm/...` in a pod), so
     the scheduler process plans slots and every worker process copies into the same memory."""
 
-    __slots__ = ("k", "kv", "layout", "num_slots", "path", "pinned", "v")
+    __slots__ = ("_bytes", "k", "kv", "layout", "num_slots", "path", "pinned", "v")
 
     def __init__(self, path: Path, layout: KVLayout, num_slots: int) -> None:
         if num_slots <= 0:
@@ -114,6 +114,23 @@ class HostPool:
         self.k = self.kv[0]
         self.v = self.kv[1]
         self.pinned = False
+        self._bytes: memoryview | None = None
+
+    def wire_views(self, slots: Sequence[int]) -> list[memoryview]:
+        """The bytes of `slots` in T2's wire order (`kvfleet_runtime.fleet.t2_protocol`: each K
+        row `[layer][kv_head]` over the slots' tokens, then each V row): one view per row and
+        run of consecutive slots. The wire's canonical rows are the pool's own, so a fetched
+        chunk is received straight into its slots (`PeerFetcher.fetch_into`) and a served run
+        is sent from them (`ExportedRun.views`): no copy on either side."""
+        if self._bytes is None:
+            self._bytes = memoryview(self.kv.view(-1).view(torch.uint8).numpy()).cast("B")
+        layout = self.layout
+        slot_bytes = BLOCK_SIZE * layout.head_dim * self.kv.element_size()
+        runs = [(s, n) for s, _, n in paired_runs(slots, range(len(slots)))]
+        whole = self._bytes
+        return [whole[(row * self.num_slots + s) * slot_bytes:
+                      (row * self.num_slots + s + n) * slot_bytes]
+                for row in range(2 * layout.num_layers * layout.num_kv_heads) for s, n in runs]
 
     def pin(self) -> bool:
         """Page-lock the mapping for the GPU (`cudaHostRegister`), so host -> device copies are

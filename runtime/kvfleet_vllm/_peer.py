@@ -12,11 +12,13 @@ with:
 - the fetches: `start(...)` (called from `get_num_new_matched_tokens`) asks the hint index
   which peer holds the blocks after the host pool's match; when one holds more, slots are
   reserved (indexed pending, like a save: nothing serves them before they are written and
-  checked) and the blocks are fetched, checked (chain hashes, dtype, layout, every chunk's
-  checksum) and written into the pool. Meanwhile the request waits (`get_num_new_matched_tokens`
-  answers None: vLLM asks again next step), never past `wait_s`; then it answers from the host
-  pool as without T2. Every failure (no peer, peer down, refused credential, bad checksum,
-  timeout) leaves fewer blocks, never wrong ones.
+  checked) and the blocks are received straight into those slots (`PeerFetcher.fetch_into`: the
+  header's chain hashes, dtype and layout checked before any byte lands, every chunk's checksum
+  over the bytes where they landed); only the verified leading blocks become visible.
+  Meanwhile the request waits (`get_num_new_matched_tokens` answers None: vLLM asks again next
+  step), never past `wait_s`; then it answers from the host pool as without T2. Every failure
+  (no peer, peer down, refused credential, bad checksum, timeout) leaves fewer blocks, never
+  wrong ones.
 - the fleet config watcher: `tiers.t2_peer` switches fetching and serving on and off live (the
   server answers 404 "not held" while off), and its replica list is the peer probe's peers when
   there is no Redis.
@@ -48,7 +50,6 @@ from kvfleet_runtime.config.fleet import FleetConfig, next_fleet_config
 from kvfleet_runtime.config.watch import ConfigFileWatcher
 from kvfleet_runtime.fleet import (
     ExportedRun,
-    FetchedRun,
     FetchStats,
     FleetSettings,
     HintIndex,
@@ -132,9 +133,17 @@ class _Source:
                 released = True
                 index.release_export(run)
 
+        run_slots = [node.block_id for node in run]
+
+        def views(lo: int, hi: int) -> list[memoryview]:
+            # Sent from the pool as it lies: the run is referenced until `release`, and a
+            # referenced block's slot is neither reused nor rewritten (the pool is one tier,
+            # nothing moves), so these bytes cannot change while they stream.
+            return pool.wire_views(run_slots[lo:hi])
+
         return ExportedRun(start_block, tuple(n.block_hash for n in run), layout.dtype,
                            (layout.num_layers, layout.num_kv_heads, layout.head_dim),
-                           layout.bytes_per_block, read, release)
+                           layout.bytes_per_block, read, release, views)
 
 
 class PeerService:
@@ -413,12 +422,24 @@ class PeerService:
         if url is None:
             job.outcome = "no_url"
             return 0
-        want, start, n = reservation.want, reservation.start_block, len(reservation.slots)
-        key = want.key
-        tokens = token_ids[:(start + n) * BLOCK_SIZE]
+        want, start, slots = reservation.want, reservation.start_block, reservation.slots
+        key, layout = want.key, self.index.layout
+        tokens = token_ids[:(start + len(slots)) * BLOCK_SIZE]
+        pool = self.pool
+
+        def landing(lo: int, hi: int) -> list[memoryview]:
+            return pool.wire_views(slots[lo:hi])
+
+        # Straight into the reserved slots: they are pending (no lookup plans a load from
+        # them), the header is checked before any byte lands, and only the verified leading
+        # blocks are reported written; `fetch_done` cuts the rest from every match.
         try:
-            run = await asyncio.wait_for(
-                self._fetcher.fetch_from(url, key, tokens, start, n),
+            written, partial = await asyncio.wait_for(
+                self._fetcher.fetch_into(
+                    url, key, tokens, want.chain[start:start + len(slots)], start_block=start,
+                    dtype=layout.dtype,
+                    layout=(layout.num_layers, layout.num_kv_heads, layout.head_dim),
+                    landing=landing),
                 self.settings.fetch_timeout_s)
         except TimeoutError:
             job.outcome = "timeout"
@@ -427,35 +448,14 @@ class PeerService:
             job.outcome = str(getattr(exc, "outcome", "peer_error"))
             log.info("kvfleet T2 fetch from %s failed: %r", job.peer, exc)
             return 0
-        layout = self.index.layout
-        expected = want.chain[start:start + run.num_blocks]
-        if (run.start_block != start or not 0 < run.num_blocks <= n
-                or tuple(run.block_hashes) != tuple(expected)
-                or run.dtype != layout.dtype
-                or run.layout != (layout.num_layers, layout.num_kv_heads, layout.head_dim)):
-            job.outcome = "rejected"
-            log.warning("kvfleet T2 run from %s is not the requested chain or layout", job.peer)
-            return 0
-        await asyncio.to_thread(self._write, run, reservation.slots[:run.num_blocks])
-        self.stats.bytes_fetched += run.num_blocks * layout.bytes_per_block
-        job.outcome = f"partial_{run.partial}" if run.partial else "ok"
-        return run.num_blocks
+        self.stats.bytes_fetched += written * layout.bytes_per_block
+        job.outcome = f"partial_{partial}" if partial else "ok"
+        return written
 
     def _url(self, host: str) -> str | None:
         if self.config is None:
             return None
         return next((r.peer_url or r.url for r in self.config.replicas if r.name == host), None)
-
-    def _write(self, run: FetchedRun, slots: Sequence[int]) -> None:
-        layout = self.index.layout
-        dtype = self.pool.k.dtype
-        shape = (layout.num_layers, layout.num_kv_heads, run.capacity_blocks, BLOCK_SIZE,
-                 layout.head_dim)
-        ids = torch.tensor(list(slots), dtype=torch.long)
-        n = len(slots)
-        for dst, raw in ((self.pool.k, run.k), (self.pool.v, run.v)):
-            src = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)[:, :, :n]
-            dst.index_copy_(2, ids, src)
 
     # -- observation -----------------------------------------------------------------------
 

@@ -41,9 +41,14 @@ class KvfleetPeer:
     """A kvfleet replica's T2 side: a `PrefixCache` (T1 only) behind `peer_routes` on loopback,
     in a thread with its own event loop."""
 
-    def __init__(self, secret: str = SECRET) -> None:
-        self.cache = PrefixCache(CacheTuning(num_t0_blocks=0, num_t1_blocks=64), LAYOUT,
+    def __init__(self, secret: str = SECRET, *, layout: KVLayout = LAYOUT,
+                 chunk_bytes: int = 16 << 20, cut_at: int | None = None) -> None:
+        self.cache = PrefixCache(CacheTuning(num_t0_blocks=0, num_t1_blocks=64), layout,
                                  clock=time.monotonic)
+        self.layout = layout
+        self._chunk_bytes = chunk_bytes
+        self._cut_at = cut_at
+        """The proxy cuts the answer after this many bytes instead of flipping one."""
         self.served = 0
         self.held: Any = None
         """`held(hashes, tenant)` for the held probe (peers whose hint index is the probe)."""
@@ -69,7 +74,7 @@ class KvfleetPeer:
 
         app = web.Application()
         app.add_routes(peer_routes(CacheBlockSource(self.cache), self._secret,
-                                   on_served=on_served, held=held))
+                                   on_served=on_served, held=held, chunk_bytes=self._chunk_bytes))
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -81,7 +86,8 @@ class KvfleetPeer:
     async def _flip_one_byte(self, reader: asyncio.StreamReader,
                              writer: asyncio.StreamWriter) -> None:
         """A proxy in front of the peer that flips one byte of its answer (past the HTTP and
-        protocol headers, inside the first K chunk): corruption in transit."""
+        protocol headers, inside the first K chunk): corruption in transit; or, with `cut_at`,
+        closes the connection after that many bytes (a peer gone mid-run)."""
         up_r, up_w = await asyncio.open_connection("127.0.0.1", self.port)
 
         async def upstream() -> None:
@@ -93,7 +99,11 @@ class KvfleetPeer:
         seen = 0
         try:
             while data := await up_r.read(1 << 16):
-                if seen <= 2500 < seen + len(data):
+                if self._cut_at is not None and seen + len(data) > self._cut_at:
+                    writer.write(data[:self._cut_at - seen])
+                    await writer.drain()
+                    return
+                if self._cut_at is None and seen <= 2500 < seen + len(data):
                     data = bytearray(data)
                     data[2500 - seen] ^= 0xFF
                 seen += len(data)
@@ -112,8 +122,9 @@ class KvfleetPeer:
         """Random KV for the full blocks of `tokens`, held in the peer's cache."""
         n = len(tokens) // 16 * 16
         torch.manual_seed(7)
-        k = torch.randn(2, 4, n, 16, dtype=torch.float16)
-        v = torch.randn(2, 4, n, 16, dtype=torch.float16)
+        shape = (self.layout.num_layers, self.layout.num_kv_heads, n, self.layout.head_dim)
+        k = torch.randn(shape, dtype=torch.float16)
+        v = torch.randn(shape, dtype=torch.float16)
         assert self.cache.import_blocks(key, tokens[:n], k, v) == n // 16
         return k, v
 
@@ -208,12 +219,13 @@ def test_fetches_from_a_kvfleet_peer_then_loads_and_counts_once(engine, peer):
     a = sup.request("a", PROMPT)
     s.add_request(a)
     outs = schedule_through_fetch(s, w, views)
-    assert len(outs) == 2  # one step waiting for the fetch, then scheduled
-    assert outs[0].num_scheduled_tokens == {}
+    # One step waiting for the fetch, then scheduled; a fetch that finishes within the first
+    # call's wait for the hint lookup (6 tiny blocks, received in place) needs no waiting step.
+    assert len(outs) <= 2 and all(o.num_scheduled_tokens == {} for o in outs[:-1])
     svc = conn.scheduler.peers
     assert svc.stats.outcomes == {"ok": 1} and svc.stats.blocks_fetched == 6
     assert peer.served == 1
-    (load, table), = outs[1].kv_connector_metadata.loads
+    (load, table), = outs[-1].kv_connector_metadata.loads
     assert load.chain_blocks == (0, 1, 2, 3, 4, 5) and not load.failed
     assert a.num_computed_tokens == 100  # 96 loaded, the 4-token tail computed
     got_k, got_v = loaded_kv(views, table, 6)
@@ -238,6 +250,53 @@ def test_fetches_from_a_kvfleet_peer_then_loads_and_counts_once(engine, peer):
     _out, _ = sup.step(s, [w], [views])
     assert b.num_computed_tokens == 100 and peer.served == 1
     assert svc.stats.outcomes == {"ok": 1}
+
+
+def test_a_peer_cut_mid_run_gives_only_its_verified_leading_blocks(engine):
+    """Received in place: a run cut after a few one-block chunks makes only the verified
+    leading blocks visible, and those load bitwise; the rest is computed."""
+    # One block (8 KiB) per chunk; the answer cut after ~3.5 of them (past ~1 KiB of headers).
+    peer = KvfleetPeer(chunk_bytes=LAYOUT.bytes_per_block, cut_at=30_000)
+    try:
+        s, w, views = engine()
+        conn = sup.connector_of(s)
+        key = conn.scheduler.model_key.key("tenant-a")
+        k, v = peer.hold(key, PROMPT)
+        publish(conn, "kvfleet-b", f"http://127.0.0.1:{peer.proxy_port}", block_hashes(key, PROMPT))
+        s.add_request(sup.request("a", PROMPT))
+        outs = schedule_through_fetch(s, w, views)
+        svc = conn.scheduler.peers
+        n = svc.stats.blocks_fetched
+        assert 1 <= n < 6 and svc.stats.outcomes == {"partial_short_read": 1}
+        (load, table), = outs[-1].kv_connector_metadata.loads
+        assert load.chain_blocks == tuple(range(n)) and not load.failed
+        got_k, got_v = loaded_kv(views, table, n)
+        assert torch.equal(got_k, k[:, :, :n * 16]) and torch.equal(got_v, v[:, :, :n * 16])
+        assert conn.scheduler.index.num_pending_blocks == 0
+    finally:
+        peer.close()
+
+
+def test_a_peer_of_another_layout_is_refused_before_any_byte_lands(engine):
+    """The header names the peer's layout (here head_dim 32 against the model's 16): refused
+    before the first byte lands in the reserved host-pool slots, so the pool is untouched."""
+    peer = KvfleetPeer(layout=KVLayout(2, 4, 32, "float16"))
+    try:
+        s, w, views = engine()
+        conn = sup.connector_of(s)
+        key = conn.scheduler.model_key.key("tenant-a")
+        peer.hold(key, PROMPT)
+        publish(conn, "kvfleet-b", peer.url, block_hashes(key, PROMPT))
+        pool = sup.connector_of(s).scheduler.peers.pool
+        before = pool.kv.clone()
+        s.add_request(sup.request("a", PROMPT))
+        outs = schedule_through_fetch(s, w, views)
+        assert conn.scheduler.peers.stats.outcomes == {"layout_mismatch": 1}
+        assert outs[-1].kv_connector_metadata.loads == []
+        assert torch.equal(pool.kv, before)
+        assert conn.scheduler.index.num_pending_blocks == 0
+    finally:
+        peer.close()
 
 
 def test_the_fetch_starts_after_the_host_pools_own_match(engine, peer):

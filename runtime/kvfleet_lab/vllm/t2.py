@@ -4,9 +4,9 @@ A kvfleet peer process (`kvfleet_lab.fleet.bench.serve_t2`: a `PrefixCache` hold
 KV, served over kvfleet's T2 routes on loopback) and this process, alternating per repetition:
 
 - connector: what `get_num_new_matched_tokens` sets off (`PeerService.poll`): the hint lookup
-  (the embedded index), slots reserved pending in the host pool, the transfer with every check,
-  the copy into the host pool's slots, the blocks made visible; timed from `poll` until the
-  host pool answers them (`ConnectorIndex.num_matched`);
+  (the embedded index), slots reserved pending in the host pool, the transfer received straight
+  into those slots with every check (`PeerFetcher.fetch_into`), the blocks made visible; timed
+  from `poll` until the host pool answers them (`ConnectorIndex.num_matched`);
 - transfer: `PeerFetcher.fetch_from` alone, the same run into recycled receive buffers.
 
 Each connector repetition gets a fresh index and T2 thread (started outside the timer) over one

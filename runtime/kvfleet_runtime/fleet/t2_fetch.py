@@ -14,7 +14,6 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-import xxhash
 
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
 from kvfleet_runtime.fleet._receive import BodyReader, post
@@ -27,6 +26,7 @@ from kvfleet_runtime.fleet.t2_protocol import (
     U64,
     VERSION,
     BufferPool,
+    chunk_checksum,
     peer_token,
 )
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
@@ -36,6 +36,7 @@ __all__ = [
     "FetchOutcome",
     "FetchStats",
     "FetchedRun",
+    "Landing",
     "PeerFetcher",
 ]
 
@@ -119,6 +120,13 @@ class FetchStats:
         """One more `outcome` (a FetchOutcome's value is taken too: ValueError for any other)."""
         key = FetchOutcome(outcome)
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+
+Landing = Callable[[int, int], Sequence[memoryview]]
+"""Where a run's bytes land, for `PeerFetcher.fetch_into`: `landing(lo, hi)` is the views that
+blocks [lo, hi) of the run (0 = its first block) fill, in wire order: each K row
+`[layer][kv_head]` then each V row, `(hi - lo) * 16 * head_dim` values each, exactly
+`(hi - lo) * bytes_per_block` bytes in all (e.g. slices of the caller's pool)."""
 
 
 class FetchFailed(Exception):
@@ -250,9 +258,66 @@ class PeerFetcher:
     async def fetch_from(
         self, url: str, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
     ) -> FetchedRun:
-        """One transfer from a known peer, unverified against a chain; raises FetchFailed,
-        aiohttp and OS errors (`fetch` is the never-raising path; the vLLM connector's peer
-        tier and the benchmarks call this one with a peer of their choosing)."""
+        """One transfer from a known peer into receive buffers, unverified against a chain;
+        raises FetchFailed, aiohttp and OS errors (`fetch` is the never-raising path; the
+        benchmarks call this one with a peer of their choosing)."""
+        reader = await self._request(url, key, token_ids, start_block, max_blocks)
+        try:
+            return await self._read_run(reader)
+        finally:
+            reader.close()
+
+    async def fetch_into(
+        self,
+        url: str,
+        key: CacheKey,
+        token_ids: Sequence[int],
+        expected_hashes: Sequence[bytes],
+        *,
+        start_block: int,
+        dtype: str,
+        layout: tuple[int, int, int],
+        landing: Landing,
+    ) -> tuple[int, FetchOutcome | None]:
+        """Fetch blocks `[start_block, + len(expected_hashes))` from a known peer straight into
+        the caller's memory (`landing`), with no receive buffer in between.
+
+        Nothing lands before the header is checked: the run must start at `start_block`, be no
+        longer than asked, carry exactly the leading hashes of `expected_hashes` and the
+        caller's dtype and layout (`FetchFailed` otherwise, the memory untouched). Then each
+        chunk is received in place and checksummed where it landed. Returns (how many leading
+        blocks hold verified KV, why the run ended early or None when complete). Bytes after
+        those blocks may have landed (a chunk that failed its checksum, a chunk cut short):
+        the caller must never use them. Raises FetchFailed when no block was verified, and
+        aiohttp and OS errors (the vLLM connector's peer tier calls this into its host pool)."""
+        n_wanted = len(expected_hashes)
+        reader = await self._request(url, key, token_ids, start_block, n_wanted)
+        try:
+            header = await _read_header(reader, self.max_bytes)
+            # Everything that decides where bytes land is checked before the first one does.
+            if header.dtype != dtype or header.layout != tuple(layout):
+                raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH, f"{header.dtype} "
+                                  f"{header.layout} != {dtype} {tuple(layout)}")
+            n = len(header.block_hashes)
+            if header.start_block != start_block or n > n_wanted:
+                raise FetchFailed(FetchOutcome.PROTOCOL,
+                                  f"run [{header.start_block}, +{n}) not requested")
+            if header.block_hashes != tuple(expected_hashes[:n]):
+                raise FetchFailed(FetchOutcome.HASH_MISMATCH,
+                                  "peer blocks are not the requested chain")
+            verified, failure = await _read_chunks(reader, n, header.bytes_per_block, landing)
+        finally:
+            reader.close()
+        if failure is not None:
+            if verified == 0:
+                raise failure
+            return verified, failure.outcome
+        return verified, None
+
+    async def _request(
+        self, url: str, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
+    ) -> BodyReader:
+        """POST the block request; the reader of a 200 body (FetchFailed for any other)."""
         assert self.secret
         body = {
             "key": key._asdict(),
@@ -267,50 +332,28 @@ class PeerFetcher:
         status, reader = await post(
             url, T2_PATH, body, headers, connect_timeout_s=self.connect_timeout_s
         )
-        try:
-            if status != 200:
-                outcome = {404: FetchOutcome.STALE, 401: FetchOutcome.REFUSED,
-                           403: FetchOutcome.REFUSED}.get(status, FetchOutcome.HTTP)
-                raise FetchFailed(outcome, f"HTTP {status}")
-            return await self._read_run(reader)
-        finally:
+        if status != 200:
             reader.close()
+            outcome = {404: FetchOutcome.STALE, 401: FetchOutcome.REFUSED,
+                       403: FetchOutcome.REFUSED}.get(status, FetchOutcome.HTTP)
+            raise FetchFailed(outcome, f"HTTP {status}")
+        return reader
 
     async def _read_run(self, reader: BodyReader) -> FetchedRun:
-        try:
-            magic, version, header_len = PREAMBLE.unpack(await reader.exactly(PREAMBLE.size))
-            if magic != MAGIC or version != VERSION or header_len > MAX_HEADER_BYTES:
-                raise FetchFailed(FetchOutcome.PROTOCOL, f"bad preamble {magic!r} v{version}")
-            header = json.loads(await reader.exactly(header_len))
-            hashes = tuple(bytes.fromhex(h) for h in header["block_hashes"])
-            dtype = str(header["dtype"])
-            layers, heads, head_dim = _layout(header["layout"])
-            bytes_per_block = int(header["bytes_per_block"])
-            element_bytes = _DTYPE_BYTES.get(dtype)
-            if element_bytes is None or bytes_per_block != (
-                2 * layers * heads * BLOCK_SIZE * head_dim * element_bytes
-            ):
-                raise FetchFailed(FetchOutcome.PROTOCOL,
-                                  f"{bytes_per_block} bytes per block of {dtype}")
-            n = len(hashes)
-            if n != int(header["num_blocks"]) or not 0 < n * bytes_per_block <= self.max_bytes:
-                raise FetchFailed(FetchOutcome.TOO_LARGE, f"{n} blocks of {bytes_per_block} bytes")
-            run = FetchedRun(
-                start_block=int(header["start_block"]),
-                block_hashes=(),
-                dtype=dtype,
-                layout=(layers, heads, head_dim),
-                capacity_blocks=n,
-                k=self._buffer(n * bytes_per_block // 2),
-                v=self._buffer(n * bytes_per_block // 2),
-            )
-        except asyncio.IncompleteReadError as exc:
-            raise FetchFailed(FetchOutcome.SHORT_READ,
-                              f"{len(exc.partial)} of {exc.expected} bytes") from exc
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FetchFailed(FetchOutcome.PROTOCOL, repr(exc)) from exc
-        verified, failure = await _read_chunks(reader, run, bytes_per_block)
-        run.block_hashes = hashes[:verified]
+        header = await _read_header(reader, self.max_bytes)
+        n, bytes_per_block = len(header.block_hashes), header.bytes_per_block
+        run = FetchedRun(
+            start_block=header.start_block,
+            block_hashes=(),
+            dtype=header.dtype,
+            layout=header.layout,
+            capacity_blocks=n,
+            k=self._buffer(n * bytes_per_block // 2),
+            v=self._buffer(n * bytes_per_block // 2),
+        )
+        verified, failure = await _read_chunks(reader, n, bytes_per_block,
+                                               _buffer_landing(run, bytes_per_block))
+        run.block_hashes = header.block_hashes[:verified]
         if failure is not None:
             if verified == 0:
                 raise failure
@@ -339,35 +382,75 @@ class PeerFetcher:
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
+@dataclass(slots=True, frozen=True)
+class _Header:
+    start_block: int
+    block_hashes: tuple[bytes, ...]
+    dtype: str
+    layout: tuple[int, int, int]
+    bytes_per_block: int
+
+
+async def _read_header(reader: BodyReader, max_bytes: int) -> _Header:
+    """The 200 body's preamble and header, consistent in itself (bytes per block from dtype and
+    layout, the block count, at most `max_bytes`); FetchFailed otherwise."""
+    try:
+        magic, version, header_len = PREAMBLE.unpack(await reader.exactly(PREAMBLE.size))
+        if magic != MAGIC or version != VERSION or header_len > MAX_HEADER_BYTES:
+            raise FetchFailed(FetchOutcome.PROTOCOL, f"bad preamble {magic!r} v{version}")
+        raw = json.loads(await reader.exactly(header_len))
+        hashes = tuple(bytes.fromhex(h) for h in raw["block_hashes"])
+        dtype = str(raw["dtype"])
+        layers, heads, head_dim = _layout(raw["layout"])
+        bytes_per_block = int(raw["bytes_per_block"])
+        element_bytes = _DTYPE_BYTES.get(dtype)
+        if element_bytes is None or bytes_per_block != (
+            2 * layers * heads * BLOCK_SIZE * head_dim * element_bytes
+        ):
+            raise FetchFailed(FetchOutcome.PROTOCOL,
+                              f"{bytes_per_block} bytes per block of {dtype}")
+        n = len(hashes)
+        if n != int(raw["num_blocks"]) or not 0 < n * bytes_per_block <= max_bytes:
+            raise FetchFailed(FetchOutcome.TOO_LARGE, f"{n} blocks of {bytes_per_block} bytes")
+        return _Header(int(raw["start_block"]), hashes, dtype, (layers, heads, head_dim),
+                       bytes_per_block)
+    except asyncio.IncompleteReadError as exc:
+        raise FetchFailed(FetchOutcome.SHORT_READ,
+                          f"{len(exc.partial)} of {exc.expected} bytes") from exc
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FetchFailed(FetchOutcome.PROTOCOL, repr(exc)) from exc
+
+
 def _layout(raw: Any) -> tuple[int, int, int]:
     if not isinstance(raw, list) or len(raw) != 3 or not all(type(x) is int and x > 0 for x in raw):
         raise ValueError(f"layout must be 3 positive integers, got {raw!r}")
     return (raw[0], raw[1], raw[2])
 
 
-def _check_rows(views: Sequence[memoryview], first_block: int) -> int:
-    """Worker thread: the checksum of one received chunk, over its rows where they landed (K rows
-    then V rows, in wire order); equal to `chunk_checksum` of the contiguous chunk."""
-    digest = xxhash.xxh3_64(seed=first_block)
-    for view in views:
-        digest.update(view)
-    return digest.intdigest()
-
-
-async def _read_chunks(
-    reader: BodyReader, run: FetchedRun, bytes_per_block: int
-) -> tuple[int, FetchFailed | None]:
-    """Read chunks into place; returns (blocks verified from the start, why it stopped early).
-
-    A chunk's K rows (one per layer and KV head) are received straight into their strided places
-    in the canonical K buffer and its V rows into V (scatter reads: a few large socket reads per
-    chunk, no staging copy); a worker thread checksums the chunk's rows where they landed while
-    the next chunk arrives. A chunk that fails its checksum is not counted as verified, so its
-    (overwritten) rows are never used."""
+def _buffer_landing(run: FetchedRun, bytes_per_block: int) -> Landing:
+    """Blocks land in the run's canonical K and V buffers, each row at its strided place."""
     layers, heads, _ = run.layout
     num_rows = layers * heads
     row_per_block = bytes_per_block // (2 * num_rows)
     row_stride = run.capacity_blocks * row_per_block
+
+    def landing(lo: int, hi: int) -> list[memoryview]:
+        a, b = lo * row_per_block, hi * row_per_block
+        return [buf[row * row_stride + a : row * row_stride + b]
+                for buf in (run.k, run.v) for row in range(num_rows)]
+
+    return landing
+
+
+async def _read_chunks(
+    reader: BodyReader, num_blocks: int, bytes_per_block: int, landing: Landing
+) -> tuple[int, FetchFailed | None]:
+    """Read chunks into place; returns (blocks verified from the start, why it stopped early).
+
+    A chunk's rows are received straight into the views `landing` gives (scatter reads: a few
+    large socket reads per chunk, no staging copy); a worker thread checksums the chunk's rows
+    where they landed while the next chunk arrives. A chunk that fails its checksum is not
+    counted as verified, nor is any chunk after it, so their bytes are never used."""
     checks: list[tuple[asyncio.Future[int], int, int]] = []
     failure: FetchFailed | None = None
     try:
@@ -376,17 +459,15 @@ async def _read_chunks(
             (n,) = U32.unpack(await reader.exactly(U32.size))
             if n == 0:
                 break
-            if lo + n > run.capacity_blocks:
+            if lo + n > num_blocks:
                 raise FetchFailed(FetchOutcome.PROTOCOL, f"chunk of {n} blocks at block {lo}")
-            a, b = lo * row_per_block, (lo + n) * row_per_block
-            views = [
-                buf[row * row_stride + a : row * row_stride + b]
-                for buf in (run.k, run.v)
-                for row in range(num_rows)
-            ]
+            views = landing(lo, lo + n)
+            # The caller's landing must match the checked header exactly (no byte off its map).
+            if sum(len(view) for view in views) != n * bytes_per_block:
+                raise FetchFailed(FetchOutcome.PROTOCOL, f"landing of {n} blocks, wrong size")
             await reader.into_all(views)
             (expected,) = U64.unpack(await reader.exactly(U64.size))
-            check = asyncio.ensure_future(asyncio.to_thread(_check_rows, views, lo))
+            check = asyncio.ensure_future(asyncio.to_thread(chunk_checksum, views, lo))
             checks.append((check, expected, n))
             lo += n
     except asyncio.IncompleteReadError as exc:
@@ -395,7 +476,7 @@ async def _read_chunks(
     except FetchFailed as exc:
         failure = exc
     finally:
-        # Every worker finishes before the run is handed on (or its buffers recycled).
+        # Every worker finishes before the run is handed on (or its memory reused).
         await asyncio.gather(*(c for c, _, _ in checks), return_exceptions=True)
     verified = 0
     for checksum, expected, n in checks:

@@ -32,12 +32,16 @@ disabled. The 200 body (octet-stream, HTTP chunked encoding: the server may stop
 Chunks let the server gather block range i + 1 out of its cache into a reused send buffer (and
 checksum it, in a worker thread) while range i goes from its buffer straight to the socket
 (`loop.sock_sendall` on a duplicate of the connection's socket: one HTTP chunk per range, no
-user-space copy), and let the client keep every verified leading chunk when a peer dies or stops
-mid-run (the run is a prefix: still worth its blocks). A block evicted between two chunks ends the
+user-space copy; a source whose rows are the wire's and cannot change while they stream, the
+vLLM connector's referenced host-pool slots, is sent from where it lies, with no gather), and
+let the client keep every verified leading chunk when a peer dies or stops mid-run (the run is
+a prefix: still worth its blocks). A block evicted between two chunks ends the
 stream early; the run is then shorter, never wrong. The client (`fleet._receive`) receives each
 chunk's rows straight into their places in the canonical `[layer][kv_head][token][head_dim]`
-buffers (`recvmsg_into` scatter reads, no HTTP-parser or staging copies); a worker thread
-checksums them while the next chunk arrives.
+buffers (`recvmsg_into` scatter reads, no HTTP-parser or staging copies), or with
+`PeerFetcher.fetch_into` into the caller's own memory (the vLLM connector's host-pool slots, whose
+rows are the wire's); a worker thread checksums them where they landed while the next chunk
+arrives.
 
 The fetcher checks the hashes against the chain it computed itself, the dtype/layout against its
 own, the size of every chunk, and every chunk's checksum; a chunk that fails ends the run before
@@ -202,13 +206,19 @@ class PeerSecrets:
         return True
 
 
-def chunk_checksum(data: memoryview, first_block: int) -> int:
+def chunk_checksum(data: memoryview | Sequence[memoryview], first_block: int) -> int:
     """A chunk's integrity checksum: XXH3-64 of its K and V bytes, seeded with the index of its
-    first block within the run (so a chunk sent at the wrong place fails too). It detects
-    corruption, it does not authenticate (peers are authenticated by the bearer credential).
-    xxhash releases the GIL over large buffers and runs at ~15 GB/s here, against zlib CRC32's
-    ~1-2 GB/s."""
-    return xxhash.xxh3_64_intdigest(data, seed=first_block)
+    first block within the run (so a chunk sent at the wrong place fails too). `data` is the
+    chunk, or its pieces in wire order wherever they lie (rows received or sent in place): the
+    same checksum either way. It detects corruption, it does not authenticate (peers are
+    authenticated by the bearer credential). xxhash releases the GIL over large buffers and runs
+    at ~15 GB/s here, against zlib CRC32's ~1-2 GB/s."""
+    if isinstance(data, memoryview):
+        return xxhash.xxh3_64_intdigest(data, seed=first_block)
+    digest = xxhash.xxh3_64(seed=first_block)
+    for piece in data:
+        digest.update(piece)
+    return digest.intdigest()
 
 
 class BufferPool:

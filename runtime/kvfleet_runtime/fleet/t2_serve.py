@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -90,6 +92,11 @@ class ExportedRun:
     held."""
     release: Callable[[], None] = lambda: None
     """Called once when the stream ends (e.g. to drop refs held while reading)."""
+    views: Callable[[int, int], Sequence[memoryview]] | None = None
+    """Optional: blocks [lo, hi) of the run (0 = its first block) as their bytes in wire order
+    where they lie (each K row `[layer][kv_head]`, then each V row), valid until `release`. Only
+    for memory that cannot change while the run streams (blocks held by refs in slots that
+    never move): the server then sends from it with no gather and checksums it there."""
 
 
 class BlockSource(Protocol):
@@ -273,6 +280,49 @@ def _gather(
     return chunk_checksum(view[: 2 * half], lo)
 
 
+_MAX_IOVECS = 1024
+"""Views per `sendmsg` (Linux's IOV_MAX)."""
+
+
+async def _send_views(
+    request: web.Request, sock: socket.socket, prefix: bytes, views: Sequence[memoryview]
+) -> None:
+    """Write `prefix` then `views` as one HTTP chunk straight from where the views lie:
+    `sendmsg` scatter writes (the kernel copies from each view), waiting for the socket to
+    drain when it is full; nothing is gathered or copied in user space."""
+    await _flushed(request)
+    loop = asyncio.get_running_loop()
+    total = len(prefix) + sum(len(v) for v in views)
+    await loop.sock_sendall(sock, f"{total:x}\r\n".encode() + prefix)
+    pending = deque(v for v in views if len(v))
+    while pending:
+        try:
+            sent = sock.sendmsg(list(itertools.islice(pending, _MAX_IOVECS)))
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if not sent:
+            writable = loop.create_future()
+            loop.add_writer(sock.fileno(), _set_done, writable)
+            try:
+                await writable
+            finally:
+                loop.remove_writer(sock.fileno())
+            continue
+        while sent:
+            head = pending[0]
+            if sent < len(head):
+                pending[0] = head[sent:]
+                break
+            sent -= len(head)
+            pending.popleft()
+    await loop.sock_sendall(sock, b"\r\n")
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 def _direct_socket(request: web.Request) -> socket.socket | None:
     """A duplicate of the connection's plain TCP socket, to send payload bytes with
     `loop.sock_sendall` (the kernel copies straight from our buffer; nothing is buffered in user
@@ -363,6 +413,9 @@ async def _stream_run(
     transport = request.transport
     limits = transport.get_write_buffer_limits() if transport is not None else None
     sock = _direct_socket(request)
+    if run.views is not None and sock is not None:
+        return await _stream_in_place(request, response, run, ranges, head, sock, transport,
+                                      limits, on_served)
     pending = gather(*ranges[0])
     try:
         if transport is not None:
@@ -398,6 +451,48 @@ async def _stream_run(
             await asyncio.wait([future])
         for buf in held:
             buffers.give(buf)
+        run.release()
+    if on_served is not None:
+        on_served(sent)
+    return response
+
+
+async def _stream_in_place(
+    request: web.Request,
+    response: web.StreamResponse,
+    run: ExportedRun,
+    ranges: list[tuple[int, int]],
+    head: bytes,
+    sock: socket.socket,
+    transport: asyncio.Transport | None,
+    limits: tuple[int, int] | None,
+    on_served: Callable[[int], None] | None,
+) -> web.StreamResponse:
+    """`_stream_run` for a run that exposes its memory (`ExportedRun.views`): each chunk goes
+    from where it lies to the socket, its checksum taken there by a worker thread while it is
+    sent (the checksum is the next frame's first field, so it is awaited after the send)."""
+    assert run.views is not None
+    sent = 0
+    checksum: asyncio.Future[int] | None = None
+    try:
+        if transport is not None:
+            transport.set_write_buffer_limits(high=0, low=0)
+        await response.write(head)
+        head = b""
+        for lo, hi in ranges:
+            views = run.views(lo, hi)
+            checksum = asyncio.ensure_future(asyncio.to_thread(chunk_checksum, views, lo))
+            await _send_views(request, sock, head + U32.pack(hi - lo), views)
+            head = U64.pack(await checksum)
+            sent += sum(len(v) for v in views)
+        await response.write(head + U32.pack(0))
+        await response.write_eof()
+    finally:
+        sock.close()  # the duplicate only; the connection is aiohttp's
+        if limits is not None and transport is not None and not transport.is_closing():
+            transport.set_write_buffer_limits(high=limits[1], low=limits[0])
+        if checksum is not None and not checksum.done():  # let the reader finish first
+            await asyncio.wait([checksum])
         run.release()
     if on_served is not None:
         on_served(sent)

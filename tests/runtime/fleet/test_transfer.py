@@ -19,12 +19,14 @@ from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, CacheTuning, Hit, KVLayo
 from kvfleet_runtime.fleet import (
     CacheBlockSource,
     EmbeddedHintIndex,
+    ExportedRun,
     HintPublisher,
     PeerFetcher,
     PeerTier,
     peer_routes,
     peer_token,
 )
+from kvfleet_runtime.fleet.t2_fetch import FetchFailed
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
 from tests.support import free_port
 
@@ -393,3 +395,221 @@ async def test_receive_buffers_are_reused_without_mixing_runs(
     for tokens, (k, _) in zip(prompts, stored, strict=True):
         got_k, _ = materialized(b.cache, KEY_A, tokens)
         assert torch.equal(got_k, k[:, :, : 8 * BLOCK_SIZE])
+
+
+# -- fetch_into: received in place, into a pool-like landing ------------------------------------
+
+SLOTS = 12
+"""Slots of the landing pool below; the run lands in scattered and consecutive slots."""
+RUN_SLOTS = (7, 8, 9, 2, 3, 11, 0, 5)
+SENTINEL = 0x5A
+
+
+class LandingPool:
+    """A host pool `[K|V, layer, head, slot, 16, head_dim]` as bytes (the vLLM connector's
+    layout), filled with a sentinel so that any byte a fetch wrote shows."""
+
+    def __init__(self) -> None:
+        self.slot_bytes = BLOCK_SIZE * LAYOUT.head_dim * 2
+        self.rows = 2 * LAYOUT.num_layers * LAYOUT.num_kv_heads
+        self.data = bytearray([SENTINEL]) * (self.rows * SLOTS * self.slot_bytes)
+
+    def landing(self, lo: int, hi: int) -> list[memoryview]:
+        whole = memoryview(self.data)
+        return [whole[(row * SLOTS + s) * self.slot_bytes : (row * SLOTS + s + 1) * self.slot_bytes]
+                for row in range(self.rows) for s in RUN_SLOTS[lo:hi]]
+
+    def slot_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one slot, `[layers, heads, 16, head_dim]`."""
+        t = torch.frombuffer(self.data, dtype=torch.float16).view(
+            2, LAYOUT.num_layers, LAYOUT.num_kv_heads, SLOTS, BLOCK_SIZE, LAYOUT.head_dim)
+        return t[0, :, :, slot], t[1, :, :, slot]
+
+    def untouched_slots(self) -> set[int]:
+        out = set()
+        for slot in range(SLOTS):
+            k, v = self.slot_kv(slot)
+            raw = torch.cat([k.flatten(), v.flatten()]).view(torch.uint8)
+            if bool((raw == SENTINEL).all()):
+                out.add(slot)
+        return out
+
+
+async def fetch_into(fetcher: PeerFetcher, url: str, pool: LandingPool,
+                     chain: list[bytes], **changes: object) -> tuple[int, object]:
+    args: dict[str, object] = {"start_block": 0, "dtype": "float16",
+                               "layout": (LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim)}
+    args.update(changes)
+    try:
+        return await fetcher.fetch_into(url, KEY_A, TOKENS, chain, landing=pool.landing,
+                                        **args)  # type: ignore[arg-type]
+    except FetchFailed as exc:
+        return 0, exc.outcome
+
+
+async def test_fetch_into_lands_the_run_bitwise_in_its_slots(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+) -> None:
+    index, replica = fleet
+    a = await replica("a", chunk_bytes=3 * LAYOUT.bytes_per_block)  # chunks of 3, 3 and 2 blocks
+    k, v = store(a.cache, KEY_A, TOKENS)
+    pool = LandingPool()
+    chain = a.cache.block_hashes(KEY_A, TOKENS)
+    assert await fetch_into(PeerFetcher(SECRET, index, "b"), a.url, pool, chain) == (8, None)
+    for i, slot in enumerate(RUN_SLOTS):
+        got_k, got_v = pool.slot_kv(slot)
+        span = slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
+        assert torch.equal(got_k, k[:, :, span]) and torch.equal(got_v, v[:, :, span])
+    assert pool.untouched_slots() == set(range(SLOTS)) - set(RUN_SLOTS)
+
+
+@pytest.mark.parametrize(("mode", "outcome"), [("cut", "short_read"), ("flip", "checksum")])
+async def test_fetch_into_a_cut_or_corrupted_run_keeps_only_its_verified_leading_blocks(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    mode: str,
+    outcome: str,
+) -> None:
+    index, replica = fleet
+    a = await replica("a", chunk_bytes=LAYOUT.bytes_per_block)  # one block per chunk
+    k, _ = store(a.cache, KEY_A, TOKENS)
+    port = int(a.url.rsplit(":", 1)[1])
+    chain = a.cache.block_hashes(KEY_A, TOKENS)
+    # Each chunk is ~2 KiB on the wire: fail inside the fourth or fifth.
+    async with faulty_proxy(port, mode, at_byte=9000) as proxy_url:
+        pool = LandingPool()
+        got, why = await fetch_into(PeerFetcher(SECRET, index, "b"), proxy_url, pool, chain)
+    assert 1 <= got < 8 and why == outcome
+    for i, slot in enumerate(RUN_SLOTS[:got]):
+        assert torch.equal(pool.slot_kv(slot)[0], k[:, :, i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+    # The failed chunk's bytes landed (in place) but are not counted, nor are later chunks a
+    # corrupted stream still delivers; a cut stream lands nothing past the cut.
+    if mode == "cut":
+        assert set(RUN_SLOTS[got + 1 :]) <= pool.untouched_slots()
+    # Cut or corrupted inside the first chunk: nothing verified, the fetch fails.
+    async with faulty_proxy(port, mode, at_byte=1500) as proxy_url:
+        assert (await fetch_into(PeerFetcher(SECRET, index, "b"), proxy_url, LandingPool(),
+                                 chain))[1] == outcome
+
+
+async def test_fetch_into_checks_the_header_before_any_byte_lands(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+) -> None:
+    index, replica = fleet
+    a = await replica("a")
+    store(a.cache, KEY_A, TOKENS)
+    chain = a.cache.block_hashes(KEY_A, TOKENS)
+    fetcher = PeerFetcher(SECRET, index, "b")
+    for changes, outcome in (
+        ({"dtype": "bfloat16"}, "layout_mismatch"),
+        ({"layout": (LAYOUT.num_layers, LAYOUT.num_kv_heads, 2 * LAYOUT.head_dim)},
+         "layout_mismatch"),
+        ({"layout": (LAYOUT.num_layers, 2 * LAYOUT.num_kv_heads, LAYOUT.head_dim // 2)},
+         "layout_mismatch"),
+    ):
+        pool = LandingPool()
+        assert (await fetch_into(fetcher, a.url, pool, chain, **changes))[1] == outcome
+        assert pool.untouched_slots() == set(range(SLOTS)), changes
+    # The peer's blocks are not the chain asked for (a wrong hash in the middle).
+    pool = LandingPool()
+    wrong = [*chain[:3], bytes(16), *chain[4:]]
+    assert (await fetch_into(fetcher, a.url, pool, wrong))[1] == "hash_mismatch"
+    assert pool.untouched_slots() == set(range(SLOTS))
+
+
+# -- a run served from where it lies (ExportedRun.views) ----------------------------------------
+
+
+class InPlaceSource:
+    """A `BlockSource` over a `LandingPool`-shaped memory holding the run in slots `RUN_SLOTS`:
+    it exposes the run's bytes in place (`views`), and its `read` (the gather) must never be
+    called."""
+
+    def __init__(self, pool: LandingPool, chain: list[bytes]) -> None:
+        self.pool, self.chain = pool, chain
+        self.released = 0
+
+    async def export(self, key: CacheKey, token_ids: object, start_block: int,
+                     max_blocks: int) -> ExportedRun:
+        def read(*_: object) -> bool:
+            raise AssertionError("a run with views is sent in place, never gathered")
+
+        def release() -> None:
+            self.released += 1
+
+        run = tuple(self.chain[start_block : start_block + max_blocks])
+        return ExportedRun(start_block, run, "float16",
+                           (LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim),
+                           LAYOUT.bytes_per_block, read, release,
+                           lambda lo, hi: self.pool.landing(start_block + lo, start_block + hi))
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 8])
+async def test_a_run_with_views_is_sent_in_place_bitwise(chunk_blocks: int) -> None:
+    sender = LandingPool()
+    torch.manual_seed(3)
+    data = torch.randn(len(sender.data) // 2).half()
+    sender.data[:] = data.view(torch.uint8).numpy().tobytes()
+    chain = [bytes([i]) * 16 for i in range(8)]
+    source = InPlaceSource(sender, chain)
+    app = web.Application()
+    app.add_routes(peer_routes(source, SECRET,
+                               chunk_bytes=chunk_blocks * LAYOUT.bytes_per_block))
+    url, runner = await start_app(app)
+    try:
+        fetcher = PeerFetcher(SECRET, EmbeddedHintIndex(), "b")
+        run = await fetcher.fetch_from(url, KEY_A, TOKENS, 2, 6)
+        assert run.num_blocks == 6 and run.partial is None
+        for _ in range(500):  # the server releases the run once its stream ended
+            if source.released:
+                break
+            await asyncio.sleep(0.01)
+        assert source.released == 1
+        got_k = torch.frombuffer(run.k, dtype=torch.float16).view(
+            LAYOUT.num_layers, LAYOUT.num_kv_heads, 6 * BLOCK_SIZE, LAYOUT.head_dim)
+        for i, slot in enumerate(RUN_SLOTS[2:]):
+            want_k, _ = sender.slot_kv(slot)
+            assert torch.equal(got_k[:, :, i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], want_k)
+        # Bytes corrupted after they left the sender's memory fail the checksum taken there.
+        port = int(url.rsplit(":", 1)[1])
+        async with faulty_proxy(port, "flip", at_byte=1500) as proxy_url:
+            with pytest.raises(FetchFailed, match="checksum"):
+                await fetcher.fetch_from(proxy_url, KEY_A, TOKENS, 2, 6)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_large_run_sent_in_place_survives_partial_sends_and_many_views() -> None:
+    # 8 MiB in 4 MiB chunks, each chunk as 4,096 views of 1 KiB: more than one sendmsg's
+    # worth of views, and more bytes than a loopback socket takes at once, so sends are cut
+    # short and resumed mid-view.
+    layers, heads, head_dim, n = 4, 8, 128, 32
+    bytes_per_block = 2 * layers * heads * BLOCK_SIZE * head_dim * 2
+    row_per_block = bytes_per_block // (2 * layers * heads)
+    memory = bytearray(torch.randint(0, 256, (n * bytes_per_block,), dtype=torch.uint8)
+                       .numpy().tobytes())
+    whole = memoryview(memory)
+    half = n * bytes_per_block // 2
+
+    def views(lo: int, hi: int) -> list[memoryview]:
+        rows = [whole[base + row * n * row_per_block + lo * row_per_block :
+                      base + row * n * row_per_block + hi * row_per_block]
+                for base in (0, half) for row in range(layers * heads)]
+        return [row[i : i + 1024] for row in rows for i in range(0, len(row), 1024)]
+
+    class Source:
+        async def export(self, *_: object) -> ExportedRun:
+            return ExportedRun(0, tuple(bytes([i]) * 16 for i in range(n)), "float16",
+                               (layers, heads, head_dim), bytes_per_block,
+                               lambda *_: False, lambda: None, views)
+
+    app = web.Application()
+    app.add_routes(peer_routes(Source(), SECRET, chunk_bytes=16 * bytes_per_block))
+    url, runner = await start_app(app)
+    try:
+        tokens = list(range(n * BLOCK_SIZE))
+        run = await PeerFetcher(SECRET, EmbeddedHintIndex(), "b").fetch_from(
+            url, KEY_A, tokens, 0, n)
+        assert run.num_blocks == n and run.partial is None
+        assert bytes(run.k) == memory[:half] and bytes(run.v) == memory[half:]
+    finally:
+        await runner.cleanup()

@@ -24,7 +24,6 @@ from kvfleet_runtime.fleet import (
     t2_serve,
 )
 from kvfleet_runtime.fleet._receive import BodyReader
-from kvfleet_runtime.fleet.t2_fetch import _check_rows
 from kvfleet_runtime.fleet.t2_protocol import VERSION, chunk_checksum
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
 from tests.runtime.fleet.test_transfer import (
@@ -49,7 +48,8 @@ def test_checksum_is_xxh3_64_seeded_with_the_chunk_position() -> None:
 
 
 def test_checksum_over_received_rows_equals_the_contiguous_chunk() -> None:
-    """The fetcher hashes a chunk's rows where they landed (strided in the canonical buffers)."""
+    """The fetcher hashes a chunk's rows where they landed (strided in the canonical buffers or
+    the caller's pool), the in-place server where they lie: the same checksum as the chunk."""
     rng = np.random.default_rng(0)
     rows, stride, a, b = 6, 40, 8, 24
     k = rng.integers(0, 256, rows * stride, dtype=np.uint8)
@@ -58,7 +58,7 @@ def test_checksum_over_received_rows_equals_the_contiguous_chunk() -> None:
         buf.data.cast("B")[r * stride + a : r * stride + b] for buf in (k, v) for r in range(rows)
     ]
     wire = np.concatenate([buf.reshape(rows, stride)[:, a:b].ravel() for buf in (k, v)])
-    assert _check_rows(views, 5) == chunk_checksum(wire.data.cast("B"), 5)
+    assert chunk_checksum(views, 5) == chunk_checksum(wire.data.cast("B"), 5)
 
 
 async def test_body_is_the_documented_frame_format() -> None:
