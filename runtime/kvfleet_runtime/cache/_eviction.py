@@ -16,6 +16,12 @@ count, least recent, oldest push). Its cap is a constructor argument: 1 is plain
 queue; every count ranks alike, so the duel never refuses anything), None ranks by the raw count.
 Another ranking is another instance (`BlockIndex.set_policy`), never a mode flipped in place.
 
+Counts are bounded along the chain (`chain_bound`): every request that holds a block holds its
+parent (a chain hash commits to the whole prefix), so a block is never seen more often than its
+parent, and the count-min sketch, which only ever over-counts, is corrected by that bound. It
+matters because eviction is leaf first: one over-counted leaf at the tail of a chain seen once
+would outrank the one-shot newcomers in the duel and keep the whole chain above it in the cache.
+
 Lazy: a block pushed twice has two entries; an entry is stale once its block was touched again
 (tick), pinned or unpinned since, or is no longer evictable. A popped entry whose block's count
 grew since the push is re-ranked (bounded, so one pop stays cheap).
@@ -26,6 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING, Protocol
 
 from kvfleet_runtime.cache._sketch import CountMinSketch
@@ -33,7 +40,7 @@ from kvfleet_runtime.cache._sketch import CountMinSketch
 if TYPE_CHECKING:  # the index imports this module: the node type is only needed for checking
     from kvfleet_runtime.cache._block_node import BlockNode
 
-__all__ = ["EvictionPolicy", "RankedEviction", "VictimQueue", "floors"]
+__all__ = ["EvictionPolicy", "RankedEviction", "VictimQueue", "chain_bound", "floors"]
 
 Evictable = Callable[["BlockNode"], bool]
 
@@ -47,6 +54,25 @@ _COMPACT_MIN_ENTRIES = 1024
 """A queue is compacted (stale entries dropped) once it holds this many entries more than 4x
 the valid ones it held after its last compaction: lazy entries stay bounded without a scan per
 push."""
+
+
+def chain_bound(counts: Iterable[int], cap: int | None = None) -> list[int]:
+    """Sighting estimates of a run of consecutive chain blocks (head first), each bounded by
+    the ones before it (and by `cap`): a block is never seen more often than its parent, so
+    the running minimum is a tighter upper bound than the count-min sketch's own estimate.
+
+    Why it matters (measured on Mooncake's conversation trace at 10%, 5.7M distinct blocks in
+    4M-wide sketch rows): a few percent of the blocks seen once read 2 or more, so a chain seen
+    once kept one over-counted block every few dozen; evicted leaf first, it stopped at that
+    block, whose count then outranked every one-shot newcomer in the duel (the cache refused
+    76% of the blocks offered under `count<=2`) and held the once-seen chain above it. The
+    ghosts, flat directories without chains, never saw that, and led the cache into a ranking
+    whose real cache hit 0.78-0.93 of its ghost."""
+    if cap is None:
+        return list(accumulate(counts, min))
+    bounded = list(accumulate(counts, min, initial=cap))
+    del bounded[0]
+    return bounded
 
 
 def floors(counts: Iterable[int], epoch: int) -> list[int]:
@@ -110,6 +136,11 @@ class VictimQueue:
             if floor >> 8 == sketch.num_resets + 1 and floor & 0xFF >= cap:
                 return cap
         freq = sketch.estimate(node.block_hash)
+        parent = node.parent
+        if freq > 1 and parent is not None:
+            # `chain_bound` for one block: the parent's estimate bounds it (a floor of the
+            # bounded count is still a floor: both estimates only grow within an epoch).
+            freq = min(freq, sketch.estimate(parent.block_hash))
         node.floor = ((sketch.num_resets + 1) << 8) | freq
         return freq if cap is None or freq <= cap else cap
 
@@ -213,9 +244,8 @@ class RankedEviction:
         return self._queues[tier].push_pop
 
     def candidate_weights(self, hashes: Sequence[bytes]) -> list[int]:
-        freqs = self.sketch.estimate_many(hashes)
-        cap = self.max_frequency
-        return freqs if cap is None else [min(f, cap) for f in freqs]
+        # The index places consecutive blocks of one chain, head first.
+        return chain_bound(self.sketch.estimate_many(hashes), self.max_frequency)
 
     def outranks(self, victim: BlockNode, weight: int) -> bool:
         return self._queues[0].node_frequency(victim) > weight

@@ -93,9 +93,36 @@ def test_the_duel_refuses_a_colder_newcomer_unless_the_cap_makes_them_alike() ->
     counts.increment(h("new"))
     for cap, weight, refused in [(None, 1, True), (None, 4, False), (2, 1, True), (1, 1, False)]:
         policy = RankedEviction(counts, max_frequency=cap)
-        assert policy.candidate_weights([h("new"), h("v")]) == [1, 4 if cap is None else cap]
+        assert policy.candidate_weights([h("v"), h("new")]) == [4 if cap is None else cap, 1]
         assert policy.outranks(blocks["v"], weight) is refused
         assert policy.candidate_weights([h("v")]) == [min(4, cap or 4)]
+
+
+@pytest.mark.parametrize("cap", [2, None])
+def test_a_block_counts_no_more_sightings_than_its_parent(cap: int | None) -> None:
+    """The sketch over-counts (here: "leaf" counted twice, as a colliding block would make it
+    read); a chain hash commits to its prefix, so the parent's count bounds it. Unbounded, the
+    leaf of a chain seen once outranks a newcomer seen once (refused) and is evicted after a
+    more recent block seen once ("other"), keeping the chain above it."""
+    counts = CountMinSketch(width=1024)
+    ns = Namespace(make_key())
+    counts.increment(h("root"))
+    counts.increment(h("leaf"))
+    counts.increment(h("leaf"))  # the over-count
+    root = BlockNode(h("root"), None, ns, 0, 0, last_tick=2)
+    leaf = BlockNode(h("leaf"), root, ns, 0, 1, last_tick=1)
+    other = nodes("o", counts, {})["o"]
+    other.last_tick = 3
+    policy = RankedEviction(counts, max_frequency=cap)
+    assert policy.candidate_weights([h("root"), h("leaf")]) == [1, 1]
+    assert not policy.outranks(leaf, 1)
+    for node in (other, leaf):
+        policy.push(node, always)
+    assert drain(policy) == "leafo"  # least recent first: both count once
+    admission = make_admission((1,))
+    assert admission.count([h("root"), h("leaf")], 0.0) == [1, 1]
+    admission.sketch.increment(h("leaf"))
+    assert admission.count([h("root"), h("leaf")], 0.0) == [2, 2]
 
 
 def test_fill_ranks_every_block_now() -> None:
