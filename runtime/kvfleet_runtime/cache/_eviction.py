@@ -76,10 +76,10 @@ def chain_bound(counts: Iterable[int], cap: int | None = None) -> list[int]:
 
 
 def floors(counts: Iterable[int], epoch: int) -> list[int]:
-    """What the sketch said of new blocks, as their `BlockNode.floor`s: `counts[i]` is an
-    estimate of block i taken in sketch epoch `epoch` (`CountMinSketch.num_resets`). Counters
-    only grow within an epoch, so it stays a floor of the estimate until the next reset
-    (`VictimQueue.node_frequency`)."""
+    """Blocks' counts at a sighting, as their `BlockNode.floor`s: `counts[i]` is block i's
+    chain-bounded count taken in sketch epoch `epoch` (`CountMinSketch.num_resets`). Counters
+    only grow within an epoch, so it stays a floor of the estimate until the next reset, and
+    until the block's next sighting it is the block's count (`VictimQueue.node_frequency`)."""
     base = (epoch + 1) << 8
     return [base | count for count in counts]
 
@@ -126,22 +126,24 @@ class VictimQueue:
         return freq if cap is None or freq <= cap else cap
 
     def node_frequency(self, node: BlockNode) -> int:
-        """`frequency` of the node's block, without asking the sketch when the node's floor
-        (`BlockNode.floor`, this epoch) already reaches the cap: under plain recency (cap 1)
-        that is every block counted since the last reset, so victims cost no estimate."""
+        """`frequency` of the node's block as of its last sighting: its floor (`BlockNode.floor`)
+        while that is of this sketch epoch. The manager sets the floor from the chain-bounded
+        count whenever the block is stored or seen again, and a block's count only grows when it
+        is seen, so whatever the sketch added since came from other blocks sharing its counters:
+        the sketch is not asked (under plain recency, as before, no victim costs an estimate).
+        Without a floor of this epoch (none yet, or one from before an aging), the sketch's
+        estimate bounded by the parent's (`chain_bound` for one block), kept as the floor."""
         cap = self.max_frequency
         sketch = self.sketch
-        if cap is not None:
-            floor = node.floor
-            if floor >> 8 == sketch.num_resets + 1 and floor & 0xFF >= cap:
-                return cap
-        freq = sketch.estimate(node.block_hash)
-        parent = node.parent
-        if freq > 1 and parent is not None:
-            # `chain_bound` for one block: the parent's estimate bounds it (a floor of the
-            # bounded count is still a floor: both estimates only grow within an epoch).
-            freq = min(freq, sketch.estimate(parent.block_hash))
-        node.floor = ((sketch.num_resets + 1) << 8) | freq
+        floor = node.floor
+        if floor >> 8 == sketch.num_resets + 1:
+            freq = floor & 0xFF
+        else:
+            freq = sketch.estimate(node.block_hash)
+            parent = node.parent
+            if freq > 1 and parent is not None:
+                freq = min(freq, sketch.estimate(parent.block_hash))
+            node.floor = ((sketch.num_resets + 1) << 8) | freq
         return freq if cap is None or freq <= cap else cap
 
     def _weight(self, node: BlockNode) -> int:

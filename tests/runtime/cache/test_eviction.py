@@ -13,7 +13,7 @@ from kvfleet_runtime.cache._admission import (
     ThrashDetector,
 )
 from kvfleet_runtime.cache._block_index import BlockNode, Namespace
-from kvfleet_runtime.cache._eviction import RankedEviction
+from kvfleet_runtime.cache._eviction import RankedEviction, floors
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from tests.runtime.cache.conftest import make_key
 from tests.runtime.cache.test_block_index import h
@@ -125,6 +125,27 @@ def test_a_block_counts_no_more_sightings_than_its_parent(cap: int | None) -> No
     assert admission.count([h("root"), h("leaf")], 0.0) == [2, 2]
 
 
+@pytest.mark.parametrize("cap", [2, None])
+def test_a_block_ranks_by_its_count_at_its_last_sighting(cap: int | None) -> None:
+    """Counted once when stored (its floor, this epoch), "old" then reads 3 in the sketch
+    without being seen (other blocks sharing its counters): it still ranks as seen once, so it
+    goes before the more recent "new" and does not outrank a newcomer seen once. A floor from
+    before the sketch's last aging does not count: the sketch is asked again."""
+    counts = CountMinSketch(width=1024)
+    blocks = nodes("ab", counts, {})
+    old, new = blocks["a"], blocks["b"]
+    old.floor, new.floor = floors([1, 1], counts.num_resets)
+    counts.increment(h("a"))
+    counts.increment(h("a"))
+    policy = RankedEviction(counts, max_frequency=cap)
+    assert not policy.outranks(old, 1)
+    for node in (new, old):
+        policy.push(node, always)
+    assert drain(policy) == "ab"
+    old.floor = floors([1], counts.num_resets - 1)[0]  # an epoch ago
+    assert policy.outranks(old, 1)
+
+
 def test_fill_ranks_every_block_now() -> None:
     counts = CountMinSketch(width=1024)
     blocks = nodes("abc", counts, {})
@@ -133,6 +154,7 @@ def test_fill_ranks_every_block_now() -> None:
         policy.push(node, always)
     for _ in range(3):
         counts.increment(h("a"))
+    blocks["a"].floor = floors([4], counts.num_resets)[0]  # seen 3 more times: a store sets it
     fresh = RankedEviction(counts, max_frequency=None)
     fresh.fill(0, blocks.values())
     assert drain(fresh) == "bca"
