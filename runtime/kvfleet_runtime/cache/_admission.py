@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 
-from kvfleet_runtime.cache._eviction import EvictionPolicy, RankedEviction
+from kvfleet_runtime.cache._eviction import EvictionPolicy, RankedEviction, chain_bound
 from kvfleet_runtime.cache._reuse import REUSE_RANKING, GhostReuse
 from kvfleet_runtime.cache._sketch import CountMinSketch
 
@@ -527,9 +527,10 @@ class Admission:
         return self.ranking.ghosts[self.ranking.current].eviction(self.sketch)
 
     def count(self, hashes: Sequence[bytes], now_s: float) -> list[int]:
-        """One sighting of each block; returns their counts after it."""
+        """One sighting of each block of the chain; returns their counts after it, each bounded
+        by its parent's (`chain_bound`)."""
         self.thrash.record(now_s, offered=len(hashes))
-        return self.sketch.increment_many(hashes)
+        return chain_bound(self.sketch.increment_many(hashes))
 
     def note_dropped(self, num_blocks: int, now_s: float) -> None:
         self.thrash.record(now_s, dropped=num_blocks)

@@ -124,9 +124,18 @@ class BlockIndex(TierDrains):
                     self._push(node)  # interior blocks are not evictable: nothing to queue
         return freed
 
-    def touch(self, path: list[BlockNode]) -> None:
+    def touch(self, path: list[BlockNode], floors: Sequence[int] = ()) -> None:
+        """The path was used now. `floors`: the path's `BlockNode.floor`s at this sighting, in
+        path order (empty: not a sighting, e.g. a lookup)."""
         self._tick += 1
         tick = self._tick
+        if floors:
+            for node, floor in zip(path, floors, strict=True):
+                node.floor = floor  # before the push: the ranking reads it
+                node.last_tick = tick
+                if not node.ref_count:
+                    self._push(node)
+            return
         for node in path:
             node.last_tick = tick
             if not node.ref_count:  # a referenced block is not evictable: nothing to queue

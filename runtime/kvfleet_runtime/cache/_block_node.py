@@ -36,5 +36,6 @@ class BlockNode:
     last_tick: int = 0
     pinned: bool = False
     floor: int = 0
-    """A floor of the sketch's estimate of this block, kept by the eviction ranking:
-    `(epoch + 1) << 8 | estimate`, valid while the sketch's reset count is `epoch` (0: none)."""
+    """The block's chain-bounded sighting count at its last sighting (a floor of the sketch's
+    estimate), kept for the eviction ranking: `(epoch + 1) << 8 | count`, valid while the
+    sketch's reset count is `epoch` (0: none)."""

@@ -16,6 +16,12 @@ count, least recent, oldest push). Its cap is a constructor argument: 1 is plain
 queue; every count ranks alike, so the duel never refuses anything), None ranks by the raw count.
 Another ranking is another instance (`BlockIndex.set_policy`), never a mode flipped in place.
 
+Counts are bounded along the chain (`chain_bound`): every request that holds a block holds its
+parent (a chain hash commits to the whole prefix), so a block is never seen more often than its
+parent, and the count-min sketch, which only ever over-counts, is corrected by that bound. It
+matters because eviction is leaf first: one over-counted leaf at the tail of a chain seen once
+would outrank the one-shot newcomers in the duel and keep the whole chain above it in the cache.
+
 Lazy: a block pushed twice has two entries; an entry is stale once its block was touched again
 (tick), pinned or unpinned since, or is no longer evictable. A popped entry whose block's count
 grew since the push is re-ranked (bounded, so one pop stays cheap).
@@ -28,12 +34,12 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from kvfleet_runtime.cache._sketch import CountMinSketch
+from kvfleet_runtime.cache._sketch import MAX_COUNT, CountMinSketch
 
 if TYPE_CHECKING:  # the index imports this module: the node type is only needed for checking
     from kvfleet_runtime.cache._block_node import BlockNode
 
-__all__ = ["EvictionPolicy", "RankedEviction", "VictimQueue", "floors"]
+__all__ = ["EvictionPolicy", "RankedEviction", "VictimQueue", "chain_bound", "floors"]
 
 Evictable = Callable[["BlockNode"], bool]
 
@@ -49,11 +55,30 @@ the valid ones it held after its last compaction: lazy entries stay bounded with
 push."""
 
 
+def chain_bound(counts: list[int], cap: int | None = None) -> list[int]:
+    """Sighting estimates of a run of consecutive chain blocks (head first), each bounded by
+    the ones before it (and by `cap`): a block is never seen more often than its parent, so
+    the running minimum is a tighter upper bound than the count-min sketch's own estimate.
+
+    Why it matters (measured on Mooncake's conversation trace at 10%, 5.7M distinct blocks in
+    4M-wide sketch rows): a few percent of the blocks seen once read 2 or more, so a chain seen
+    once kept one over-counted block every few dozen; evicted leaf first, it stopped at that
+    block, whose count then outranked every one-shot newcomer in the duel (the cache refused
+    76% of the blocks offered under `count<=2`) and held the once-seen chain above it. The
+    ghosts, flat directories without chains, never saw that, and led the cache into a ranking
+    whose real cache hit 0.78-0.93 of its ghost."""
+    if cap is None and counts == sorted(counts, reverse=True):
+        return counts  # the usual chain, already non-increasing: one pass, no copy
+    low = MAX_COUNT if cap is None else cap
+    # A comprehension, not `accumulate(counts, min)`: a call per block cost 5x as much.
+    return [low := count if count < low else low for count in counts]
+
+
 def floors(counts: Iterable[int], epoch: int) -> list[int]:
-    """What the sketch said of new blocks, as their `BlockNode.floor`s: `counts[i]` is an
-    estimate of block i taken in sketch epoch `epoch` (`CountMinSketch.num_resets`). Counters
-    only grow within an epoch, so it stays a floor of the estimate until the next reset
-    (`VictimQueue.node_frequency`)."""
+    """Blocks' counts at a sighting, as their `BlockNode.floor`s: `counts[i]` is block i's
+    chain-bounded count taken in sketch epoch `epoch` (`CountMinSketch.num_resets`). Counters
+    only grow within an epoch, so it stays a floor of the estimate until the next reset, and
+    until the block's next sighting it is the block's count (`VictimQueue.node_frequency`)."""
     base = (epoch + 1) << 8
     return [base | count for count in counts]
 
@@ -100,17 +125,24 @@ class VictimQueue:
         return freq if cap is None or freq <= cap else cap
 
     def node_frequency(self, node: BlockNode) -> int:
-        """`frequency` of the node's block, without asking the sketch when the node's floor
-        (`BlockNode.floor`, this epoch) already reaches the cap: under plain recency (cap 1)
-        that is every block counted since the last reset, so victims cost no estimate."""
+        """`frequency` of the node's block as of its last sighting: its floor (`BlockNode.floor`)
+        while that is of this sketch epoch. The manager sets the floor from the chain-bounded
+        count whenever the block is stored or seen again, and a block's count only grows when it
+        is seen, so whatever the sketch added since came from other blocks sharing its counters:
+        the sketch is not asked (under plain recency, as before, no victim costs an estimate).
+        Without a floor of this epoch (none yet, or one from before an aging), the sketch's
+        estimate bounded by the parent's (`chain_bound` for one block), kept as the floor."""
         cap = self.max_frequency
         sketch = self.sketch
-        if cap is not None:
-            floor = node.floor
-            if floor >> 8 == sketch.num_resets + 1 and floor & 0xFF >= cap:
-                return cap
-        freq = sketch.estimate(node.block_hash)
-        node.floor = ((sketch.num_resets + 1) << 8) | freq
+        floor = node.floor
+        if floor >> 8 == sketch.num_resets + 1:
+            freq = floor & 0xFF
+        else:
+            freq = sketch.estimate(node.block_hash)
+            parent = node.parent
+            if freq > 1 and parent is not None:
+                freq = min(freq, sketch.estimate(parent.block_hash))
+            node.floor = ((sketch.num_resets + 1) << 8) | freq
         return freq if cap is None or freq <= cap else cap
 
     def _weight(self, node: BlockNode) -> int:
@@ -213,9 +245,8 @@ class RankedEviction:
         return self._queues[tier].push_pop
 
     def candidate_weights(self, hashes: Sequence[bytes]) -> list[int]:
-        freqs = self.sketch.estimate_many(hashes)
-        cap = self.max_frequency
-        return freqs if cap is None else [min(f, cap) for f in freqs]
+        # The index places consecutive blocks of one chain, head first.
+        return chain_bound(self.sketch.estimate_many(hashes), self.max_frequency)
 
     def outranks(self, victim: BlockNode, weight: int) -> bool:
         return self._queues[0].node_frequency(victim) > weight

@@ -27,7 +27,7 @@ from kvfleet_runtime.cache._admission import (
 from kvfleet_runtime.cache._allocator import Slots
 from kvfleet_runtime.cache._block_index import BlockIndex, BlockNode
 from kvfleet_runtime.cache._config import CacheTuning
-from kvfleet_runtime.cache._eviction import floors
+from kvfleet_runtime.cache._eviction import chain_bound, floors
 from kvfleet_runtime.cache._keys import (
     BLOCK_SIZE,
     PLATFORM_TENANT,
@@ -281,7 +281,8 @@ class CacheManager:
         counts = self.admission.count(hashes, self.clock())
         resident = self.index.match(hashes)
         if resident:
-            self.index.touch(resident)
+            # A sighting: the ranking counts the resident blocks at these counts from now on.
+            self.index.touch(resident, floors(counts[: len(resident)], self.sketch.num_resets))
         decision = self.admission.decide(hashes, counts, len(resident))
         if decision.ranking_changed:
             self.index.set_policy(self.admission.eviction())
@@ -330,8 +331,10 @@ class CacheManager:
         blocks beyond the resident prefix are written without admission (they compete for room
         like any write). None when nothing is left to write, or when the resident prefix is
         not `start_block` blocks long (the chain changed since the fetch was planned)."""
-        counts = [self.sketch.increment(h) for h in chain]
+        counts = chain_bound([self.sketch.increment(h) for h in chain])
         resident = self.index.match(chain)
+        for node, floor in zip(resident, floors(counts, self.sketch.num_resets), strict=False):
+            node.floor = floor  # a sighting, as in `plan_store`
         start = len(resident)
         if start == len(chain) or (start_block is not None and start != start_block):
             return None

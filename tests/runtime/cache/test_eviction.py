@@ -13,7 +13,7 @@ from kvfleet_runtime.cache._admission import (
     ThrashDetector,
 )
 from kvfleet_runtime.cache._block_index import BlockNode, Namespace
-from kvfleet_runtime.cache._eviction import RankedEviction
+from kvfleet_runtime.cache._eviction import RankedEviction, floors
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from tests.runtime.cache.conftest import make_key
 from tests.runtime.cache.test_block_index import h
@@ -93,9 +93,57 @@ def test_the_duel_refuses_a_colder_newcomer_unless_the_cap_makes_them_alike() ->
     counts.increment(h("new"))
     for cap, weight, refused in [(None, 1, True), (None, 4, False), (2, 1, True), (1, 1, False)]:
         policy = RankedEviction(counts, max_frequency=cap)
-        assert policy.candidate_weights([h("new"), h("v")]) == [1, 4 if cap is None else cap]
+        assert policy.candidate_weights([h("v"), h("new")]) == [4 if cap is None else cap, 1]
         assert policy.outranks(blocks["v"], weight) is refused
         assert policy.candidate_weights([h("v")]) == [min(4, cap or 4)]
+
+
+@pytest.mark.parametrize("cap", [2, None])
+def test_a_block_counts_no_more_sightings_than_its_parent(cap: int | None) -> None:
+    """The sketch over-counts (here: "leaf" counted twice, as a colliding block would make it
+    read); a chain hash commits to its prefix, so the parent's count bounds it. Unbounded, the
+    leaf of a chain seen once outranks a newcomer seen once (refused) and is evicted after a
+    more recent block seen once ("other"), keeping the chain above it."""
+    counts = CountMinSketch(width=1024)
+    ns = Namespace(make_key())
+    counts.increment(h("root"))
+    counts.increment(h("leaf"))
+    counts.increment(h("leaf"))  # the over-count
+    root = BlockNode(h("root"), None, ns, 0, 0, last_tick=2)
+    leaf = BlockNode(h("leaf"), root, ns, 0, 1, last_tick=1)
+    other = nodes("o", counts, {})["o"]
+    other.last_tick = 3
+    policy = RankedEviction(counts, max_frequency=cap)
+    assert policy.candidate_weights([h("root"), h("leaf")]) == [1, 1]
+    assert not policy.outranks(leaf, 1)
+    for node in (other, leaf):
+        policy.push(node, always)
+    assert drain(policy) == "leafo"  # least recent first: both count once
+    admission = make_admission((1,))
+    assert admission.count([h("root"), h("leaf")], 0.0) == [1, 1]
+    admission.sketch.increment(h("leaf"))
+    assert admission.count([h("root"), h("leaf")], 0.0) == [2, 2]
+
+
+@pytest.mark.parametrize("cap", [2, None])
+def test_a_block_ranks_by_its_count_at_its_last_sighting(cap: int | None) -> None:
+    """Counted once when stored (its floor, this epoch), "old" then reads 3 in the sketch
+    without being seen (other blocks sharing its counters): it still ranks as seen once, so it
+    goes before the more recent "new" and does not outrank a newcomer seen once. A floor from
+    before the sketch's last aging does not count: the sketch is asked again."""
+    counts = CountMinSketch(width=1024)
+    blocks = nodes("ab", counts, {})
+    old, new = blocks["a"], blocks["b"]
+    old.floor, new.floor = floors([1, 1], counts.num_resets)
+    counts.increment(h("a"))
+    counts.increment(h("a"))
+    policy = RankedEviction(counts, max_frequency=cap)
+    assert not policy.outranks(old, 1)
+    for node in (new, old):
+        policy.push(node, always)
+    assert drain(policy) == "ab"
+    old.floor = floors([1], counts.num_resets - 1)[0]  # an epoch ago
+    assert policy.outranks(old, 1)
 
 
 def test_fill_ranks_every_block_now() -> None:
@@ -106,6 +154,7 @@ def test_fill_ranks_every_block_now() -> None:
         policy.push(node, always)
     for _ in range(3):
         counts.increment(h("a"))
+    blocks["a"].floor = floors([4], counts.num_resets)[0]  # seen 3 more times: a store sets it
     fresh = RankedEviction(counts, max_frequency=None)
     fresh.fill(0, blocks.values())
     assert drain(fresh) == "bca"

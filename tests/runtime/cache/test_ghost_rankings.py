@@ -110,6 +110,21 @@ def test_manager_switches_to_a_count_ranking_where_lru_would_lose_the_hot_prefix
     manager.index.check_invariants()
 
 
+def test_a_store_counts_the_resident_blocks_at_their_sighting() -> None:
+    """The ranking's count of a cached block is set at each sighting (`BlockNode.floor`),
+    bounded by the chain: "b" over-counted in the sketch still counts as often as "a"."""
+    manager = CacheManager(CacheTuning(num_t0_blocks=4), bytes_per_block=1, clock=lambda: 0.0)
+    key = make_key()
+    ab = [h("a"), h("b")]
+    manager.sketch.increment(h("b"))  # a colliding block's sighting
+    for sighting in (1, 2, 3):
+        plan = manager.plan_store(key, ab)
+        if isinstance(plan, StorePlan):
+            manager.finish_commit(manager.commit(plan))
+        assert [n.floor & 0xFF for n in manager.index.match(ab)] == [sighting, sighting]
+    assert manager.sketch.estimate(h("b")) == 4
+
+
 def test_config_rejects_bad_rankings() -> None:
     with pytest.raises(ValueError, match="eviction_rankings"):
         CacheTuning(num_t0_blocks=4, eviction_rankings=())

@@ -15,6 +15,7 @@ from kvfleet_runtime.cache._admission import (
     ghost_rankings,
 )
 from kvfleet_runtime.cache._block_index import BlockIndex, BlockNode
+from kvfleet_runtime.cache._eviction import floors
 from kvfleet_runtime.cache._moves import Tier
 from kvfleet_runtime.cache._reuse import HORIZON_WEIGHT, GhostReuse, Horizon, ReuseEviction
 from kvfleet_runtime.cache._sketch import CountMinSketch
@@ -108,6 +109,9 @@ def test_in_the_index_it_picks_exact_victims_on_a_four_block_pool() -> None:
     policy.horizon.ticks = 1.0
     for _ in range(15):
         counts.increment(h("b"))  # b: 16 sightings -> credit tick(b) + 4
+    b = index.get(h("b"))
+    assert b is not None
+    b.floor = floors([16], counts.num_resets)[0]  # what a store's sighting of b sets
     store("f")  # credits b 2 + 4 = 6 (its entry is re-ranked on pop), c 3, d 4, e 5: c goes
     assert [index.get(h(n)) is not None for n in "bcdef"] == [True, False, True, True, True]
     index.check_invariants()
