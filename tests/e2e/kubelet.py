@@ -36,7 +36,11 @@ would, from the image scripts/images.sh built (`localhost/kvfleet/kvfleet-runtim
 - the pod's own network namespace is played by its loopback address (chroot isolation shares the
   host's network): `--host 0.0.0.0` becomes `--host <pod IP>` (and `http://0.0.0.0:<port>` in
   an argument, the operator's liveness URL, `http://<pod IP>:<port>`), so every replica listens
-  on its pod's IP and the container port.
+  on its pod's IP and the container port. A vLLM replica binds two more ports: its KV-event
+  publisher's `tcp://*:<port>` becomes `tcp://[::ffff:<pod IP>]:<port>` (the pod's address as
+  vLLM still binds it), and the kvfleet connector's T2 server gets `kvfleet.peer_host: <pod IP>`
+  in its `--kv-transfer-config`; so a rollout's canary can run beside the stable vLLM pod on the
+  same ports, as on two nodes.
 
 When a pod is deleted (or terminating) its container's process gets SIGTERM (the command itself,
 not buildah's helpers, which would SIGKILL it), and the whole process group SIGKILL after a grace
@@ -68,6 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from kvfleet_vllm._options import PREFIX
 from tests.cluster.api import STRATEGIC_MERGE, ApiClient
 from tests.cluster.fixtures import Cluster
 from tests.cluster.kubeconfig import current_cluster
@@ -96,6 +101,8 @@ FAULT_MOUNT = "/opt/kvfleet-e2e"
 UNSTABLE_KEY_COMMAND = ["python", f"{FAULT_MOUNT}/{UNSTABLE_KEY_WRAPPER.name}"]
 # Mounts the chart makes that buildah run makes itself (its own /dev, with a /dev/shm tmpfs).
 BUILDAH_MANAGED_MOUNTS = ("/dev/",)
+# vLLM's flag for its KV connector's JSON config (the chart's vLLM replicas pass kvfleet's).
+KV_TRANSFER_FLAG = "--kv-transfer-config"
 POLL_S = 0.5
 STOP_GRACE_S = 8.0
 _VAR = re.compile(r"\$\((\w+)\)")
@@ -392,6 +399,15 @@ class KubeletShim:
         args = [ip if a == "0.0.0.0" and i and args[i - 1] == "--host" else a
                 for i, a in enumerate(args)]
         args = [a.replace("//0.0.0.0:", f"//{ip}:") for a in args]
+        # The same for what a vLLM replica binds beside its API: vLLM's KV-event publisher
+        # (ZMQ's every address, `tcp://*:<port>`) and the connector's T2 server (every address
+        # unless `kvfleet.peer_host` says otherwise). On one host, two pods binding every address
+        # on the same port would be one pod too many (a rollout's canary beside the stable).
+        # The publisher's address is written IPv4-mapped: vLLM binds an endpoint with `*` or
+        # `::` in it and connects to any other, and ZMQ binds `[::ffff:<ip>]` as <ip>.
+        args = [a.replace("tcp://*:", f"tcp://[::ffff:{ip}]:") for a in args]
+        args = [_connector_on(a, ip) if i and args[i - 1] == KV_TRANSFER_FLAG else a
+                for i, a in enumerate(args)]
         ports = [p["containerPort"] for p in container.get("ports", [])]
         argv = image.argv([*entrypoint, *args], volumes=binds, env=env,
                           user=_run_as(spec, container), hostname=meta["name"])
@@ -501,6 +517,16 @@ def in_image(root: Path, path: str) -> str:
         else:
             resolved = resolved / part
     return str(resolved)
+
+
+def _connector_on(config: str, ip: str) -> str:
+    """A `--kv-transfer-config` whose kvfleet connector serves T2 on the pod's address: its
+    `kvfleet.peer_host` set to `ip` where the config serves T2 on every address."""
+    doc = json.loads(config)
+    extra = doc.get("kv_connector_extra_config") or {}
+    if f"{PREFIX}peer_port" in extra and extra.get(f"{PREFIX}peer_host", "0.0.0.0") == "0.0.0.0":
+        extra[f"{PREFIX}peer_host"] = ip
+    return json.dumps(doc)
 
 
 def _run_as(spec: dict[str, Any], container: dict[str, Any]) -> str | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import free_port
+from tests.support import free_port, parse_metrics, write_serve_llama
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
@@ -36,29 +35,8 @@ KV_CACHE_BYTES = 64 << 20
 
 @pytest.fixture(scope="session")
 def serve_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real 2-layer Llama in float16 written by transformers, with its own byte-level BPE
-    tokenizer (trained here, no downloads). head_dim 64: vLLM's CPU attention refuses 16."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.runtime.tokenizer.conftest import (
-        LLAMA3_TEMPLATE,
-        byte_level_bpe,
-        save_with_transformers,
-    )
-
-    path = tmp_path_factory.mktemp("serve-llama")
-    tok = byte_level_bpe()
-    save_with_transformers(tok, path, chat_template=LLAMA3_TEMPLATE,
-                           bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
-    config = LlamaConfig(vocab_size=640, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=2048,
-                         bos_token_id=tok.token_to_id("<|begin_of_text|>"),
-                         eos_token_id=tok.token_to_id("<|eot_id|>"))
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.float16).save_pretrained(path)
-    return path
+    """The tests' checkpoint (tests/support.py says what it is)."""
+    return write_serve_llama(tmp_path_factory.mktemp("serve-llama"))
 
 
 def connector_config(pool: Path, num_host_blocks: int = 1024, **extra: Any) -> str:
@@ -132,16 +110,9 @@ class VllmServe:
             self.proc.wait(timeout=30)
 
     def metrics(self) -> dict[str, float]:
-        """vLLM's `/metrics` (its own series and the connector's), summed over label sets
-        matching `name{labels}` keys as written."""
+        """vLLM's `/metrics` (its own series and the connector's) as `parse_metrics` gives it."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+            return parse_metrics(r.read().decode())
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         data = json.dumps(body or {}).encode()
@@ -150,19 +121,6 @@ class VllmServe:
         with urllib.request.urlopen(req, timeout=120) as r:
             raw = r.read()
         return json.loads(raw) if raw else None
-
-
-def counter(metrics: dict[str, float], name: str, **labels: str) -> float:
-    """The sum of `name`'s samples whose labels include `labels`."""
-    total = 0.0
-    for key, value in metrics.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', rest))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += value
-    return total
 
 
 def start_all(servers: Sequence[VllmServe]) -> None:

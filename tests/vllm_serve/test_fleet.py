@@ -28,17 +28,17 @@ import openai
 
 from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
 from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess
+from tests.support import BY_SOURCE, MATCHED, counter
 
 from .conftest import (
     MODEL,
     VllmServe,
     connector_config,
-    counter,
     free_port,
     start_all,
     stop_all,
 )
-from .test_serve import BY_SOURCE, MATCHED, prompt, settled
+from .test_serve import prompt, settled
 
 SECRET = "router-secret-vllm-fleet-tests"
 PEER_SECRET = "peer-secret-vllm-fleet-tests"

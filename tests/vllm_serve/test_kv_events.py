@@ -27,9 +27,10 @@ pytest.importorskip("vllm")
 import openai
 
 from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
+from tests.support import BY_SOURCE, counter
 
-from .conftest import MODEL, VllmServe, counter, free_port, start_all, stop_all
-from .test_serve import BY_SOURCE, prompt, settled
+from .conftest import MODEL, VllmServe, free_port, start_all, stop_all
+from .test_serve import prompt, settled
 
 SECRET = "router-secret-vllm-kv-events-tests"
 KEYS = {"acme": "sk-acme", "globex": "sk-globex"}

@@ -38,12 +38,12 @@ from kvfleet_runtime.config.fleet import (
     ReplicaEndpoint,
     dump_fleet_config,
 )
+from tests.support import BY_SOURCE, MATCHED, counter
 
 from .conftest import (
     MODEL,
     VllmServe,
     connector_config,
-    counter,
     free_port,
     start_all,
     stop_all,
@@ -53,8 +53,6 @@ SECRET = "router-secret-vllm-serve-tests"
 KEYS = {"acme": "sk-acme", "globex": "sk-globex"}
 VLLM_BLOCK = 128
 """vLLM's KV block on CPU: its prefix cache and the connector's loads come in these."""
-MATCHED = "kvfleet_cache_matched_tokens_total"
-BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 SMALL_POOL = 8
 """Host blocks (16 tokens) of the `small` server: one vLLM block."""
 
