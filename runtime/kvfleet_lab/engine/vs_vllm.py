@@ -157,9 +157,15 @@ def serve_command(vllm: str, *, base_url: str, model: str, tokenizer: str, concu
             *extra]
 
 
+CLIENT_TIMEOUT_S = 1800.0
+"""One `vllm bench serve` run's limit: vLLM's run of the 48-prompt `qwen2-0.5b` workload outlasted
+600 s at load 30 on the 2-core VM (2026-12-04), which ended the whole comparison."""
+
+
 def run_interleaved(vllm: str, *, checkpoint: str, kvfleet_url: str, vllm_url: str, model: str,
                     tokenizer: str, concurrency: int, num_prompts: int, runs: int,
-                    extra: Sequence[str] = (), timeout_s: float = 600.0) -> EngineComparison:
+                    extra: Sequence[str] = (), timeout_s: float = CLIENT_TIMEOUT_S
+                    ) -> EngineComparison:
     """`runs` pairs of client runs, kvfleet then vLLM, against two started servers."""
     sides: dict[str, list[ServeFigures]] = {"kvfleet": [], "vllm": []}
     with tempfile.TemporaryDirectory(prefix="kvfleet-vs-vllm-") as tmp:

@@ -27,8 +27,10 @@ if TYPE_CHECKING:
         PREFILL_CHUNK_TOKENS,
         PRESETS,
         ModelArgs,
+        PackedLinear,
         PagedKV,
         Transformer,
+        onednn_packing_supported,
     )
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "DecodeGraphs",
     "LoadedModel",
     "ModelArgs",
+    "PackedLinear",
     "PagedKV",
     "Transformer",
     "args_from_hf_config",
@@ -47,6 +50,7 @@ __all__ = [
     "generate_checkpoint",
     "inspect_checkpoint",
     "load_checkpoint",
+    "onednn_packing_supported",
     "read_config",
     "weight_files",
     "weights_digest",
@@ -63,8 +67,8 @@ _EXPORTS = {
          "load_checkpoint", "read_config", "weight_files", "weights_digest"],
         "checkpoint",
     ),
-    **dict.fromkeys(["PREFILL_CHUNK_TOKENS", "PRESETS", "ModelArgs", "PagedKV", "Transformer"],
-                    "model"),
+    **dict.fromkeys(["PREFILL_CHUNK_TOKENS", "PRESETS", "ModelArgs", "PackedLinear", "PagedKV",
+                     "Transformer", "onednn_packing_supported"], "model"),
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -50,8 +50,8 @@ from kvfleet_runtime.model.architectures import ATTN_IMPLS, PRESETS, ModelArgs
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 __all__ = [
-    "ATTN_IMPLS", "PREFILL_CHUNK_TOKENS", "PRESETS", "ModelArgs", "PagedKV", "Transformer",
-    "apply_rope", "rope_inv_freq",
+    "ATTN_IMPLS", "PREFILL_CHUNK_TOKENS", "PRESETS", "ModelArgs", "PackedLinear", "PagedKV",
+    "Transformer", "apply_rope", "onednn_packing_supported", "rope_inv_freq",
 ]
 
 PREFILL_CHUNK_TOKENS = 2048
@@ -114,6 +114,56 @@ class PagedKV(PagedBlocks):
             lo, block = n_full * BLOCK_SIZE, table[n_full]
             self.k[:, block, :, : n - lo] = k[:, :, lo:].to(self.k.dtype)
             self.v[:, block, :, : n - lo] = v[:, :, lo:].to(self.v.dtype)
+
+
+def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN can run this model's matmuls from prepacked weights (`PackedLinear`): bf16 on a
+    CPU with bf16 instructions (AVX-512 BF16 or AMX), in a torch built with oneDNN."""
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+class PackedLinear(nn.Linear):
+    """`nn.Linear` whose weight oneDNN reordered once into its own blocked layout (what vLLM's
+    CPU backend does with `onednn_mm`), instead of on every call.
+
+    torch's bf16 `F.linear` on CPU is already oneDNN (AMX where the CPU has it), but it hands
+    oneDNN the weight in its plain layout, to be reordered inside every call; with few rows
+    (decode, short chunks) that reorder is a large part of the call. Measured on this
+    project's 2-core AVX-512/AMX VM, one thread, Qwen2-0.5B's shapes: 0.52-0.67x the time of
+    `F.linear` at 4-64 rows, 0.72-1.0x at 576-2,048 rows, and the same bits as `F.linear` at
+    4-2,048 rows (not at one row; docs/replica.md, "A miss's prefill"). The plain weight is
+    released unless `keep_weight` (a tied embedding still needs it); calling with it released
+    fails loudly."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, *, keep_weight: bool = False) -> None:
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        # Packed for no particular row count: oneDNN then picks a layout that serves any.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        kept = weight if keep_weight else weight.new_empty(0)
+        self.weight = kept if isinstance(kept, nn.Parameter) else nn.Parameter(
+            kept, requires_grad=False)
+        self.register_parameter("bias", None if bias is None else nn.Parameter(
+            bias.detach(), requires_grad=False))
+
+    @classmethod
+    def of(cls, *linears: nn.Linear, keep_weight: bool = False) -> PackedLinear:
+        """One packed matmul for `linears` side by side (their outputs concatenated)."""
+        weight = linears[0].weight if len(linears) == 1 else torch.cat(
+            [lin.weight for lin in linears])
+        biases = [lin.bias for lin in linears]
+        bias = None if any(b is None for b in biases) else torch.cat(
+            [b for b in biases if b is not None])
+        if bias is None and any(b is not None for b in biases):
+            raise ValueError("packing linears of which only some have a bias")
+        return cls(weight, bias, keep_weight=keep_weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [],
+                                                         "")
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -216,16 +266,24 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, args.dim, bias=args.o_bias)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.qkv_proj: PackedLinear | None = None
+        """q, k and v in one packed matmul, once `Transformer.pack_linear_weights` ran."""
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # x: [S, dim] -> q [Hq, S, D], k, v [Hkv, S, D] (q and k normed when the model says so,
         # then rotated). In decode, S is the batch and cos/sin hold each row's position.
         s, a = x.shape[0], self.args
-        q = self.q_proj(x).view(s, a.n_heads, a.head_dim)
-        k = self.k_proj(x).view(s, a.n_kv_heads, a.head_dim)
+        if self.qkv_proj is not None:
+            q_rows, k_rows, v_rows = self.qkv_proj(x).split(
+                [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim],
+                dim=-1)
+        else:
+            q_rows, k_rows, v_rows = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q_rows.view(s, a.n_heads, a.head_dim)
+        k = k_rows.view(s, a.n_kv_heads, a.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        v = self.v_proj(x).view(s, a.n_kv_heads, a.head_dim).transpose(0, 1)
+        v = v_rows.view(s, a.n_kv_heads, a.head_dim).transpose(0, 1)
         q, k = q.transpose(0, 1), k.transpose(0, 1)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -317,9 +375,15 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.gate_up_proj: PackedLinear | None = None
+        """gate and up in one packed matmul, once `Transformer.pack_linear_weights` ran."""
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out: Tensor = self.down_proj(F.silu(gate) * up)
         return out
 
 
@@ -371,6 +435,29 @@ class Transformer(nn.Module):
 
     def blocks(self) -> list[TransformerBlock]:
         return [b for b in self.layers if isinstance(b, TransformerBlock)]
+
+    def pack_linear_weights(self) -> None:
+        """Run every matmul from oneDNN-prepacked weights (`PackedLinear`), q/k/v and gate/up
+        each as one matmul (as vLLM fuses them). Only where `onednn_packing_supported`; the
+        results agree with the plain path to float tolerance (a fused matmul is another shape),
+        so a replica that packs computes every prefill and decode this way, hit or miss alike.
+        """
+        if not onednn_packing_supported(self.device, self.embed_tokens.weight.dtype):
+            raise ValueError(f"oneDNN packing needs bf16 on a CPU with bf16 support, not "
+                             f"{self.embed_tokens.weight.dtype} on {self.device}")
+        for block in self.blocks():
+            attn, mlp = block.self_attn, block.mlp
+            if attn.qkv_proj is not None:
+                continue  # packed already
+            attn.qkv_proj = PackedLinear.of(attn.q_proj, attn.k_proj, attn.v_proj)
+            attn.o_proj = PackedLinear.of(attn.o_proj)
+            mlp.gate_up_proj = PackedLinear.of(mlp.gate_proj, mlp.up_proj)
+            mlp.down_proj = PackedLinear.of(mlp.down_proj)
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+        if not isinstance(self.lm_head, PackedLinear):
+            self.lm_head = PackedLinear.of(self.lm_head,
+                                           keep_weight=self.args.tie_word_embeddings)
 
     @torch.inference_mode()
     def prefill(self, tokens: Sequence[int], start_pos: int, table: Sequence[int],

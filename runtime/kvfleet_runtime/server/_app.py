@@ -67,7 +67,12 @@ from kvfleet_runtime.engine import (
     Engine,
     EngineConfig,
 )
-from kvfleet_runtime.model import PagedKV, default_device, load_checkpoint
+from kvfleet_runtime.model import (
+    PagedKV,
+    default_device,
+    load_checkpoint,
+    onednn_packing_supported,
+)
 from kvfleet_runtime.nvme import NvmeConfig, NvmeStore, NvmeTier
 from kvfleet_runtime.server._auth import ReplicaAuth, auth_middleware
 from kvfleet_runtime.server._completions import chat_completions, completions, detokenize, tokenize
@@ -116,6 +121,9 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
     loaded = load_checkpoint(Path(config.model_dir), device=device, attn_impl=config.attn_impl,
                              dtype=config.dtype,
                              expected_digest=config.expected_weights_digest or None)
+    model = loaded.model
+    if config.pack_weights and onednn_packing_supported(device, model.embed_tokens.weight.dtype):
+        model.pack_linear_weights()
     if tokenizer.vocab_size > loaded.args.vocab_size:
         raise ValueError(f"{config.model_dir}: the tokenizer has {tokenizer.vocab_size} ids but "
                          f"the model's vocabulary has {loaded.args.vocab_size} (vocab_size in "

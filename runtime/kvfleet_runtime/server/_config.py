@@ -121,6 +121,10 @@ class ReplicaConfig(_Strict):
     much faster for a small model (no spinning thread team competing for cores)."""
     attn_impl: Literal["eager", "sdpa"] | None = None
     """Overrides the checkpoint's attention implementation (changes the cache key)."""
+    pack_weights: bool = True
+    """Serving bf16 on a CPU with bf16 instructions: run the matmuls from oneDNN-prepacked
+    weights, q/k/v and gate/up fused (`Transformer.pack_linear_weights`); elsewhere ignored.
+    Off: torch's plain `F.linear` per projection. Needs a restart."""
     dtype: Literal["bf16", "fp16", "fp32"] | None = None
     """Serving dtype of weights, activations and KV; default: the checkpoint's own (changes the
     cache key's kv_dtype)."""

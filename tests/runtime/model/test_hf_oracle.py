@@ -40,9 +40,11 @@ from kvfleet_runtime.fleet import (
 )
 from kvfleet_runtime.model import (
     LoadedModel,
+    PackedLinear,
     PagedKV,
     checkpoint_args,
     load_checkpoint,
+    onednn_packing_supported,
     weights_digest,
 )
 from tests.support import free_port
@@ -359,6 +361,30 @@ def test_window_hits_stay_exact_across_the_window_edge(cases: dict[str, Case]) -
         assert torch.equal(k_hit, k_full) and torch.equal(v_hit, v_full)
 
 
+
+@pytest.mark.skipif(not onednn_packing_supported(CPU, torch.bfloat16),
+                    reason="this CPU or torch build has no oneDNN bf16")
+@pytest.mark.parametrize("name", list(CASES))
+def test_packed_bf16_weights_compute_the_same_model(cases: dict[str, Case], name: str) -> None:
+    """Every architecture's projections (biases, tied embeddings, q/k norms, windows) packed
+    and fused: prefill and decode logits as the plain bf16 weights give them, to bf16 rounding."""
+    case = cases[name]
+    runs = []
+    for packed in (False, True):
+        model = load_checkpoint(case.dir, device=CPU, dtype="bf16").model
+        if packed:
+            model.pack_linear_weights()
+        kv = PagedKV.allocate(model.args, 16, device=CPU)
+        table = kv.take(16)
+        assert table is not None
+        n = len(case.prompt) - 4
+        logits = [model.prefill(case.prompt[:n], 0, table, kv)]
+        for p in range(n, len(case.prompt)):  # the prompt's own next tokens, not samples
+            logits.append(model.decode([case.prompt[p]], [p], [table], kv)[0])
+        runs.append(torch.stack(logits).float())
+    torch.testing.assert_close(runs[1], runs[0], rtol=5e-2, atol=5e-2)
+
+
 def test_replica_serves_in_the_chosen_dtype(cases: dict[str, Case], tmp_path: Path) -> None:
     """`--dtype bf16` on a float32 checkpoint: weights, working KV, cache pools and key in bf16."""
     from kvfleet_runtime.server import build_replica, load_config
@@ -382,6 +408,11 @@ def test_replica_serves_in_the_chosen_dtype(cases: dict[str, Case], tmp_path: Pa
     assert replica.engine.key_fields.kv_dtype == "bfloat16"
     assert replica.loaded.weights_digest == case.loaded.weights_digest
     assert replica.loaded.args.kv_bytes_per_token == case.loaded.args.kv_bytes_per_token // 2
+    # served from oneDNN-packed weights where the CPU can, and not when the config says so
+    packs = onednn_packing_supported(CPU, torch.bfloat16)
+    assert isinstance(replica.loaded.model.lm_head, PackedLinear) == packs
+    unpacked = build_replica(config.model_copy(update={"pack_weights": False}))
+    assert not isinstance(unpacked.loaded.model.lm_head, PackedLinear)
 
 
 def test_digest_mismatch_is_reported_before_the_weights_move(

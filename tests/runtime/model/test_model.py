@@ -11,10 +11,12 @@ import torch.nn.functional as F
 
 from kvfleet_runtime.model import (
     ModelArgs,
+    PackedLinear,
     PagedKV,
     Transformer,
     generate_checkpoint,
     load_checkpoint,
+    onednn_packing_supported,
     weights_digest,
 )
 from kvfleet_runtime.model.model import apply_rope
@@ -317,3 +319,59 @@ def test_cuda_chunked_prefill_and_batched_decode_match_the_cpu(
         logits.append(out)
     for c, g in zip(*logits, strict=True):
         torch.testing.assert_close(g, c, rtol=1e-3, atol=1e-3)
+
+
+# ---- oneDNN-packed weights (bf16 on a CPU with bf16 instructions) ------------------------------
+
+needs_onednn_bf16 = pytest.mark.skipif(
+    not onednn_packing_supported(torch.device("cpu"), torch.bfloat16),
+    reason="this CPU or torch build has no oneDNN bf16")
+
+BF16_TOL = 5e-2
+"""Plain vs packed bf16 logits: a fused or prepacked matmul rounds other partial sums (bf16's
+eps is 7.8e-3; the tiny model's logits are O(1))."""
+
+
+def bf16_model(tiny_dir: Path, *, packed: bool, attn_impl: str = "sdpa") -> Transformer:
+    model = load_checkpoint(tiny_dir, device=torch.device("cpu"), dtype="bf16",
+                            attn_impl=attn_impl).model
+    if packed:
+        model.pack_linear_weights()
+    return model
+
+
+@needs_onednn_bf16
+def test_packed_weights_compute_the_plain_models_prefill_and_decode(tiny_dir: Path) -> None:
+    plain, packed = bf16_model(tiny_dir, packed=False), bf16_model(tiny_dir, packed=True)
+    assert isinstance(packed.lm_head, PackedLinear)
+    tokens = prompt(70, seed=31)
+    out = []
+    for model in (plain, packed):
+        kv, table = fresh_kv(model)
+        # a full prefill, a later chunk, a one-row prefill and a decode step
+        first = model.prefill(tokens[:48], 0, table, kv)
+        later = model.prefill(tokens[48:69], 48, table, kv)
+        step = model.decode([tokens[69]], [69], [table], kv)[0]
+        one_kv, one_table = fresh_kv(model, 2)
+        one = model.prefill(tokens[:1], 0, one_table, one_kv)
+        out.append((first, later, step, one, *kv.gather(table, 70)))
+    for a, b in zip(*out, strict=True):
+        torch.testing.assert_close(b.float(), a.float(), rtol=BF16_TOL, atol=BF16_TOL)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize(("n", "cut"), [(17, 16), (70, 48), (33, 0)])
+def test_packed_weights_keep_a_deterministic_hit_bitwise_equal(
+    tiny_dir: Path, n: int, cut: int
+) -> None:
+    model = bf16_model(tiny_dir, packed=True)
+    full, hit = _full_and_hit(model, prompt(n, seed=n), cut, BLOCK_SIZE)
+    for a, b in zip(full, hit, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_onednn_bf16
+def test_pack_refuses_what_onednn_cannot_run(tiny_dir: Path) -> None:
+    fp32 = load_checkpoint(tiny_dir, device=torch.device("cpu")).model
+    with pytest.raises(ValueError, match="bf16"):
+        fp32.pack_linear_weights()
