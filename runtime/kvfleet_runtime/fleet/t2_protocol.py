@@ -44,23 +44,25 @@ the field answers canonical) is refused before any byte lands: recompute, never 
 Chunks let the server gather block range i + 1 out of its cache into a reused send buffer (and
 checksum it, in a worker thread) while range i goes from its buffer straight to the socket
 (`loop.sock_sendall` on a duplicate of the connection's socket: one HTTP chunk per range, no
-user-space copy; a source whose rows are the wire's and cannot change while they stream, the
-vLLM connector's referenced host-pool slots, is sent from where it lies, with no gather), and
+user-space copy; a source whose memory lies in the asked order and cannot change while it
+streams, the vLLM connector's referenced host-pool slots, is sent from where it lies, with no
+gather), and
 let the client keep every verified leading chunk when a peer dies or stops mid-run (the run is
 a prefix: still worth its blocks). A block evicted between two chunks ends the
 stream early; the run is then shorter, never wrong. The client (`fleet._receive`) receives each
 chunk's rows straight into their places in the canonical `[layer][kv_head][token][head_dim]`
 buffers (`recvmsg_into` scatter reads, no HTTP-parser or staging copies), or with
-`PeerFetcher.fetch_into` into the caller's own memory (the vLLM connector's host-pool slots, whose
-rows are the wire's); a worker thread checksums them where they landed while the next chunk
-arrives.
+`PeerFetcher.fetch_into` into the caller's own memory in the order it asked for (the vLLM
+connector's host-pool slots, LBHNC); a worker thread checksums them where they landed while the
+next chunk arrives.
 
-The fetcher checks the hashes against the chain it computed itself, the dtype/layout against its
-own, the size of every chunk, and every chunk's checksum; a chunk that fails ends the run before
-it; no verified chunk at all (or a timeout, a refused connection) and the request recomputes (same
-output). XXH3-64 (not a cryptographic hash) because peers are authenticated separately (the bearer
-credential, compared in constant time): the checksum only guards against corrupt bytes, at ~15
-GB/s here, where zlib's CRC32 (protocol version 2) ran at ~1-2 GB/s and blake2b at ~0.4 GB/s.
+The fetcher checks the hashes against the chain it computed itself, the dtype/layout/order
+against its own, the size of every chunk, and every chunk's checksum; a chunk that fails ends
+the run before it; no verified chunk at all (or a timeout, a refused connection) and the request
+recomputes (same output). XXH3-64 (not a cryptographic hash) because peers are authenticated
+separately (the bearer credential, compared in constant time): the checksum only guards against
+corrupt bytes, at ~15 GB/s here, where zlib's CRC32 (protocol version 2) ran at ~1-2 GB/s and
+blake2b at ~0.4 GB/s.
 
 The held probe (the peer-probe hint index, `fleet.probe`, when no Redis is configured), same
 credential:
