@@ -1,18 +1,23 @@
-"""Block copies between the host pool (kvfleet's canonical layout) and vLLM's paged KV.
+"""Block copies between the host pool (vLLM's per-block order) and vLLM's paged KV.
 
-Host pool, one file shared by the engine's processes: `[2 (K, V), num_layers, num_kv_heads,
-num_slots, 16, head_dim]`, all heads, whatever the TP degree (the layout of
-`kvfleet_runtime.cache`'s pools). vLLM 0.33 hands every attention layer to the connector as a
+Host pool, one file shared by the engine's processes: `[num_layers, num_slots, num_kv_heads, 16,
+2 (K, V), head_dim]`, all heads, whatever the TP degree: each slot of a layer is a 16-token block
+as vLLM's LBHNC layout lays it (K and V of a token adjacent), and it is T2's LBHNC wire order
+(`kvfleet_runtime.fleet.t2_protocol.WireOrder`), so a fetched run lands in its slots and a served
+run leaves from them as they lie. Why this order and not the canonical `[K|V, layer, head, slot,
+16, head_dim]` of kvfleet's own pools: against vLLM's layouts, whose last axis is K|V of one
+token, the canonical pool's longest common stretch is one head's K (or V) of one token
+(`head_dim` values) and its copies reached 0.22-0.84x of a raw copy; here it is K|V of a token
+at the least (LBNHC) and a layer's whole block run at the most (LBHNC), at memcpy speed.
+vLLM 0.33 hands every attention layer to the connector as a
 logical `[blocks, heads, tokens_per_block, 2 * head_dim]` view (K in the first `head_dim` of the
 last axis, V in the rest); which axis is outermost in memory is the KV cache layout the attention
 backend chose (`vllm.v1.kv_cache_layout.KVCacheLayout`: LBHNC for FlashInfer and the CPU backend,
 LBNHC for FlashAttention's default and FlexAttention, ...). The copies index the logical view, so
 every layout is one code path; strides are vLLM's business.
 
-What the two sides share: in every layout the last physical axis is K|V of one token, so the
-largest unit contiguous on both sides is one head's K (or V) of one token (`head_dim` values).
-The pool keeps a head's consecutive slots contiguous, vLLM keeps a layer's (or, block-outermost,
-a block's) pages at one stride. A copy is therefore planned as *pieces* (`plan_pieces`): a run
+What the two sides share: in every layout the last physical axis is K|V of one token, as in the
+pool, whose slots are consecutive per layer. A copy is planned as *pieces* (`plan_pieces`): a run
 of consecutive host slots that lands on consecutive tokens of consecutive vLLM blocks, copied by
 ONE strided `copy_` that moves K and V of every head of the run (and of every layer, when vLLM's
 layer views are one tensor at a constant layer stride: `stack_layers`; vLLM 0.33 allocates a
@@ -21,16 +26,16 @@ request is one copy for all layers, a scattered one is one copy per block for al
 
 TP: vLLM shards KV heads contiguously (`QKVParallelLinear`: rank r holds heads [r * H/tp,
 (r+1) * H/tp)), and when tp > H each head is replicated on tp/H consecutive ranks. kvfleet's own
-engine takes heads h % tp == r instead; both read and write the same canonical pool, so a block
-stored at TP1 loads into TP2 and TP4 workers of either engine. Mapping a vLLM rank by h % tp would
-put other heads' KV in its cache: the map is the engine's, the pool layout is shared.
+engine takes heads h % tp == r instead (on its own pools). Every rank reads and writes its heads'
+slice of the one pool, so a block stored at TP1 loads into TP2 and TP4 workers. Mapping a vLLM
+rank by h % tp would put other heads' KV in its cache: the map is the engine's.
 
-CUDA: the views live on the GPU and the pool in host memory. A load moves the piece's canonical
+CUDA: the views live on the GPU and the pool in host memory. A load moves the piece's pool-order
 slab to the device, ordered on the current stream before the forward reads it (from the mapping
-`HostPool.pin` page-locked, a non-blocking DMA when the slab is contiguous; a slab spanning heads
-or layers is first made contiguous by torch in pageable memory), and interleaves it into vLLM's
-layout there; a save makes the device piece contiguous in canonical order and copies it out
-before returning (a slot may be read by the next step's load).
+`HostPool.pin` page-locked, a non-blocking DMA when the slab is contiguous; a slab spanning layers
+or a rank's share of the heads is first made contiguous by torch in pageable memory), and
+interleaves it into vLLM's layout there; a save makes the device piece contiguous in the pool's
+order and copies it out before returning (a slot may be read by the next step's load).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from pathlib import Path
 import torch
 
 from kvfleet_runtime.cache import BLOCK_SIZE, KVLayout, paired_runs
+from kvfleet_runtime.fleet import WireOrder, chunk_axes
 
 __all__ = [
     "HostPool",
@@ -87,16 +93,19 @@ class RankHeads:
 
 
 class HostPool:
-    """K and V of `num_slots` canonical blocks in one shared file (`/dev/shm/...` in a pod), so
-    the scheduler process plans slots and every worker process copies into the same memory."""
+    """K and V of `num_slots` blocks in one shared file (`/dev/shm/...` in a pod), so the
+    scheduler process plans slots and every worker process copies into the same memory."""
 
     __slots__ = ("_bytes", "k", "kv", "layout", "num_slots", "path", "pinned", "v")
+
+    order = WireOrder.LBHNC
+    """The pool's order, which is also its T2 wire order (see the module docstring)."""
 
     def __init__(self, path: Path, layout: KVLayout, num_slots: int) -> None:
         if num_slots <= 0:
             raise ValueError(f"host pool needs > 0 slots, got {num_slots}")
         dtype = getattr(torch, layout.dtype)
-        shape = (2, layout.num_layers, layout.num_kv_heads, num_slots, BLOCK_SIZE,
+        shape = (layout.num_layers, num_slots, layout.num_kv_heads, BLOCK_SIZE, 2,
                  layout.head_dim)
         numel = 1
         for n in shape:
@@ -107,30 +116,43 @@ class HostPool:
         # process of the engine that opens it sees the same bytes.
         flat = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
         self.kv = flat.view(shape)
-        """`[2, layers, heads, slots, 16, head_dim]`: K is `kv[0]`, V is `kv[1]`."""
+        """`[layers, slots, heads, 16, K|V, head_dim]`, as it lies."""
         self.path = path
         self.layout = layout
         self.num_slots = num_slots
-        self.k = self.kv[0]
-        self.v = self.kv[1]
+        self.k = self.kv[..., 0, :].permute(0, 2, 1, 3, 4)
+        """K as `[layers, heads, slots, 16, head_dim]` (a strided view: for checks and gathers)."""
+        self.v = self.kv[..., 1, :].permute(0, 2, 1, 3, 4)
         self.pinned = False
         self._bytes: memoryview | None = None
 
     def wire_views(self, slots: Sequence[int]) -> list[memoryview]:
-        """The bytes of `slots` in T2's wire order (`kvfleet_runtime.fleet.t2_protocol`: each K
-        row `[layer][kv_head]` over the slots' tokens, then each V row): one view per row and
-        run of consecutive slots. The wire's canonical rows are the pool's own, so a fetched
-        chunk is received straight into its slots (`PeerFetcher.fetch_into`) and a served run
-        is sent from them (`ExportedRun.views`): no copy on either side."""
+        """The bytes of `slots` in T2's LBHNC wire order (`kvfleet_runtime.fleet.t2_protocol`:
+        per layer, the slots' blocks in turn): one view per layer and run of consecutive slots.
+        The pool's order is that wire order, so a fetched chunk is received straight into its
+        slots (`PeerFetcher.fetch_into`) and a served run is sent from them
+        (`ExportedRun.views`): no copy on either side."""
         if self._bytes is None:
             self._bytes = memoryview(self.kv.view(-1).view(torch.uint8).numpy()).cast("B")
         layout = self.layout
-        slot_bytes = BLOCK_SIZE * layout.head_dim * self.kv.element_size()
+        slot_bytes = layout.bytes_per_block // layout.num_layers
         runs = [(s, n) for s, _, n in paired_runs(slots, range(len(slots)))]
         whole = self._bytes
-        return [whole[(row * self.num_slots + s) * slot_bytes:
-                      (row * self.num_slots + s + n) * slot_bytes]
-                for row in range(2 * layout.num_layers * layout.num_kv_heads) for s, n in runs]
+        return [whole[(layer * self.num_slots + s) * slot_bytes:
+                      (layer * self.num_slots + s + n) * slot_bytes]
+                for layer in range(layout.num_layers) for s, n in runs]
+
+    def read_into(self, slots: Sequence[int], order: WireOrder, out: memoryview) -> None:
+        """Copy `slots` into `out` in wire order `order` (a peer that lands another order than
+        the pool's: a kvfleet replica's canonical rows), one copy per run of consecutive slots."""
+        layout = self.layout
+        shape, perm = chunk_axes(order, len(slots),
+                                 (layout.num_layers, layout.num_kv_heads, layout.head_dim))
+        dst = torch.frombuffer(out, dtype=torch.uint8).view(self.kv.dtype).view(shape)
+        dst = dst.permute(perm)  # [K|V, layers, heads, blocks, 16, head_dim]
+        src = self.kv.permute(4, 0, 2, 1, 3, 5)  # the pool the same way, slots for blocks
+        for s, i, n in paired_runs(slots, range(len(slots))):
+            dst[:, :, :, i:i + n].copy_(src[:, :, :, s:s + n])
 
     def pin(self) -> bool:
         """Page-lock the mapping for the GPU (`cudaHostRegister`), so host -> device copies are
@@ -291,27 +313,27 @@ def _copy_pieces(pool: HostPool, views: LayerViews, heads: RankHeads, pieces: Se
                  *, save: bool) -> int:
     """The one copy loop, both directions: one `copy_` per piece. Returns the copies made.
 
-    Both sides are first viewed in the pool's axis order, `[2, layers, heads, slots | (blocks,
-    16-token units), 16, head_dim]` (vLLM's side a strided view: K|V split off its last axis,
-    its tokens split into units), so a piece is one slice of each."""
+    Both sides are first viewed in the pool's axis order, `[layers, slots | (blocks, 16-token
+    units), heads, 16, 2, head_dim]` (vLLM's side a strided view: its tokens split into units,
+    its last axis into K|V), so a piece is one slice of each."""
     lo, num_layers = views.first_layer, views.num_layers
-    host = pool.kv[:, lo:lo + num_layers, heads.start:heads.stop]
+    host = pool.kv[lo:lo + num_layers, :, heads.start:heads.stop]
     layers, num_blocks, num_heads, tokens, width = views.kv.shape
     paged = views.kv.view(layers, num_blocks, num_heads, tokens // BLOCK_SIZE, BLOCK_SIZE, 2,
-                          width // 2).permute(5, 0, 2, 1, 3, 4, 6)
-    two, _, _, _, _, d = host.shape
+                          width // 2).permute(0, 1, 3, 2, 4, 5, 6)
+    _, _, _, _, two, d = host.shape
     device = views.kv.device
     slot_bytes = host.element_size() * two * num_layers * num_heads * BLOCK_SIZE * d
     with _threads_for(len(pieces), slot_bytes * sum(p.num_slots for p in pieces), device):
         for p in pieces:
-            h = host[:, :, :, p.slot:p.slot + p.num_slots].view(
-                two, num_layers, num_heads, p.num_blocks, p.num_subs, BLOCK_SIZE, d)
-            v = paged[:, :, :, p.block:p.block + p.num_blocks, p.sub:p.sub + p.num_subs]
+            h = host[:, p.slot:p.slot + p.num_slots].view(
+                num_layers, p.num_blocks, p.num_subs, num_heads, BLOCK_SIZE, two, d)
+            v = paged[:, p.block:p.block + p.num_blocks, p.sub:p.sub + p.num_subs]
             if device.type == "cpu":
                 (h if save else v).copy_(v if save else h)
-            elif save:  # stage in canonical order on the device, then one copy out (blocking)
+            elif save:  # stage in the pool's order on the device, then one copy out (blocking)
                 h.copy_(v.contiguous())
-            else:  # the canonical slab crosses (a DMA when pinned), interleaved on the device
+            else:  # the pool-order slab crosses (a DMA when pinned), interleaved on the device
                 v.copy_(h.to(device, non_blocking=pool.pinned))
     return len(pieces)
 

@@ -5,8 +5,10 @@ with:
 
 - the peer server: kvfleet's own T2 routes (`fleet.peer_routes`: `POST /kv/v1/blocks` and the
   held probe, the same authenticated protocol and tenant-scoped credential as a kvfleet
-  replica's) on `kvfleet.peer_port`, reading the canonical host pool. The key is the same as a
-  kvfleet replica's (docs/vllm.md "The key"), so any kvfleet replica or connector can fetch;
+  replica's) on `kvfleet.peer_port`, reading the host pool: a run goes out from its slots as
+  they lie to a fetcher that lands the pool's order (another connector), gathered into canonical
+  rows for one that lands those (a kvfleet replica). The key is the same as a kvfleet replica's
+  (docs/vllm.md "The key"), so any kvfleet replica or connector can fetch;
 - the hint publisher: a block is offered to the hint index when it becomes visible in the host
   pool (saved and its step done, or fetched and verified) and withdrawn when evicted;
 - the fetches: `start(...)` (called from `get_num_new_matched_tokens`) asks the hint index
@@ -41,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
-import torch
 from aiohttp import web
 
 from kvfleet_runtime.api import AppRunner, ListenerLimits, error_middleware, handler_args
@@ -57,6 +58,7 @@ from kvfleet_runtime.fleet import (
     PeerFetcher,
     PeerProbeHintIndex,
     PeerSecrets,
+    WireOrder,
     best_peer,
     hint_index_for,
     peer_routes,
@@ -114,17 +116,13 @@ class _Source:
         layout = index.layout
         released = False
 
-        def read(hashes: Sequence[bytes], out_k: memoryview, out_v: memoryview) -> bool:
-            # The run is referenced until `release`: its slots hold these blocks meanwhile.
+        def read(hashes: Sequence[bytes], order: WireOrder, out: memoryview) -> bool:
+            # A fetcher that lands another order than the pool's (a kvfleet replica's canonical
+            # rows): gathered into it. The run is referenced until `release`: its slots hold
+            # these blocks meanwhile.
             if any(h not in slot_of for h in hashes):
                 return False
-            slots = [slot_of[h] for h in hashes]
-            ids = torch.tensor(slots, dtype=torch.long)
-            shape = (layout.num_layers, layout.num_kv_heads, len(slots), BLOCK_SIZE,
-                     layout.head_dim)
-            for src, out in ((pool.k, out_k), (pool.v, out_v)):
-                dst = torch.frombuffer(out, dtype=torch.uint8).view(src.dtype).view(shape)
-                torch.index_select(src, 2, ids, out=dst)
+            pool.read_into([slot_of[h] for h in hashes], order, out)
             return True
 
         def release() -> None:
@@ -143,7 +141,7 @@ class _Source:
 
         return ExportedRun(start_block, tuple(n.block_hash for n in run), layout.dtype,
                            (layout.num_layers, layout.num_kv_heads, layout.head_dim),
-                           layout.bytes_per_block, read, release, views)
+                           layout.bytes_per_block, read, release, views, pool.order)
 
 
 class PeerService:
@@ -439,7 +437,7 @@ class PeerService:
                     url, key, tokens, want.chain[start:start + len(slots)], start_block=start,
                     dtype=layout.dtype,
                     layout=(layout.num_layers, layout.num_kv_heads, layout.head_dim),
-                    landing=landing),
+                    landing=landing, order=pool.order),
                 self.settings.fetch_timeout_s)
         except TimeoutError:
             job.outcome = "timeout"

@@ -257,7 +257,7 @@ def test_the_worker_saves_every_layer_at_wait_for_save(tiny_checkpoint: Path, tm
     w.start_load_kv(None)  # type: ignore[arg-type]
     w.save_kv_layer(sup.LAYERS[1], views[1], None)  # only layer 1 reported this step
     w.wait_for_save()
-    assert not w.worker.pool.kv[:, 0].any() and w.worker.pool.kv[:, 1].any()
+    assert not w.worker.pool.kv[0].any() and w.worker.pool.kv[1].any()  # [layer, slot, ...]
     assert w.build_connector_worker_meta() == KvfleetWorkerMetadata(1, set())
 
 

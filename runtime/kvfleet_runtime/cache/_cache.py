@@ -560,9 +560,12 @@ class PrefixCache:
         """Export blocks held here, by chain hash, in canonical layout `[num_layers,
         num_kv_heads, len(hashes) * 16, head_dim]`; None unless every block is held.
 
-        `out=(k, v)`: gather into these tensors (that shape, the cache's dtype, on `device` when
-        given) instead of fresh ones, and return them. Reusing buffers avoids first-touch page
-        faults, which cost more than the copy itself. On None (or an error) `out` is untouched."""
+        `out=(k, v)`: gather into these tensors (that shape, or `[num_layers, num_kv_heads,
+        len(hashes), 16, head_dim]` for outputs whose blocks cannot merge into one token axis,
+        e.g. views of a T2 send buffer in another wire order; the cache's dtype, on `device`
+        when given) instead of fresh ones, and return them. Reusing buffers avoids first-touch
+        page faults, which cost more than the copy itself. On None (or an error) `out` is
+        untouched."""
         layout = self.layout
         shape = (
             layout.num_layers,
@@ -572,8 +575,9 @@ class PrefixCache:
         )
         if out is not None:
             target = out[0].device
+            split = (*shape[:2], len(hashes), BLOCK_SIZE, shape[3])
             for name, t in zip(("k", "v"), out, strict=True):
-                if tuple(t.shape) != shape or t.dtype != self.dtype:
+                if tuple(t.shape) not in (shape, split) or t.dtype != self.dtype:
                     raise ValueError(
                         f"read_blocks: out {name} must be {self.dtype} {shape}, "
                         f"got {t.dtype} {tuple(t.shape)}"

@@ -48,7 +48,9 @@ __all__ = [
 
 def split_blocks(t: torch.Tensor) -> torch.Tensor:
     """View `[layers, heads, n * 16, head_dim]` as `[layers, heads, n, 16, head_dim]` (splitting
-    one dimension is always a view, even of a strided slice)."""
+    one dimension is always a view, even of a strided slice); already split: as it is."""
+    if t.dim() == 5:
+        return t
     layers, heads, tokens, head_dim = t.shape
     return t.view(layers, heads, tokens // BLOCK_SIZE, BLOCK_SIZE, head_dim)
 

@@ -35,7 +35,13 @@ from kvfleet_runtime.fleet.hint_index import (
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher, PublisherStats
 from kvfleet_runtime.fleet.t2_fetch import FetchedRun, FetchOutcome, FetchStats, PeerFetcher
-from kvfleet_runtime.fleet.t2_protocol import MAX_PROBE_BLOCKS, PeerSecrets, peer_token
+from kvfleet_runtime.fleet.t2_protocol import (
+    MAX_PROBE_BLOCKS,
+    PeerSecrets,
+    WireOrder,
+    chunk_axes,
+    peer_token,
+)
 from kvfleet_runtime.fleet.t2_serve import BlockSource, ExportedRun, peer_routes
 
 if TYPE_CHECKING:
@@ -64,7 +70,9 @@ __all__ = [
     "PublisherStats",
     "RedisClusterHintIndex",
     "RedisHintIndex",
+    "WireOrder",
     "best_peer",
+    "chunk_axes",
     "hint_index_for",
     "leading_runs",
     "peer_routes",

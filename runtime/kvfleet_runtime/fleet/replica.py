@@ -26,6 +26,7 @@ import torch
 from kvfleet_runtime.cache import BLOCK_SIZE, BlockEvent, BlockHash, CacheKey, Hit
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.t2_fetch import FetchedRun, FetchOutcome, PeerFetcher
+from kvfleet_runtime.fleet.t2_protocol import WireOrder, chunk_axes
 from kvfleet_runtime.fleet.t2_serve import ExportedRun
 
 if TYPE_CHECKING:
@@ -88,16 +89,18 @@ class CacheBlockSource:
             release,
         )
 
-    def _read(self, hashes: Sequence[bytes], out_k: memoryview, out_v: memoryview) -> bool:
-        # Gather straight into the server's reused send buffers (no fresh tensors per export).
+    def _read(self, hashes: Sequence[bytes], order: WireOrder, out: memoryview) -> bool:
+        # Gather straight into the server's reused send buffer, in the order the fetcher lands
+        # (no fresh tensors per export, no second copy): the cache's engine layout is no wire
+        # order, so this one copy is made whichever order is asked.
         layout = self.cache.layout
-        shape = (layout.num_layers, layout.num_kv_heads, len(hashes) * BLOCK_SIZE, layout.head_dim)
-        out = (
-            torch.frombuffer(out_k, dtype=torch.uint8).view(self.cache.dtype).view(shape),
-            torch.frombuffer(out_v, dtype=torch.uint8).view(self.cache.dtype).view(shape),
-        )
-        kv = self.cache.read_blocks([BlockHash(h) for h in hashes], device="cpu", out=out)
-        return kv is not None
+        shape, perm = chunk_axes(order, len(hashes),
+                                 (layout.num_layers, layout.num_kv_heads, layout.head_dim))
+        kv = torch.frombuffer(out, dtype=torch.uint8).view(self.cache.dtype).view(shape)
+        kv = kv.permute(perm)  # [K|V, layers, heads, blocks, 16, head_dim]
+        got = self.cache.read_blocks([BlockHash(h) for h in hashes], device="cpu",
+                                     out=(kv[0], kv[1]))
+        return got is not None
 
 
 def _nothing() -> None:

@@ -26,6 +26,7 @@ from kvfleet_runtime.fleet.t2_protocol import (
     U64,
     VERSION,
     BufferPool,
+    WireOrder,
     chunk_checksum,
     peer_token,
 )
@@ -124,9 +125,10 @@ class FetchStats:
 
 Landing = Callable[[int, int], Sequence[memoryview]]
 """Where a run's bytes land, for `PeerFetcher.fetch_into`: `landing(lo, hi)` is the views that
-blocks [lo, hi) of the run (0 = its first block) fill, in wire order: each K row
-`[layer][kv_head]` then each V row, `(hi - lo) * 16 * head_dim` values each, exactly
-`(hi - lo) * bytes_per_block` bytes in all (e.g. slices of the caller's pool)."""
+blocks [lo, hi) of the run (0 = its first block) fill, in the wire order the fetch asks for
+(`t2_protocol.WireOrder`: canonical, each K row `[layer][kv_head]` then each V row; LBHNC, each
+layer's blocks), exactly `(hi - lo) * bytes_per_block` bytes in all (e.g. slices of the caller's
+pool)."""
 
 
 class FetchFailed(Exception):
@@ -258,10 +260,11 @@ class PeerFetcher:
     async def fetch_from(
         self, url: str, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
     ) -> FetchedRun:
-        """One transfer from a known peer into receive buffers, unverified against a chain;
-        raises FetchFailed, aiohttp and OS errors (`fetch` is the never-raising path; the
+        """One transfer from a known peer into canonical receive buffers, unverified against a
+        chain; raises FetchFailed, aiohttp and OS errors (`fetch` is the never-raising path; the
         benchmarks call this one with a peer of their choosing)."""
-        reader = await self._request(url, key, token_ids, start_block, max_blocks)
+        reader = await self._request(url, key, token_ids, start_block, max_blocks,
+                                     WireOrder.CANONICAL)
         try:
             return await self._read_run(reader)
         finally:
@@ -278,26 +281,31 @@ class PeerFetcher:
         dtype: str,
         layout: tuple[int, int, int],
         landing: Landing,
+        order: WireOrder = WireOrder.CANONICAL,
     ) -> tuple[int, FetchOutcome | None]:
         """Fetch blocks `[start_block, + len(expected_hashes))` from a known peer straight into
-        the caller's memory (`landing`), with no receive buffer in between.
+        the caller's memory (`landing`, in wire order `order`: the peer sends that order, from
+        where its blocks lie or gathered into it), with no receive buffer in between.
 
         Nothing lands before the header is checked: the run must start at `start_block`, be no
-        longer than asked, carry exactly the leading hashes of `expected_hashes` and the
-        caller's dtype and layout (`FetchFailed` otherwise, the memory untouched). Then each
+        longer than asked, carry exactly the leading hashes of `expected_hashes`, the caller's
+        dtype and layout, and come in `order` (`FetchFailed` otherwise, the memory untouched:
+        a peer that predates the order field answers canonical). Then each
         chunk is received in place and checksummed where it landed. Returns (how many leading
         blocks hold verified KV, why the run ended early or None when complete). Bytes after
         those blocks may have landed (a chunk that failed its checksum, a chunk cut short):
         the caller must never use them. Raises FetchFailed when no block was verified, and
         aiohttp and OS errors (the vLLM connector's peer tier calls this into its host pool)."""
         n_wanted = len(expected_hashes)
-        reader = await self._request(url, key, token_ids, start_block, n_wanted)
+        reader = await self._request(url, key, token_ids, start_block, n_wanted, order)
         try:
             header = await _read_header(reader, self.max_bytes)
             # Everything that decides where bytes land is checked before the first one does.
-            if header.dtype != dtype or header.layout != tuple(layout):
-                raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH, f"{header.dtype} "
-                                  f"{header.layout} != {dtype} {tuple(layout)}")
+            if (header.dtype != dtype or header.layout != tuple(layout)
+                    or header.order is not order):
+                raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH,
+                                  f"{header.dtype} {header.layout} {header.order} != "
+                                  f"{dtype} {tuple(layout)} {order}")
             n = len(header.block_hashes)
             if header.start_block != start_block or n > n_wanted:
                 raise FetchFailed(FetchOutcome.PROTOCOL,
@@ -315,7 +323,8 @@ class PeerFetcher:
         return verified, None
 
     async def _request(
-        self, url: str, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
+        self, url: str, key: CacheKey, token_ids: Sequence[int], start_block: int,
+        max_blocks: int, order: WireOrder,
     ) -> BodyReader:
         """POST the block request; the reader of a 200 body (FetchFailed for any other)."""
         assert self.secret
@@ -324,6 +333,7 @@ class PeerFetcher:
             "token_ids": list(token_ids),
             "start_block": start_block,
             "max_blocks": max_blocks,
+            "order": order.value,
         }
         headers = {
             TENANT_HEADER: key.tenant_id,
@@ -341,6 +351,8 @@ class PeerFetcher:
 
     async def _read_run(self, reader: BodyReader) -> FetchedRun:
         header = await _read_header(reader, self.max_bytes)
+        if header.order is not WireOrder.CANONICAL:  # asked for canonical rows: nothing else
+            raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH, f"order {header.order} != canonical")
         n, bytes_per_block = len(header.block_hashes), header.bytes_per_block
         run = FetchedRun(
             start_block=header.start_block,
@@ -389,6 +401,7 @@ class _Header:
     dtype: str
     layout: tuple[int, int, int]
     bytes_per_block: int
+    order: WireOrder
 
 
 async def _read_header(reader: BodyReader, max_bytes: int) -> _Header:
@@ -412,8 +425,10 @@ async def _read_header(reader: BodyReader, max_bytes: int) -> _Header:
         n = len(hashes)
         if n != int(raw["num_blocks"]) or not 0 < n * bytes_per_block <= max_bytes:
             raise FetchFailed(FetchOutcome.TOO_LARGE, f"{n} blocks of {bytes_per_block} bytes")
+        # A header without the field is a server's from before it: canonical rows.
+        order = WireOrder(raw.get("order", WireOrder.CANONICAL.value))
         return _Header(int(raw["start_block"]), hashes, dtype, (layers, heads, head_dim),
-                       bytes_per_block)
+                       bytes_per_block, order)
     except asyncio.IncompleteReadError as exc:
         raise FetchFailed(FetchOutcome.SHORT_READ,
                           f"{len(exc.partial)} of {exc.expected} bytes") from exc

@@ -9,7 +9,8 @@ Protocol (version 1), one HTTP request per block run:
     X-Kvfleet-Tenant: <tenant>
     Authorization: Bearer v2.<expires_s>.<hex HMAC-SHA256(fleet secret, "kvfleet-t2-v2\\0" + tenant
                                  + "\\0" + expires_s)>   (`peer_token`; minutes at most)
-    {"key": {CacheKey fields}, "token_ids": [...], "start_block": m, "max_blocks": n}
+    {"key": {CacheKey fields}, "token_ids": [...], "start_block": m, "max_blocks": n,
+     "order": "canonical" | "LBHNC"}     (optional, default "canonical": `WireOrder`)
 
 The credential is scoped to one tenant and checked in constant time (`hmac.compare_digest`); the
 request's `key.tenant_id` must equal that tenant. The server never takes block hashes from the
@@ -23,32 +24,45 @@ disabled. The 200 body (octet-stream, HTTP chunked encoding: the server may stop
 
     preamble   b"KVT2" | u8 version = 3 | 3 zero bytes | u32 LE header length
     header     JSON {"start_block", "num_blocks", "block_hashes": [hex], "dtype",
-                     "layout": [layers, kv_heads, head_dim], "bytes_per_block", "chunk_blocks"}
+                     "layout": [layers, kv_heads, head_dim], "bytes_per_block", "chunk_blocks",
+                     "order"}      (a header without "order" is "canonical": servers before it)
     chunks     for consecutive block ranges of <= chunk_blocks blocks, in order:
-               u32 LE n (>= 1) | K [layers, kv_heads, n * 16, head_dim] | V (same)
-               | u64 LE xxh3_64(K || V, seed = index of the chunk's first block in the run)
+               u32 LE n (>= 1) | KV of the n blocks in the header's order (`WireOrder`):
+                 canonical  K [layers, kv_heads, n * 16, head_dim] | V (same)
+                 LBHNC      [layers, n, kv_heads, 16, K|V, head_dim]
+               | u64 LE xxh3_64(the KV bytes, seed = index of the chunk's first block in the run)
     end        u32 LE 0
+
+The order is the fetcher's: it asks for the order its memory lies in and the server answers in
+it, from where its blocks lie when they lie in that order (the vLLM connector's host pool, kept in
+vLLM's per-block order: LBHNC), gathered into it otherwise (a kvfleet replica's cache, whose
+engine layout is neither; a connector serving a kvfleet replica, which lands canonical rows). So
+every kvfleet replica and every connector fetch from each other, each receiving in its own
+order, and no side copies twice. A header in another order than asked (a server that predates
+the field answers canonical) is refused before any byte lands: recompute, never wrong data.
 
 Chunks let the server gather block range i + 1 out of its cache into a reused send buffer (and
 checksum it, in a worker thread) while range i goes from its buffer straight to the socket
 (`loop.sock_sendall` on a duplicate of the connection's socket: one HTTP chunk per range, no
-user-space copy; a source whose rows are the wire's and cannot change while they stream, the
-vLLM connector's referenced host-pool slots, is sent from where it lies, with no gather), and
+user-space copy; a source whose memory lies in the asked order and cannot change while it
+streams, the vLLM connector's referenced host-pool slots, is sent from where it lies, with no
+gather), and
 let the client keep every verified leading chunk when a peer dies or stops mid-run (the run is
 a prefix: still worth its blocks). A block evicted between two chunks ends the
 stream early; the run is then shorter, never wrong. The client (`fleet._receive`) receives each
 chunk's rows straight into their places in the canonical `[layer][kv_head][token][head_dim]`
 buffers (`recvmsg_into` scatter reads, no HTTP-parser or staging copies), or with
-`PeerFetcher.fetch_into` into the caller's own memory (the vLLM connector's host-pool slots, whose
-rows are the wire's); a worker thread checksums them where they landed while the next chunk
-arrives.
+`PeerFetcher.fetch_into` into the caller's own memory in the order it asked for (the vLLM
+connector's host-pool slots, LBHNC); a worker thread checksums them where they landed while the
+next chunk arrives.
 
-The fetcher checks the hashes against the chain it computed itself, the dtype/layout against its
-own, the size of every chunk, and every chunk's checksum; a chunk that fails ends the run before
-it; no verified chunk at all (or a timeout, a refused connection) and the request recomputes (same
-output). XXH3-64 (not a cryptographic hash) because peers are authenticated separately (the bearer
-credential, compared in constant time): the checksum only guards against corrupt bytes, at ~15
-GB/s here, where zlib's CRC32 (protocol version 2) ran at ~1-2 GB/s and blake2b at ~0.4 GB/s.
+The fetcher checks the hashes against the chain it computed itself, the dtype/layout/order
+against its own, the size of every chunk, and every chunk's checksum; a chunk that fails ends
+the run before it; no verified chunk at all (or a timeout, a refused connection) and the request
+recomputes (same output). XXH3-64 (not a cryptographic hash) because peers are authenticated
+separately (the bearer credential, compared in constant time): the checksum only guards against
+corrupt bytes, at ~15 GB/s here, where zlib's CRC32 (protocol version 2) ran at ~1-2 GB/s and
+blake2b at ~0.4 GB/s.
 
 The held probe (the peer-probe hint index, `fleet.probe`, when no Redis is configured), same
 credential:
@@ -71,6 +85,7 @@ tensors.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import logging
@@ -83,6 +98,8 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+from kvfleet_runtime.cache import BLOCK_SIZE
 
 __all__ = [
     "DEFAULT_PEER_TOKEN_TTL_S",
@@ -97,6 +114,8 @@ __all__ = [
     "VERSION",
     "BufferPool",
     "PeerSecrets",
+    "WireOrder",
+    "chunk_axes",
     "chunk_checksum",
     "peer_token",
     "token_mac",
@@ -130,6 +149,34 @@ MAX_HEADER_BYTES = 1 << 22
 
 
 _TOKEN_DOMAIN = b"kvfleet-t2-v2\x00"
+
+
+class WireOrder(enum.StrEnum):
+    """The order of a chunk's KV bytes on the wire (the request's and the header's "order")."""
+
+    CANONICAL = "canonical"
+    """`[K|V][layer][kv_head][token][head_dim]`: K rows then V rows, each row one head of one
+    layer over the chunk's tokens (the layout of `kvfleet_runtime.cache`'s exports and of a
+    kvfleet replica's receive buffers)."""
+    LBHNC = "LBHNC"
+    """`[layer][block][kv_head][token][K|V][head_dim]`: per layer, block after block, each as
+    vLLM lays a block in its LBHNC layout (K and V of a token adjacent). The vLLM connector's
+    host pool: a run of consecutive slots is one stretch per layer, and its copies to and from
+    vLLM's layouts move K|V of a token (or more) per inner step."""
+
+
+def chunk_axes(order: WireOrder, num_blocks: int,
+               layout: tuple[int, int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, permutation) of a chunk of `num_blocks` blocks in `order`: the chunk's bytes
+    viewed as `shape` (in elements) and permuted by `permutation` are its KV as
+    `[2 (K, V), layers, kv_heads, num_blocks, 16, head_dim]`, whatever the order (numpy's
+    `transpose`, torch's `permute`). The one home of each order's shape."""
+    layers, heads, head_dim = layout
+    if order is WireOrder.CANONICAL:
+        return (2, layers, heads, num_blocks, BLOCK_SIZE, head_dim), (0, 1, 2, 3, 4, 5)
+    if order is WireOrder.LBHNC:
+        return (layers, num_blocks, heads, BLOCK_SIZE, 2, head_dim), (4, 0, 2, 1, 3, 5)
+    raise ValueError(f"unknown wire order {order!r}")
 
 
 DEFAULT_PEER_TOKEN_TTL_S = 60.0

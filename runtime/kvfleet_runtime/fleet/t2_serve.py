@@ -33,6 +33,7 @@ from kvfleet_runtime.fleet.t2_protocol import (
     VERSION,
     BufferPool,
     PeerSecrets,
+    WireOrder,
     chunk_checksum,
     token_mac,
 )
@@ -85,18 +86,19 @@ class ExportedRun:
     """(num_layers, num_kv_heads, head_dim)."""
     bytes_per_block: int
     """K and V of one block."""
-    read: Callable[[Sequence[bytes], memoryview, memoryview], bool]
-    """Blocking (run in a worker thread): `read(hashes, out_k, out_v)` writes the K and V bytes
-    `[layers, kv_heads, n * 16, head_dim]` of consecutive hashes of the run into `out_k` and
-    `out_v` (exactly that many bytes each, reused send buffers); False when one is no longer
-    held."""
+    read: Callable[[Sequence[bytes], WireOrder, memoryview], bool]
+    """Blocking (run in a worker thread): `read(hashes, order, out)` writes the KV bytes of
+    consecutive hashes of the run into `out` in the wire order `order` (`t2_protocol.chunk_axes`;
+    exactly that many bytes, a reused send buffer); False when one is no longer held."""
     release: Callable[[], None] = lambda: None
     """Called once when the stream ends (e.g. to drop refs held while reading)."""
     views: Callable[[int, int], Sequence[memoryview]] | None = None
-    """Optional: blocks [lo, hi) of the run (0 = its first block) as their bytes in wire order
-    where they lie (each K row `[layer][kv_head]`, then each V row), valid until `release`. Only
-    for memory that cannot change while the run streams (blocks held by refs in slots that
-    never move): the server then sends from it with no gather and checksums it there."""
+    """Optional: blocks [lo, hi) of the run (0 = its first block) as their bytes in the wire
+    order `order` where they lie, valid until `release`. Only for memory that cannot change
+    while the run streams (blocks held by refs in slots that never move): a fetcher that asks
+    for that order is then sent the run from it with no gather, checksummed there."""
+    order: WireOrder = WireOrder.CANONICAL
+    """The order `views` lie in."""
 
 
 class BlockSource(Protocol):
@@ -126,7 +128,8 @@ def _refusal(exc: ApiError) -> web.Response:
     return error_response(exc.status, exc.message, code=exc.code, headers=exc.headers)
 
 
-def _parse_request(body: Any, max_tokens: int) -> tuple[CacheKey, list[int], int, int]:
+def _parse_request(body: Any,
+                   max_tokens: int) -> tuple[CacheKey, list[int], int, int, WireOrder]:
     if not isinstance(body, dict):
         raise ValueError("body must be a JSON object")
     raw_key = body.get("key")
@@ -150,7 +153,10 @@ def _parse_request(body: Any, max_tokens: int) -> tuple[CacheKey, list[int], int
         max_blocks = num_blocks - start_block
     if type(max_blocks) is not int or max_blocks < 1:
         raise ValueError(f"max_blocks must be a positive integer, got {max_blocks!r}")
-    return key, token_ids, start_block, max_blocks
+    order = body.get("order", WireOrder.CANONICAL.value)  # fetchers before it land canonical
+    if order not in tuple(WireOrder):
+        raise ValueError(f"order must be one of {[o.value for o in WireOrder]}, got {order!r}")
+    return key, token_ids, start_block, max_blocks, WireOrder(order)
 
 
 def peer_routes(
@@ -181,7 +187,7 @@ def peer_routes(
         if isinstance(tenant, web.Response):
             return tenant
         try:
-            key, token_ids, start_block, max_blocks = _parse_request(
+            key, token_ids, start_block, max_blocks, order = _parse_request(
                 await _body(request, max_body_bytes, body_timeout_s), max_tokens
             )
         except ApiError as exc:
@@ -196,7 +202,7 @@ def peer_routes(
             return _error(400, str(exc))
         if run is None or not run.block_hashes:
             return _error(404, f"no block held at or after block {start_block}")
-        return await _stream_run(request, run, chunk_bytes, on_served, pool)
+        return await _stream_run(request, run, order, chunk_bytes, on_served, pool)
 
     async def handle_held(request: web.Request) -> web.StreamResponse:
         tenant = _authenticate(request, secret)
@@ -267,17 +273,16 @@ def _parse_held(body: Any) -> list[bytes]:
 
 
 def _gather(
-    run: ExportedRun, lo: int, hi: int, buf: np.ndarray[Any, np.dtype[np.uint8]]
+    run: ExportedRun, order: WireOrder, lo: int, hi: int,
+    buf: np.ndarray[Any, np.dtype[np.uint8]],
 ) -> int | None:
-    """Worker thread: blocks [lo, hi) of the run into `buf` (K then V) and their checksum, or
+    """Worker thread: blocks [lo, hi) of the run into `buf` in `order` and their checksum, or
     None when a block is gone. The checksum covers every byte sent and is computed here, while
     the previous chunk is on the wire."""
-    half = (hi - lo) * run.bytes_per_block // 2
-    view = buf.data.cast("B")
-    k, v = view[:half], view[half : 2 * half]
-    if not run.read(run.block_hashes[lo:hi], k, v):
+    data = buf.data.cast("B")[: (hi - lo) * run.bytes_per_block]
+    if not run.read(run.block_hashes[lo:hi], order, data):
         return None
-    return chunk_checksum(view[: 2 * half], lo)
+    return chunk_checksum(data, lo)
 
 
 _MAX_IOVECS = 1024
@@ -379,6 +384,7 @@ async def _send(
 async def _stream_run(
     request: web.Request,
     run: ExportedRun,
+    order: WireOrder,
     chunk_bytes: int,
     on_served: Callable[[int], None] | None,
     buffers: BufferPool,
@@ -395,6 +401,7 @@ async def _stream_run(
             "layout": list(run.layout),
             "bytes_per_block": run.bytes_per_block,
             "chunk_blocks": chunk_blocks,
+            "order": order.value,
         }
     ).encode()
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
@@ -407,13 +414,13 @@ async def _stream_run(
     def gather(lo: int, hi: int) -> tuple[asyncio.Future[int | None], memoryview]:
         buf = buffers.take(size)
         held.append(buf)
-        future = asyncio.ensure_future(asyncio.to_thread(_gather, run, lo, hi, buf))
+        future = asyncio.ensure_future(asyncio.to_thread(_gather, run, order, lo, hi, buf))
         return future, buf.data.cast("B")[: (hi - lo) * run.bytes_per_block]
 
     transport = request.transport
     limits = transport.get_write_buffer_limits() if transport is not None else None
     sock = _direct_socket(request)
-    if run.views is not None and sock is not None:
+    if run.views is not None and run.order is order and sock is not None:
         return await _stream_in_place(request, response, run, ranges, head, sock, transport,
                                       limits, on_served)
     pending = gather(*ranges[0])

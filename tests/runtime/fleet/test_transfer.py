@@ -23,8 +23,10 @@ from kvfleet_runtime.fleet import (
     HintPublisher,
     PeerFetcher,
     PeerTier,
+    WireOrder,
     peer_routes,
     peer_token,
+    t2_serve,
 )
 from kvfleet_runtime.fleet.t2_fetch import FetchFailed
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
@@ -613,3 +615,147 @@ async def test_a_large_run_sent_in_place_survives_partial_sends_and_many_views()
         assert bytes(run.k) == memory[:half] and bytes(run.v) == memory[half:]
     finally:
         await runner.cleanup()
+
+
+# -- wire orders: each fetcher lands its own order, or the run is refused -----------------------
+
+
+class BlockOrderPool(LandingPool):
+    """A host pool in LBHNC order `[layer, slot, head, 16, K|V, head_dim]` (the vLLM connector's),
+    as bytes, filled with the sentinel."""
+
+    def landing(self, lo: int, hi: int) -> list[memoryview]:
+        whole = memoryview(self.data)
+        per = LAYOUT.bytes_per_block // LAYOUT.num_layers  # one slot of one layer
+        return [whole[(layer * SLOTS + s) * per : (layer * SLOTS + s + 1) * per]
+                for layer in range(LAYOUT.num_layers) for s in RUN_SLOTS[lo:hi]]
+
+    def slot_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.frombuffer(self.data, dtype=torch.float16).view(
+            LAYOUT.num_layers, SLOTS, LAYOUT.num_kv_heads, BLOCK_SIZE, 2, LAYOUT.head_dim)
+        return t[:, slot, :, :, 0], t[:, slot, :, :, 1]
+
+
+async def test_a_replica_gathers_a_run_into_the_order_the_fetcher_lands(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+) -> None:
+    index, replica = fleet
+    a = await replica("a", chunk_bytes=3 * LAYOUT.bytes_per_block)  # chunks of 3, 3 and 2 blocks
+    k, v = store(a.cache, KEY_A, TOKENS)
+    chain = a.cache.block_hashes(KEY_A, TOKENS)
+    for pool, order in ((BlockOrderPool(), WireOrder.LBHNC), (LandingPool(), WireOrder.CANONICAL)):
+        got = await fetch_into(PeerFetcher(SECRET, index, "b"), a.url, pool, chain, order=order)
+        assert got == (8, None), order
+        for i, slot in enumerate(RUN_SLOTS):
+            got_k, got_v = pool.slot_kv(slot)
+            span = slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
+            assert torch.equal(got_k, k[:, :, span]) and torch.equal(got_v, v[:, :, span]), order
+        assert pool.untouched_slots() == set(range(SLOTS)) - set(RUN_SLOTS)
+
+
+class BlockOrderSource:
+    """A `BlockSource` whose run lies in a `BlockOrderPool` (LBHNC, in `RUN_SLOTS`): it exposes
+    the run in place (`views`, order LBHNC) and gathers it for a fetcher of another order
+    (`read`, which counts its calls)."""
+
+    def __init__(self, pool: BlockOrderPool, chain: list[bytes]) -> None:
+        self.pool, self.chain = pool, chain
+        self.gathered: list[WireOrder] = []
+
+    async def export(self, key: CacheKey, token_ids: object, start_block: int,
+                     max_blocks: int) -> ExportedRun:
+        run = tuple(self.chain[start_block : start_block + max_blocks])
+
+        def read(hashes: list[bytes], order: WireOrder, out: memoryview) -> bool:
+            # The reference gather: canonical K rows then V rows of the requested blocks.
+            self.gathered.append(order)
+            assert order is WireOrder.CANONICAL
+            slots = [RUN_SLOTS[self.chain.index(h)] for h in hashes]
+            k = torch.stack([self.pool.slot_kv(s)[0] for s in slots], dim=2)
+            v = torch.stack([self.pool.slot_kv(s)[1] for s in slots], dim=2)
+            flat = torch.cat([k.flatten(), v.flatten()]).view(torch.uint8)
+            out[:] = flat.numpy().tobytes()
+            return True
+
+        return ExportedRun(start_block, run, "float16",
+                           (LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim),
+                           LAYOUT.bytes_per_block, read, lambda: None,
+                           lambda lo, hi: self.pool.landing(start_block + lo, start_block + hi),
+                           WireOrder.LBHNC)
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3])
+async def test_a_run_lying_in_another_order_is_gathered_for_the_fetcher(chunk_blocks: int) -> None:
+    """A server whose run lies in LBHNC sends it in place to an LBHNC fetcher and gathers it
+    into canonical rows for a canonical one (a kvfleet replica fetching from a connector):
+    both land bitwise, never the other order's bytes under a checksum that passes."""
+    sender = BlockOrderPool()
+    torch.manual_seed(4)
+    sender.data[:] = torch.randn(len(sender.data) // 2).half().view(torch.uint8).numpy().tobytes()
+    chain = [bytes([i]) * 16 for i in range(8)]
+    source = BlockOrderSource(sender, chain)
+    app = web.Application()
+    app.add_routes(peer_routes(source, SECRET, chunk_bytes=chunk_blocks * LAYOUT.bytes_per_block))
+    url, runner = await start_app(app)
+    try:
+        fetcher = PeerFetcher(SECRET, EmbeddedHintIndex(), "b")
+        run = await fetcher.fetch_from(url, KEY_A, TOKENS, 2, 6)  # canonical receive buffers
+        assert run.num_blocks == 6 and run.partial is None
+        assert source.gathered and set(source.gathered) == {WireOrder.CANONICAL}
+        shape = (LAYOUT.num_layers, LAYOUT.num_kv_heads, 6 * BLOCK_SIZE, LAYOUT.head_dim)
+        got_k = torch.frombuffer(run.k, dtype=torch.float16).view(shape)
+        got_v = torch.frombuffer(run.v, dtype=torch.float16).view(shape)
+        for i, slot in enumerate(RUN_SLOTS[2:]):
+            span = slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
+            want_k, want_v = sender.slot_kv(slot)
+            assert torch.equal(got_k[:, :, span], want_k)
+            assert torch.equal(got_v[:, :, span], want_v)
+        # An LBHNC fetcher is sent the run from where it lies: no gather.
+        source.gathered.clear()
+        receiver = BlockOrderPool()
+        got = await fetch_into(fetcher, url, receiver, chain, order=WireOrder.LBHNC)
+        assert got == (8, None) and source.gathered == []
+        for slot in RUN_SLOTS:
+            assert all(torch.equal(g, w) for g, w in zip(receiver.slot_kv(slot),
+                                                         sender.slot_kv(slot), strict=True))
+        assert receiver.untouched_slots() == set(range(SLOTS)) - set(RUN_SLOTS)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_peer_answering_another_order_is_refused_before_any_byte_lands(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server that ignores the asked order (one from before the field answers canonical):
+    the header's order is checked with dtype and layout, the landing pool stays untouched, and
+    the fetch fails (the connector recomputes)."""
+    index, replica = fleet
+    a = await replica("a")
+    store(a.cache, KEY_A, TOKENS)
+    chain = a.cache.block_hashes(KEY_A, TOKENS)
+    parse = t2_serve._parse_request
+
+    def canonical_only(body: object, max_tokens: int) -> tuple[object, ...]:
+        return (*parse(body, max_tokens)[:4], WireOrder.CANONICAL)
+
+    monkeypatch.setattr(t2_serve, "_parse_request", canonical_only)
+    pool = BlockOrderPool()
+    got = await fetch_into(PeerFetcher(SECRET, index, "b"), a.url, pool, chain,
+                           order=WireOrder.LBHNC)
+    assert got == (0, "layout_mismatch")
+    assert pool.untouched_slots() == set(range(SLOTS))
+
+
+async def test_an_unknown_order_is_a_bad_request(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+) -> None:
+    _, replica = fleet
+    a = await replica("a")
+    store(a.cache, KEY_A, TOKENS)
+    body = {"key": KEY_A._asdict(), "token_ids": TOKENS, "start_block": 0, "order": "LBNHC"}
+    headers = {TENANT_HEADER: KEY_A.tenant_id,
+               "Authorization": f"Bearer {peer_token(SECRET, KEY_A.tenant_id)}"}
+    async with aiohttp.ClientSession() as s, s.post(a.url + T2_PATH, json=body,
+                                                    headers=headers) as r:
+        assert r.status == 400 and "order" in (await r.json())["error"]["message"]
