@@ -42,7 +42,7 @@ import yaml
 
 from tests.cluster.fixtures import Cluster, Identity
 from tests.e2e.kubelet import KubeletShim
-from tests.e2e.traffic import NUM_TENANTS, api_key, tenant_name
+from tests.e2e.traffic import NUM_TENANTS, Traffic, api_key, tenant_name
 from tests.e2e.world import (
     E2E_NODE_LABEL,
     OperatorProcess,
@@ -51,6 +51,7 @@ from tests.e2e.world import (
     create_loopback_nodes,
     free_port,
     generate_model,
+    kubectl_table,
 )
 from tests.images.buildah import Container, checkout_image, have_image, working_container
 
@@ -59,6 +60,10 @@ CHART = ROOT / "charts" / "kvfleet"
 RELEASE = "kvfleet"
 MODEL_ID = "tiny"
 KEEP_ENV = "KVFLEET_E2E_KEEP"  # keep the work dir (logs of every process) after the run
+
+
+# The chart's replica pods, by their component label.
+REPLICA_LABEL = "app.kubernetes.io/component=replica"
 
 
 @dataclass
@@ -89,6 +94,26 @@ class World:
     def logs(self) -> str:
         """Where to look, for failure messages."""
         return f"process logs under {self.work_dir} (set {KEEP_ENV}=1 to keep them)"
+
+    def diagnostics(self, traffic: Traffic | None, *, pod_logs: bool = False) -> str:
+        """What a failed wait shows: pods and rollouts, the shim's last events and errors, the
+        traffic so far, each running replica pod's log tail (with `pod_logs`) and the newest
+        operator's."""
+        parts = [
+            kubectl_table(self.cluster, self.namespace, "pods", "-o", "wide"),
+            kubectl_table(self.cluster, self.namespace, "mro", "-o", "wide")
+            if self.operator_identity else "",
+            "shim: " + "; ".join(self.shim.events[-12:]),
+            "shim errors: " + "; ".join(self.shim.errors[-5:]),
+            traffic.summary(20) if traffic else "",
+            self.logs(),
+        ]
+        if pod_logs:
+            for pod in self.shim.running(REPLICA_LABEL):
+                parts.append(f"{pod.name} log tail:\n{pod.process.log_tail(15)}")
+        for op in self.operators[-1:]:
+            parts.append("operator log tail:\n" + "\n".join(op.log().splitlines()[-15:]))
+        return "\n".join(parts)
 
 
 def values(world_models: Path, digest: str, replica_port: int, router_port: int,

@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from tests.cluster.fixtures import CommandError
-from tests.e2e.conftest import MODEL_ID, RELEASE, ROOT, World, dump
+from tests.e2e.conftest import MODEL_ID, RELEASE, REPLICA_LABEL, ROOT, World, dump
 from tests.e2e.kubelet import UNSTABLE_KEY_IMAGE, http_json
 from tests.e2e.traffic import NUM_TENANTS, Traffic, load_requests, tenant_name
 from tests.e2e.unstable_key import MARKER
@@ -39,7 +39,6 @@ from tests.e2e.world import elapsed, events, kubectl_table, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.k8s, pytest.mark.slow]
 
-REPLICA_LABEL = "app.kubernetes.io/component=replica"
 ROUTER_LABEL = "app.kubernetes.io/component=router"
 def hit_rate_query(rate_window: str) -> str:
     """The operator's default gate query (matched / looked-up prompt tokens) over `rate_window`."""
@@ -97,19 +96,7 @@ def _template_digest(deployment: dict[str, Any]) -> str:
 
 
 def _diagnostics(world: World) -> str:
-    traffic = _state.get("traffic")
-    parts = [
-        kubectl_table(world.cluster, world.namespace, "pods", "-o", "wide"),
-        kubectl_table(world.cluster, world.namespace, "mro", "-o", "wide")
-        if world.operator_identity else "",
-        "shim: " + "; ".join(world.shim.events[-12:]),
-        "shim errors: " + "; ".join(world.shim.errors[-5:]),
-        traffic.summary(20) if traffic else "",
-        world.logs(),
-    ]
-    for op in world.operators[-1:]:
-        parts.append("operator log tail:\n" + "\n".join(op.log().splitlines()[-15:]))
-    return "\n".join(parts)
+    return world.diagnostics(_state.get("traffic"))
 
 
 def _rollout_manifest(name: str, digest: str, prometheus_url: str, window_s: int,

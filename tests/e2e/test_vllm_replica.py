@@ -43,6 +43,7 @@ from tests.cluster.fixtures import Cluster
 from tests.e2e.conftest import (
     MODEL_ID,
     RELEASE,
+    REPLICA_LABEL,
     ROOT,
     World,
     checkout_container,
@@ -71,7 +72,6 @@ pytestmark = [
         f"builds the vLLM image first and sets {RUN_ENV}=1")),
 ]
 
-REPLICA_LABEL = "app.kubernetes.io/component=replica"
 ROUTER_LABEL = "app.kubernetes.io/component=router"
 UID = 10001  # the chart's runAsUser
 VLLM_BLOCK = 128
@@ -192,21 +192,7 @@ def _gate_hit_rate(world: World, pods: list[str]) -> float | None:
 
 
 def _diagnostics(world: World) -> str:
-    traffic = _state.get("traffic")
-    parts = [
-        kubectl_table(world.cluster, world.namespace, "pods", "-o", "wide"),
-        kubectl_table(world.cluster, world.namespace, "mro", "-o", "wide")
-        if world.operator_identity else "",
-        "shim: " + "; ".join(world.shim.events[-12:]),
-        "shim errors: " + "; ".join(world.shim.errors[-5:]),
-        traffic.summary(20) if traffic else "",
-        world.logs(),
-    ]
-    for pod in world.shim.running(REPLICA_LABEL):
-        parts.append(f"{pod.name} log tail:\n{pod.process.log_tail(15)}")
-    for op in world.operators[-1:]:
-        parts.append("operator log tail:\n" + "\n".join(op.log().splitlines()[-15:]))
-    return "\n".join(parts)
+    return world.diagnostics(_state.get("traffic"), pod_logs=True)
 
 
 def _answered(traffic: Traffic, request: TraceRequest) -> bool:
