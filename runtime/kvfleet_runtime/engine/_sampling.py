@@ -148,7 +148,13 @@ def _processed_logits(samplers: Sequence[Sampler], logits: Tensor,
     counts = torch.zeros(len(penalized), vocab + 1).scatter_add_(
         1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))[:, :vocab]
     rows = logits[penalized]
+    # A penalty is only bounded above 0: one under float32's smallest normal would round to 0
+    # here (and -inf * 0, a held stop id, is nan), and dividing by a tiny one overflows to +inf
+    # (and inf - inf is nan when the distribution is shifted). Kept normal, and the rows
+    # saturated at float32's largest value below, the arithmetic stays exact for every other
+    # penalty and the most repeated tokens simply win.
     rep = torch.tensor([params[i].repetition_penalty for i in penalized]).unsqueeze(1)
+    rep = rep.clamp(min=torch.finfo(torch.float32).tiny)
     seen = counts > 0
     for r, i in enumerate(penalized):
         prompt = [t for t in samplers[i].prompt_ids if 0 <= t < vocab]
@@ -159,7 +165,7 @@ def _processed_logits(samplers: Sequence[Sampler], logits: Tensor,
     freq = torch.tensor([params[i].frequency_penalty for i in penalized]).unsqueeze(1)
     presence = torch.tensor([params[i].presence_penalty for i in penalized]).unsqueeze(1)
     rows = rows - counts * freq - (counts > 0).float() * presence
-    logits[penalized] = rows
+    logits[penalized] = rows.clamp(max=torch.finfo(torch.float32).max)
     return logits
 
 

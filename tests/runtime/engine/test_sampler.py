@@ -140,6 +140,23 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() ->
     assert biased.sample(logits, [2]) == 3
 
 
+@pytest.mark.parametrize("penalty", [3.0342052881773387e-227, 1e-40, 1e-30])
+def test_a_vanishing_repetition_penalty_samples_a_repeated_token(penalty: float) -> None:
+    """A penalty is only bounded above 0 (the fuzzer sent 3e-227): dividing by it overflowed
+    float32 and the draw failed on nan probabilities, a 500. The repeated tokens win."""
+    logits = torch.tensor([2.0, 1.5, -1.0, 3.0])
+    for s in range(5):
+        params = SamplingParams(temperature=1.0, repetition_penalty=penalty, seed=s,
+                                min_tokens=1, stop_token_ids=frozenset({2}))
+        sampler = Sampler(params, prompt=[0, 1])
+        assert sampler.sample(logits, []) in (0, 1)
+        assert sampler.sample(logits, [2]) in (0, 1)
+    greedy = Sampler(SamplingParams(repetition_penalty=penalty, logprobs=2), prompt=[0, 1])
+    (sampled,) = sample_batch([greedy], logits.unsqueeze(0), [[]])
+    assert sampled.token_id == 0 and sampled.logprob is not None and math.isfinite(sampled.logprob)
+    assert all(math.isfinite(lp) for _, lp in sampled.top_logprobs)
+
+
 def test_top_k_one_and_min_p_one_are_greedy() -> None:
     logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
     for s in range(30):
