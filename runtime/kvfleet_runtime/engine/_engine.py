@@ -450,12 +450,13 @@ class Engine:
                 continue
             try:
                 if await loop.run_in_executor(self._executor, self._step):
-                    # The step stopped at its first tokens: they reach their streams, and the
-                    # streams' readers run (the yield), before the engine thread goes on with
-                    # the stores and the decode forward. Sent from that thread mid-step, they
-                    # waited for its Python work: the loop needs the GIL, which a busy thread
-                    # hands over only at the switch interval (5 ms), so the ~0.8 ms store sat
-                    # on the time to first token.
+                    # The step stopped at its first tokens (flushed just before it returned, so
+                    # they reach their streams ahead of this task's wake-up): the streams'
+                    # readers run (the yield) before the engine thread goes on with the stores
+                    # and the decode forward. Sent mid-step, they waited for that thread's
+                    # Python work: the loop needs the GIL, which a busy thread hands over only
+                    # at the switch interval (5 ms), so the ~0.8 ms store sat on the time to
+                    # first token.
                     self._deliver(self._take_outbox())
                     await asyncio.sleep(0)
                     await loop.run_in_executor(self._executor, self._step_rest)
@@ -521,6 +522,7 @@ class Engine:
         self._firsts = [(seq, self._first_token(seq)) for seq in list(self._running)
                         if seq.prefilled and not seq.output and seq.last_logits is not None]
         if self._firsts:
+            self._flush()  # one loop iteration sooner than the scheduler's own delivery
             return True
         self._step_rest()
         return False
