@@ -51,17 +51,18 @@ def measure(loaded: LoadedModel, concurrency: int, *, new_tokens: int, prompt_to
     steps: list[float] = []
     step = engine._step
 
-    def timed_step() -> None:
+    def timed_step() -> bool:
         decoding = not engine.num_waiting and all(s.output for s in engine._running)
         if profile is not None and decoding:
             profile.enable()
         start = time.perf_counter()
-        step()
+        rest_due = step()
         wall = time.perf_counter() - start
         if profile is not None and decoding:
             profile.disable()
-        if decoding:
+        if decoding:  # a decoding step has no first tokens: it runs whole, rest included
             steps.append(wall)
+        return rest_due
 
     engine._step = timed_step  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(1)

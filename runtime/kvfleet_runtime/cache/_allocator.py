@@ -100,12 +100,18 @@ def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, 
     """Runs along which both `src` and `dst` ids are consecutive: (first src, first dst, length).
 
     One run is one copy, so a block-by-block copy loop becomes a handful of large copies."""
-    if len(src) != len(dst):
-        raise ValueError(f"src and dst must have equal lengths, got {len(src)} and {len(dst)}")
+    n = len(src)
+    if n != len(dst):
+        raise ValueError(f"src and dst must have equal lengths, got {n} and {len(dst)}")
+    # The common case, one run on both sides (a hit copied into fresh blocks), compared in C:
+    # 2 us instead of the loop's 8 on 125 ids (warm), on the T1 hit's copy path.
+    if n and list(src) == list(range(src[0], src[0] + n)) and (
+            list(dst) == list(range(dst[0], dst[0] + n))):
+        return [(src[0], dst[0], n)]
     runs: list[tuple[int, int, int]] = []
     start = 0
-    for i in range(1, len(src) + 1):
-        if i == len(src) or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+    for i in range(1, n + 1):
+        if i == n or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
             runs.append((src[start], dst[start], i - start))
             start = i
     return runs if src else []

@@ -359,16 +359,18 @@ class PrefixCache:
             self._check_live(hit)
             nodes = hit._path[start:stop]
             dst = list(table[start:stop])
+            # One pass over the nodes, by tier (plain ints: an IntEnum compare costs a call).
+            by_tier: tuple[tuple[list[int], list[int]], ...] = (([], []), ([], []))
+            for node, block in zip(nodes, dst, strict=True):
+                src_ids, dst_ids = by_tier[node.tier]
+                src_ids.append(node.block_id)
+                dst_ids.append(block)
             num_copies = 0
-            for tier in (Tier.T0, Tier.T1):
-                pos = [i for i, n in enumerate(nodes) if n.tier == tier]
-                pool = self._pools[tier]
-                if pos and pool is not None:
-                    num_copies += copy_runs(
-                        pool, [nodes[i].block_id for i in pos], kv, [dst[i] for i in pos]
-                    )
+            for pool, (src_ids, dst_ids) in zip(self._pools, by_tier, strict=True):
+                if src_ids and pool is not None:
+                    num_copies += copy_runs(pool, src_ids, kv, dst_ids)
             if (self._is_t0(kv) and self._manager.t0_enabled and nodes
-                    and all(n.tier == Tier.T1 for n in nodes)):
+                    and len(by_tier[Tier.T1][0]) == len(nodes)):
                 parent = nodes[0].parent
                 if parent is None or parent.tier == Tier.T0:
                     self._manager.promote_in_place(nodes, dst)

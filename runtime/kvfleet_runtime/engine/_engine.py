@@ -18,7 +18,9 @@ Concurrency: one asyncio scheduler task admits requests between steps; each step
 dedicated worker thread (torch releases the GIL, so the HTTP server stays responsive). All model
 and cache calls happen on that thread, so neither needs to be thread-safe. A step's events reach
 the loop in batches, not one wake-up per token (each wake-up handed the GIL to the loop in the
-middle of the step): the first tokens once before the decode forward, the rest when the step
+middle of the step): a step with first tokens returns to the loop once they are sampled, and
+the loop hands them to their streams before the engine thread stores those prompts and runs
+the decode forward; other events go out once before the decode forward and when the step
 returns. Decoding sequences keep their model inputs across steps (`DecodeBatch`: block tables,
 positions, last tokens as tensors), so a step writes only its new tokens; on CUDA the decode
 forward itself is replayed from CUDA graphs (`EngineConfig.decode_graphs`).
@@ -318,6 +320,8 @@ class Engine:
                                                           max_blocks, model.device)
         self._outbox: list[tuple[RequestStream, Event]] = []
         """Events of the step so far, for the loop (engine thread only; see `_emit`)."""
+        self._firsts: list[tuple[_Sequence, int | None]] = []
+        """The step's first tokens (None: sampling failed), sent before `_step_rest` runs."""
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-engine")
         self._wakeup = asyncio.Event()
@@ -445,7 +449,17 @@ class Engine:
                 self._wakeup.clear()
                 continue
             try:
-                await loop.run_in_executor(self._executor, self._step)
+                if await loop.run_in_executor(self._executor, self._step):
+                    # The step stopped at its first tokens (flushed just before it returned, so
+                    # they reach their streams ahead of this task's wake-up): the streams'
+                    # readers run (the yield) before the engine thread goes on with the stores
+                    # and the decode forward. Sent mid-step, they waited for that thread's
+                    # Python work: the loop needs the GIL, which a busy thread hands over only
+                    # at the switch interval (5 ms), so the ~0.8 ms store sat on the time to
+                    # first token.
+                    self._deliver(self._take_outbox())
+                    await asyncio.sleep(0)
+                    await loop.run_in_executor(self._executor, self._step_rest)
             except Exception:
                 log.exception("engine step failed; failing the running requests")
                 await loop.run_in_executor(self._executor, self._fail_running)
@@ -469,8 +483,8 @@ class Engine:
         return events
 
     def _flush(self) -> None:
-        """Send the events so far to the loop now, in one wake-up (first tokens, before the
-        step's decode forward)."""
+        """Send the events so far to the loop now, in one wake-up (before the step's decode
+        forward)."""
         if self._outbox:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._deliver, self._take_outbox())
@@ -480,7 +494,10 @@ class Engine:
         for stream, event in events:
             stream._put(event)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Admit, prefill, sample first tokens; then the rest (`_step_rest`), here unless
+        there were first tokens: True says they wait in the outbox and the rest is due once the
+        loop has delivered them."""
         self._admit()
         for seq in [s for s in self._running if s.cancelled]:
             self._finish(seq, seq.cancel_reason)
@@ -502,17 +519,24 @@ class Engine:
         # First tokens go out before their prompts are stored: the store (the cache's plan for
         # a 2,000-token prompt: ~0.7 ms of CPU) is not on the time to first token. A snapshot,
         # since a request that ends at its first token leaves `_running`.
-        firsts = [(seq, self._first_token(seq)) for seq in list(self._running)
-                  if seq.prefilled and not seq.output and seq.last_logits is not None]
-        if firsts:
-            self._flush()
+        self._firsts = [(seq, self._first_token(seq)) for seq in list(self._running)
+                        if seq.prefilled and not seq.output and seq.last_logits is not None]
+        if self._firsts:
+            self._flush()  # one loop iteration sooner than the scheduler's own delivery
+            return True
+        self._step_rest()
+        return False
+
+    def _step_rest(self) -> None:
+        """Store the prompts of the step's first tokens, then the decode forward."""
+        firsts, self._firsts = self._firsts, []
         for seq, token in firsts:
             if token is not None:
                 self._after_first_token(seq, token)
         for seq in [s for s in self._batch.seqs if s.cancelled]:
             self._finish(seq, seq.cancel_reason)
         if self._batch:
-            self._flush()  # first tokens go out before the decode forward
+            self._flush()  # e.g. the ends of requests done at their first token
             self._decode()
         self.metrics.running.set(len(self._running))
         self.metrics.free_blocks.set(self.kv.num_free_blocks)
@@ -735,6 +759,7 @@ class Engine:
                                  error=error))
 
     def _fail_running(self) -> None:
+        self._firsts = []
         for seq in list(self._running):
             self._finish(seq, "error", "internal error while generating")
 

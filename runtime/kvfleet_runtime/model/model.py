@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvfleet_runtime.cache import BlockRefs, PagedBlocks
+from kvfleet_runtime.cache import PagedBlocks
 from kvfleet_runtime.model.architectures import ATTN_IMPLS, PRESETS, ModelArgs
 from kvfleet_runtime.wire import BLOCK_SIZE
 
@@ -84,9 +84,7 @@ class PagedKV(PagedBlocks):
         """`dtype` defaults to the serving dtype (`args.dtype`): the KV is what the model wrote."""
         dtype = dtype or torch_dtype(args.dtype)
         shape = (args.n_layers, num_blocks, args.n_kv_heads, BLOCK_SIZE, args.head_dim)
-        k = torch.zeros(shape, dtype=dtype, device=device)
-        v = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(k=k, v=v, refs=BlockRefs(num_blocks))
+        return cls.of_shape(shape, dtype, device)
 
     def gather(self, table: Sequence[int], n_tokens: int) -> tuple[Tensor, Tensor]:
         """K, V of a sequence's first n_tokens: [n_layers, n_kv_heads, n_tokens, head_dim]."""

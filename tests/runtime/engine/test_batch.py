@@ -97,9 +97,9 @@ def test_decode_from_kept_rows_equals_the_list_api_bitwise(loaded: LoadedModel) 
 def test_a_step_wakes_the_loop_at_most_once_and_events_keep_their_order(
     make_engine: EngineFactory,
 ) -> None:
-    """Tokens reach the streams in order and complete, yet the engine thread wakes the loop at
-    most twice per step (its return, and the first tokens before the decode forward), not once
-    per token."""
+    """Tokens reach the streams in order and complete, yet the engine thread wakes the loop about
+    twice per step at most (its return, the return of a step's rest after first tokens, a flush
+    before the decode forward), not once per token."""
     engine = make_engine(max_batch_size=8)
     prompts = [tuple(range(1 + i, 20 + 3 * i)) for i in range(8)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -117,9 +117,9 @@ def test_a_step_wakes_the_loop_at_most_once_and_events_keep_their_order(
         loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
         step = engine._step
 
-        def counted_step() -> None:
+        def counted_step() -> bool:
             steps[0] += 1
-            step()
+            return step()
 
         engine._step = counted_step  # type: ignore[method-assign]
         await engine.start()
