@@ -105,13 +105,19 @@ def _check_model(replica: Replica, model: str | None) -> None:
                        f"{replica.model_id!r}", param="model", code="model_not_found")
 
 
+def _check_prompt_limit(replica: Replica, token_ids: Sequence[int], param: str) -> None:
+    """`max_prompt_tokens` bounds the prompt as sent (rendered, for chat), before any
+    `truncate_prompt_tokens`: the limit the published schema states (`maxItems`)."""
+    limit, n = replica.config.limits.max_prompt_tokens, len(token_ids)
+    if n > limit:
+        raise ApiError(400, f"{param} has {n} tokens; the limit is {limit}", param=param,
+                       code="prompt_too_long")
+
+
 def _check_lengths(replica: Replica, token_ids: Sequence[int], max_tokens: int,
                    param: str) -> None:
     limits, context = replica.config.limits, replica.loaded.args.max_seq_len
     n = len(token_ids)
-    if n > limits.max_prompt_tokens:
-        raise ApiError(400, f"{param} has {n} tokens; the limit is {limits.max_prompt_tokens}",
-                       param=param, code="prompt_too_long")
     if max_tokens > limits.max_tokens:
         raise ApiError(400, f"max_tokens {max_tokens} exceeds the limit of {limits.max_tokens}",
                        param="max_tokens", code="invalid_value")
@@ -403,6 +409,7 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
         prompts = [_Prompt(i, [int(t) for t in ids], "") for i, ids in enumerate(lists)]
     _check_sampling(replica, body, body.max_tokens)
     for p in prompts:
+        _check_prompt_limit(replica, p.token_ids, "prompt")
         truncated = _truncate(replica, body, p.token_ids, body.max_tokens)
         if truncated is not p.token_ids:
             p.token_ids, p.text = truncated, ""  # echo returns what the model saw
@@ -476,6 +483,7 @@ async def chat_completions(replica: Replica, request: web.Request, tenant: str,
     except (ValueError, TypeError, KeyError) as exc:
         raise ApiError(400, f"messages cannot be rendered with the model's chat template: "
                        f"{exc}", param="messages", code="invalid_value") from exc
+    _check_prompt_limit(replica, token_ids, "messages")
     max_tokens = body.generation_limit(replica.config.limits.max_tokens)
     explicit = body.max_completion_tokens is not None or body.max_tokens is not None
     if body.truncate_prompt_tokens is not None:

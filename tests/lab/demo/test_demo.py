@@ -107,13 +107,19 @@ def test_quick_demo_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
 
 def test_ctrl_c_mid_run_leaves_no_child(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "out"
-    # Enough work that the run is surely still going when the signal comes (400 requests
-    # were, until the engine's per-step cost fell: then a run could end within the 3 s).
-    proc = subprocess.Popen(
-        [*CLI, "demo", "--quick", "--requests", "4000", "--model-dir", str(tiny_model_dir),
-         "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    # Enough work that the run is surely still going when the signal comes (~25 s of runs).
+    # Ctrl-C as at a terminal: the child must not inherit SIGINT ignored, as it does when this
+    # run is a background job of a non-interactive shell (Python then keeps it ignored and the
+    # demo ran to its end, exit 0). A handler, unlike SIG_IGN, is not inherited across exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [*CLI, "demo", "--quick", "--requests", "4000", "--model-dir", str(tiny_model_dir),
+             "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 300

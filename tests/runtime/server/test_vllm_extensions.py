@@ -81,6 +81,24 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(served: Served) -> None:  
     assert whole.usage.prompt_tokens == len(tok.encode(PROMPT))
 
 
+def test_a_prompt_over_the_limit_is_refused_even_when_it_asks_to_be_truncated(
+        running: RunningReplica) -> None:
+    # The published schema bounds the prompt as sent (`maxItems`: limits.max_prompt_tokens,
+    # 256 here); truncation does not lift it (the schema fuzzer sent 256 + ids with
+    # truncate_prompt_tokens and got a 200).
+    c = client(running)
+    truncate = {"truncate_prompt_tokens": 8}
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="tiny", prompt=[5] * 257, max_tokens=2, extra_body=truncate)
+    assert err.value.code == "prompt_too_long"
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="tiny", max_tokens=2, extra_body=truncate,
+                                  messages=[{"role": "user", "content": "x" * 300}])
+    assert err.value.code == "prompt_too_long"
+    out = c.completions.create(model="tiny", prompt=[5] * 256, max_tokens=2, extra_body=truncate)
+    assert out.usage is not None and out.usage.prompt_tokens == 8
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     ({"min_tokens": 21}, "min_tokens"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
