@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -266,17 +266,12 @@ def copy_runs(src: Pool, src_ids: Sequence[int], dst: Pool, dst_ids: Sequence[in
     src_kv, dst_kv = src.kv, dst.kv
     same_layout = (src_kv is not None and dst_kv is not None  # all but the blocks' count
                    and src_kv.shape[:2] + src_kv.shape[3:] == dst_kv.shape[:2] + dst_kv.shape[3:])
-    if same_layout and not (src.k.is_cuda or dst.k.is_cuda):
-        # Host to host (a T1 hit on CPU): no side stream to set up, K and V in one call each
-        # run (`kv_pair`); both pools' blocks are [L, N, ...].
-        assert src_kv is not None and dst_kv is not None
+    # Host to host (a T1 hit on CPU) needs no side stream: skip its setup.
+    host = not (src.k.is_cuda or dst.k.is_cuda)
+    with nullcontext(False) if host else _side_stream(src, dst) as non_blocking:
         for s, d, n in runs:
-            dst_kv[:, :, d : d + n].copy_(src_kv[:, :, s : s + n])
-        return len(runs)
-    with _side_stream(src, dst) as non_blocking:
-        for s, d, n in runs:
-            if same_layout:
-                assert src_kv is not None and dst_kv is not None
+            if src_kv is not None and dst_kv is not None and same_layout:
+                # K and V in one call (`kv_pair`); both pools' blocks are [L, N, ...].
                 dst_kv[:, :, d : d + n].copy_(src_kv[:, :, s : s + n], non_blocking=non_blocking)
                 continue
             dst.blocks(dst.k, d, n).copy_(src.blocks(src.k, s, n), non_blocking=non_blocking)
