@@ -39,6 +39,7 @@ PURE_CACHE_CORE = [
     "kvfleet_runtime.cache._metrics",
     "kvfleet_runtime.cache._allocator",
     "kvfleet_runtime.cache._config",
+    "kvfleet_runtime.cache._lower",
 ]
 
 
@@ -402,6 +403,8 @@ CACHE_EXPORTS = [
     "EvictedRun",
     "Hit",
     "KVLayout",
+    "LoadTarget",
+    "LowerTier",
     "Miss",
     "PagedBlocks",
     "Prefix",
@@ -410,6 +413,7 @@ CACHE_EXPORTS = [
     "StorePlan",
     "TenantStats",
     "Tier",
+    "TierQuery",
     "TierStats",
     "block_events",
     "block_hashes",
