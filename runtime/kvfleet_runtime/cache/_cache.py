@@ -30,7 +30,13 @@ from prometheus_client.registry import CollectorRegistry
 from kvfleet_runtime.cache._allocator import CachedSlots
 from kvfleet_runtime.cache._block_index import BlockNode, Tier
 from kvfleet_runtime.cache._config import CacheTuning, KVLayout
-from kvfleet_runtime.cache._keys import BLOCK_SIZE, BlockHash, CacheKey, usable_tokens
+from kvfleet_runtime.cache._keys import (
+    BLOCK_SIZE,
+    BlockHash,
+    CacheKey,
+    PromptChain,
+    usable_tokens,
+)
 from kvfleet_runtime.cache._manager import (
     BlockEvent,
     CacheManager,
@@ -90,7 +96,17 @@ class Prefix:
     """Prompt tokens whose KV is in the sequence's table once `fill` ran (block-aligned)."""
     tier: str | None = None
     """The coldest tier the placed KV came from ("t0", "t1"; None: nothing placed)."""
+    chain: PromptChain | None = None
+    """The prompt's chain, hashed once for the request: the lookup walked it, the tiers below
+    the cache (`usable_chain`) and the prompt's store continue it."""
     finished: bool = False
+
+    def usable_chain(self) -> list[BlockHash]:
+        """The chain of the blocks any tier may supply (`usable_tokens`): what the tiers below
+        the cache are asked for. Empty without a chain (a cache that could not hash it)."""
+        if self.chain is None:
+            return []
+        return self.chain.upto(self.chain.num_usable)
 
 
 @dataclass(slots=True, frozen=True)
@@ -192,18 +208,20 @@ class PrefixCache:
     def prepare(self, key: CacheKey, token_ids: Sequence[int], kv: PagedBlocks) -> Prefix:
         """The start of a request: look its prompt up (counted once), and place the hit's
         leading T0 blocks in `prefix.table`, shared (no copy; refs on the index and on `kv`).
-        The engine then takes the rest of its table from `kv` and calls `fill`. On an error
-        nothing stays held."""
-        hit = self.lookup(key, token_ids)
+        The engine then takes the rest of its table from `kv` and calls `fill`. The prompt's
+        chain is hashed here once (`prefix.chain`), as far as the lookup needs it; the tiers
+        below the cache and the store continue it. On an error nothing stays held."""
+        chain = self._manager.chain(key, token_ids)
+        hit = self._lookup(key, chain, len(token_ids))
         if not isinstance(hit, Hit):
-            return Prefix(key, kv, None, [], 0)
+            return Prefix(key, kv, None, [], 0, chain=chain)
         usable = min(hit.matched_tokens, usable_tokens(len(token_ids))) // BLOCK_SIZE
         try:
             shared = self.share_prefix(hit, kv, usable) if usable else []
         except BaseException:
             self.release(hit)
             raise
-        return Prefix(key, kv, hit, shared, usable)
+        return Prefix(key, kv, hit, shared, usable, chain=chain)
 
     def fill(self, prefix: Prefix, table: Sequence[int]) -> int:
         """Copy the hit's blocks that are not in `prefix.kv` (T1) into `table[len(prefix.table):
@@ -237,10 +255,10 @@ class PrefixCache:
             n_full = len(token_ids) // BLOCK_SIZE * BLOCK_SIZE if token_ids is not None else 0
             if token_ids is None or table is None or n_full == 0:
                 return None
-            hit = prefix.hit
-            # A hit of every full block already hashed the chain the store files them under.
-            chain = list(hit.blocks) if hit is not None and len(hit.blocks) * BLOCK_SIZE == (
-                n_full) else None
+            # The chain the lookup hashed, continued (the prompt is hashed once per request).
+            chain = (prefix.chain.upto(n_full // BLOCK_SIZE)
+                     if prefix.chain is not None and prefix.chain.num_blocks * BLOCK_SIZE == n_full
+                     else None)
             return self._store_blocks(prefix.key, token_ids[:n_full], prefix.kv, table, chain)
         finally:
             if prefix.hit is not None:
@@ -257,9 +275,18 @@ class PrefixCache:
 
     def lookup(self, key: CacheKey, token_ids: Sequence[int]) -> Hit | Miss:
         """Longest cached block-aligned prefix of `token_ids` under `key`."""
+        return self._lookup(key, self._manager.chain(key, token_ids), len(token_ids))
+
+    def num_held(self, chain: Sequence[BlockHash], tenant: str | None = None) -> int:
+        """How many leading blocks of `chain` this cache holds now, read from the index itself
+        (no refs, no stats: serving peers is not a hit here); with `tenant`, only that tenant's
+        and the platform's blocks count (a peer's held probe)."""
         with self._lock:
-            hashes, _ = self._manager.hashes(key, token_ids, lookup=True)
-            path = self._manager.lookup(key, hashes, len(token_ids))
+            return self._manager.num_held(chain, tenant)
+
+    def _lookup(self, key: CacheKey, chain: PromptChain, num_tokens: int) -> Hit | Miss:
+        with self._lock:
+            path = self._manager.lookup(key, chain.walk(), num_tokens)
         if not path:
             return Miss()
         return Hit(

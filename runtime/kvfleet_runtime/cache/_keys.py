@@ -34,6 +34,7 @@ __all__ = [
     "BlockHash",
     "CacheKey",
     "ChainMemo",
+    "PromptChain",
     "block_hashes",
     "continue_chain",
     "iter_block_hashes",
@@ -241,6 +242,97 @@ def iter_block_hashes(
         hashes = _scoped_hashes(key, data, platform_blocks * _BLOCK_BYTES, end, chain)
     # BlockHash is a NewType of bytes: one cast here, not a call per block on the lookup path.
     return cast(Iterator[BlockHash], hashes)
+
+
+class PromptChain:
+    """The chained hashes of one prompt's full blocks, each computed at most once per request.
+
+    A request's lookup walks the chain from its first block and stops at its first miss
+    (`walk`, lazily); the tiers below the cache, the prompt's store and the peers then need more
+    of the same chain (`upto`), which continues from the last hash computed instead of hashing
+    the prompt again. Only the walk adds steps to the memo (what a lookup takes: the blocks the
+    index holds, plus one); the rest reads it, as every non-lookup chain does. Not thread-safe:
+    one request's thread uses it (hashing itself takes no lock)."""
+
+    __slots__ = ("_data", "_memo", "hashes", "key", "num_blocks", "platform_blocks")
+
+    def __init__(
+        self,
+        key: CacheKey,
+        token_ids: Sequence[int],
+        *,
+        platform_blocks: int = 0,
+        memo: ChainMemo | None = None,
+    ) -> None:
+        self.key = key
+        self._data = token_bytes(token_ids)
+        self.num_blocks = len(self._data) // _BLOCK_BYTES
+        """Full blocks of the prompt: the chain's length."""
+        if not 0 <= platform_blocks <= self.num_blocks:
+            raise ValueError(
+                f"platform_blocks must be in [0, {self.num_blocks}], got {platform_blocks}"
+            )
+        self.platform_blocks = platform_blocks
+        self._memo = memo
+        self.hashes: list[BlockHash] = []
+        """The hashes computed so far, from the first block on."""
+
+    @property
+    def num_usable(self) -> int:
+        """Blocks any tier may supply (`usable_tokens`: never the last prompt token's)."""
+        return usable_tokens(len(self._data) // 4) // BLOCK_SIZE
+
+    def walk(self) -> Iterator[BlockHash]:
+        """The chain from its first block, for a lookup: computed (and remembered) as far as it
+        is iterated; what is known already is yielded as it is."""
+        yield from self.hashes
+        if len(self.hashes) == self.num_blocks:
+            return
+        for h in self._resume(len(self.hashes), self.num_blocks, remember=True):
+            self.hashes.append(h)
+            yield h
+
+    def upto(self, num_blocks: int) -> list[BlockHash]:
+        """The first `num_blocks` hashes (at most the chain's length), computing the missing
+        ones from the last one known."""
+        n = min(num_blocks, self.num_blocks)
+        if len(self.hashes) < n:
+            self.hashes.extend(self._resume(len(self.hashes), n, remember=False))
+        return self.hashes[:n]
+
+    def _resume(self, start: int, stop: int, *, remember: bool) -> Iterator[BlockHash]:
+        """Hashes of blocks [start, stop), chained onto block start - 1 (known)."""
+        memo = self._memo
+        chain = _plain_chain if memo is None else functools.partial(memo.chain, remember=remember)
+        data, split, key = self._data, self.platform_blocks, self.key
+        lo, hi = start * _BLOCK_BYTES, stop * _BLOCK_BYTES
+        prev: bytes = self.hashes[start - 1] if start else b""
+        if not split:
+            hashes = chain(prev if start else key_digest(key), data, lo, hi)
+        elif start < split:
+            tail = prev if start else key_digest(platform_key(key))
+            hashes = _scoped_hashes_from(key, data, tail, lo, split * _BLOCK_BYTES, hi, chain)
+        else:  # past the platform prefix: the tenant's chain, seeded at the split
+            seed = _scope_seed(key_digest(key), prev) if start == split else prev
+            hashes = chain(seed, data, lo, hi)
+        return cast(Iterator[BlockHash], hashes)
+
+
+def _scoped_hashes_from(
+    key: CacheKey,
+    data: bytes,
+    tail: bytes,
+    lo: int,
+    split: int,
+    hi: int,
+    chain: Callable[[bytes, bytes, int, int], Iterator[bytes]],
+) -> Iterator[bytes]:
+    """`_scoped_hashes` from byte `lo` of the platform part on, `tail` the hash before it."""
+    for block_hash in chain(tail, data, lo, min(split, hi)):
+        yield block_hash
+        tail = block_hash
+    if hi > split:
+        yield from chain(_scope_seed(key_digest(key), tail), data, split, hi)
 
 
 def _plain_chain(prev: bytes, data: bytes, start: int, stop: int) -> Iterator[bytes]:

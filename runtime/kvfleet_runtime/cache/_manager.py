@@ -34,6 +34,7 @@ from kvfleet_runtime.cache._keys import (
     BlockHash,
     CacheKey,
     ChainMemo,
+    PromptChain,
     iter_block_hashes,
     key_digest,
     platform_key,
@@ -202,6 +203,13 @@ class CacheManager:
         )
         return hashes, platform_blocks
 
+    def chain(self, key: CacheKey, token_ids: Sequence[int]) -> PromptChain:
+        """The chain of `token_ids`' full blocks for one request, computed as far as it is used
+        (`PromptChain`): its lookup walks it, everything after continues it."""
+        check_key(key)
+        return PromptChain(key, token_ids, platform_blocks=self.platform_blocks(token_ids),
+                           memo=self.memo)
+
     def _tenant(self, tenant_id: str) -> TenantStats:
         stats = self._tenants.get(tenant_id)
         if stats is None:
@@ -252,6 +260,18 @@ class CacheManager:
     def get(self, block_hash: BlockHash) -> BlockNode | None:
         """The indexed block with this chain hash, if any (no refs)."""
         return self.index.get(block_hash)
+
+    def num_held(self, hashes: Iterable[BlockHash], tenant: str | None = None) -> int:
+        """Leading blocks of the chain `hashes` held now (no refs, no stats); with `tenant`,
+        only blocks stored for that tenant or for the platform count (a peer's held probe:
+        knowing another tenant's hashes reveals nothing)."""
+        path = self.index.match(hashes)
+        if tenant is None:
+            return len(path)
+        for i, node in enumerate(path):
+            if node.namespace.key.tenant_id not in (tenant, PLATFORM_TENANT):
+                return i
+        return len(path)
 
     def sightings(self, hashes: Sequence[BlockHash]) -> list[int]:
         """The sketch's current sighting estimate of each block."""

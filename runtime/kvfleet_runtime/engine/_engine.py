@@ -49,11 +49,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -62,7 +63,16 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch import Tensor
 
-from kvfleet_runtime.cache import CacheKey, Prefix, PrefixCache, StoreOutcome, usable_tokens
+from kvfleet_runtime.cache import (
+    CacheKey,
+    LoadTarget,
+    LowerTier,
+    Prefix,
+    PrefixCache,
+    StoreOutcome,
+    TierQuery,
+    usable_tokens,
+)
 from kvfleet_runtime.engine._batch import DecodeBatch
 from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams, sample_batch
 from kvfleet_runtime.model import DecodeGraphs, LoadedModel, PagedKV, Transformer
@@ -84,6 +94,10 @@ log = logging.getLogger(__name__)
 
 DETERMINISTIC_RULE = f"chunk{BLOCK_SIZE}"
 """Appended to the cache key's attention id in deterministic mode."""
+
+TIER_POLL_S = 0.001
+"""A stalled engine with requests waiting (a tier still finding out: `num_matched` None) looks
+again after this long, sooner when a load, a submit or a cancel wakes it."""
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 DecodeGraphMode = Literal["auto", "eager", "off"]
@@ -140,6 +154,9 @@ class EngineConfig:
     CUDA graphs on a GPU and runs it plainly elsewhere; "eager" takes the graphs' padded,
     bucketed path without capturing (a GPU whose capture misbehaves; tests of that path on the
     CPU); "off" runs it plainly everywhere. The padded paths reserve one block of the pool."""
+    max_tier_wait_s: float = 5.0
+    """A tier below the cache that still answers "finding out" (None) this long after it was
+    first asked for a request is taken to hold nothing for it: the request goes ahead."""
 
     def __post_init__(self) -> None:
         budget = self.max_tokens_per_step
@@ -195,8 +212,9 @@ class EngineShuttingDown(Exception):
 class RequestStream:
     """The events of one request, in order: TokenEvent..., then exactly one Finished."""
 
-    def __init__(self, seq: _Sequence) -> None:
+    def __init__(self, seq: _Sequence, wake: Callable[[], None] | None = None) -> None:
         self._seq = seq
+        self._wake = wake
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
 
     def _put(self, event: Event) -> None:
@@ -207,6 +225,8 @@ class RequestStream:
         request finished as: "abort" (the client went away) or "stop" (a stop string matched)."""
         self._seq.cancelled = True
         self._seq.cancel_reason = reason
+        if self._wake is not None:  # a stalled engine (every request loading) ends it now
+            self._wake()
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         while True:
@@ -214,6 +234,18 @@ class RequestStream:
             yield event
             if isinstance(event, Finished):
                 return
+
+
+@dataclass(slots=True, eq=False)
+class _Load:
+    """One lower tier's part of a request's prefix: blocks [query.start_block, + num_blocks)."""
+
+    tier: LowerTier
+    query: TierQuery
+    num_blocks: int
+    started: bool = False
+    landed: int | None = None
+    """Leading blocks the tier landed verified, once its `done` was called (None before)."""
 
 
 @dataclass(slots=True)
@@ -229,6 +261,21 @@ class _Sequence:
     """The cache that holds `prefix` (the engine's cache may be switched off meanwhile)."""
     looked_up: bool = False
     """The cache was asked once (admission may wait for room and retry without asking again)."""
+    request_id: int = 0
+    tiers: tuple[LowerTier, ...] = ()
+    """The tiers below the cache this request asks, in order (fixed at its lookup)."""
+    num_asked: int = 0
+    """Tiers that answered so far (the next one is asked at the next admission attempt)."""
+    asking: TierQuery | None = None
+    """The query the tier now being asked answered "finding out" (None) to, if any."""
+    asking_since_s: float = 0.0
+    """When that tier first answered so."""
+    loads: list[_Load] = field(default_factory=list)
+    """What the tiers asked so far will supply (each > 0 blocks), in order."""
+    num_loading: int = 0
+    """Loads started whose `done` the engine has not processed yet."""
+    gone: bool = False
+    """The request ended while loads were out: its blocks go back when the last one is done."""
     cached_tokens: int = 0
     cache_tier: str | None = None
     prefill_pos: int = 0
@@ -245,6 +292,11 @@ class _Sequence:
     @property
     def prefilled(self) -> bool:
         return self.prefill_pos >= len(self.prompt)
+
+    @property
+    def loading(self) -> bool:
+        """Admitted, its blocks allocated, waiting for tiers below the cache to land them."""
+        return self.num_loading > 0
 
 
 class _Metrics:
@@ -273,6 +325,11 @@ class _Metrics:
         self.free_blocks = Gauge(p + "kv_free_blocks", "Blocks of the KV pool new work can "
                                  "have: free, or cached and used by no sequence.",
                                  registry=registry)
+        self.tier_tokens = Counter(p + "tier_cached_tokens", "Prompt tokens whose KV a tier "
+                                   "supplied: t0 shared, t1 copied, t3 (NVMe) and t2 (peers) "
+                                   "landed in the engine's blocks.", ["tier"], registry=registry)
+        self.loading = Gauge(p + "loading_requests", "Requests whose blocks tiers below the "
+                             "cache are landing.", registry=registry)
 
 
 class Engine:
@@ -285,9 +342,14 @@ class Engine:
         config: EngineConfig | None = None,
         registry: CollectorRegistry | None = None,
         kv: PagedKV | None = None,
+        lower_tiers: Sequence[LowerTier] = (),
     ) -> None:
         """`cache` None runs without a prefix cache (every request prefills everything); the
         attribute may be switched at run time (the config's `cache.enabled`).
+
+        `lower_tiers`: the tiers below the cache (T3, then T2: the composition root's order),
+        asked after T0 and T1 for the blocks they lack (`LowerTier`); settable later
+        (`lower_tiers` attribute), read once per request. They need the cache.
 
         `kv`: the device block pool, shared with the cache as its T0 (`PrefixCache(...,
         device_kv=kv)`); by default the cache's own T0 pool when it has one, else a pool of
@@ -295,6 +357,7 @@ class Engine:
         self.model = model
         self.key_fields = key_fields
         self.cache = cache
+        self.lower_tiers: tuple[LowerTier, ...] = tuple(lower_tiers)
         config = config or EngineConfig()
         if kv is None and cache is not None and cache.device_kv is not None:
             pool = cache.device_kv  # the same tensors, allocator and lock: one pool
@@ -323,6 +386,13 @@ class Engine:
         self._firsts: list[tuple[_Sequence, int | None]] = []
         """The step's first tokens (None: sampling failed), sent before `_step_rest` runs."""
         self._lock = threading.Lock()
+        self._request_ids = itertools.count(1)
+        self._landed: list[_Sequence] = []
+        """Sequences one of whose loads called `done` (any thread; under `_lock`)."""
+        self._progress = 0
+        """Counts what steps did (admissions, landed loads, prefill, decode, finishes): a step
+        that leaves it unchanged stalled, and the scheduler sleeps until woken."""
+        self._stalled = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-engine")
         self._wakeup = asyncio.Event()
         self._stores_pending = asyncio.Event()
@@ -384,6 +454,14 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def wake(self) -> None:
+        """From any thread: run a step soon (a tier below the cache knows more now)."""
+        loop = self._loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to wake
+            loop.call_soon_threadsafe(self._wakeup.set)
+
     @property
     def num_running(self) -> int:
         return len(self._running)
@@ -417,8 +495,9 @@ class Engine:
         key = self.key_fields.key(request.tenant_id)
         sampler = Sampler(request.params, prompt=request.token_ids,
                           eos_ids=self.config.stop_ids)
-        seq = _Sequence(request=request, key=key, sampler=sampler, submitted_s=time.monotonic())
-        seq.stream = RequestStream(seq)
+        seq = _Sequence(request=request, key=key, sampler=sampler, submitted_s=time.monotonic(),
+                        request_id=next(self._request_ids))
+        seq.stream = RequestStream(seq, self.wake)
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
                 raise EngineOverloaded(f"{len(self._waiting)} requests are already waiting")
@@ -442,12 +521,22 @@ class Engine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self._running and not self._waiting:
+            if not self._running and not self._waiting and not self._landed:
                 if self._closed:
                     return
-                await self._wakeup.wait()
+                await self._wakeup.wait()  # a submit, or a load done for a request that left
                 self._wakeup.clear()
                 continue
+            if self._stalled:
+                # The last step did nothing: every running request waits for its loads and
+                # nothing waiting could start. Sleep until a load's `done`, a submit or a
+                # cancel wakes the loop; with requests waiting (a tier still finding out, room
+                # a background write still holds) look again after a short while.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(),
+                                           TIER_POLL_S if self._waiting else None)
+                self._wakeup.clear()
+            progress = self._progress
             try:
                 if await loop.run_in_executor(self._executor, self._step):
                     # The step stopped at its first tokens (flushed just before it returned, so
@@ -464,10 +553,11 @@ class Engine:
                 log.exception("engine step failed; failing the running requests")
                 await loop.run_in_executor(self._executor, self._fail_running)
             self._deliver(self._take_outbox())  # the step is over: no thread hand-off needed
+            self._stalled = self._progress == progress and not self._closed
             if self._closed:
                 with self._lock:
-                    for seq in self._waiting:
-                        seq.cancelled = True
+                    for seq in [*self._waiting, *(s for s in self._running if s.loading)]:
+                        seq.cancelled = True  # a load may never come: it is not waited for
                     self._running.extend(self._waiting)
                     self._waiting.clear()
 
@@ -498,7 +588,9 @@ class Engine:
         """Admit, prefill, sample first tokens; then the rest (`_step_rest`), here unless
         there were first tokens: True says they wait in the outbox and the rest is due once the
         loop has delivered them."""
+        self._land()
         self._admit()
+        self._land()  # loads a tier finished at once
         for seq in [s for s in self._running if s.cancelled]:
             self._finish(seq, seq.cancel_reason)
         # Decode tokens are counted first; what remains of the budget goes to prefill.
@@ -509,7 +601,7 @@ class Engine:
         for seq in self._running:
             if budget <= 0:
                 break
-            if not seq.prefilled:
+            if not seq.prefilled and not seq.loading:
                 n = min(len(seq.prompt) - seq.prefill_pos, budget)
                 plan.append((seq, n))
                 # A prompt's tail may end mid-block; the next chunk still gets whole blocks.
@@ -542,11 +634,12 @@ class Engine:
         self.metrics.free_blocks.set(self.kv.num_free_blocks)
 
     def _admit(self) -> None:
+        asking: set[int] = set()  # requests a tier is still finding out about: asked next step
         while len(self._running) < self.config.max_batch_size:
             with self._lock:
                 # The first waiting request that need not wait for a running one's prefix.
-                seq = next((s for s in self._waiting
-                            if s.cancelled or not self._prefix_pending(s)), None)
+                seq = next((s for s in self._waiting if s.request_id not in asking
+                            and (s.cancelled or not self._prefix_pending(s))), None)
             if seq is None:
                 break
             if seq.cancelled:
@@ -557,14 +650,19 @@ class Engine:
             if not seq.looked_up:
                 seq.looked_up = True
                 self._restore_prefix(seq)
+            if not self._ask_tiers(seq):
+                asking.add(seq.request_id)  # waits; the requests behind it go on
+                continue
             need = self.blocks_needed(len(seq.prompt), seq.request.params.max_tokens)
-            fresh = self.kv.take(need - len(seq.table))
+            fresh = self.kv.take(need - len(seq.table))  # the one allocation: every tier's
             if fresh is None:
                 break  # head of line waits for room, keeping its shared prefix
             self._pop_waiting(seq)
             seq.table = seq.table + fresh
             self._running.append(seq)
+            self._progress += 1
             self._copy_prefix(seq)
+            self._start_loads(seq)
 
     def _prefix_pending(self, seq: _Sequence) -> bool:
         """A running sequence of the same key is still computing a full block this prompt
@@ -607,6 +705,52 @@ class Engine:
             return
         seq.prefix, seq.prefix_cache = prefix, cache
         seq.table = list(prefix.table)
+        seq.tiers = self.lower_tiers
+
+    def _ask_tiers(self, seq: _Sequence) -> bool:
+        """Ask the tiers below the cache, in order, how many blocks each supplies after those
+        before it (T0 and T1's, then each tier's); False while the one being asked is still
+        finding out (the request stays waiting and it is asked again next step). A tier that
+        fails to answer supplies nothing."""
+        prefix = seq.prefix
+        if prefix is None or seq.num_asked == len(seq.tiers):
+            return True
+        try:
+            chain = tuple(seq.loads[0].query.chain if seq.loads else prefix.usable_chain())
+        except Exception:
+            self.metrics.cache_errors.labels("tier").inc()
+            log.exception("hashing the prompt for the tiers below the cache failed")
+            seq.num_asked = len(seq.tiers)
+            return True
+        start = seq.loads[-1].query.start_block + seq.loads[-1].num_blocks if seq.loads else (
+            prefix.num_blocks)
+        while seq.num_asked < len(seq.tiers) and start < len(chain):
+            tier = seq.tiers[seq.num_asked]
+            query = TierQuery(seq.request_id, seq.key, seq.prompt, chain, start)
+            try:
+                n = tier.num_matched(query)
+            except Exception:
+                self.metrics.cache_errors.labels("tier").inc()
+                log.exception("tier %s failed to answer; recomputing its part", tier.name)
+                n = 0
+            if n is None:
+                now = time.monotonic()
+                if seq.asking is None:
+                    seq.asking, seq.asking_since_s = query, now
+                if now - seq.asking_since_s < self.config.max_tier_wait_s:
+                    return False
+                log.warning("tier %s is still finding out after %.1f s; going ahead without it",
+                            tier.name, now - seq.asking_since_s)
+                n = 0
+            seq.asking = None
+            seq.num_asked += 1
+            n = max(0, min(int(n), len(chain) - start))
+            if n == 0:
+                self._forget(tier, query)  # not loading after all
+                continue
+            seq.loads.append(_Load(tier, query, n))
+            start += n
+        return True
 
     def _copy_prefix(self, seq: _Sequence) -> None:
         """Copy the hit's blocks that are not in this pool (T1) into the sequence's first fresh
@@ -624,6 +768,102 @@ class Engine:
         seq.cached_tokens = seq.prefill_pos = prefix.cached_tokens
         seq.cache_tier = prefix.tier
         self.metrics.cached_tokens.inc(prefix.cached_tokens)
+        shared = len(prefix.table) * BLOCK_SIZE
+        if shared:
+            self.metrics.tier_tokens.labels("t0").inc(shared)
+        if prefix.cached_tokens > shared:
+            self.metrics.tier_tokens.labels("t1").inc(prefix.cached_tokens - shared)
+
+    def _start_loads(self, seq: _Sequence) -> None:
+        """Start every tier's load into the blocks the allocation gave it; the request waits
+        (`loading`) until each has called `done`. After a gap (T1's copy failed) nothing lands:
+        the tiers are told to forget it."""
+        prefix = seq.prefix
+        if not seq.loads:
+            return
+        if prefix is None or prefix.cached_tokens != prefix.num_blocks * BLOCK_SIZE:
+            for load in seq.loads:
+                self._forget(load.tier, load.query)
+            seq.loads = []
+            return
+        for load in seq.loads:
+            lo = load.query.start_block
+            target = LoadTarget(self.kv, tuple(seq.table[lo : lo + load.num_blocks]))
+            load.started = True
+            seq.num_loading += 1
+            done = self._done_for(seq, load)
+            try:
+                load.tier.load_into(load.query, target, done)
+            except Exception:
+                self.metrics.cache_errors.labels("load").inc()
+                log.exception("tier %s failed to start its load; recomputing", load.tier.name)
+                done(0)
+        self.metrics.loading.inc()
+
+    def _done_for(self, seq: _Sequence, load: _Load) -> Callable[[int], None]:
+        """`load`'s `done`: callable from any thread; counted once, on the engine thread."""
+
+        def done(num_blocks: int) -> None:
+            try:
+                landed = max(0, min(int(num_blocks), load.num_blocks))
+            except (TypeError, ValueError):
+                landed = 0
+            with self._lock:
+                if load.landed is not None:
+                    return  # exactly once: a second call is the tier's bug, not our data
+                load.landed = landed
+                self._landed.append(seq)
+            self.wake()
+
+        return done
+
+    def _land(self) -> None:
+        """Process the loads whose `done` came: a request with none left resumes prefill after
+        its leading landed blocks; one that ended meanwhile gives its blocks back now."""
+        with self._lock:
+            landed, self._landed = self._landed, []
+        for seq in landed:
+            self._progress += 1
+            seq.num_loading -= 1
+            if seq.num_loading:
+                continue
+            self.metrics.loading.dec()
+            if seq.gone:
+                self.kv.give_back(seq.table)  # no tier writes into them any more
+                seq.table = []
+            else:
+                self._resume_after_loads(seq)
+
+    def _resume_after_loads(self, seq: _Sequence) -> None:
+        """The request's prefix: T0 and T1's blocks, then each tier's landed blocks up to the
+        first gap (a tier that landed fewer than it matched; everything after it is recomputed,
+        even what later tiers landed)."""
+        prefix = seq.prefix
+        assert prefix is not None
+        blocks = prefix.cached_tokens // BLOCK_SIZE
+        tier = seq.cache_tier
+        for load in seq.loads:
+            if load.query.start_block != blocks:
+                break
+            n = load.landed or 0
+            if n:
+                blocks += n
+                tier = load.tier.name
+                self.metrics.tier_tokens.labels(tier).inc(n * BLOCK_SIZE)
+            if n < load.num_blocks:
+                break
+        added = blocks * BLOCK_SIZE - prefix.cached_tokens
+        if added:
+            seq.cached_tokens = seq.prefill_pos = blocks * BLOCK_SIZE
+            seq.cache_tier = tier
+            self.metrics.cached_tokens.inc(added)
+
+    def _forget(self, tier: LowerTier, query: TierQuery) -> None:
+        try:
+            tier.forget(query)
+        except Exception:
+            self.metrics.cache_errors.labels("tier").inc()
+            log.exception("tier %s failed to forget a request", tier.name)
 
     def _prefill_chunks(self, plan: list[tuple[_Sequence, int]]) -> None:
         """Prefill the next `n` prompt tokens of each planned sequence: one packed forward for
@@ -635,6 +875,7 @@ class Engine:
                     for t, lo, table in chunks]
         else:
             rows = list(self.model.prefill_packed(chunks, self.kv))
+        self._progress += 1
         for (seq, n), logits in zip(plan, rows, strict=True):
             seq.prefill_pos += n
             seq.last_logits = logits if seq.prefilled else None
@@ -681,6 +922,7 @@ class Engine:
     def _decode(self) -> None:
         """One forward for every decoding sequence, from the batch's kept inputs."""
         batch = self._batch
+        self._progress += 1
         seqs = list(batch.seqs)  # a finish below moves rows; sample in this order
         inputs = batch.inputs()
         logits = (self._graphs(*inputs) if self._graphs is not None
@@ -731,6 +973,7 @@ class Engine:
         return True
 
     def _finish(self, seq: _Sequence, reason: FinishReason, error: str | None = None) -> None:
+        self._progress += 1
         if seq in self._running:
             self._running.remove(seq)
         if seq in self._batch:
@@ -739,9 +982,21 @@ class Engine:
         self._finished_event(seq, reason, error)
 
     def _let_go(self, seq: _Sequence) -> None:
-        """Give back the table's blocks (cached ones stay cached) and the hit's refs."""
-        self.kv.give_back(seq.table)
-        seq.table = []
+        """Give back the table's blocks (cached ones stay cached) and the hit's refs; a tier
+        still asked or loading is told to forget the request. Blocks a tier is landing in stay
+        held until its `done` (`_land` gives them back)."""
+        for load in seq.loads:
+            if load.landed is None:
+                self._forget(load.tier, load.query)
+        if seq.asking is not None:  # a tier still finding out about it
+            self._forget(seq.tiers[seq.num_asked], seq.asking)
+            seq.asking = None
+        seq.num_asked = len(seq.tiers)
+        if seq.loading:
+            seq.gone = True
+        else:
+            self.kv.give_back(seq.table)
+            seq.table = []
         if seq.prefix is not None and seq.prefix_cache is not None:
             try:
                 seq.prefix_cache.finish(seq.prefix)  # releases what `finish` has not yet

@@ -301,8 +301,8 @@ class CountingCache(PrefixCache):
     fail_copy = False
     """Only the T1 -> T0 copy fails (`fill`); `fail_materialize`: placing the hit too."""
 
-    def lookup(self, key, token_ids):  # type: ignore[no-untyped-def]
-        hit = super().lookup(key, token_ids)
+    def _lookup(self, key, chain, num_tokens):  # type: ignore[no-untyped-def]
+        hit = super()._lookup(key, chain, num_tokens)
         if isinstance(hit, Hit):
             self.num_held += 1
         return hit
