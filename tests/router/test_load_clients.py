@@ -28,7 +28,8 @@ import yaml
 from kvfleet_runtime.affinity import parse_api_keys
 from kvfleet_runtime.auth import DEFAULT_TENANT
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
-from kvfleet_runtime.router import FleetView, RouterState
+from kvfleet_runtime.picker import FleetView
+from kvfleet_runtime.router import RouterState
 from kvfleet_runtime.server import ReplicaAuth, build_replica, load_config
 from kvfleet_runtime.tokenizer import load_tokenizer
 from tests.router.test_openai_fleet import RouterThread

@@ -17,7 +17,8 @@ from kvfleet_runtime.affinity import rendezvous_top_k
 from kvfleet_runtime.api import AppRunner
 from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.fleet import EmbeddedHintIndex
-from kvfleet_runtime.router import FleetView, RouterState, create_router_app, prompt_token_ids
+from kvfleet_runtime.picker import FleetView, prompt_token_ids
+from kvfleet_runtime.router import RouterState, create_router_app
 from tests.router.conftest import KEY_FIELDS, KEYS, FakeReplica, StartRouter
 from tests.support import free_port
 
@@ -280,7 +281,7 @@ async def test_upstream_session_is_closed_cleanly(replicas: list[FakeReplica]) -
 
 
 def test_fleet_view_join_and_leave_move_about_one_nth_of_tenants(tmp_path: Path) -> None:
-    from kvfleet_runtime.router import FleetView
+    from kvfleet_runtime.picker import FleetView
 
     tenants = [f"t{i}" for i in range(1000)]
     urls = {f"r{i}": f"http://127.0.0.1:{9000 + i}" for i in range(8)}

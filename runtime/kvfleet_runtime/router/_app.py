@@ -5,7 +5,7 @@
     GET  /v1/models[/{id}]      proxied to a ready replica
     GET  /openapi.json          the replicas' OpenAI schemas (their limits) with the router's auth
     GET  /metrics               Prometheus: decisions by reason, spill_rate, overhead, outcomes,
-                                the KV event views (`router._kv_metrics`)
+                                the KV event views (`picker._kv_metrics`)
     GET  /healthz               the event loop answers
     GET  /readyz                keys loaded and at least one replica ready
 
@@ -14,27 +14,16 @@ Every error is OpenAI's JSON envelope (`kvfleet_runtime.api`). The body is read 
 depth, no lone surrogates) before anything is forwarded: a 50 MB body is refused with 413 after
 the first byte over the limit, never sent on to a replica.
 
-Per request: API key -> tenant (a client-sent `X-Kvfleet-Tenant` is discarded and replaced, and
-the API key is not forwarded), then the pure decision (`kvfleet_runtime.affinity.choose_replica`)
-over the fleet view, then the proxy. A vLLM replica (the fleet config's `engine`) takes the tenant
-from the body's `cache_salt`, not from a header: the router replaces that field, whatever the
-client sent, with the tenant's signed salt (`kvfleet_runtime.auth.cache_salt`).
-
-The cache-aware override needs each replica's matched tokens for this prompt; the router
-computes the prompt's chained block hashes itself (the key fields come from the replicas' load
-reports, so they cannot drift from what replicas hash) and asks the hint index for the leading
-run per host, in one round trip under a ~1 ms budget. No index, no key yet, or a failed lookup:
-the override is simply off for that request. A vLLM replica whose KV events the router follows
-(`--kv-events`, `router._kv_events`) also counts what it holds in its own GPU cache: per replica
-the larger of the two (`_with_kv_events`).
-
-Text prompts are tokenized only with the replicas' own tokenizer: the load report names it (a
-digest of the tokenizer files), and the router encodes with its `--tokenizer` (the model folder's
-tokenizer files) only when the names are equal; the byte tokenizer needs no files. A different or
-missing tokenizer routes the request without tokens (no override), never with other ids.
+Per request: API key -> tenant (`picker.Tenancy`: a client-sent `X-Kvfleet-Tenant` is discarded
+and replaced, and the API key is not forwarded), then the picker (`kvfleet_runtime.picker`: the
+prompt tokenized once, matched tokens from the hint index and vLLM's KV events, the pure
+decision and its failover order), then the proxy. A vLLM replica (the fleet config's `engine`)
+takes the tenant from the body's `cache_salt`, not from a header: the router replaces that
+field, whatever the client sent, with the tenant's signed salt (`Tenancy.vllm_body`).
 
 A replica that cannot be reached, or answers 503 before any byte was sent to the client, is
-skipped and the request is decided again without it (at most `max_attempts` replicas). A client
+skipped and the request goes to the next replica of the pick's failover order (what deciding
+again without it chooses; at most `max_attempts` replicas). A client
 that goes away is a `client_abort` outcome (the upstream request is closed, so the replica
 cancels the sequence), never a broken replica and never an ERROR log.
 """
@@ -46,11 +35,10 @@ import contextlib
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
@@ -58,13 +46,12 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     generate_latest,
 )
 
 from kvfleet_runtime import __version__
-from kvfleet_runtime.affinity import ApiKeyMap, RouteDecision, choose_replica
+from kvfleet_runtime.affinity import ApiKeyMap
 from kvfleet_runtime.api import (
     ApiError,
     ListenerLimits,
@@ -77,67 +64,20 @@ from kvfleet_runtime.api import (
     parse_json,
     read_body,
 )
-from kvfleet_runtime.auth import cache_salt, sign_assertion
-from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.fleet.hint_index import HintIndex
+from kvfleet_runtime.picker import FleetView, KvEventViews, Picker, PickRequest, Target, Tenancy
 from kvfleet_runtime.pools import UPSTREAM_MAX_CONNECTIONS, UPSTREAM_MAX_CONNECTIONS_PER_REPLICA
-from kvfleet_runtime.router._kv_events import KvEventViews
-from kvfleet_runtime.router._kv_metrics import KvEventCollector
-from kvfleet_runtime.router._view import FleetView
-from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
-from kvfleet_runtime.wire import ASSERTION_HEADER, BLOCK_SIZE, CACHE_SALT_FIELD, TENANT_HEADER
+from kvfleet_runtime.tokenizer import Tokenizer
+from kvfleet_runtime.wire import TENANT_HEADER
 
-__all__ = ["RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids"]
+__all__ = ["RouterState", "create_router_app"]
 
 log = logging.getLogger(__name__)
 
-_BYTE_TOKENIZER = ByteTokenizer()
-_INLINE_ENCODE_MAX_CHARS = 4096
-"""Longer text prompts are tokenized on a worker thread: tens of milliseconds for a long document
-would stall every request on the router's event loop."""
 _FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
 _HARD_MAX_BODY_BYTES = 64 << 20
 """aiohttp's own cap; `RouterState.max_body_bytes` is checked below it."""
 _PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}")
-
-
-def prompt_token_ids(prompt: Any, tokenizer: str,
-                     local: Tokenizer | None = None) -> list[int] | None:
-    """The token ids the replica will see for `prompt`, when the router can know them.
-
-    `tokenizer` is the name the replicas report; `local` the router's own (`--tokenizer`), used
-    only when its name is that one."""
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        return list(prompt)
-    if not isinstance(prompt, str):
-        return None
-    own = _tokenizer_named(tokenizer, local)
-    if own is None:
-        return None
-    try:
-        return own.encode(prompt)
-    except ValueError:  # a lone surrogate: the replica refuses it with a 400
-        return None
-
-
-def chat_token_ids(messages: Any, tokenizer: str,
-                   local: Tokenizer | None = None) -> list[int] | None:
-    """The ids a replica computes for a chat request's `messages` (its template, with the
-    generation prompt), under the same rule as `prompt_token_ids`; None also when the template
-    refuses the messages (the replica answers that request with the reason)."""
-    own = _tokenizer_named(tokenizer, local)
-    if own is None or not isinstance(messages, list):
-        return None
-    try:
-        return own.encode_chat(messages, add_generation_prompt=True)
-    except ValueError:
-        return None
-
-
-def _tokenizer_named(name: str, local: Tokenizer | None) -> Tokenizer | None:
-    if local is not None and name and local.name == name:
-        return local
-    return _BYTE_TOKENIZER if name == _BYTE_TOKENIZER.name else None
 
 
 @dataclass
@@ -191,8 +131,6 @@ class RouterState:
     """Replica name -> ZMQ endpoint of its KV events (`--kv-events`)."""
     kv_events_port: int | None = None
     """Every vLLM replica's events at its URL's host on this port (`--kv-events-port`)."""
-    _recent: deque[bool] = field(default_factory=deque)
-    _warned_tokenizers: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if not 1 <= self.upstream_max_connections_per_replica <= self.upstream_max_connections:
@@ -200,19 +138,20 @@ class RouterState:
                 "upstream connection caps: need 1 <= per replica "
                 f"({self.upstream_max_connections_per_replica}) <= total "
                 f"({self.upstream_max_connections})")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         r = self.registry
-        self.m_decisions = Counter(
-            "kvfleet_router_decisions", "Routing decisions by reason.", ["reason"], registry=r
-        )
+        # The composition: one secret signs the assertion, the body's salt and the KV views'.
+        self.tenancy = Tenancy(self.keys, self.router_secret)
+        self.picker = Picker(
+            self.view, index=self.index, kv_events=self.kv_events, tokenizer=self.tokenizer,
+            router_secret=self.router_secret, kv_event_endpoints=self.kv_event_endpoints,
+            kv_events_port=self.kv_events_port, max_hint_blocks=self.max_hint_blocks,
+            max_fallbacks=self.max_attempts - 1, spill_window=self.spill_window, registry=r)
         self.m_requests = Counter(
             "kvfleet_router_requests",
             "Proxied requests by replica and outcome.",
             ["replica", "outcome"],
-            registry=r,
-        )
-        self.m_spill_rate = Gauge(
-            "kvfleet_router_spill_rate",
-            "Share of the last decisions that spilled off the tenant's homes.",
             registry=r,
         )
         self.m_overhead = Histogram(
@@ -222,143 +161,21 @@ class RouterState:
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1),
             registry=r,
         )
-        self.m_hint_errors = Counter(
-            "kvfleet_router_hint_lookup_failures",
-            "Hint lookups that did not answer (override off).",
-            registry=r,
-        )
         self.m_unauthorized = Counter(
             "kvfleet_router_unauthorized",
             "Requests refused for a missing or unknown API key.",
             registry=r,
         )
-        r.register(KvEventCollector(lambda: self.kv_events))
-
-    def record(self, decision: RouteDecision) -> None:
-        self.m_decisions.labels(decision.reason).inc()
-        self._recent.append(decision.reason == "spill")
-        if len(self._recent) > self.spill_window:
-            self._recent.popleft()
-        self.m_spill_rate.set(sum(self._recent) / len(self._recent))
 
     @property
     def spill_rate(self) -> float:
-        return sum(self._recent) / len(self._recent) if self._recent else 0.0
+        return self.picker.spill_rate
 
 
 def _error(
     status: int, message: str, code: str, headers: dict[str, str] | None = None
 ) -> web.Response:
     return error_response(status, message, code=code, headers=headers)
-
-
-async def _matched_tokens(state: RouterState, tenant: str, prompt: Any, *,
-                          chat: bool = False) -> dict[str, int]:
-    """Hinted prefix tokens per replica for this prompt (a chat request's `messages` when
-    `chat`); {} when unknown."""
-    view = state.view
-    if state.index is None or view.recompute_cost is None or not view.t2_enabled:
-        return {}
-    # Replicas of one fleet share one key template; take it from any ready reporter.
-    report = next(
-        (
-            r.report
-            for r in view.replicas.values()
-            if r.report is not None and r.report.ready and r.report.cache_key
-        ),
-        None,
-    )
-    if report is None or report.cache_key is None:
-        return {}
-    key = CacheKey(tenant, *report.cache_key)
-    encode = chat_token_ids if chat else prompt_token_ids
-    text_chars = len(json.dumps(prompt)) if chat else len(prompt) if isinstance(prompt, str) else 0
-    if text_chars > _INLINE_ENCODE_MAX_CHARS:
-        token_ids = await asyncio.to_thread(encode, prompt, report.tokenizer, state.tokenizer)
-    else:
-        token_ids = encode(prompt, report.tokenizer, state.tokenizer)
-    if token_ids is None and (chat or isinstance(prompt, str)):
-        _warn_untokenized(state, report.tokenizer)
-    if key is None or token_ids is None or len(token_ids) < BLOCK_SIZE:
-        return {}
-    token_ids = token_ids[: state.max_hint_blocks * BLOCK_SIZE]
-    try:
-        hashes = block_hashes(key, token_ids)
-    except ValueError:
-        return {}
-    runs = await state.index.lookup_runs(hashes, tenant=tenant)
-    if not runs and getattr(state.index, "available", True) is False:
-        state.m_hint_errors.inc()
-    return {host: n * BLOCK_SIZE for host, n in runs.items() if host in view.replicas}
-
-
-async def _with_kv_events(state: RouterState, tenant: str, prompt: Any, matched: dict[str, int],
-                          *, chat: bool = False) -> dict[str, int]:
-    """`matched` with what each vLLM replica's KV events say it holds for this prompt (the
-    larger of the two per replica). vLLM replicas report no tokenizer name: text prompts are
-    encoded with the router's own `--tokenizer` (a different tokenizer only routes worse:
-    vLLM's own cache decides what hits)."""
-    views = state.kv_events
-    if views is None or not views.views or state.view.recompute_cost is None:
-        return matched
-    try:
-        salt = cache_salt(state.router_secret, tenant)
-    except ValueError:
-        return matched
-    own = state.tokenizer.name if state.tokenizer is not None else ""
-    encode = chat_token_ids if chat else prompt_token_ids
-    text_chars = len(json.dumps(prompt)) if chat else len(prompt) if isinstance(prompt, str) else 0
-    if text_chars > _INLINE_ENCODE_MAX_CHARS:
-        token_ids = await asyncio.to_thread(encode, prompt, own, state.tokenizer)
-    else:
-        token_ids = encode(prompt, own, state.tokenizer)
-    if token_ids is None:
-        return matched
-    token_ids = token_ids[: state.max_hint_blocks * BLOCK_SIZE]
-    held = views.matched_tokens(salt, token_ids, state.view.replicas)
-    return {**matched, **{r: max(n, matched.get(r, 0)) for r, n in held.items()}}
-
-
-def kv_event_endpoints(state: RouterState) -> dict[str, str]:
-    """Replica -> KV event endpoint: `kv_event_endpoints`, then every vLLM replica of the
-    view at its URL's host on `kv_events_port`."""
-    out = {}
-    if state.kv_events_port is not None:
-        for r in state.view.replicas.values():
-            host = urlsplit(r.url).hostname
-            if r.engine == "vllm" and host:
-                out[r.name] = f"tcp://{_zmq_host(host)}:{state.kv_events_port}"
-    return {**out, **state.kv_event_endpoints}
-
-
-def _zmq_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _warn_untokenized(state: RouterState, replica_tokenizer: str) -> None:
-    if replica_tokenizer in state._warned_tokenizers:
-        return
-    state._warned_tokenizers.add(replica_tokenizer)
-    mine = state.tokenizer.name if state.tokenizer is not None else "none (no --tokenizer)"
-    log.warning("replicas report tokenizer %r, the router has %s: text prompts are routed "
-                "without the cache-aware override", replica_tokenizer or "(none)", mine)
-
-
-def _decide(
-    state: RouterState, tenant: str, matched: dict[str, int], exclude: set[str]
-) -> RouteDecision | None:
-    view = state.view
-    loads = [load for load in view.loads() if load.name not in exclude]
-    home_set = view.home_set(tenant)
-    return choose_replica(
-        tenant,
-        loads,
-        k=view.affinity_k,
-        occupancy_threshold=view.threshold,
-        home_set=home_set,
-        matched_tokens={r: n for r, n in matched.items() if r not in exclude},
-        recompute_s_per_token=view.recompute_cost,
-    )
 
 
 def create_router_app(state: RouterState) -> web.Application:
@@ -368,16 +185,11 @@ def create_router_app(state: RouterState) -> web.Application:
     )
 
     def authenticate(request: web.Request) -> str:
-        tenant = state.keys.tenant_for_authorization(request.headers.get("Authorization"))
-        if tenant is None:
+        try:
+            return state.tenancy.authenticate(request.headers.get("Authorization"))
+        except ApiError:
             state.m_unauthorized.inc()
-            raise ApiError(
-                401,
-                "missing or unknown API key (Authorization: Bearer <key>)",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return tenant
+            raise
 
     async def json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
         raw = await read_body(request, state.max_body_bytes, state.body_read_timeout_s)
@@ -391,80 +203,45 @@ def create_router_app(state: RouterState) -> web.Application:
         return raw, body
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
-        tenant = authenticate(request)
-        raw, body = await json_body(request)
-        prompt = body.get("prompt")
-        matched = await _matched_tokens(state, tenant, prompt)
-        matched = await _with_kv_events(state, tenant, prompt, matched)
-        prompt_tokens = len(prompt) if isinstance(prompt, (str, list)) else 0
-        return await _proxy(
-            request, "/v1/completions", raw, body, tenant, matched, prompt_tokens, started
-        )
+        return await _proxy(request, "/v1/completions", chat=False)
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
+        # The replicas' chat template, when the picker has their tokenizer (chat_token_ids).
+        return await _proxy(request, "/v1/chat/completions", chat=True)
+
+    async def _proxy(request: web.Request, path: str, *, chat: bool) -> web.StreamResponse:
         started = time.perf_counter()
         tenant = authenticate(request)
         raw, body = await json_body(request)
-        messages = body.get("messages")
-        # The replicas' chat template, when the router has their tokenizer (chat_token_ids).
-        matched = await _matched_tokens(state, tenant, messages, chat=True)
-        matched = await _with_kv_events(state, tenant, messages, matched, chat=True)
-        prompt_chars = (
-            sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
-            if isinstance(messages, list)
-            else 0
-        )
-        return await _proxy(
-            request, "/v1/chat/completions", raw, body, tenant, matched, prompt_chars, started
-        )
-
-    async def _proxy(
-        request: web.Request,
-        path: str,
-        raw: bytes,
-        body: dict[str, Any],
-        tenant: str,
-        matched: dict[str, int],
-        prompt_tokens: int,
-        started: float,
-    ) -> web.StreamResponse:
         assert state.session is not None
-        tried: set[str] = set()
+        pick = await state.picker.pick(PickRequest(tenant, body, chat))
         last_error = "no replica is ready"
         salted: bytes | None = None
-        for _ in range(state.max_attempts):
-            decision = _decide(state, tenant, matched, tried)
-            if decision is None:
-                break
-            state.record(decision)
-            name = decision.replica
-            tried.add(name)
+        for target in pick.targets if pick is not None else ():
+            name = target.replica
             replica = state.view.replicas[name]
             data = raw
             if replica.engine == "vllm":
                 if salted is None:
-                    salted = _salted_body(body, state.router_secret, tenant)
+                    salted = state.tenancy.vllm_body(body, tenant)
                 data = salted
-            headers = {TENANT_HEADER: tenant, "Content-Type": "application/json"}
-            if state.router_secret:
-                # One per attempt: bound to this replica, method and path, for seconds.
-                headers[ASSERTION_HEADER] = sign_assertion(
-                    state.router_secret, tenant, audience=name, method="POST", path=path,
-                    now_s=time.time())
-            state.view.begin(name, prompt_tokens)
+            headers = {"Content-Type": "application/json",
+                       **state.tenancy.replica_headers(tenant, replica=name, method="POST",
+                                                       path=path, now_s=time.time())}
+            assert pick is not None
+            state.picker.begin(name, pick.prompt_tokens)
             state.m_overhead.observe(time.perf_counter() - started)
-            attempt = _Attempt(name, decision)
+            attempt = _Attempt(name, target)
             try:
                 return await _attempt(request, replica.url + path, data, headers, attempt)
             except _Failover as exc:
                 state.m_requests.labels(name, exc.outcome).inc()
                 if exc.back_off:
-                    state.view.mark_down(name, backoff_s=state.replica_backoff_s)
+                    state.picker.mark_down(name, backoff_s=state.replica_backoff_s)
                     log.warning("replica %s: %s; marked down for %g s", name, exc.detail,
                                 state.replica_backoff_s)
                 elif exc.outcome == "unreachable":
-                    state.view.mark_down(name)
+                    state.picker.mark_down(name)
                 last_error = f"replica {name}: {exc.detail}"
                 continue
             except _ClientGone:
@@ -479,7 +256,7 @@ def create_router_app(state: RouterState) -> web.Application:
                 log.debug("client went away; closed the request to replica %s", name)
                 raise
             finally:
-                state.view.end(name, prompt_tokens)
+                state.picker.end(name, pick.prompt_tokens)
         return _error(503, last_error, "no_replica", {"Retry-After": "1"})
 
     async def _attempt(request: web.Request, url: str, data: bytes, headers: dict[str, str],
@@ -643,7 +420,7 @@ def create_router_app(state: RouterState) -> web.Application:
 
     async def readyz(request: web.Request) -> web.StreamResponse:
         ready = [x.name for x in state.view.loads() if x.ready]
-        ok = bool(ready) and bool(state.keys.digest_to_tenant)
+        ok = bool(ready) and bool(state.tenancy.keys.digest_to_tenant)
         return web.json_response(
             {
                 "status": "ready" if ok else "not_ready",
@@ -675,7 +452,7 @@ def create_router_app(state: RouterState) -> web.Application:
 @dataclass(slots=True)
 class _Attempt:
     name: str
-    decision: RouteDecision
+    decision: Target
     out: web.StreamResponse | None = None
     """The client's response once it started (nothing can be retried after that)."""
 
@@ -723,7 +500,7 @@ def _has_token(pending: bytes) -> bool:
     return False
 
 
-def _answer_headers(upstream: aiohttp.ClientResponse, decision: RouteDecision) -> dict[str, str]:
+def _answer_headers(upstream: aiohttp.ClientResponse, decision: Target) -> dict[str, str]:
     headers = {h: upstream.headers[h] for h in _FORWARD_RESPONSE_HEADERS if h in upstream.headers}
     headers.update(
         {h: v for h, v in upstream.headers.items() if h.lower().startswith("x-kvfleet-")})
@@ -740,19 +517,6 @@ async def _client_write(step: Awaitable[Any]) -> None:
         if is_client_gone(exc):
             raise _ClientGone from exc
         raise
-
-
-def _salted_body(body: dict[str, Any], secret: bytes | None, tenant: str) -> bytes:
-    """The body for a vLLM replica: `cache_salt` is the authenticated tenant's salt, whatever
-    the client sent (a client could otherwise name another tenant's salt and read its cache).
-    Re-encoded from the parsed body, so a duplicate `cache_salt` key cannot survive either."""
-    try:
-        salt = cache_salt(secret, tenant)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), code="tenant_not_servable", param=CACHE_SALT_FIELD) from exc
-    # parse_json refused lone surrogates, so the text always encodes as UTF-8
-    return json.dumps({**body, CACHE_SALT_FIELD: salt}, ensure_ascii=False,
-                      separators=(",", ":")).encode()
 
 
 class _ClientGone(Exception):
@@ -800,16 +564,6 @@ def router_openapi(replica_doc: dict[str, Any]) -> dict[str, Any]:
             "components": components}
 
 
-def _start_kv_events(state: RouterState) -> asyncio.Task[None] | None:
-    if state.kv_events is None:
-        return None
-    # zmq is imported only by a router that subscribes
-    from kvfleet_runtime.router._kv_subscriber import KvEventSubscriber
-
-    sub = KvEventSubscriber(state.kv_events, lambda: kv_event_endpoints(state))
-    return asyncio.create_task(sub.run(), name="router-kv-events")
-
-
 def _lifecycle(state: RouterState) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         own_session = state.session is None
@@ -823,25 +577,10 @@ def _lifecycle(state: RouterState) -> Callable[[web.Application], AsyncIterator[
                 auto_decompress=False,
             )
         assert state.session is not None
-        state.view.reload_config()
-        await state.view.poll_once(state.session, timeout_s=1.0)
-        poller = asyncio.create_task(
-            state.view.run(
-                state.session,
-                poll_interval_s=state.poll_interval_s,
-                config_poll_s=state.config_poll_s,
-            ),
-            name="router-poll",
-        )
-        events = _start_kv_events(state)
+        await state.picker.start(state.session, poll_interval_s=state.poll_interval_s,
+                                 config_poll_s=state.config_poll_s)
         yield
-        for task in (poller, events):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if state.index is not None:
-            await state.index.close()
+        await state.picker.stop()
         if own_session:
             await state.session.close()
             state.session = None
