@@ -74,7 +74,7 @@ from kvfleet_runtime.model import (
     onednn_packing_supported,
 )
 from kvfleet_runtime.nvme import NvmeConfig, NvmeStore, NvmeTier
-from kvfleet_runtime.server._auth import ReplicaAuth, auth_middleware
+from kvfleet_runtime.server._auth import DEFAULTED_TENANT, ReplicaAuth, auth_middleware
 from kvfleet_runtime.server._completions import chat_completions, completions, detokenize, tokenize
 from kvfleet_runtime.server._config import (
     CacheSettings,
@@ -248,7 +248,7 @@ async def watch_config(replica: Replica) -> None:
 # ---- request helpers -------------------------------------------------------------------------
 
 def _tenant(request: web.Request) -> str:
-    tenant = request.headers.get(TENANT_HEADER)
+    tenant = request.get(DEFAULTED_TENANT) or request.headers.get(TENANT_HEADER)
     if not tenant:
         raise ApiError(400, f"missing header {TENANT_HEADER} (set by the router)",
                        param=TENANT_HEADER, code="missing_tenant")
@@ -277,18 +277,25 @@ def _validate(model: type[M], data: Any, *, generation: bool = True) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = []
+        # One problem per field: a union's members each fail ("greater than or equal to 1",
+        # "-1") and are joined with "or", under the client's field name.
+        problems: dict[str, tuple[list[str], str]] = {}
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
             value = repr(err.get("input"))
             value = value if len(value) <= 60 else value[:57] + "..."
-            problems.append(f"{loc or 'body'}: {err['msg']} (got {value})")
+            messages, _ = problems.setdefault(loc or "body", ([], value))
+            if err["msg"] not in messages:
+                messages.append(err["msg"])
         first = exc.errors()[0]["loc"]
-        raise ApiError(400, "; ".join(problems), param=str(first[0]) if first else None,
-                       code="invalid_value") from exc
+        raise ApiError(400, "; ".join(f"{loc}: {' or '.join(msgs)} (got {value})"
+                                      for loc, (msgs, value) in problems.items()),
+                       param=str(first[0]) if first else None, code="invalid_value") from exc
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|constrained-str|[a-z]+\[.*\])$")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|constrained-[a-z]+|[a-z][a-z-]*\[.*\])$")
+"""pydantic's names for a union's members (`literal[-1]`, `constrained-int`,
+`function-before[_integral(), constrained-int]`); a field name has no brackets or dashes."""
 
 
 def _is_union_tag(part: int | str) -> bool:
