@@ -487,8 +487,8 @@ class FleetTier:
         self._watcher = None if path is None else ConfigFileWatcher(path)
         self._reload_config()
         log.info("fleet tier %s: hint index %s", self.settings.name, hint_index_kind(self.index))
-        self.publisher.start()
-        task = asyncio.create_task(self._background(), name="kvfleet-fleet-tier")
+        self.publisher.start(self.replica.supervisor)
+        task = self.replica.supervisor.start("kvfleet-fleet-tier", self._background)
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -78,6 +78,7 @@ from kvfleet_runtime.api import (
     read_body,
 )
 from kvfleet_runtime.auth import cache_salt, sign_assertion
+from kvfleet_runtime.background import Supervisor
 from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.fleet.hint_index import HintIndex
 from kvfleet_runtime.pools import UPSTREAM_MAX_CONNECTIONS, UPSTREAM_MAX_CONNECTIONS_PER_REPLICA
@@ -192,6 +193,9 @@ class RouterState:
     """Replica name -> ZMQ endpoint of its KV events (`--kv-events`)."""
     kv_events_port: int | None = None
     """Every vLLM replica's events at its URL's host on this port (`--kv-events-port`)."""
+    supervisor: Supervisor = field(init=False)
+    """Runs the router's background loops (load and config polls, KV-event subscriptions): a
+    loop that dies is logged and restarted (`kvfleet_runtime.background`)."""
     _recent: deque[bool] = field(default_factory=deque)
     _warned_tokenizers: set[str] = field(default_factory=set)
 
@@ -234,6 +238,7 @@ class RouterState:
             registry=r,
         )
         r.register(KvEventCollector(lambda: self.kv_events))
+        self.supervisor = Supervisor(registry=r)
 
     def record(self, decision: RouteDecision) -> None:
         self.m_decisions.labels(decision.reason).inc()
@@ -667,6 +672,8 @@ def create_router_app(state: RouterState) -> web.Application:
                 "config_generation": state.view.config.generation if state.view.config else None,
                 # The last good config routes; this says why the file on disk is not it.
                 "config_error": state.view.config_error or None,
+                "background_restarts": {name: n for name, n in
+                                        state.supervisor.restarts.items() if n},
             },
             status=200 if ok else 503,
         )
@@ -819,8 +826,9 @@ def _start_kv_events(state: RouterState) -> asyncio.Task[None] | None:
     # zmq is imported only by a router that subscribes
     from kvfleet_runtime.router._kv_subscriber import KvEventSubscriber
 
-    sub = KvEventSubscriber(state.kv_events, lambda: kv_event_endpoints(state))
-    return asyncio.create_task(sub.run(), name="router-kv-events")
+    sub = KvEventSubscriber(state.kv_events, lambda: kv_event_endpoints(state),
+                            supervisor=state.supervisor)
+    return state.supervisor.start("router-kv-events", sub.run)
 
 
 def _lifecycle(state: RouterState) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -838,14 +846,9 @@ def _lifecycle(state: RouterState) -> Callable[[web.Application], AsyncIterator[
         assert state.session is not None
         state.view.reload_config()
         await state.view.poll_once(state.session, timeout_s=1.0)
-        poller = asyncio.create_task(
-            state.view.run(
-                state.session,
-                poll_interval_s=state.poll_interval_s,
-                config_poll_s=state.config_poll_s,
-            ),
-            name="router-poll",
-        )
+        session = state.session
+        poller = state.supervisor.start("router-poll", lambda: state.view.run(
+            session, poll_interval_s=state.poll_interval_s, config_poll_s=state.config_poll_s))
         events = _start_kv_events(state)
         yield
         for task in (poller, events):

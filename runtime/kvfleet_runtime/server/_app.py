@@ -215,7 +215,9 @@ async def watch_config(replica: Replica) -> None:
     the last good config otherwise (`config.watch`: a half-written file is never applied)."""
     path = replica.config_path
     assert path is not None and replica.reloads is not None
-    watcher = ConfigFileWatcher(path)
+    if replica.config_watcher is None:
+        replica.config_watcher = ConfigFileWatcher(path)
+    watcher = replica.config_watcher
     while True:
         await asyncio.sleep(replica.config.config_poll_interval_s)
         content = await asyncio.to_thread(watcher.poll)
@@ -425,7 +427,9 @@ def _handlers(replica: Replica, auth: ReplicaAuth) -> dict[str, Handler]:
                 "restart_pending": replica.restart_pending,
                 "config_polls": replica.config_polls,
                 "config_applied_at_poll": replica.config_applied_at_poll,
-                "config_errors": dict(replica.config_errors)}
+                "config_errors": dict(replica.config_errors),
+                "background_restarts": {name: n for name, n in
+                                        replica.supervisor.restarts.items() if n}}
         return web.json_response(body, status=200 if replica.ready else 503)
 
     async def openapi(request: web.Request) -> web.StreamResponse:
@@ -466,10 +470,11 @@ def create_app(replica: Replica, *, watch: bool = True,
     app.router.add_get("/health", h["health"])
 
     async def lifecycle(app: web.Application) -> Any:
-        await replica.engine.start()
+        await replica.engine.start(replica.supervisor)
         watcher = None
         if watch and replica.config_path is not None:
-            watcher = asyncio.create_task(watch_config(replica), name="kvfleet-config-watch")
+            watcher = replica.supervisor.start("kvfleet-config-watch",
+                                               lambda: watch_config(replica))
         replica.ready = True
         yield
         replica.ready = False
