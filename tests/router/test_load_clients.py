@@ -54,7 +54,8 @@ class Served:
         metrics = self.replica.replica.engine.metrics
         return {"prompt": metrics.prompt_tokens._value.get(),
                 "generated": metrics.generated_tokens._value.get(),
-                "cached": metrics.cached_tokens._value.get()}
+                "cached": sum(s.value for m in metrics.cached_tokens.collect()
+                              for s in m.samples if s.name.endswith("_total"))}
 
 
 @pytest.fixture(scope="module")

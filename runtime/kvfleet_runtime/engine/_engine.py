@@ -62,6 +62,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch import Tensor
 
+from kvfleet_runtime.background import Supervisor
 from kvfleet_runtime.cache import CacheKey, Prefix, PrefixCache, StoreOutcome, usable_tokens
 from kvfleet_runtime.engine._batch import DecodeBatch
 from kvfleet_runtime.engine._sampling import Sampled, Sampler, SamplingParams, sample_batch
@@ -349,12 +350,15 @@ class Engine:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, supervisor: Supervisor | None = None) -> None:
+        """Start the scheduler and the cache drain, as loops of `supervisor` (the replica's:
+        a loop that dies is logged and restarted); a private one when None."""
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._stores_pending = asyncio.Event()
-        self._task = asyncio.create_task(self._run(), name="kvfleet-engine-scheduler")
-        self._drain_task = asyncio.create_task(self._drain_loop(), name="kvfleet-cache-drain")
+        supervisor = Supervisor() if supervisor is None else supervisor
+        self._task = supervisor.start("kvfleet-engine-scheduler", self._run)
+        self._drain_task = supervisor.start("kvfleet-cache-drain", self._drain_loop)
 
     async def stop(self) -> None:
         self._closed = True

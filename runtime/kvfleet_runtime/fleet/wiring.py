@@ -7,7 +7,7 @@
 What it adds to the replica's aiohttp app:
 
 - `POST /kv/v1/blocks`: the T2 endpoint (authenticated; see `transfer`), serving from the cache.
-- `GET /fleet/v1/load`: the load report the router polls (`kvfleet_runtime.router._view`):
+- `GET /fleet/v1/load`: the load report the router polls (`kvfleet_runtime.picker._view`):
   KV occupancy of the engine's working blocks, queue depth and an estimated queue delay, and the
   cache key fields and tokenizer id the router needs to compute the prompt's block hashes.
 - `POST /kv/v1/held`: the held probe (same credential as T2): how many leading blocks of a chain
@@ -493,8 +493,8 @@ class FleetTier:
         self._watcher = None if path is None else ConfigFileWatcher(path)
         self._reload_config()
         log.info("fleet tier %s: hint index %s", self.settings.name, hint_index_kind(self.index))
-        self.publisher.start()
-        task = asyncio.create_task(self._background(), name="kvfleet-fleet-tier")
+        self.publisher.start(self.replica.supervisor)
+        task = self.replica.supervisor.start("kvfleet-fleet-tier", self._background)
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

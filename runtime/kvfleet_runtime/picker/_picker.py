@@ -23,7 +23,6 @@ also counts what it holds in its own GPU cache (the chain rooted at the tenant's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -38,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvfleet_runtime.affinity import RouteDecision, RouteReason, choose_replica
 from kvfleet_runtime.auth import cache_salt
+from kvfleet_runtime.background import Supervisor
 from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.fleet.hint_index import HintIndex
 from kvfleet_runtime.picker._kv_events import KvEventViews
@@ -196,9 +196,11 @@ class Picker:
         self._clock = clock
         self._recent: deque[bool] = deque()
         self._warned_tokenizers: set[str] = set()
-        self._tasks: list[asyncio.Task[None]] = []
         r = registry if registry is not None else CollectorRegistry()
         self.registry = r
+        self.supervisor = Supervisor(registry=r)
+        """Runs the picker's background loops (load and config polls, KV-event subscriptions):
+        a loop that dies is logged and restarted (`kvfleet_runtime.background`)."""
         self.m_decisions = Counter(
             "kvfleet_router_decisions", "Routing decisions by reason.", ["reason"], registry=r)
         self.m_spill_rate = Gauge(
@@ -361,22 +363,18 @@ class Picker:
         events) until `stop`."""
         self.view.reload_config()
         await self.view.poll_once(session, timeout_s=1.0)
-        self._tasks.append(asyncio.create_task(
-            self.view.run(session, poll_interval_s=poll_interval_s, config_poll_s=config_poll_s),
-            name="picker-poll"))
+        self.supervisor.start("router-poll", lambda: self.view.run(
+            session, poll_interval_s=poll_interval_s, config_poll_s=config_poll_s))
         if self.kv_events is not None:
             # zmq is imported only by a picker that subscribes
             from kvfleet_runtime.picker._kv_subscriber import KvEventSubscriber
 
-            sub = KvEventSubscriber(self.kv_events, self.kv_event_endpoints)
-            self._tasks.append(asyncio.create_task(sub.run(), name="picker-kv-events"))
+            sub = KvEventSubscriber(self.kv_events, self.kv_event_endpoints,
+                                    supervisor=self.supervisor)
+            self.supervisor.start("router-kv-events", sub.run)
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.supervisor.stop()
         if self.index is not None:
             await self.index.close()
 

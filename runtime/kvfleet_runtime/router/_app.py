@@ -67,6 +67,7 @@ from kvfleet_runtime.api import (
 from kvfleet_runtime.fleet.hint_index import HintIndex
 from kvfleet_runtime.picker import FleetView, KvEventViews, Picker, PickRequest, Target, Tenancy
 from kvfleet_runtime.pools import UPSTREAM_MAX_CONNECTIONS, UPSTREAM_MAX_CONNECTIONS_PER_REPLICA
+from kvfleet_runtime.router._sse import EventTooLarge, SseEvents, data_lines, error_event
 from kvfleet_runtime.tokenizer import Tokenizer
 from kvfleet_runtime.wire import TENANT_HEADER
 
@@ -309,10 +310,13 @@ def create_router_app(state: RouterState) -> web.Application:
                             attempt: _Attempt, first_byte_by: float) -> web.StreamResponse:
         """SSE: events are held back until one carries a token (or the end), so a replica that
         fails before its first token is failed over like a non-streamed request; after that, a
-        cut is an error event in the stream (OpenAI's shape), never a silent close."""
+        cut is an error event in the stream (OpenAI's shape), never a silent close. Only whole
+        events are forwarded (`router._sse`): the part of an event a cut leaves is dropped, so
+        the error event never lands inside a half-written one."""
         loop = asyncio.get_running_loop()
+        events = SseEvents()
         held: list[bytes] = []
-        pending = b""
+        num_held_bytes = 0
         while True:
             left_s = first_byte_by - loop.time()
             try:
@@ -328,35 +332,46 @@ def create_router_app(state: RouterState) -> web.Application:
                                 f"({type(exc).__name__})", back_off=True) from None
             if not chunk:
                 raise _Failover("broken", "stream ended before its first token", back_off=True)
-            held.append(chunk)
-            pending += chunk
-            if _has_token(pending) or len(pending) > _MAX_HELD_STREAM_BYTES:
+            try:
+                whole = events.feed(chunk)
+            except EventTooLarge as exc:
+                raise _Failover("bad_gateway", str(exc), back_off=True) from None
+            held += whole
+            num_held_bytes += sum(map(len, whole))
+            if _has_token(whole) or num_held_bytes + len(events.partial) > _MAX_HELD_STREAM_BYTES:
                 break
-            pending = pending[pending.rfind(b"\n\n") + 2:] if b"\n\n" in pending else pending
         resp = web.StreamResponse(status=200, headers=_answer_headers(upstream, attempt.decision))
         attempt.out = resp
         await _client_write(resp.prepare(request))
-        for chunk in held:
-            await _client_write(resp.write(chunk))
+        if held:
+            await _client_write(resp.write(b"".join(held)))
         while True:
+            why = ""
             try:
                 chunk = await asyncio.wait_for(upstream.content.readany(),
                                                state.upstream_read_timeout_s)
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                whole = events.feed(chunk)
+            except (TimeoutError, aiohttp.ClientError, OSError, EventTooLarge) as exc:
                 why = (f"no data for {state.upstream_read_timeout_s:g} s"
-                       if isinstance(exc, TimeoutError) else type(exc).__name__)
+                       if isinstance(exc, TimeoutError) else
+                       str(exc) if isinstance(exc, EventTooLarge) else type(exc).__name__)
+            else:
+                if not chunk and events.partial.strip():
+                    why = f"stream ended inside an event ({len(events.partial)} bytes)"
+                elif not chunk:
+                    break
+            if why:
                 state.m_requests.labels(attempt.name, "broken").inc()
                 log.warning("replica %s failed mid-stream (%s); ending the stream with an "
                             "error event", attempt.name, why)
                 event = error_body(502, f"the replica failed mid-stream ({why}); the answer "
                                    "is incomplete", code="upstream_failed")
                 with contextlib.suppress(Exception):
-                    await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+                    await resp.write(error_event(event))
                     await resp.write_eof()
                 return resp
-            if not chunk:
-                break
-            await _client_write(resp.write(chunk))
+            if whole:
+                await _client_write(resp.write(b"".join(whole)))
         await _client_write(resp.write_eof())
         state.m_requests.labels(attempt.name, "200").inc()
         return resp
@@ -429,6 +444,8 @@ def create_router_app(state: RouterState) -> web.Application:
                 "config_generation": state.view.config.generation if state.view.config else None,
                 # The last good config routes; this says why the file on disk is not it.
                 "config_error": state.view.config_error or None,
+                "background_restarts": {name: n for name, n in
+                                        state.picker.supervisor.restarts.items() if n},
             },
             status=200 if ok else 503,
         )
@@ -473,14 +490,12 @@ _MAX_HELD_STREAM_BYTES = 1 << 16
 """Stream bytes held back waiting for a token (the opening role chunks are ~200 bytes each)."""
 
 
-def _has_token(pending: bytes) -> bool:
-    """Whether one of the complete SSE events in `pending` carries a token, a finish, an error
-    or the end: once it goes to the client, the answer is committed."""
-    for event in pending.split(b"\n\n")[:-1]:
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
+def _has_token(events: list[bytes]) -> bool:
+    """Whether one of these whole SSE events carries a token, a finish, an error or the end:
+    once it goes to the client, the answer is committed."""
+    for event in events:
+        for line in data_lines(event):
+            payload = line.strip()
             if payload == b"[DONE]":
                 return True
             try:
