@@ -143,6 +143,7 @@ class RouterState:
         r = self.registry
         # The composition: one secret signs the assertion, the body's salt and the KV views'.
         self.tenancy = Tenancy(self.keys, self.router_secret)
+        self.view.set_tenants(self.keys.tenants)
         self.picker = Picker(
             self.view, index=self.index, kv_events=self.kv_events, tokenizer=self.tokenizer,
             router_secret=self.router_secret, kv_event_endpoints=self.kv_event_endpoints,
