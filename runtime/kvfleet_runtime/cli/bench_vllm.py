@@ -20,11 +20,12 @@ import typer
 from kvfleet_runtime.cli._app import fail
 from kvfleet_runtime.cli.benchmarks import bench
 
-__all__ = ["vllm_connector", "vllm_serve"]
+__all__ = ["fronts", "vllm_connector", "vllm_serve"]
 
 _ROOT = Path(__file__).resolve().parents[3]
 _LAB_MODULE = "kvfleet_lab.vllm.bench"
 _SERVE_MODULE = "kvfleet_lab.vllm.serve_run"
+_FRONTS_MODULE = "kvfleet_lab.fronts.run"
 
 
 def _vllm_python(serve: bool = False) -> Path | None:
@@ -78,16 +79,34 @@ def vllm_serve(ctx: typer.Context) -> None:
     (--fronts, --kv-bytes, --host-bytes, --num-prompts, --concurrency, --json, --out, --help,
     ...). Starts up to 6 servers, then the engine comparison's 2: 5-30 minutes on a small CPU
     box."""
+    _in_serve_env(ctx, _SERVE_MODULE)
+
+
+@bench.command("fronts", context_settings={"allow_extra_args": True,
+                                           "ignore_unknown_options": True,
+                                           "help_option_names": []})
+def fronts(ctx: typer.Context) -> None:
+    """Front proxies side by side over two serving vLLM replicas (KV events on, 8,192 KV tokens
+    each) under `vllm bench serve` (prefix_repetition, multi-turn conversations), one tenant and
+    several: kvfleet's router, vllm-router (cache_aware, round_robin), sglang-router
+    (cache_aware); cached prompt tokens, TTFT p50/p99, output throughput, decision latency.
+    Options are the lab's (--fronts, --tenants, --workloads, --repeats, --out, --json, --help,
+    ...). 20-60 minutes on a small CPU box."""
+    _in_serve_env(ctx, _FRONTS_MODULE)
+
+
+def _in_serve_env(ctx: typer.Context, module: str) -> None:
+    """`module` (a lab runner) in the serving vLLM environment, or the command that builds it."""
     args = [str(a) for a in ctx.args]
     pythonpath = os.pathsep.join(str(_ROOT / p) for p in ("runtime", "operator", "."))
     python = _vllm_python(serve=True)
     if python is None:
         command = (f"cd {shlex.quote(str(_ROOT))} && PYTHONPATH=runtime:operator:. "
-                   f'"$(scripts/vllm-env.sh serve)" -m {_SERVE_MODULE} '
+                   f'"$(scripts/vllm-env.sh serve)" -m {module} '
                    f"--kvfleet-python {shlex.quote(sys.executable)} {shlex.join(args)}")
         fail("the serving vLLM environment is not built here (scripts/vllm-env.sh serve builds "
              f"it from requirements-vllm-serve.lock); run:\n  {command.rstrip()}")
     env = {**os.environ, "PYTHONPATH": pythonpath}
-    result = subprocess.run([str(python), "-m", _SERVE_MODULE, "--kvfleet-python",
+    result = subprocess.run([str(python), "-m", module, "--kvfleet-python",
                              sys.executable, *args], env=env, check=False)
     raise typer.Exit(code=result.returncode)
