@@ -45,15 +45,15 @@ async def test_the_prompt_is_tokenized_once_for_the_hint_index_and_the_kv_events
     view, index, events = mixed_fleet(tok)
     ids = ByteTokenizer().encode(PROMPT)
     await index.publish("k1", block_hashes(CacheKey("acme", *KEY), ids[:32]))
-    events.view("v").apply(0, batch(stored([1, 2], None, ids[:64], salt="acme")))
+    events.view("v").apply(0, batch(stored([1, 2, 3, 4], None, ids[:128], salt="acme")))
     picker = Picker(view, index=index, kv_events=events, tokenizer=tok)
     pick = await picker.pick(PickRequest("acme", {"prompt": PROMPT}, chat=False))
     assert pick is not None
-    # both sources answered, from one encoding of the prompt
+    # both sources answered, from one encoding of the prompt (the prefix's owner took it too)
     assert await picker.matched_tokens(PickRequest("acme", {"prompt": PROMPT}, False)) == {
-        "k1": 32, "v": 64}
+        "k1": 32, "v": 128}
     assert tok.num_encodes == 1 + 1  # the pick, then the look above
-    assert (pick.replica, pick.reason, pick.matched_tokens) == ("v", "warm", 64)
+    assert (pick.replica, pick.reason, pick.matched_tokens) == ("v", "warm", 128)
     assert pick.address == "10.0.0.3:8000"
 
 
@@ -62,13 +62,14 @@ async def test_the_failover_order_is_the_decision_again_without_the_replicas_bef
     view, index, events = mixed_fleet(tok)
     ids = ByteTokenizer().encode(PROMPT)
     await index.publish("k1", block_hashes(CacheKey("acme", *KEY), ids[:32]))
-    events.view("v").apply(0, batch(stored([1, 2], None, ids[:64], salt="acme")))
+    events.view("v").apply(0, batch(stored([1, 2, 3, 4], None, ids[:128], salt="acme")))
     picker = Picker(view, index=index, kv_events=events, tokenizer=tok, max_fallbacks=2)
     pick = await picker.pick(PickRequest("acme", {"prompt": PROMPT}, chat=False))
     assert pick is not None
-    # v holds 64 tokens; without it the tenant's home among k0 and k1 (k=1, rendezvous) is k1
+    # v holds 128 of the prompt's 154 tokens; without it the tenant's home among k0 and k1
+    # (k=1, rendezvous) is k1, which holds 32
     assert [(t.replica, t.reason, t.matched_tokens) for t in pick.targets] == [
-        ("v", "warm", 64), ("k1", "home", 32), ("k0", "home", 0)]
+        ("v", "warm", 128), ("k1", "home", 32), ("k0", "home", 0)]
     assert pick.fallbacks == ("10.0.0.2:8000", "10.0.0.1:8000")
     without_v = await picker.pick(PickRequest("acme", {"prompt": PROMPT}, False,
                                               exclude=frozenset({"v"})))

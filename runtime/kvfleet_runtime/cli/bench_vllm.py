@@ -23,11 +23,12 @@ import typer
 from kvfleet_runtime.cli._app import fail, stderr
 from kvfleet_runtime.cli.benchmarks import bench
 
-__all__ = ["vllm_connector", "vllm_serve"]
+__all__ = ["fronts", "vllm_connector", "vllm_serve"]
 
 _ROOT = Path(__file__).resolve().parents[3]
 _LAB_MODULE = "kvfleet_lab.vllm.bench"
 _SERVE_MODULE = "kvfleet_lab.vllm.serve_run"
+_FRONTS_MODULE = "kvfleet_lab.fronts.run"
 
 
 _HELP_FLAGS = frozenset({"--help", "-h"})
@@ -35,10 +36,8 @@ _HELP_FLAGS = frozenset({"--help", "-h"})
 
 def _print_lab_help(module: str) -> None:
     """The lab module's own argparse help, from this environment: its parser imports no vLLM."""
-    if module == _SERVE_MODULE:
-        from kvfleet_lab.vllm.serve_run import parser
-
-        parser().print_help()
+    if module != _LAB_MODULE:
+        importlib.import_module(module).parser().print_help()
     else:
         from kvfleet_lab.vllm.bench import main
 
@@ -113,13 +112,31 @@ def vllm_serve(ctx: typer.Context) -> None:
     (--fronts, --kv-bytes, --host-bytes, --num-prompts, --concurrency, --json, --out, --help,
     ...). Starts up to 6 servers, then the engine comparison's 2: 5-30 minutes on a small CPU
     box."""
+    _in_serve_env(ctx, _SERVE_MODULE)
+
+
+@bench.command("fronts", context_settings={"allow_extra_args": True,
+                                           "ignore_unknown_options": True,
+                                           "help_option_names": []})
+def fronts(ctx: typer.Context) -> None:
+    """Front proxies side by side over two serving vLLM replicas (KV events on, 8,192 KV tokens
+    each) under `vllm bench serve` (prefix_repetition, multi-turn conversations), one tenant and
+    several: kvfleet's router, vllm-router (cache_aware, round_robin), sglang-router
+    (cache_aware); cached prompt tokens, TTFT p50/p99, output throughput, decision latency.
+    Options are the lab's (--fronts, --tenants, --workloads, --repeats, --out, --json, --help,
+    ...). 20-60 minutes on a small CPU box."""
+    _in_serve_env(ctx, _FRONTS_MODULE)
+
+
+def _in_serve_env(ctx: typer.Context, module: str) -> None:
+    """`module` (a lab runner) in the serving vLLM environment, or the command that builds it."""
     args = [str(a) for a in ctx.args]
     if _HELP_FLAGS.intersection(args):
-        _print_lab_help(_SERVE_MODULE)
+        _print_lab_help(module)
         return
     pythonpath = os.pathsep.join(str(_ROOT / p) for p in ("runtime", "operator", "."))
     python = _vllm_python(serve=True) or _build_vllm_python(serve=True)
     env = {**os.environ, "PYTHONPATH": pythonpath}
-    result = subprocess.run([str(python), "-m", _SERVE_MODULE, "--kvfleet-python",
+    result = subprocess.run([str(python), "-m", module, "--kvfleet-python",
                              sys.executable, *args], env=env, check=False)
     raise typer.Exit(code=result.returncode)

@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvfleet_runtime.affinity import RouteDecision, RouteReason, choose_replica
+from kvfleet_runtime.affinity import RouteDecision, RouteReason, choose_replica, prefix_key
 from kvfleet_runtime.auth import cache_salt
 from kvfleet_runtime.background import Supervisor
 from kvfleet_runtime.cache import CacheKey, block_hashes
@@ -127,6 +127,15 @@ class _PromptIds:
         if key not in self._encoded:
             self._encoded[key] = await self._encode(own)
         return self._encoded[key]
+
+    async def first_known(self, tokenizer_names: Sequence[str]) -> list[int] | None:
+        """The ids under the first of these tokenizers that gives any (already encoded ones
+        cost nothing)."""
+        for name in tokenizer_names:
+            ids = await self.under(name)
+            if ids is not None:
+                return ids
+        return None
 
     async def _encode(self, tokenizer: Tokenizer) -> list[int] | None:
         encode = encode_chat if self.chat else encode_prompt
@@ -220,8 +229,14 @@ class Picker:
     async def pick(self, request: PickRequest) -> Pick | None:
         """The replica for `request` and its failover order; None when no replica is ready."""
         started = self._clock()
-        matched = await self.matched_tokens(request)
-        decisions = self._order(request.tenant, matched, request.exclude)
+        prompt = self._prompt(request)
+        matched = await self._matched(request.tenant, prompt)
+        # The prompt's ids as the replicas see them (the encoding above, not a second one):
+        # its prefix picks its owner among the tenant's homes.
+        ids = await prompt.first_known(self._tokenizer_names())
+        prefix = None if ids is None else prefix_key(request.tenant, ids)
+        decisions = self._order(request.tenant, matched, request.exclude, prefix,
+                                None if ids is None else len(ids))
         if not decisions:
             return None
         self._record(decisions[0])
@@ -237,12 +252,24 @@ class Picker:
 
     async def matched_tokens(self, request: PickRequest) -> dict[str, int]:
         """Prefix tokens each replica holds for this request's prompt ({} when unknown)."""
+        return await self._matched(request.tenant, self._prompt(request))
+
+    def _prompt(self, request: PickRequest) -> _PromptIds:
+        return _PromptIds(request.body.get("messages" if request.chat else "prompt"),
+                          request.chat, self.tokenizer)
+
+    def _tokenizer_names(self) -> list[str]:
+        """The replicas' tokenizer (a kvfleet replica's report names it), then the picker's own
+        (vLLM replicas report none)."""
+        reported = next((r.report.tokenizer for r in self.view.replicas.values()
+                         if r.report is not None and r.report.ready and r.report.tokenizer), "")
+        return [reported, self.tokenizer.name if self.tokenizer is not None else ""]
+
+    async def _matched(self, tenant: str, prompt: _PromptIds) -> dict[str, int]:
         if self.view.recompute_cost is None:
             return {}
-        prompt = _PromptIds(request.body.get("messages" if request.chat else "prompt"),
-                            request.chat, self.tokenizer)
-        hinted = await self._hinted(request.tenant, prompt)
-        return larger_match(hinted, await self._held(request.tenant, prompt))
+        hinted = await self._hinted(tenant, prompt)
+        return larger_match(hinted, await self._held(tenant, prompt))
 
     async def _hinted(self, tenant: str, prompt: _PromptIds) -> dict[str, int]:
         """Hinted prefix tokens per replica, from the hint index."""
@@ -286,8 +313,8 @@ class Picker:
         return views.matched_tokens(salt, token_ids[: self.max_hint_blocks * BLOCK_SIZE],
                                     self.view.replicas)
 
-    def _order(self, tenant: str, matched: Mapping[str, int],
-               exclude: frozenset[str]) -> list[RouteDecision]:
+    def _order(self, tenant: str, matched: Mapping[str, int], exclude: frozenset[str],
+               prefix: bytes | None, prompt_tokens: int | None) -> list[RouteDecision]:
         """The decision, then the same decision without the replicas before it, up to
         `max_fallbacks` times: what deciding again after each failure would choose."""
         view = self.view
@@ -304,6 +331,8 @@ class Picker:
                 home_set=home_set,
                 matched_tokens={r: n for r, n in matched.items() if r not in tried},
                 recompute_s_per_token=view.recompute_cost,
+                prefix=prefix,
+                prompt_tokens=prompt_tokens,
             )
             if decision is None:
                 break

@@ -8,6 +8,7 @@ It never imports torch.
 
 from __future__ import annotations
 
-from kvfleet_runtime.router._app import RouterState, create_router_app
+from kvfleet_runtime.router._app import create_router_app
+from kvfleet_runtime.router._state import RouterState
 
 __all__ = ["RouterState", "create_router_app"]
