@@ -48,15 +48,20 @@ def exchange(port: int, data: bytes | list[bytes], *, timeout_s: float = 10.0,
 
 
 def read_answer(conn: socket.socket) -> RawAnswer | None:
+    """The final answer on `conn`; interim 1xx answers (`100 Continue`) are skipped."""
     raw = b""
-    while b"\r\n\r\n" not in raw:
-        try:
-            chunk = conn.recv(65536)
-        except ConnectionResetError:
-            chunk = b""
-        if not chunk:
-            return None if not raw else _parse(raw)
-        raw += chunk
+    while True:
+        while b"\r\n\r\n" not in raw:
+            try:
+                chunk = conn.recv(65536)
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                return None if not raw else _parse(raw)
+            raw += chunk
+        if not raw.startswith(b"HTTP/1.1 1"):
+            break
+        raw = raw.partition(b"\r\n\r\n")[2]
     head, _, rest = raw.partition(b"\r\n\r\n")
     headers = _headers(head)
     length = headers.get("content-length")

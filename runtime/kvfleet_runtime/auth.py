@@ -75,6 +75,7 @@ __all__ = [
     "TenantAssertion",
     "bearer_matches",
     "cache_salt",
+    "header_bytes",
     "read_metrics_token",
     "read_operator_token",
     "read_router_secret",
@@ -138,17 +139,27 @@ def read_secret(environ: Mapping[str, str], env: str, file_env: str, default_fil
     return data or None
 
 
+def header_bytes(value: str) -> bytes:
+    """A header value as the bytes the client sent. aiohttp hands bytes that are not UTF-8 on
+    as lone surrogates (`surrogateescape`), which `str.encode()` refuses with an exception (a
+    500); this gives them back, so a MAC or digest over client text never raises and a value
+    with such bytes simply does not match (every secret and name here is UTF-8 text)."""
+    return value.encode("utf-8", "surrogateescape")
+
+
 def bearer_matches(authorization: str | None, token: bytes) -> bool:
     """Whether an `Authorization` header value is `Bearer <token>`; constant time in the value."""
     if not authorization or not token:
         return False
     scheme, _, presented = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token)
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        header_bytes(presented.strip()), token)
 
 
 def _mac(secret: bytes, tenant: str, audience: str, nonce: str, expires_ms: int, method: str,
          path: str) -> str:
-    message = b"\x00".join(part.encode() for part in (
+    # Every part but the secret can come from a request's headers or path: `header_bytes`.
+    message = b"\x00".join(header_bytes(part) for part in (
         tenant, audience, nonce, str(expires_ms), method.upper(), path))
     return hmac.new(secret, _DOMAIN + b"\x00" + message, hashlib.sha256).hexdigest()
 

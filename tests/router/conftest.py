@@ -15,7 +15,8 @@ from aiohttp import web
 from kvfleet_runtime.affinity import parse_api_keys
 from kvfleet_runtime.api import AppRunner
 from kvfleet_runtime.fleet import EmbeddedHintIndex
-from kvfleet_runtime.router import FleetView, RouterState, create_router_app
+from kvfleet_runtime.picker import FleetView
+from kvfleet_runtime.router import RouterState, create_router_app
 from kvfleet_runtime.wire import LOAD_PATH
 from tests.support import free_port
 
@@ -29,6 +30,10 @@ KEY_FIELDS = {
 }
 
 
+
+
+CUT_EVENT = b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"!"}]}\n\n'
+"""The event a "cut_mid_event" replica is cut inside of (issue 44 item 5)."""
 
 
 @dataclass
@@ -49,7 +54,10 @@ class FakeReplica:
     fault: str = ""
     """Injected failure: "stall" (never answers), "sse_stall" (SSE headers and the role chunk,
     then nothing), "html_500" (a proxy's HTML error page), "cut_before_token" (the role chunk,
-    then the connection closes), "cut_after_token" (two tokens, then the connection closes)."""
+    then the connection closes), "cut_after_token" (two tokens, then the connection closes),
+    "cut_mid_event" (two tokens, then the first `cut_at` bytes of `CUT_EVENT`, then the
+    connection closes)."""
+    cut_at: int = 0
     url: str = ""
     runner: web.AppRunner | None = None
 
@@ -104,10 +112,12 @@ class FakeReplica:
         await resp.write(f"data: {json.dumps(role)}\n\n".encode())
         if self.fault == "sse_stall":
             await asyncio.sleep(3600)
-        if self.fault == "cut_after_token":
+        if self.fault in ("cut_after_token", "cut_mid_event"):
             for text in ("he", "llo"):
                 token = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
                 await resp.write(f"data: {json.dumps(token)}\n\n".encode())
+        if self.fault == "cut_mid_event":
+            await resp.write(CUT_EVENT[: self.cut_at])
         await asyncio.sleep(0.05)
         assert request.transport is not None
         request.transport.close()  # the replica dies mid-answer
@@ -193,4 +203,5 @@ async def start_router() -> AsyncIterator[StartRouter]:
     await session.close()
 
 
-__all__ = ["KEY_FIELDS", "EmbeddedHintIndex", "FakeReplica", "RouterHandle", "StartRouter"]
+__all__ = ["CUT_EVENT", "KEY_FIELDS", "EmbeddedHintIndex", "FakeReplica", "RouterHandle",
+           "StartRouter"]

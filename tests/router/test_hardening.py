@@ -76,11 +76,15 @@ LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8))
 
 
-@pytest.mark.parametrize(("text", "why"), [(DEEP, "nests deeper than 32 levels"),
-                                           (LAUGHS, "aliases")])
+@pytest.mark.parametrize(("text", "why"), [
+    (DEEP, "nests deeper than 32 levels"), (LAUGHS, "aliases"),
+    # issue 44: PyYAML's ReaderError escaped the parser and killed the poll task (8a5e244)
+    ("replicas: []\nx: \x07\n", "unacceptable character #x0007"),
+    (b"replicas: []\nx: \xc3\x28\n", "invalid continuation byte"),
+    (b'{"replicas": [], "x": "\xff"}', "invalid start byte")])
 async def test_a_hostile_fleet_config_is_refused_in_one_line_and_the_next_valid_one_applies(
     replicas: list[FakeReplica], start_router: StartRouter, tmp_path: Path,
-    caplog: pytest.LogCaptureFixture, text: str, why: str
+    caplog: pytest.LogCaptureFixture, text: str | bytes, why: str
 ) -> None:
     # Fails before issue 25: RecursionError kills the router's poll task (later files are never
     # applied, /readyz says nothing); the laughs stall the event loop and log ~2 GB.
@@ -90,7 +94,7 @@ async def test_a_hostile_fleet_config_is_refused_in_one_line_and_the_next_valid_
     path.write_text(json.dumps({"replicas": reps, "home_sets": {"acme": ["r2"]}, "generation": 1}))
     router = await start_router(replicas[:1], config_path=path)
     await router.refresh()
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
 
     async def readyz() -> dict[str, Any]:
         async with router.session.get(router.url + "/readyz") as r:

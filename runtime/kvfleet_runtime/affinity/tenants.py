@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from kvfleet_runtime.auth import header_bytes
 from kvfleet_runtime.wire import PLATFORM_TENANT
 
 __all__ = ["ApiKeyMap", "bearer_token", "load_api_keys", "parse_api_keys"]
@@ -31,7 +32,9 @@ _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def _digest(key: str) -> str:
-    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+    # The bytes the client sent (`header_bytes`): a key from a header may hold bytes that are
+    # not UTF-8 (lone surrogates here); it then matches no configured key (those are UTF-8).
+    return "sha256:" + hashlib.sha256(header_bytes(key)).hexdigest()
 
 
 @dataclass(slots=True, frozen=True)

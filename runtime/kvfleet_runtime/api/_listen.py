@@ -18,6 +18,11 @@ Here:
   connection whose next head is not complete by then (slow headers, idle keep-alive alike).
 - The handler's logger (`BoundedServerLog`) turns the exception records aiohttp writes for input
   errors found after a handler returned (the rest of a body that does not decode) into one line.
+- `Expect`: aiohttp answers `100-continue` itself and anything else with a plain-text 417 from
+  outside the app's middlewares; here an expectation other than `100-continue` is a 417
+  `expectation_failed` in the envelope (`_refuse_expectation`), before any route runs.
+- Bodies are decoded by `api.read_body`, not by aiohttp's parser (`auto_decompress` off): the
+  parser never checked a gzip trailer and passed unknown codings on as identity.
 
 `handler_args(limits)` goes to `web.Application(handler_args=...)` (every runner then applies the
 limits); `AppRunner` (and `run_app`) add the envelope for parser errors.
@@ -29,10 +34,12 @@ import asyncio
 import contextlib
 import logging
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
@@ -139,9 +146,30 @@ class EnvelopeRequestHandler(RequestHandler):
         return resp
 
 
+def _refuse_expectation(request: BaseRequest) -> web.StreamResponse | None:
+    """The 417 for an `Expect` other than `100-continue` (RFC 9110: a server may refuse any
+    expectation it does not know; aiohttp does, in plain text); None to serve the request."""
+    expect = request.headers.get(hdrs.EXPECT)
+    if not expect or request.version < HttpVersion11 or expect.strip().lower() == "100-continue":
+        return None
+    log.info("refused an expectation from %s: Expect: %s", request.remote, one_line(expect, 80))
+    resp = error_response(417, f"Expect: {one_line(expect, 80)} is not supported (only "
+                          "100-continue is)", code="expectation_failed")
+    resp.force_close()  # the body the client may be sending is not wanted
+    return resp
+
+
 class _EnvelopeServer(web.Server):
+    _app_handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]]
+
     def __call__(self) -> RequestHandler:
         return EnvelopeRequestHandler(self, loop=self._loop, **self._kwargs)
+
+    async def _handle_with_expectations(self, request: BaseRequest) -> web.StreamResponse:
+        refusal = _refuse_expectation(request)
+        if refusal is not None:
+            return refusal
+        return await self._app_handler(request)
 
 
 class AppRunner(web.AppRunner):
@@ -157,6 +185,11 @@ class AppRunner(web.AppRunner):
         # aiohttp builds the Server (app startup, handler args, access log) in one private
         # step; only the connection handler's class differs, and Server has no slots.
         server.__class__ = _EnvelopeServer
+        assert isinstance(server, _EnvelopeServer)
+        # Expectations are checked before the app: aiohttp's own check runs before the
+        # middlewares (its 417 could not be put in the envelope there).
+        server._app_handler = server.request_handler
+        server.request_handler = server._handle_with_expectations
         return server
 
 
@@ -169,6 +202,7 @@ def handler_args(limits: ListenerLimits, logger: logging.Logger | None = None) -
         "max_headers": limits.max_headers,
         "keepalive_timeout": limits.header_timeout_s,
         "lingering_time": limits.lingering_s,
+        "auto_decompress": False,  # `api.read_body` decodes (and checks) bodies itself
         "logger": BoundedServerLog(logger or logging.getLogger("aiohttp.server"), {}),
     }
 

@@ -196,8 +196,12 @@ def parse_config_text(content: bytes | str, source: str) -> Any:
             pass
         else:
             return _json_within_bounds(data, source)
-    loader = _BoundedLoader(content)
+    loader: _BoundedLoader | None = None
     try:
+        # Inside the try: PyYAML's reader decodes and checks the whole text when the loader is
+        # made, and raises its ReaderError there for a control byte (`\x07`) or bytes that are
+        # not UTF-8; outside, that error escaped every caller and killed the watcher task.
+        loader = _BoundedLoader(content)
         root = loader.get_single_node()
         if root is None:
             return None
@@ -216,7 +220,8 @@ def parse_config_text(content: bytes | str, source: str) -> Any:
     except (yaml.YAMLError, RecursionError, UnicodeDecodeError) as exc:
         raise ValueError(one_line_error(f"{source}: not valid YAML/JSON: {exc}")) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 @dataclass(slots=True)

@@ -63,6 +63,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch import Tensor
 
+from kvfleet_runtime.background import Supervisor
 from kvfleet_runtime.cache import (
     CacheKey,
     LoadTarget,
@@ -306,8 +307,12 @@ class _Metrics:
                                 registry=registry)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens received.",
                                      registry=registry)
+        # By the tier that supplied them ("t0" shared, "t1" copied, "t3" NVMe and "t2" peers
+        # landed in the engine's blocks), so a dashboard can split the hit rate by tier without
+        # a second counter to keep in step: the sum over tiers is every cached prompt token.
         self.cached_tokens = Counter(p + "cached_prompt_tokens",
-                                     "Prompt tokens whose KV came from the prefix cache.",
+                                     "Prompt tokens whose KV came from the prefix cache or a "
+                                     "tier below it, by the tier that supplied them.", ["tier"],
                                      registry=registry)
         self.prefilled_tokens = Counter(p + "prefilled_tokens", "Prompt tokens computed.",
                                         registry=registry)
@@ -315,7 +320,10 @@ class _Metrics:
                                         registry=registry)
         self.cache_errors = Counter(p + "cache_errors", "Cache calls that failed and fell back "
                                     "to recompute.", ["op"], registry=registry)
+        # `cache`: "hit" when any prompt token came from the cache, else "miss": what the cache
+        # buys is the distance between the two, which one histogram over both hides.
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Submit to first token.",
+                              ["cache"],
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
                               registry=registry)
         self.running = Gauge(p + "running_sequences", "Sequences prefilling or decoding.",
@@ -325,9 +333,6 @@ class _Metrics:
         self.free_blocks = Gauge(p + "kv_free_blocks", "Blocks of the KV pool new work can "
                                  "have: free, or cached and used by no sequence.",
                                  registry=registry)
-        self.tier_tokens = Counter(p + "tier_cached_tokens", "Prompt tokens whose KV a tier "
-                                   "supplied: t0 shared, t1 copied, t3 (NVMe) and t2 (peers) "
-                                   "landed in the engine's blocks.", ["tier"], registry=registry)
         self.loading = Gauge(p + "loading_requests", "Requests whose blocks tiers below the "
                              "cache are landing.", registry=registry)
 
@@ -414,12 +419,15 @@ class Engine:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, supervisor: Supervisor | None = None) -> None:
+        """Start the scheduler and the cache drain, as loops of `supervisor` (the replica's:
+        a loop that dies is logged and restarted); a private one when None."""
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._stores_pending = asyncio.Event()
-        self._task = asyncio.create_task(self._run(), name="kvfleet-engine-scheduler")
-        self._drain_task = asyncio.create_task(self._drain_loop(), name="kvfleet-cache-drain")
+        supervisor = Supervisor() if supervisor is None else supervisor
+        self._task = supervisor.start("kvfleet-engine-scheduler", self._run)
+        self._drain_task = supervisor.start("kvfleet-cache-drain", self._drain_loop)
 
     async def stop(self) -> None:
         self._closed = True
@@ -767,12 +775,11 @@ class Engine:
             return
         seq.cached_tokens = seq.prefill_pos = prefix.cached_tokens
         seq.cache_tier = prefix.tier
-        self.metrics.cached_tokens.inc(prefix.cached_tokens)
-        shared = len(prefix.table) * BLOCK_SIZE
+        shared = min(len(prefix.table) * BLOCK_SIZE, prefix.cached_tokens)
         if shared:
-            self.metrics.tier_tokens.labels("t0").inc(shared)
+            self.metrics.cached_tokens.labels("t0").inc(shared)
         if prefix.cached_tokens > shared:
-            self.metrics.tier_tokens.labels("t1").inc(prefix.cached_tokens - shared)
+            self.metrics.cached_tokens.labels("t1").inc(prefix.cached_tokens - shared)
 
     def _start_loads(self, seq: _Sequence) -> None:
         """Start every tier's load into the blocks the allocation gave it; the request waits
@@ -849,14 +856,13 @@ class Engine:
             if n:
                 blocks += n
                 tier = load.tier.name
-                self.metrics.tier_tokens.labels(tier).inc(n * BLOCK_SIZE)
+                self.metrics.cached_tokens.labels(tier).inc(n * BLOCK_SIZE)
             if n < load.num_blocks:
                 break
         added = blocks * BLOCK_SIZE - prefix.cached_tokens
         if added:
             seq.cached_tokens = seq.prefill_pos = blocks * BLOCK_SIZE
             seq.cache_tier = tier
-            self.metrics.cached_tokens.inc(added)
 
     def _forget(self, tier: LowerTier, query: TierQuery) -> None:
         try:
@@ -890,7 +896,8 @@ class Engine:
             return None
         self._push_token(seq, sampled)
         self.metrics.generated_tokens.inc()
-        self.metrics.ttft.observe(time.monotonic() - seq.submitted_s)
+        self.metrics.ttft.labels("hit" if seq.cached_tokens else "miss").observe(
+            time.monotonic() - seq.submitted_s)
         return sampled.token_id
 
     def _after_first_token(self, seq: _Sequence, token: int) -> None:

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvfleet_runtime.background import Supervisor
 from kvfleet_runtime.fleet.hint_index import HintIndex
 
 __all__ = ["HintPublisher", "PublisherStats"]
@@ -110,11 +111,14 @@ class HintPublisher:
 
     # -- consumer (the event loop) ------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        """Start the flush loop, as a loop of `supervisor` (the replica's: a loop that dies is
+        logged and restarted); a private one when None."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._flushing = asyncio.Lock()
-        self._task = asyncio.create_task(self._run(), name=f"hint-publisher-{self.host}")
+        supervisor = Supervisor() if supervisor is None else supervisor
+        self._task = supervisor.start(f"hint-publisher-{self.host}", self._run)
 
     async def close(self) -> None:
         """Stop the background task after one last flush."""

@@ -117,6 +117,7 @@ __all__ = [
     "WireOrder",
     "chunk_axes",
     "chunk_checksum",
+    "parse_peer_token",
     "peer_token",
     "token_mac",
 ]
@@ -195,6 +196,28 @@ def peer_token(secret: bytes, tenant_id: str, *, now_s: float | None = None,
     expires_s)>`."""
     expires = int((time.time() if now_s is None else now_s) + ttl_s)
     return f"v2.{expires}.{token_mac(secret, tenant_id, expires)}"
+
+
+_EXPIRY_DIGITS = 12
+_MAC_HEX = 64
+
+
+def parse_peer_token(authorization: str | None) -> tuple[int, str] | None:
+    """(expires_s, mac) of an `Authorization: Bearer v2.<expires_s>.<mac>` value, or None when it
+    is not one. Only ASCII digits and lowercase hex count: `str.isdigit()` alone takes "²" or
+    "٣" (which `int()` then refuses, or reads as another number), and header text may hold
+    lone surrogates (bytes that are not UTF-8)."""
+    if not authorization or not authorization.isascii():
+        return None
+    scheme, _, presented = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    version, _, rest = presented.strip().partition(".")
+    expires, _, mac = rest.partition(".")
+    if (version != "v2" or not expires.isdigit() or len(expires) > _EXPIRY_DIGITS
+            or len(mac) != _MAC_HEX or mac.strip("0123456789abcdef")):
+        return None
+    return int(expires), mac
 
 
 def token_mac(secret: bytes, tenant_id: str, expires: int) -> str:

@@ -35,6 +35,7 @@ from kvfleet_runtime.fleet.t2_protocol import (
     PeerSecrets,
     WireOrder,
     chunk_checksum,
+    parse_peer_token,
     token_mac,
 )
 from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
@@ -228,15 +229,13 @@ def _authenticate(request: web.Request,
         return _error(503, "peer transfer is disabled: no fleet secret configured")
     accepted = secret.accepted if isinstance(secret, PeerSecrets) else (secret,)
     tenant = request.headers.get(TENANT_HEADER, "")
-    presented = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    version, _, rest = presented.partition(".")
-    expires_text, _, mac = rest.partition(".")
-    now = time.time()
-    if (not tenant or version != "v2" or not expires_text.isdigit() or len(expires_text) > 12
-            or not mac.isascii() or not _encodable(tenant)):
-        # (aiohttp hands undecodable header bytes on as surrogates: never encode those)
+    parsed = parse_peer_token(request.headers.get("Authorization"))
+    # (aiohttp hands undecodable header bytes on as surrogates: a tenant holding any is no
+    # tenant, and is never encoded)
+    if not tenant or parsed is None or not _encodable(tenant):
         return _error(401, "peer credential missing or invalid")
-    expires = int(expires_text)
+    expires, mac = parsed
+    now = time.time()
     if not now - MAX_CLOCK_SKEW_S <= expires <= now + MAX_PEER_TOKEN_TTL_S + MAX_CLOCK_SKEW_S:
         return _error(401, "peer credential expired (or claims too long a life)")
     # compare_digest over the ASCII bytes: constant time in the presented value; every accepted

@@ -7,7 +7,7 @@
 What it adds to the replica's aiohttp app:
 
 - `POST /kv/v1/blocks`: the T2 endpoint (authenticated; see `transfer`), serving from the cache.
-- `GET /fleet/v1/load`: the load report the router polls (`kvfleet_runtime.router._view`):
+- `GET /fleet/v1/load`: the load report the router polls (`kvfleet_runtime.picker._view`):
   KV occupancy of the engine's working blocks, queue depth and an estimated queue delay, and the
   cache key fields and tokenizer id the router needs to compute the prompt's block hashes.
 - `POST /kv/v1/held`: the held probe (same credential as T2): how many leading blocks of a chain
@@ -67,8 +67,9 @@ import aiohttp
 from aiohttp import web
 
 from kvfleet_runtime.cache import BlockEvent, CacheKey, usable_tokens
-from kvfleet_runtime.config.fleet import FleetConfig, next_fleet_config
+from kvfleet_runtime.config.fleet import FleetConfig, TierToggles, next_fleet_config
 from kvfleet_runtime.config.watch import ConfigFileWatcher
+from kvfleet_runtime.fleet._metrics import FleetTierCollector
 from kvfleet_runtime.fleet.hint_index import (
     EmbeddedHintIndex,
     HintIndex,
@@ -79,7 +80,7 @@ from kvfleet_runtime.fleet.hint_index import (
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
-from kvfleet_runtime.fleet.t2_fetch import PeerFetcher
+from kvfleet_runtime.fleet.t2_fetch import FetchStats, PeerFetcher
 from kvfleet_runtime.fleet.t2_protocol import PeerSecrets
 from kvfleet_runtime.fleet.t2_serve import DEFAULT_PEER_BODY_TIMEOUT_S, ExportedRun, peer_routes
 from kvfleet_runtime.nvme import mode_for
@@ -296,6 +297,11 @@ class FleetTier:
         self._watcher: ConfigFileWatcher | None = None
         self.cache.add_listener(self.held.on_event)
         self.cache.add_listener(self._publish)
+        replica.registry.register(FleetTierCollector(self._metrics_snapshot))
+
+    def _metrics_snapshot(self) -> tuple[FetchStats | None, TierToggles]:
+        stats = self.tier.fetcher.stats if self.tier is not None else None
+        return stats, self.config.tiers if self.config is not None else TierToggles()
 
     def _publish(self, event: BlockEvent) -> None:
         if event.kind == "stored":
@@ -487,8 +493,8 @@ class FleetTier:
         self._watcher = None if path is None else ConfigFileWatcher(path)
         self._reload_config()
         log.info("fleet tier %s: hint index %s", self.settings.name, hint_index_kind(self.index))
-        self.publisher.start()
-        task = asyncio.create_task(self._background(), name="kvfleet-fleet-tier")
+        self.publisher.start(self.replica.supervisor)
+        task = self.replica.supervisor.start("kvfleet-fleet-tier", self._background)
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -5,7 +5,7 @@
     GET  /v1/models[/{id}]      proxied to a ready replica
     GET  /openapi.json          the replicas' OpenAI schemas (their limits) with the router's auth
     GET  /metrics               Prometheus: decisions by reason, spill_rate, overhead, outcomes,
-                                the KV event views (`router._kv_metrics`)
+                                the KV event views (`picker._kv_metrics`)
     GET  /healthz               the event loop answers
     GET  /readyz                keys loaded and at least one replica ready
 
@@ -14,351 +14,44 @@ Every error is OpenAI's JSON envelope (`kvfleet_runtime.api`). The body is read 
 depth, no lone surrogates) before anything is forwarded: a 50 MB body is refused with 413 after
 the first byte over the limit, never sent on to a replica.
 
-Per request: API key -> tenant (a client-sent `X-Kvfleet-Tenant` is discarded and replaced, and
-the API key is not forwarded), then the pure decision (`kvfleet_runtime.affinity.choose_replica`)
-over the fleet view, then the proxy. A vLLM replica (the fleet config's `engine`) takes the tenant
-from the body's `cache_salt`, not from a header: the router replaces that field, whatever the
-client sent, with the tenant's signed salt (`kvfleet_runtime.auth.cache_salt`).
+Per request: API key -> tenant (`picker.Tenancy`: a client-sent `X-Kvfleet-Tenant` is discarded
+and replaced, and the API key is not forwarded), then the picker (`kvfleet_runtime.picker`: the
+prompt tokenized once, matched tokens from the hint index and vLLM's KV events, the pure
+decision and its failover order), then the proxy. A vLLM replica (the fleet config's `engine`)
+takes the tenant from the body's `cache_salt`, not from a header: the router replaces that
+field, whatever the client sent, with the tenant's signed salt (`Tenancy.vllm_body`).
 
-The cache-aware override needs each replica's matched tokens for this prompt; the router
-computes the prompt's chained block hashes itself (the key fields come from the replicas' load
-reports, so they cannot drift from what replicas hash) and asks the hint index for the leading
-run per host, in one round trip under a ~1 ms budget. No index, no key yet, or a failed lookup:
-the override is simply off for that request. A vLLM replica whose KV events the router follows
-(`--kv-events`, `router._kv_events`) also counts what it holds in its own GPU cache: per replica
-the larger of the two (`_with_kv_events`).
+One job per module, around one small state (`_state.RouterState`, found by every handler as
+`request.app[STATE]`):
 
-Text prompts are tokenized only with the replicas' own tokenizer: the load report names it (a
-digest of the tokenizer files), and the router encodes with its `--tokenizer` (the model folder's
-tokenizer files) only when the names are equal; the byte tokenizer needs no files. A different or
-missing tokenizer routes the request without tokens (no override), never with other ids.
-
-A replica that cannot be reached, or answers 503 before any byte was sent to the client, is
-skipped and the request is decided again without it (at most `max_attempts` replicas). A client
-that goes away is a `client_abort` outcome (the upstream request is closed, so the replica
-cancels the sequence), never a broken replica and never an ERROR log.
+    _state        settings, the picker and tenancy it composes, the upstream session, metrics
+    _inbound      the tenant (API key) and the JSON body every client route reads first
+    _proxy        completions: the pick, then the failover over its order
+    _relay        answers back to the client: headers, the SSE relay, the failover signal
+    _any_replica  the model list, /tokenize, the OpenAPI document, from any ready replica
+    _openapi      the router's OpenAPI document (pure)
+    _probes       /healthz, /readyz, /health, /version, /metrics
+    _app          this: the routes and the lifecycle (upstream pool, the picker's polls)
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
-import time
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
-from urllib.parse import quote, urlsplit
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
 
-from kvfleet_runtime import __version__
-from kvfleet_runtime.affinity import ApiKeyMap, RouteDecision, choose_replica
-from kvfleet_runtime.api import (
-    ApiError,
-    ListenerLimits,
-    error_body,
-    error_middleware,
-    error_response,
-    handler_args,
-    is_client_gone,
-    one_line,
-    parse_json,
-    read_body,
-)
-from kvfleet_runtime.auth import cache_salt, sign_assertion
-from kvfleet_runtime.cache import CacheKey, block_hashes
-from kvfleet_runtime.fleet.hint_index import HintIndex
-from kvfleet_runtime.pools import UPSTREAM_MAX_CONNECTIONS, UPSTREAM_MAX_CONNECTIONS_PER_REPLICA
-from kvfleet_runtime.router._kv_events import KvEventViews
-from kvfleet_runtime.router._kv_metrics import KvEventCollector
-from kvfleet_runtime.router._view import FleetView
-from kvfleet_runtime.tokenizer import ByteTokenizer, Tokenizer
-from kvfleet_runtime.wire import ASSERTION_HEADER, BLOCK_SIZE, CACHE_SALT_FIELD, TENANT_HEADER
+from kvfleet_runtime.api import ListenerLimits, error_middleware, handler_args
+from kvfleet_runtime.router import _any_replica, _probes, _proxy
+from kvfleet_runtime.router._state import STATE, RouterState
 
-__all__ = ["RouterState", "chat_token_ids", "create_router_app", "prompt_token_ids"]
+__all__ = ["create_router_app"]
 
 log = logging.getLogger(__name__)
 
-_BYTE_TOKENIZER = ByteTokenizer()
-_INLINE_ENCODE_MAX_CHARS = 4096
-"""Longer text prompts are tokenized on a worker thread: tens of milliseconds for a long document
-would stall every request on the router's event loop."""
-_FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
 _HARD_MAX_BODY_BYTES = 64 << 20
 """aiohttp's own cap; `RouterState.max_body_bytes` is checked below it."""
-_PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}")
-
-
-def prompt_token_ids(prompt: Any, tokenizer: str,
-                     local: Tokenizer | None = None) -> list[int] | None:
-    """The token ids the replica will see for `prompt`, when the router can know them.
-
-    `tokenizer` is the name the replicas report; `local` the router's own (`--tokenizer`), used
-    only when its name is that one."""
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        return list(prompt)
-    if not isinstance(prompt, str):
-        return None
-    own = _tokenizer_named(tokenizer, local)
-    if own is None:
-        return None
-    try:
-        return own.encode(prompt)
-    except ValueError:  # a lone surrogate: the replica refuses it with a 400
-        return None
-
-
-def chat_token_ids(messages: Any, tokenizer: str,
-                   local: Tokenizer | None = None) -> list[int] | None:
-    """The ids a replica computes for a chat request's `messages` (its template, with the
-    generation prompt), under the same rule as `prompt_token_ids`; None also when the template
-    refuses the messages (the replica answers that request with the reason)."""
-    own = _tokenizer_named(tokenizer, local)
-    if own is None or not isinstance(messages, list):
-        return None
-    try:
-        return own.encode_chat(messages, add_generation_prompt=True)
-    except ValueError:
-        return None
-
-
-def _tokenizer_named(name: str, local: Tokenizer | None) -> Tokenizer | None:
-    if local is not None and name and local.name == name:
-        return local
-    return _BYTE_TOKENIZER if name == _BYTE_TOKENIZER.name else None
-
-
-@dataclass
-class RouterState:
-    view: FleetView
-    keys: ApiKeyMap
-    index: HintIndex | None = None
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-    max_hint_blocks: int = 512
-    max_attempts: int = 3
-    upstream_connect_timeout_s: float = 1.0
-    upstream_timeout_s: float = 600.0
-    """Longest a proxied request may take in all (a stream included)."""
-    upstream_first_byte_timeout_s: float = 60.0
-    """A replica must answer (a non-streamed answer whole, a stream its first token) within
-    this, or the request fails over and the replica is kept out for `replica_backoff_s`:
-    nginx's `proxy_read_timeout`. A non-streamed generation longer than this needs a larger
-    value (or `stream: true`)."""
-    upstream_read_timeout_s: float = 60.0
-    """Once a stream's first token is out: the longest gap between two reads before the stream
-    is ended with an error event (nginx's `proxy_read_timeout`)."""
-    replica_backoff_s: float = 30.0
-    """How long a replica that took its request and did not answer (or answered a non-JSON 5xx)
-    stays out of decisions, whatever its load reports say: Envoy's outlier detection
-    `base_ejection_time`."""
-    max_body_bytes: int = 1 << 20
-    """Larger bodies are refused with 413 before anything is forwarded (the replicas' default)."""
-    body_read_timeout_s: float = 10.0
-    """A body must arrive within this time, or the request is refused with 408."""
-    header_read_timeout_s: float = ListenerLimits().header_timeout_s
-    """A request head must be complete within this; also the idle keep-alive time
-    (`api.ListenerLimits`)."""
-    spill_window: int = 1000
-    poll_interval_s: float = 0.5
-    config_poll_s: float = 1.0
-    session: aiohttp.ClientSession | None = None
-    upstream_max_connections: int = UPSTREAM_MAX_CONNECTIONS
-    upstream_max_connections_per_replica: int = UPSTREAM_MAX_CONNECTIONS_PER_REPLICA
-    """The caps of the upstream pool the router makes (not of a `session` given to it)."""
-    tokenizer: Tokenizer | None = None
-    """The model's tokenizer (`kvfleet router --tokenizer DIR`), for text prompts; used only while
-    the replicas report the same tokenizer name."""
-    router_secret: bytes | None = None
-    """Signs the tenant assertion sent with every proxied request (`kvfleet_runtime.auth`);
-    None: the tenant goes unsigned and only replicas without a router secret (tenant `default`,
-    loopback) accept it."""
-    kv_events: KvEventViews | None = None
-    """What each vLLM replica holds in its own KV cache, from its KV events (None: not
-    subscribed); the cache-aware override takes the larger of this and the hint index."""
-    kv_event_endpoints: dict[str, str] = field(default_factory=dict)
-    """Replica name -> ZMQ endpoint of its KV events (`--kv-events`)."""
-    kv_events_port: int | None = None
-    """Every vLLM replica's events at its URL's host on this port (`--kv-events-port`)."""
-    _recent: deque[bool] = field(default_factory=deque)
-    _warned_tokenizers: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.upstream_max_connections_per_replica <= self.upstream_max_connections:
-            raise ValueError(
-                "upstream connection caps: need 1 <= per replica "
-                f"({self.upstream_max_connections_per_replica}) <= total "
-                f"({self.upstream_max_connections})")
-        r = self.registry
-        self.m_decisions = Counter(
-            "kvfleet_router_decisions", "Routing decisions by reason.", ["reason"], registry=r
-        )
-        self.m_requests = Counter(
-            "kvfleet_router_requests",
-            "Proxied requests by replica and outcome.",
-            ["replica", "outcome"],
-            registry=r,
-        )
-        self.m_spill_rate = Gauge(
-            "kvfleet_router_spill_rate",
-            "Share of the last decisions that spilled off the tenant's homes.",
-            registry=r,
-        )
-        self.m_overhead = Histogram(
-            "kvfleet_router_overhead_seconds",
-            "Time from request arrival to the upstream request being sent (auth, parse, hint "
-            "lookup, decision).",
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1),
-            registry=r,
-        )
-        self.m_hint_errors = Counter(
-            "kvfleet_router_hint_lookup_failures",
-            "Hint lookups that did not answer (override off).",
-            registry=r,
-        )
-        self.m_unauthorized = Counter(
-            "kvfleet_router_unauthorized",
-            "Requests refused for a missing or unknown API key.",
-            registry=r,
-        )
-        r.register(KvEventCollector(lambda: self.kv_events))
-
-    def record(self, decision: RouteDecision) -> None:
-        self.m_decisions.labels(decision.reason).inc()
-        self._recent.append(decision.reason == "spill")
-        if len(self._recent) > self.spill_window:
-            self._recent.popleft()
-        self.m_spill_rate.set(sum(self._recent) / len(self._recent))
-
-    @property
-    def spill_rate(self) -> float:
-        return sum(self._recent) / len(self._recent) if self._recent else 0.0
-
-
-def _error(
-    status: int, message: str, code: str, headers: dict[str, str] | None = None
-) -> web.Response:
-    return error_response(status, message, code=code, headers=headers)
-
-
-async def _matched_tokens(state: RouterState, tenant: str, prompt: Any, *,
-                          chat: bool = False) -> dict[str, int]:
-    """Hinted prefix tokens per replica for this prompt (a chat request's `messages` when
-    `chat`); {} when unknown."""
-    view = state.view
-    if state.index is None or view.recompute_cost is None or not view.t2_enabled:
-        return {}
-    # Replicas of one fleet share one key template; take it from any ready reporter.
-    report = next(
-        (
-            r.report
-            for r in view.replicas.values()
-            if r.report is not None and r.report.ready and r.report.cache_key
-        ),
-        None,
-    )
-    if report is None or report.cache_key is None:
-        return {}
-    key = CacheKey(tenant, *report.cache_key)
-    encode = chat_token_ids if chat else prompt_token_ids
-    text_chars = len(json.dumps(prompt)) if chat else len(prompt) if isinstance(prompt, str) else 0
-    if text_chars > _INLINE_ENCODE_MAX_CHARS:
-        token_ids = await asyncio.to_thread(encode, prompt, report.tokenizer, state.tokenizer)
-    else:
-        token_ids = encode(prompt, report.tokenizer, state.tokenizer)
-    if token_ids is None and (chat or isinstance(prompt, str)):
-        _warn_untokenized(state, report.tokenizer)
-    if key is None or token_ids is None or len(token_ids) < BLOCK_SIZE:
-        return {}
-    token_ids = token_ids[: state.max_hint_blocks * BLOCK_SIZE]
-    try:
-        hashes = block_hashes(key, token_ids)
-    except ValueError:
-        return {}
-    runs = await state.index.lookup_runs(hashes, tenant=tenant)
-    if not runs and getattr(state.index, "available", True) is False:
-        state.m_hint_errors.inc()
-    return {host: n * BLOCK_SIZE for host, n in runs.items() if host in view.replicas}
-
-
-async def _with_kv_events(state: RouterState, tenant: str, prompt: Any, matched: dict[str, int],
-                          *, chat: bool = False) -> dict[str, int]:
-    """`matched` with what each vLLM replica's KV events say it holds for this prompt (the
-    larger of the two per replica). vLLM replicas report no tokenizer name: text prompts are
-    encoded with the router's own `--tokenizer` (a different tokenizer only routes worse:
-    vLLM's own cache decides what hits)."""
-    views = state.kv_events
-    if views is None or not views.views or state.view.recompute_cost is None:
-        return matched
-    try:
-        salt = cache_salt(state.router_secret, tenant)
-    except ValueError:
-        return matched
-    own = state.tokenizer.name if state.tokenizer is not None else ""
-    encode = chat_token_ids if chat else prompt_token_ids
-    text_chars = len(json.dumps(prompt)) if chat else len(prompt) if isinstance(prompt, str) else 0
-    if text_chars > _INLINE_ENCODE_MAX_CHARS:
-        token_ids = await asyncio.to_thread(encode, prompt, own, state.tokenizer)
-    else:
-        token_ids = encode(prompt, own, state.tokenizer)
-    if token_ids is None:
-        return matched
-    token_ids = token_ids[: state.max_hint_blocks * BLOCK_SIZE]
-    held = views.matched_tokens(salt, token_ids, state.view.replicas)
-    return {**matched, **{r: max(n, matched.get(r, 0)) for r, n in held.items()}}
-
-
-def kv_event_endpoints(state: RouterState) -> dict[str, str]:
-    """Replica -> KV event endpoint: `kv_event_endpoints`, then every vLLM replica of the
-    view at its URL's host on `kv_events_port`."""
-    out = {}
-    if state.kv_events_port is not None:
-        for r in state.view.replicas.values():
-            host = urlsplit(r.url).hostname
-            if r.engine == "vllm" and host:
-                out[r.name] = f"tcp://{_zmq_host(host)}:{state.kv_events_port}"
-    return {**out, **state.kv_event_endpoints}
-
-
-def _zmq_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _warn_untokenized(state: RouterState, replica_tokenizer: str) -> None:
-    if replica_tokenizer in state._warned_tokenizers:
-        return
-    state._warned_tokenizers.add(replica_tokenizer)
-    mine = state.tokenizer.name if state.tokenizer is not None else "none (no --tokenizer)"
-    log.warning("replicas report tokenizer %r, the router has %s: text prompts are routed "
-                "without the cache-aware override", replica_tokenizer or "(none)", mine)
-
-
-def _decide(
-    state: RouterState, tenant: str, matched: dict[str, int], exclude: set[str]
-) -> RouteDecision | None:
-    view = state.view
-    loads = [load for load in view.loads() if load.name not in exclude]
-    home_set = view.home_set(tenant)
-    return choose_replica(
-        tenant,
-        loads,
-        k=view.affinity_k,
-        occupancy_threshold=view.threshold,
-        home_set=home_set,
-        matched_tokens={r: n for r, n in matched.items() if r not in exclude},
-        recompute_s_per_token=view.recompute_cost,
-    )
 
 
 def create_router_app(state: RouterState) -> web.Application:
@@ -366,448 +59,21 @@ def create_router_app(state: RouterState) -> web.Application:
         middlewares=[error_middleware(log)], client_max_size=_HARD_MAX_BODY_BYTES,
         handler_args=handler_args(ListenerLimits(header_timeout_s=state.header_read_timeout_s)),
     )
-
-    def authenticate(request: web.Request) -> str:
-        tenant = state.keys.tenant_for_authorization(request.headers.get("Authorization"))
-        if tenant is None:
-            state.m_unauthorized.inc()
-            raise ApiError(
-                401,
-                "missing or unknown API key (Authorization: Bearer <key>)",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return tenant
-
-    async def json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
-        raw = await read_body(request, state.max_body_bytes, state.body_read_timeout_s)
-        body = parse_json(raw)
-        if not isinstance(body, dict):
-            raise ApiError(
-                400,
-                f"request body must be a JSON object, got {type(body).__name__}",
-                code="invalid_body",
-            )
-        return raw, body
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
-        tenant = authenticate(request)
-        raw, body = await json_body(request)
-        prompt = body.get("prompt")
-        matched = await _matched_tokens(state, tenant, prompt)
-        matched = await _with_kv_events(state, tenant, prompt, matched)
-        prompt_tokens = len(prompt) if isinstance(prompt, (str, list)) else 0
-        return await _proxy(
-            request, "/v1/completions", raw, body, tenant, matched, prompt_tokens, started
-        )
-
-    async def chat_completions(request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
-        tenant = authenticate(request)
-        raw, body = await json_body(request)
-        messages = body.get("messages")
-        # The replicas' chat template, when the router has their tokenizer (chat_token_ids).
-        matched = await _matched_tokens(state, tenant, messages, chat=True)
-        matched = await _with_kv_events(state, tenant, messages, matched, chat=True)
-        prompt_chars = (
-            sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
-            if isinstance(messages, list)
-            else 0
-        )
-        return await _proxy(
-            request, "/v1/chat/completions", raw, body, tenant, matched, prompt_chars, started
-        )
-
-    async def _proxy(
-        request: web.Request,
-        path: str,
-        raw: bytes,
-        body: dict[str, Any],
-        tenant: str,
-        matched: dict[str, int],
-        prompt_tokens: int,
-        started: float,
-    ) -> web.StreamResponse:
-        assert state.session is not None
-        tried: set[str] = set()
-        last_error = "no replica is ready"
-        salted: bytes | None = None
-        for _ in range(state.max_attempts):
-            decision = _decide(state, tenant, matched, tried)
-            if decision is None:
-                break
-            state.record(decision)
-            name = decision.replica
-            tried.add(name)
-            replica = state.view.replicas[name]
-            data = raw
-            if replica.engine == "vllm":
-                if salted is None:
-                    salted = _salted_body(body, state.router_secret, tenant)
-                data = salted
-            headers = {TENANT_HEADER: tenant, "Content-Type": "application/json"}
-            if state.router_secret:
-                # One per attempt: bound to this replica, method and path, for seconds.
-                headers[ASSERTION_HEADER] = sign_assertion(
-                    state.router_secret, tenant, audience=name, method="POST", path=path,
-                    now_s=time.time())
-            state.view.begin(name, prompt_tokens)
-            state.m_overhead.observe(time.perf_counter() - started)
-            attempt = _Attempt(name, decision)
-            try:
-                return await _attempt(request, replica.url + path, data, headers, attempt)
-            except _Failover as exc:
-                state.m_requests.labels(name, exc.outcome).inc()
-                if exc.back_off:
-                    state.view.mark_down(name, backoff_s=state.replica_backoff_s)
-                    log.warning("replica %s: %s; marked down for %g s", name, exc.detail,
-                                state.replica_backoff_s)
-                elif exc.outcome == "unreachable":
-                    state.view.mark_down(name)
-                last_error = f"replica {name}: {exc.detail}"
-                continue
-            except _ClientGone:
-                state.m_requests.labels(name, "client_abort").inc()
-                log.debug("client went away; closed the request to replica %s", name)
-                assert attempt.out is not None
-                return attempt.out
-            except asyncio.CancelledError:
-                # The client went away (handler cancellation), waiting for the replica or
-                # mid-answer: the upstream request is closed, and the replica cancels.
-                state.m_requests.labels(name, "client_abort").inc()
-                log.debug("client went away; closed the request to replica %s", name)
-                raise
-            finally:
-                state.view.end(name, prompt_tokens)
-        return _error(503, last_error, "no_replica", {"Retry-After": "1"})
-
-    async def _attempt(request: web.Request, url: str, data: bytes, headers: dict[str, str],
-                       attempt: _Attempt) -> web.StreamResponse:
-        """One replica's try. Raises `_Failover` while nothing went to the client (the caller
-        tries the next replica); once the answer started, a failure ends it in the stream."""
-        assert state.session is not None
-        loop = asyncio.get_running_loop()
-        first_byte_by = loop.time() + state.upstream_first_byte_timeout_s
-        timeout = aiohttp.ClientTimeout(total=state.upstream_timeout_s,
-                                        sock_connect=state.upstream_connect_timeout_s)
-        try:
-            upstream = await asyncio.wait_for(
-                state.session.post(url, data=data, headers=headers, timeout=timeout),
-                state.upstream_first_byte_timeout_s)
-        except TimeoutError:
-            raise _Failover("first_byte_timeout", "no answer within "
-                            f"{state.upstream_first_byte_timeout_s:g} s", back_off=True) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise _Failover("unreachable", f"unreachable ({type(exc).__name__})") from None
-        # Closing (not releasing) on every path out: a request that did not finish is how the
-        # replica learns to cancel its sequence.
-        try:
-            if upstream.status == 503:
-                raise _Failover("overloaded", "overloaded")
-            kind = upstream.headers.get("Content-Type", "")
-            if upstream.status >= 500 and not kind.startswith("application/json"):
-                raise _Failover("bad_gateway", f"HTTP {upstream.status} that is not JSON "
-                                f"({one_line(kind or 'no content type', 60)})", back_off=True)
-            if upstream.status == 200 and kind.startswith("text/event-stream"):
-                return await _relay_stream(request, upstream, attempt, first_byte_by)
-            try:
-                answer = await asyncio.wait_for(upstream.read(),
-                                                max(0.0, first_byte_by - loop.time()))
-            except TimeoutError:
-                raise _Failover("first_byte_timeout", "answer not complete within "
-                                f"{state.upstream_first_byte_timeout_s:g} s",
-                                back_off=True) from None
-            except (aiohttp.ClientError, OSError) as exc:
-                raise _Failover("broken", f"answer cut ({type(exc).__name__})",
-                                back_off=True) from None
-            resp = web.Response(status=upstream.status, body=answer,
-                                headers=_answer_headers(upstream, attempt.decision))
-            state.m_requests.labels(attempt.name, str(upstream.status)).inc()
-            return resp
-        finally:
-            upstream.close()
-
-    async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
-                            attempt: _Attempt, first_byte_by: float) -> web.StreamResponse:
-        """SSE: events are held back until one carries a token (or the end), so a replica that
-        fails before its first token is failed over like a non-streamed request; after that, a
-        cut is an error event in the stream (OpenAI's shape), never a silent close."""
-        loop = asyncio.get_running_loop()
-        held: list[bytes] = []
-        pending = b""
-        while True:
-            left_s = first_byte_by - loop.time()
-            try:
-                if left_s <= 0:
-                    raise TimeoutError
-                chunk = await asyncio.wait_for(upstream.content.readany(), left_s)
-            except TimeoutError:
-                raise _Failover("first_byte_timeout", "no token within "
-                                f"{state.upstream_first_byte_timeout_s:g} s",
-                                back_off=True) from None
-            except (aiohttp.ClientError, OSError) as exc:
-                raise _Failover("broken", f"stream cut before its first token "
-                                f"({type(exc).__name__})", back_off=True) from None
-            if not chunk:
-                raise _Failover("broken", "stream ended before its first token", back_off=True)
-            held.append(chunk)
-            pending += chunk
-            if _has_token(pending) or len(pending) > _MAX_HELD_STREAM_BYTES:
-                break
-            pending = pending[pending.rfind(b"\n\n") + 2:] if b"\n\n" in pending else pending
-        resp = web.StreamResponse(status=200, headers=_answer_headers(upstream, attempt.decision))
-        attempt.out = resp
-        await _client_write(resp.prepare(request))
-        for chunk in held:
-            await _client_write(resp.write(chunk))
-        while True:
-            try:
-                chunk = await asyncio.wait_for(upstream.content.readany(),
-                                               state.upstream_read_timeout_s)
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                why = (f"no data for {state.upstream_read_timeout_s:g} s"
-                       if isinstance(exc, TimeoutError) else type(exc).__name__)
-                state.m_requests.labels(attempt.name, "broken").inc()
-                log.warning("replica %s failed mid-stream (%s); ending the stream with an "
-                            "error event", attempt.name, why)
-                event = error_body(502, f"the replica failed mid-stream ({why}); the answer "
-                                   "is incomplete", code="upstream_failed")
-                with contextlib.suppress(Exception):
-                    await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-                    await resp.write_eof()
-                return resp
-            if not chunk:
-                break
-            await _client_write(resp.write(chunk))
-        await _client_write(resp.write_eof())
-        state.m_requests.labels(attempt.name, "200").inc()
-        return resp
-
-    async def from_a_replica(path: str) -> web.Response:
-        """GET `path` from the first ready replica that answers with JSON."""
-        assert state.session is not None
-        for load in sorted(state.view.loads(), key=lambda x: x.name):
-            if not load.ready:
-                continue
-            url = state.view.replicas[load.name].url + path
-            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
-                async with state.session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    return web.json_response(await r.json(), status=r.status)
-        raise ApiError(503, "no replica is ready", code="no_replica", headers={"Retry-After": "1"})
-
-    async def tokenizer_route(request: web.Request) -> web.StreamResponse:
-        """vLLM's /tokenize and /detokenize, answered by the first ready replica: every
-        replica of a fleet serves the same model, so any one's tokenizer is the model's."""
-        authenticate(request)
-        raw, _ = await json_body(request)
-        assert state.session is not None
-        for load in sorted(state.view.loads(), key=lambda x: x.name):
-            if not load.ready:
-                continue
-            url = state.view.replicas[load.name].url + request.path
-            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
-                async with state.session.post(
-                    url, data=raw, headers={"Content-Type": "application/json"},
-                    timeout=aiohttp.ClientTimeout(total=30)) as r:
-                    return web.json_response(await r.json(), status=r.status)
-        raise ApiError(503, "no replica is ready", code="no_replica", headers={"Retry-After": "1"})
-
-    async def version(request: web.Request) -> web.StreamResponse:
-        return web.json_response({"version": __version__})
-
-    async def health(request: web.Request) -> web.StreamResponse:
-        # vLLM's probe: an empty 200 while the router can place a request on some replica.
-        return web.Response(status=200 if any(x.ready for x in state.view.loads()) else 503)
-
-    async def models(request: web.Request) -> web.StreamResponse:
-        authenticate(request)
-        return await from_a_replica("/v1/models")
-
-    async def model(request: web.Request) -> web.StreamResponse:
-        authenticate(request)
-        return await from_a_replica("/v1/models/" + quote(request.match_info["model"], safe=""))
-
-    async def openapi(request: web.Request) -> web.StreamResponse:
-        doc = await from_a_replica("/openapi.json")
-        assert doc.text is not None
-        return web.json_response(router_openapi(json.loads(doc.text)))
-
-    async def metrics(request: web.Request) -> web.StreamResponse:
-        resp = web.Response(body=generate_latest(state.registry))
-        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return resp
-
-    async def healthz(request: web.Request) -> web.StreamResponse:
-        return web.json_response({"status": "ok"})
-
-    async def readyz(request: web.Request) -> web.StreamResponse:
-        ready = [x.name for x in state.view.loads() if x.ready]
-        ok = bool(ready) and bool(state.keys.digest_to_tenant)
-        return web.json_response(
-            {
-                "status": "ready" if ok else "not_ready",
-                "ready_replicas": sorted(ready),
-                "spill_rate": state.spill_rate,
-                "config_generation": state.view.config.generation if state.view.config else None,
-                # The last good config routes; this says why the file on disk is not it.
-                "config_error": state.view.config_error or None,
-            },
-            status=200 if ok else 503,
-        )
-
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model}", model)
-    app.router.add_get("/openapi.json", openapi)
-    app.router.add_post("/tokenize", tokenizer_route)
-    app.router.add_post("/detokenize", tokenizer_route)
-    app.router.add_get("/version", version)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
+    app[STATE] = state
+    app.router.add_post("/v1/completions", _proxy.completions)
+    app.router.add_post("/v1/chat/completions", _proxy.chat_completions)
+    app.router.add_get("/v1/models", _any_replica.models)
+    app.router.add_get("/v1/models/{model}", _any_replica.model)
+    app.router.add_get("/openapi.json", _any_replica.openapi)
+    app.router.add_post("/tokenize", _any_replica.tokenizer_route)
+    app.router.add_post("/detokenize", _any_replica.tokenizer_route)
+    app.router.add_get("/version", _probes.version)
+    app.router.add_get("/health", _probes.health)
+    app.router.add_get("/metrics", _probes.metrics)
+    app.router.add_get("/healthz", _probes.healthz)
+    app.router.add_get("/readyz", _probes.readyz)
     app.cleanup_ctx.append(_lifecycle(state))
     return app
-
-
-@dataclass(slots=True)
-class _Attempt:
-    name: str
-    decision: RouteDecision
-    out: web.StreamResponse | None = None
-    """The client's response once it started (nothing can be retried after that)."""
-
-
-class _Failover(Exception):
-    """This replica's try failed before anything went to the client: try the next one."""
-
-    def __init__(self, outcome: str, detail: str, *, back_off: bool = False) -> None:
-        super().__init__(detail)
-        self.outcome = outcome
-        self.detail = detail
-        self.back_off = back_off
-        """The replica's own reports cannot be trusted for this (it says ready and does not
-        answer): keep it out of decisions for `RouterState.replica_backoff_s`."""
-
-
-_MAX_HELD_STREAM_BYTES = 1 << 16
-"""Stream bytes held back waiting for a token (the opening role chunks are ~200 bytes each)."""
-
-
-def _has_token(pending: bytes) -> bool:
-    """Whether one of the complete SSE events in `pending` carries a token, a finish, an error
-    or the end: once it goes to the client, the answer is committed."""
-    for event in pending.split(b"\n\n")[:-1]:
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                return True
-            try:
-                data = json.loads(payload)
-            except ValueError:
-                return True  # not ours to judge: pass it on
-            if not isinstance(data, dict) or "error" in data:
-                return True
-            for choice in data.get("choices") or []:
-                if not isinstance(choice, dict):
-                    return True
-                delta = choice.get("delta")
-                delta = delta if isinstance(delta, dict) else {}
-                if (choice.get("text") or delta.get("content") or delta.get("tool_calls")
-                        or choice.get("finish_reason") or choice.get("logprobs")):
-                    return True
-    return False
-
-
-def _answer_headers(upstream: aiohttp.ClientResponse, decision: RouteDecision) -> dict[str, str]:
-    headers = {h: upstream.headers[h] for h in _FORWARD_RESPONSE_HEADERS if h in upstream.headers}
-    headers.update(
-        {h: v for h, v in upstream.headers.items() if h.lower().startswith("x-kvfleet-")})
-    headers["X-Kvfleet-Replica"] = decision.replica
-    headers["X-Kvfleet-Route"] = decision.reason
-    return headers
-
-
-async def _client_write(step: Awaitable[Any]) -> None:
-    """A write to the client; one that went away raises `_ClientGone`."""
-    try:
-        await step
-    except Exception as exc:
-        if is_client_gone(exc):
-            raise _ClientGone from exc
-        raise
-
-
-def _salted_body(body: dict[str, Any], secret: bytes | None, tenant: str) -> bytes:
-    """The body for a vLLM replica: `cache_salt` is the authenticated tenant's salt, whatever
-    the client sent (a client could otherwise name another tenant's salt and read its cache).
-    Re-encoded from the parsed body, so a duplicate `cache_salt` key cannot survive either."""
-    try:
-        salt = cache_salt(secret, tenant)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), code="tenant_not_servable", param=CACHE_SALT_FIELD) from exc
-    # parse_json refused lone surrogates, so the text always encodes as UTF-8
-    return json.dumps({**body, CACHE_SALT_FIELD: salt}, ensure_ascii=False,
-                      separators=(",", ":")).encode()
-
-
-class _ClientGone(Exception):
-    """The client closed its connection while the answer was being sent."""
-
-
-def router_openapi(replica_doc: dict[str, Any]) -> dict[str, Any]:
-    """The router's OpenAPI: the replicas' OpenAI operations (their schemas and limits), with
-    the router's API-key auth instead of the tenant header, and the router's own probes."""
-    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
-    json_ok = {"application/json": {"schema": {"type": "object"}}}
-    paths: dict[str, Any] = {}
-    for path in _PROXIED_PATHS:
-        if path not in replica_doc.get("paths", {}):
-            continue
-        ops = json.loads(json.dumps(replica_doc["paths"][path]))
-        for op in ops.values():
-            params = [p for p in op.get("parameters", []) if p.get("name") != TENANT_HEADER]
-            op["parameters"] = params
-            op["security"] = [{"apiKey": []}]
-            op["responses"]["401"] = {"description": "Missing or unknown API key",
-                                      "content": error}
-            op["responses"]["503"] = {"description": "No replica can answer now; retry",
-                                      "content": error}
-            if "requestBody" in op:
-                op["responses"]["408"] = {"description": "Body not received in time",
-                                          "content": error}
-                op["responses"]["413"] = {"description": "Body too large", "content": error}
-        paths[path] = ops
-    paths["/healthz"] = {"get": {"operationId": "healthz", "summary": "Liveness",
-                                 "responses": {"200": {"description": "Alive",
-                                                       "content": json_ok}}}}
-    paths["/readyz"] = {"get": {"operationId": "readyz", "summary": "Readiness",
-                                "responses": {"200": {"description": "Ready", "content": json_ok},
-                                              "503": {"description": "Not ready",
-                                                      "content": json_ok}}}}
-    paths["/metrics"] = {"get": {"operationId": "metrics", "summary": "Prometheus metrics",
-                                 "responses": {"200": {"description": "Text format", "content": {
-                                     "text/plain": {"schema": {"type": "string"}}}}}}}
-    components = json.loads(json.dumps(replica_doc.get("components", {})))
-    components["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
-    info = dict(replica_doc.get("info", {}))
-    info["title"] = "kvfleet router"
-    return {"openapi": replica_doc.get("openapi", "3.1.0"), "info": info, "paths": paths,
-            "components": components}
-
-
-def _start_kv_events(state: RouterState) -> asyncio.Task[None] | None:
-    if state.kv_events is None:
-        return None
-    # zmq is imported only by a router that subscribes
-    from kvfleet_runtime.router._kv_subscriber import KvEventSubscriber
-
-    sub = KvEventSubscriber(state.kv_events, lambda: kv_event_endpoints(state))
-    return asyncio.create_task(sub.run(), name="router-kv-events")
 
 
 def _lifecycle(state: RouterState) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -822,28 +88,12 @@ def _lifecycle(state: RouterState) -> Callable[[web.Application], AsyncIterator[
                 ),
                 auto_decompress=False,
             )
-        assert state.session is not None
-        state.view.reload_config()
-        await state.view.poll_once(state.session, timeout_s=1.0)
-        poller = asyncio.create_task(
-            state.view.run(
-                state.session,
-                poll_interval_s=state.poll_interval_s,
-                config_poll_s=state.config_poll_s,
-            ),
-            name="router-poll",
-        )
-        events = _start_kv_events(state)
+        await state.picker.start(state.client, poll_interval_s=state.poll_interval_s,
+                                 config_poll_s=state.config_poll_s)
         yield
-        for task in (poller, events):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if state.index is not None:
-            await state.index.close()
+        await state.picker.stop()
         if own_session:
-            await state.session.close()
+            await state.client.close()
             state.session = None
 
     return ctx

@@ -74,7 +74,7 @@ from kvfleet_runtime.model import (
     onednn_packing_supported,
 )
 from kvfleet_runtime.nvme import NvmeConfig, NvmeStore, NvmeTier
-from kvfleet_runtime.server._auth import ReplicaAuth, auth_middleware
+from kvfleet_runtime.server._auth import DEFAULTED_TENANT, ReplicaAuth, auth_middleware
 from kvfleet_runtime.server._completions import chat_completions, completions, detokenize, tokenize
 from kvfleet_runtime.server._config import (
     CacheSettings,
@@ -215,7 +215,9 @@ async def watch_config(replica: Replica) -> None:
     the last good config otherwise (`config.watch`: a half-written file is never applied)."""
     path = replica.config_path
     assert path is not None and replica.reloads is not None
-    watcher = ConfigFileWatcher(path)
+    if replica.config_watcher is None:
+        replica.config_watcher = ConfigFileWatcher(path)
+    watcher = replica.config_watcher
     while True:
         await asyncio.sleep(replica.config.config_poll_interval_s)
         content = await asyncio.to_thread(watcher.poll)
@@ -248,7 +250,7 @@ async def watch_config(replica: Replica) -> None:
 # ---- request helpers -------------------------------------------------------------------------
 
 def _tenant(request: web.Request) -> str:
-    tenant = request.headers.get(TENANT_HEADER)
+    tenant = request.get(DEFAULTED_TENANT) or request.headers.get(TENANT_HEADER)
     if not tenant:
         raise ApiError(400, f"missing header {TENANT_HEADER} (set by the router)",
                        param=TENANT_HEADER, code="missing_tenant")
@@ -277,18 +279,25 @@ def _validate(model: type[M], data: Any, *, generation: bool = True) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = []
+        # One problem per field: a union's members each fail ("greater than or equal to 1",
+        # "-1") and are joined with "or", under the client's field name.
+        problems: dict[str, tuple[list[str], str]] = {}
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
             value = repr(err.get("input"))
             value = value if len(value) <= 60 else value[:57] + "..."
-            problems.append(f"{loc or 'body'}: {err['msg']} (got {value})")
+            messages, _ = problems.setdefault(loc or "body", ([], value))
+            if err["msg"] not in messages:
+                messages.append(err["msg"])
         first = exc.errors()[0]["loc"]
-        raise ApiError(400, "; ".join(problems), param=str(first[0]) if first else None,
-                       code="invalid_value") from exc
+        raise ApiError(400, "; ".join(f"{loc}: {' or '.join(msgs)} (got {value})"
+                                      for loc, (msgs, value) in problems.items()),
+                       param=str(first[0]) if first else None, code="invalid_value") from exc
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|constrained-str|[a-z]+\[.*\])$")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|constrained-[a-z]+|[a-z][a-z-]*\[.*\])$")
+"""pydantic's names for a union's members (`literal[-1]`, `constrained-int`,
+`function-before[_integral(), constrained-int]`); a field name has no brackets or dashes."""
 
 
 def _is_union_tag(part: int | str) -> bool:
@@ -418,7 +427,9 @@ def _handlers(replica: Replica, auth: ReplicaAuth) -> dict[str, Handler]:
                 "restart_pending": replica.restart_pending,
                 "config_polls": replica.config_polls,
                 "config_applied_at_poll": replica.config_applied_at_poll,
-                "config_errors": dict(replica.config_errors)}
+                "config_errors": dict(replica.config_errors),
+                "background_restarts": {name: n for name, n in
+                                        replica.supervisor.restarts.items() if n}}
         return web.json_response(body, status=200 if replica.ready else 503)
 
     async def openapi(request: web.Request) -> web.StreamResponse:
@@ -459,10 +470,11 @@ def create_app(replica: Replica, *, watch: bool = True,
     app.router.add_get("/health", h["health"])
 
     async def lifecycle(app: web.Application) -> Any:
-        await replica.engine.start()
+        await replica.engine.start(replica.supervisor)
         watcher = None
         if watch and replica.config_path is not None:
-            watcher = asyncio.create_task(watch_config(replica), name="kvfleet-config-watch")
+            watcher = replica.supervisor.start("kvfleet-config-watch",
+                                               lambda: watch_config(replica))
         replica.ready = True
         yield
         replica.ready = False

@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from kvfleet_runtime.auth import (
     DEFAULT_TENANT,
@@ -40,11 +39,15 @@ from kvfleet_runtime.auth import (
 from kvfleet_runtime.server._schemas import TENANT_PATTERN
 from kvfleet_runtime.wire import ASSERTION_HEADER, TENANT_HEADER
 
-__all__ = ["ErrorFactory", "ReplicaAuth", "auth_middleware"]
+__all__ = ["DEFAULTED_TENANT", "ErrorFactory", "ReplicaAuth", "auth_middleware"]
 
 _TENANT_RE = re.compile(TENANT_PATTERN)
 DEFAULT_MAX_NONCES = 200_000
 """Assertions remembered at once: at a 10 s lifetime (+5 s skew), 13k requests/s per replica."""
+
+DEFAULTED_TENANT = web.RequestKey("kvfleet.defaulted_tenant", str)
+"""The request key under which the hook notes the tenant of a request that named none (an open
+replica serves it as `default`); the handlers read the tenant from there first."""
 
 ErrorFactory = Callable[..., web.Response]
 """`error(status, message, code=..., param=..., headers=...)`: the server's error envelope."""
@@ -181,9 +184,10 @@ def auth_middleware(auth: ReplicaAuth, error: ErrorFactory) -> Callable[..., Awa
             if claimed is None and not auth.router_secret:
                 refusal = tenant(request, DEFAULT_TENANT)
                 if refusal is None:
-                    headers = CIMultiDict(request.headers)
-                    headers[TENANT_HEADER] = DEFAULT_TENANT
-                    request = request.clone(headers=headers)
+                    # Noted on the request, not written into its headers: `request.clone`
+                    # re-encodes every header, and one with bytes that are not UTF-8 (a
+                    # User-Agent, a Cookie) failed that with a 500.
+                    request[DEFAULTED_TENANT] = DEFAULT_TENANT
             elif claimed is None or not _TENANT_RE.match(claimed):
                 refusal = None  # the handler answers 400 naming the header (no tenant data)
             else:

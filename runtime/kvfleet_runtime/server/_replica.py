@@ -14,7 +14,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from kvfleet_runtime.background import Supervisor
 from kvfleet_runtime.cache import PrefixCache
+from kvfleet_runtime.config.watch import ConfigFileWatcher
 from kvfleet_runtime.engine import Engine
 from kvfleet_runtime.model import LoadedModel
 from kvfleet_runtime.nvme import NvmeTier
@@ -63,7 +65,16 @@ class Replica:
     before_submit: Callable[[str, list[int]], Awaitable[None]] | None = None
     """Set by the fleet tier (`kvfleet_runtime.fleet.wiring`): fetch the prompt's prefix from a
     peer before the engine looks it up. Never raises; on any failure the engine prefills."""
+    config_watcher: ConfigFileWatcher | None = None
+    """The config file's watcher, made by the first run of the watch loop and kept across its
+    restarts (a restarted loop must not take the file on disk for the config in force)."""
+    supervisor: Supervisor = field(init=False)
+    """Runs the replica's background loops (config watch, engine, fleet tier): a loop that dies
+    is logged and restarted (`kvfleet_runtime.background`)."""
     _t0_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(registry=self.registry)
     """Serializes `sync_t0`: the replica config and the fleet config are applied on different
     worker threads, and the second to run must see both inputs."""
 

@@ -225,3 +225,54 @@ async def test_peer_secrets_rotate_without_dropping_a_request_in_flight(tmp_path
         assert (await status(old), await status(new)) == (401, 200)
     finally:
         await runner.cleanup()
+
+
+# ---- credential fields with Unicode digits and bytes that are not UTF-8 (issue 44 item 1) ----
+
+def _with_expiry(expiry: str) -> str:
+    """A credential whose expiry field is `expiry`, with a well-formed MAC."""
+    return "Bearer v2." + expiry + "." + peer_token(SECRET, "tenant-a").rsplit(".", 1)[1]
+
+
+UNICODE_DIGIT_CREDENTIALS = {
+    "superscript_two": "Bearer v2.\u00b2.00",  # the issue's curl
+    "superscript_expiry_real_mac": _with_expiry("\u00b2" * 10),
+    "arabic_indic": _with_expiry("\u0663" * 10),
+    "fullwidth": _with_expiry("\uff11" * 10),
+    "devanagari": _with_expiry("\u0967\u0968\u0969\u096a\u096b\u096c\u096d\u096e\u096f\u0966"),
+    "mathematical_bold": _with_expiry("\U0001d7d9" * 10),
+    "mixed_ascii_and_fullwidth": _with_expiry(str(int(time.time()) + 30)[:-1] + "\uff10"),
+    "not_utf8_expiry": _with_expiry("17\udcff"),
+    "not_utf8_mac": "Bearer v2." + str(int(time.time()) + 30) + "." + "\udcff" * 64,
+    "uppercase_mac": "Bearer v2." + peer_token(SECRET, "tenant-a").split(".", 1)[1].upper(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNICODE_DIGIT_CREDENTIALS))
+@pytest.mark.parametrize("path", [HELD_PATH, T2_PATH])
+async def test_a_credential_with_unicode_digits_or_undecodable_bytes_is_a_401(
+    peer: Peer, caplog: pytest.LogCaptureFixture, name: str, path: str
+) -> None:
+    # Fails on 8a5e244 for the Unicode digits: `str.isdigit()` took them, then `int()` raised
+    # (500 internal_error and a traceback), or read a full-width expiry as a number.
+    caplog.set_level(logging.DEBUG)
+    value = UNICODE_DIGIT_CREDENTIALS[name]
+    wire = value.encode("utf-8", "surrogateescape").decode("latin-1")  # the raw bytes
+    answer = await raw(peer, request("POST", path, HELD_BODY, {
+        **peer_headers(), "Authorization": wire}))
+    assert answer is not None and answer.status == 401, answer
+    assert answer.error["code"] == "invalid_peer_credential"
+    no_traceback(caplog)
+
+
+def test_the_credential_parser_takes_only_ascii_digits_and_lowercase_hex() -> None:
+    from kvfleet_runtime.fleet.t2_protocol import parse_peer_token
+    token = peer_token(SECRET, "tenant-a", now_s=1000.0, ttl_s=60)
+    assert parse_peer_token("Bearer " + token) == (1060, token.rsplit(".", 1)[1])
+    assert parse_peer_token("bearer  " + token) == (1060, token.rsplit(".", 1)[1])
+    for bad in (None, "", "Bearer", token, "Basic " + token, "Bearer v1.1060." + "a" * 64,
+                "Bearer v2.1060." + "a" * 63, "Bearer v2.1060." + "g" * 64,
+                "Bearer v2.-1." + "a" * 64, "Bearer v2. 1060." + "a" * 64,
+                "Bearer v2.1060." + "a" * 64 + ".x", "Bearer v2." + "9" * 13 + "." + "a" * 64,
+                "Bearer v2.\u0661\u0660\u0666\u0660." + "a" * 64):
+        assert parse_peer_token(bad) is None, bad

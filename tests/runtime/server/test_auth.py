@@ -192,12 +192,13 @@ def test_an_open_replica_refuses_other_peers(model_dir: Path) -> None:
 
     from aiohttp.test_utils import make_mocked_request
 
-    from kvfleet_runtime.server._auth import auth_middleware
+    from kvfleet_runtime.server._auth import DEFAULTED_TENANT, auth_middleware
 
     seen: list[str] = []
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        seen.append(request.headers.get("X-Kvfleet-Tenant", ""))
+        # the tenant the hook defaulted to, noted on the request (issue 44: not in its headers)
+        seen.append(request.get(DEFAULTED_TENANT) or request.headers.get("X-Kvfleet-Tenant", ""))
         return web.json_response({})
 
     def error(status: int, message: str, **kw: Any) -> web.Response:

@@ -96,17 +96,21 @@ def _readyz(running: RunningReplica) -> dict[str, Any]:
     return dict(answer.json())
 
 
-@pytest.mark.parametrize(("text", "why"), [(DEEP, "nests deeper than 32 levels"),
-                                           (LAUGHS, "aliases")])
+@pytest.mark.parametrize(("text", "why"), [
+    (DEEP, "nests deeper than 32 levels"), (LAUGHS, "aliases"),
+    # issue 44: PyYAML's ReaderError escaped the parser and killed the watcher (8a5e244)
+    ("limits: {max_tokens: 64}\nx: \x07\n", "unacceptable character #x0007"),
+    (b"limits: {max_tokens: 64}\nx: \xc3\x28\n", "invalid continuation byte"),
+    (b'{"limits": {"max_tokens": 64}, "x": "\xff"}', "invalid start byte")])
 def test_a_hostile_config_file_is_refused_in_one_line_and_the_next_valid_one_applies(
-    running: RunningReplica, caplog: pytest.LogCaptureFixture, text: str, why: str
+    running: RunningReplica, caplog: pytest.LogCaptureFixture, text: str | bytes, why: str
 ) -> None:
     # Fails before issue 25: the deep file kills the watcher silently (the next valid file is
     # never applied, /readyz says nothing); the laughs stall the loop and log ~2 GB.
     caplog.set_level(logging.DEBUG)
     replica = running.replica
     try:
-        running.config_path.write_text(text)
+        running.config_path.write_bytes(text if isinstance(text, bytes) else text.encode())
         _wait(lambda: "replica" in _readyz(running)["config_errors"], "the refusal")
         reason = _readyz(running)["config_errors"]["replica"]
         assert why in reason and str(running.config_path) in reason and "\n" not in reason

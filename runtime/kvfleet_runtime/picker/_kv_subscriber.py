@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 
@@ -21,7 +22,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvfleet_runtime.router._kv_events import (
+from kvfleet_runtime.background import Supervisor
+from kvfleet_runtime.picker._kv_events import (
     KvEventError,
     KvEventViews,
     decode_batch,
@@ -44,14 +46,18 @@ class KvEventSubscriber:
     """Keeps `views` up to date from the endpoints `endpoints()` names (name -> ZMQ URL)."""
 
     def __init__(self, views: KvEventViews, endpoints: Callable[[], dict[str, str]], *,
-                 resync_s: float = 1.0) -> None:
+                 resync_s: float = 1.0, supervisor: Supervisor | None = None) -> None:
         self.views = views
         self.endpoints = endpoints
         self.resync_s = resync_s
+        self.supervisor = Supervisor() if supervisor is None else supervisor
+        """Runs one subscription loop per replica (the router's: one that dies is restarted)."""
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, tuple[str, asyncio.Task[None]]] = {}
 
     async def run(self) -> None:
+        if self._ctx.closed:  # a restart (the supervisor's) after the previous run ended
+            self._ctx = zmq.asyncio.Context()
         try:
             while True:
                 self._resync()
@@ -62,6 +68,7 @@ class KvEventSubscriber:
             for _, task in self._tasks.values():
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            self._tasks.clear()
             self._ctx.destroy(linger=0)
 
     def _resync(self) -> None:
@@ -72,8 +79,8 @@ class KvEventSubscriber:
             self.views.forget([name])
         for name, url in want.items():
             if name not in self._tasks:
-                self._tasks[name] = (url, asyncio.create_task(self._follow(name, url),
-                                                              name=f"kv-events-{name}"))
+                self._tasks[name] = (url, self.supervisor.start(
+                    f"kv-events-{name}", functools.partial(self._follow, name, url)))
 
     async def _follow(self, name: str, url: str) -> None:
         view = self.views.view(name)
