@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -14,7 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from aiohttp import web
 from schemathesis import GenerationMode
 
 from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
+from kvfleet_runtime.cache import LoadTarget, TierQuery
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.picker import FleetView
 from kvfleet_runtime.router import RouterState, create_router_app
@@ -304,25 +306,40 @@ def _get(url: str) -> str:
         return str(resp.read().decode())
 
 
+@dataclass
+class HoldingTier:
+    """A tier below the cache still finding out for ever: its request waits in the engine,
+    before any prefill, until it is cancelled (`forget`)."""
+
+    entered: threading.Event
+    cancelled: threading.Event
+    name: str = "t2"
+
+    def num_matched(self, query: TierQuery) -> int | None:
+        self.entered.set()
+        return None
+
+    def load_into(self, query: TierQuery, target: LoadTarget,
+                  done: Callable[[int], None]) -> None:
+        raise AssertionError("it never matched")
+
+    def forget(self, query: TierQuery) -> None:
+        self.cancelled.set()
+
+
 def test_a_non_streaming_client_that_goes_away_cancels_the_replica_request(
     fleet: Fleet, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Hold every replica request in the fleet hook (before the engine sees it), so the client
-    # leaves while the router waits for the replica's answer: no timing involved.
+    # Hold every replica request at its tier below the cache (a lookup that never answers: the
+    # engine keeps it waiting before any prefill), so the client leaves while the router waits
+    # for the replica's answer: no timing involved.
     entered, cancelled = threading.Event(), threading.Event()
-
-    async def hold(tenant: str, token_ids: list[int]) -> None:
-        entered.set()
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
+    hold = HoldingTier(entered, cancelled)
 
     async def leave() -> None:
         async with aiohttp.ClientSession() as session:
             post = session.post(fleet.url + "/v1/completions",
-                                json={"prompt": "held", "max_tokens": 4},
+                                json={"prompt": "held " * 16, "max_tokens": 4},
                                 headers={"Authorization": "Bearer sk-acme"})
             task = asyncio.ensure_future(post)
             while not entered.is_set():
@@ -332,10 +349,12 @@ def test_a_non_streaming_client_that_goes_away_cancels_the_replica_request(
                 await task
 
     replicas = [s.replica for s in fleet.replicas]
-    submitted = [r.engine.metrics.prompt_tokens._value.get() for r in replicas]
+    generated = [r.engine.metrics.generated_tokens._value.get() for r in replicas]
     before = sum(v for (_, o), v in fleet.outcomes().items() if o == "client_abort")
+    saved = [(r.engine.lower_tiers, r.engine.config) for r in replicas]
     for r in replicas:
-        r.before_submit = hold
+        r.engine.lower_tiers = (hold,)
+        r.engine.config = dataclasses.replace(r.engine.config, max_tier_wait_s=3600.0)
     try:
         with caplog.at_level(logging.DEBUG):
             asyncio.run(leave())
@@ -343,9 +362,9 @@ def test_a_non_streaming_client_that_goes_away_cancels_the_replica_request(
             _wait_for(lambda: sum(v for (_, o), v in fleet.outcomes().items()
                                   if o == "client_abort") == before + 1)
     finally:
-        for r in replicas:
-            r.before_submit = None
-    assert [r.engine.metrics.prompt_tokens._value.get() for r in replicas] == submitted
+        for r, (tiers, config) in zip(replicas, saved, strict=True):
+            r.engine.lower_tiers, r.engine.config = tiers, config
+    assert [r.engine.metrics.generated_tokens._value.get() for r in replicas] == generated
     assert "broken" not in {o for _, o in fleet.outcomes()}
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 

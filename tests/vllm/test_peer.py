@@ -492,13 +492,10 @@ def test_the_fleet_config_names_the_peers_and_switches_t2(engine, tmp_path, monk
     import json
 
     from kvfleet_runtime.fleet import PeerProbeHintIndex
-    from kvfleet_runtime.fleet.wiring import _HeldBlocks
 
     peer = KvfleetPeer()
     try:
-        held = _HeldBlocks()
-        peer.cache.add_listener(held.on_event)
-        peer.held = held.leading  # answers POST /kv/v1/held
+        peer.held = peer.cache.num_held  # answers POST /kv/v1/held, from the cache's own index
         config = tmp_path / "fleet.yaml"
 
         def write(t2: bool) -> None:

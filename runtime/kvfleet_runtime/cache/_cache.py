@@ -20,6 +20,7 @@ and the cache's evictions are serialized), and request threads and a drain threa
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ from kvfleet_runtime.cache._stats import CacheStats
 from kvfleet_runtime.cache._store_queue import StoreQueue
 
 __all__ = ["EvictedRun", "Hit", "Miss", "Prefix", "PrefixCache"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -192,6 +195,7 @@ class PrefixCache:
         if t0 is not None:
             t0.reclaimer = self._reclaim
         self._listeners: list[Callable[[BlockEvent], None]] = []
+        self._hit_listeners: list[Callable[[CacheKey, tuple[BlockHash, ...]], None]] = []
         self._eviction_sink: Callable[[EvictedRun], None] | None = None
         self._evicted_runs: list[EvictedRun] = []
         self.collector = CacheCollector(self._metrics_snapshot, metrics_prefix)
@@ -215,6 +219,11 @@ class PrefixCache:
         hit = self._lookup(key, chain, len(token_ids))
         if not isinstance(hit, Hit):
             return Prefix(key, kv, None, [], 0, chain=chain)
+        for callback in self._hit_listeners:
+            try:
+                callback(key, hit.blocks)
+            except Exception:
+                log.exception("cache hit listener failed")
         usable = min(hit.matched_tokens, usable_tokens(len(token_ids))) // BLOCK_SIZE
         try:
             shared = self.share_prefix(hit, kv, usable) if usable else []
@@ -537,6 +546,13 @@ class PrefixCache:
         blocks written and "removed" events for blocks dropped or invalidated: what a global hint
         index publishes and withdraws. Demotions T0 -> T1 keep a block on the host: no event."""
         self._listeners.append(callback)
+
+    def add_hit_listener(self, callback: Callable[[CacheKey, tuple[BlockHash, ...]], None]
+                         ) -> None:
+        """Called (outside the cache lock, on the engine's thread: keep it cheap) with the key and
+        the blocks of every hit `prepare` finds: what a hint index keeps alive while it is used
+        (the fleet tier's refresh). A failing callback is logged, never the request's."""
+        self._hit_listeners.append(callback)
 
     @property
     def t1_enabled(self) -> bool:

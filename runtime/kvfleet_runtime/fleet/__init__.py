@@ -11,7 +11,8 @@
 Every failure here degrades to recompute: a lookup that cannot answer says "nobody", a fetch that
 fails for any reason returns None, a publish that fails is dropped.
 
-Torch-free except `CacheBlockSource` and `PeerTier` (module `replica`), and `FleetSettings` and
+Torch-free except `CacheBlockSource` (module `replica`, T2's serving side), `PeerTier` (module
+`peer_tier`, T2 as a tier below the cache: the engine's prepare asks it), and `FleetSettings` and
 `hint_index_for` (module `wiring`: a replica's fleet settings from its environment, and the hint
 index they choose; the vLLM connector reads the same), which load on first use so that the router
 can import the hint index without pulling torch.
@@ -45,7 +46,8 @@ from kvfleet_runtime.fleet.t2_protocol import (
 from kvfleet_runtime.fleet.t2_serve import BlockSource, ExportedRun, peer_routes
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
+    from kvfleet_runtime.fleet.peer_tier import PeerTier
+    from kvfleet_runtime.fleet.replica import CacheBlockSource
     from kvfleet_runtime.fleet.wiring import FleetSettings, hint_index_for
 
 __all__ = [
@@ -79,7 +81,7 @@ __all__ = [
     "peer_token",
 ]
 
-_TORCH_EXPORTS = {"CacheBlockSource": "replica", "PeerTier": "replica",
+_TORCH_EXPORTS = {"CacheBlockSource": "replica", "PeerTier": "peer_tier",
                   "FleetSettings": "wiring", "hint_index_for": "wiring"}
 
 # Deferred so that the router (which imports the index) never pulls torch.

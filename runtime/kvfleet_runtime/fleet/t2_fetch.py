@@ -41,6 +41,7 @@ __all__ = [
     "FetchedRun",
     "Landing",
     "PeerFetcher",
+    "PeerRun",
 ]
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,16 @@ layer's blocks), exactly `(hi - lo) * bytes_per_block` bytes in all (e.g. slices
 pool)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PeerRun:
+    """A peer holding a run of the chain asked for (`PeerFetcher.find`): its name, its T2 URL
+    and how many leading blocks of the asked chain it holds."""
+
+    host: str
+    url: str
+    num_blocks: int
+
+
 class FetchFailed(Exception):
     def __init__(self, outcome: FetchOutcome, detail: str = "") -> None:
         super().__init__(f"{outcome}: {detail}" if detail else outcome)
@@ -218,23 +229,11 @@ class PeerFetcher:
 
         `expected_hashes` is the full chain the caller computed for `token_ids`;
         `expected_layout` is (num_layers, num_kv_heads, head_dim)."""
-        if not self.secret:
-            self.stats.count(FetchOutcome.DISABLED)
-            return None
         wanted = list(expected_hashes[start_block:])
-        if len(wanted) < self.min_blocks:
-            self.stats.count(FetchOutcome.TOO_SHORT)
+        peer = await self.find(key, wanted)
+        if peer is None:
             return None
-        runs = await self.index.lookup_runs(wanted, tenant=key.tenant_id)
-        peer = best_peer(runs, exclude=self.self_host)
-        if peer is None or peer[1] < self.min_blocks:
-            self.stats.count(FetchOutcome.NO_PEER)
-            return None
-        host, num_blocks = peer
-        url = await self._url(host)
-        if url is None:
-            self.stats.count(FetchOutcome.NO_URL)
-            return None
+        host, url, num_blocks = peer.host, peer.url, peer.num_blocks
         try:
             await asyncio.wait_for(self._slots.acquire(), self.queue_wait_s)
         except TimeoutError:
@@ -270,6 +269,75 @@ class PeerFetcher:
         self.stats.blocks_fetched += run.num_blocks
         self.stats.time(time.monotonic() - started_s)
         return run
+
+    async def find(self, key: CacheKey, wanted: Sequence[bytes]) -> PeerRun | None:
+        """The peer with the longest run of `wanted` (the chain from the first block asked
+        for), as the hint index knows it, or None (counted: disabled, too short, no peer, no
+        URL). Asks the index only: no transfer."""
+        if not self.secret:
+            self.stats.count(FetchOutcome.DISABLED)
+            return None
+        if len(wanted) < self.min_blocks:
+            self.stats.count(FetchOutcome.TOO_SHORT)
+            return None
+        runs = await self.index.lookup_runs(list(wanted), tenant=key.tenant_id)
+        peer = best_peer(runs, exclude=self.self_host)
+        if peer is None or peer[1] < self.min_blocks:
+            self.stats.count(FetchOutcome.NO_PEER)
+            return None
+        host, num_blocks = peer
+        url = await self._url(host)
+        if url is None:
+            self.stats.count(FetchOutcome.NO_URL)
+            return None
+        return PeerRun(host, url, min(num_blocks, len(wanted)))
+
+    async def receive_into(
+        self,
+        peer: PeerRun,
+        key: CacheKey,
+        token_ids: Sequence[int],
+        expected_hashes: Sequence[bytes],
+        *,
+        start_block: int,
+        dtype: str,
+        layout: tuple[int, int, int],
+        landing: Landing,
+        order: WireOrder,
+    ) -> int:
+        """`fetch_into` from a peer `find` found, with a transfer slot, the deadline and the
+        counts `fetch` keeps: how many leading blocks landed verified (0 on any failure, counted
+        in `stats`). Never raises but for cancellation."""
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.queue_wait_s)
+        except TimeoutError:
+            self.stats.count(FetchOutcome.BUSY)
+            return 0
+        started_s = time.monotonic()
+        try:
+            verified, partial = await asyncio.wait_for(
+                self.fetch_into(peer.url, key, token_ids, expected_hashes,
+                                start_block=start_block, dtype=dtype, layout=layout,
+                                landing=landing, order=order),
+                self.timeout_s)
+        except TimeoutError:
+            self.stats.count(FetchOutcome.TIMEOUT)
+            return 0
+        except FetchFailed as exc:
+            self.stats.count(exc.outcome)
+            log.debug("T2 fetch from %s failed: %s", peer.host, exc)
+            return 0
+        except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: malformed HTTP
+            self.stats.count(FetchOutcome.PEER_ERROR)
+            log.debug("T2 fetch from %s failed: %r", peer.host, exc)
+            return 0
+        finally:
+            self._slots.release()
+        self.stats.count(FetchOutcome.OK if partial is None else partial.partial)
+        self.stats.bytes_fetched += verified * _block_bytes(dtype, layout)
+        self.stats.blocks_fetched += verified
+        self.stats.time(time.monotonic() - started_s)
+        return verified
 
     async def _url(self, host: str) -> str | None:
         if self.resolve_url is not None:
@@ -455,6 +523,11 @@ async def _read_header(reader: BodyReader, max_bytes: int) -> _Header:
                           f"{len(exc.partial)} of {exc.expected} bytes") from exc
     except (KeyError, TypeError, ValueError) as exc:
         raise FetchFailed(FetchOutcome.PROTOCOL, repr(exc)) from exc
+
+
+def _block_bytes(dtype: str, layout: tuple[int, int, int]) -> int:
+    layers, heads, head_dim = layout
+    return 2 * layers * heads * BLOCK_SIZE * head_dim * _DTYPE_BYTES[dtype]
 
 
 def _layout(raw: Any) -> tuple[int, int, int]:

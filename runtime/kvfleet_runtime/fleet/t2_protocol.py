@@ -10,7 +10,7 @@ Protocol (version 1), one HTTP request per block run:
     Authorization: Bearer v2.<expires_s>.<hex HMAC-SHA256(fleet secret, "kvfleet-t2-v2\\0" + tenant
                                  + "\\0" + expires_s)>   (`peer_token`; minutes at most)
     {"key": {CacheKey fields}, "token_ids": [...], "start_block": m, "max_blocks": n,
-     "order": "canonical" | "LBHNC"}     (optional, default "canonical": `WireOrder`)
+     "order": "canonical" | "CLBHN" | "LBHNC"}   (optional, default "canonical": `WireOrder`)
 
 The credential is scoped to one tenant and checked in constant time (`hmac.compare_digest`); the
 request's `key.tenant_id` must equal that tenant. The server never takes block hashes from the
@@ -29,6 +29,7 @@ disabled. The 200 body (octet-stream, HTTP chunked encoding: the server may stop
     chunks     for consecutive block ranges of <= chunk_blocks blocks, in order:
                u32 LE n (>= 1) | KV of the n blocks in the header's order (`WireOrder`):
                  canonical  K [layers, kv_heads, n * 16, head_dim] | V (same)
+                 CLBHN      K [layers, n, kv_heads, 16, head_dim] | V (same)
                  LBHNC      [layers, n, kv_heads, 16, K|V, head_dim]
                | u64 LE xxh3_64(the KV bytes, seed = index of the chunk's first block in the run)
     end        u32 LE 0
@@ -39,7 +40,10 @@ vLLM's per-block order: LBHNC), gathered into it otherwise (a kvfleet replica's 
 engine layout is neither; a connector serving a kvfleet replica, which lands canonical rows). So
 every kvfleet replica and every connector fetch from each other, each receiving in its own
 order, and no side copies twice. A header in another order than asked (a server that predates
-the field answers canonical) is refused before any byte lands: recompute, never wrong data.
+the field answers canonical) is refused before any byte lands: recompute, never wrong data. A
+kvfleet replica fetches in its engine's own order (CLBHN: a run of consecutive engine blocks is
+one stretch per K|V and layer), straight into the blocks its engine allocated; a server that
+predates CLBHN answers 400 to it (counted `http`): recompute, during a rollout only.
 
 Chunks let the server gather block range i + 1 out of its cache into a reused send buffer (and
 checksum it, in a worker thread) while range i goes from its buffer straight to the socket
@@ -159,6 +163,11 @@ class WireOrder(enum.StrEnum):
     """`[K|V][layer][kv_head][token][head_dim]`: K rows then V rows, each row one head of one
     layer over the chunk's tokens (the layout of `kvfleet_runtime.cache`'s exports and of a
     kvfleet replica's receive buffers)."""
+    CLBHN = "CLBHN"
+    """`[K|V][layer][block][kv_head][token][head_dim]`: a kvfleet replica's pools (T0, the
+    engine's KV, and T1), K and V each `[layers, blocks, heads, 16, head_dim]` in one
+    allocation. A run of consecutive slots is one stretch per (K|V, layer): T2 lands a fetch
+    straight in the engine's blocks (`fleet.peer_tier`)."""
     LBHNC = "LBHNC"
     """`[layer][block][kv_head][token][K|V][head_dim]`: per layer, block after block, each as
     vLLM lays a block in its LBHNC layout (K and V of a token adjacent). The vLLM connector's
@@ -175,6 +184,8 @@ def chunk_axes(order: WireOrder, num_blocks: int,
     layers, heads, head_dim = layout
     if order is WireOrder.CANONICAL:
         return (2, layers, heads, num_blocks, BLOCK_SIZE, head_dim), (0, 1, 2, 3, 4, 5)
+    if order is WireOrder.CLBHN:
+        return (2, layers, num_blocks, heads, BLOCK_SIZE, head_dim), (0, 1, 3, 2, 4, 5)
     if order is WireOrder.LBHNC:
         return (layers, num_blocks, heads, BLOCK_SIZE, 2, head_dim), (4, 0, 2, 1, 3, 5)
     raise ValueError(f"unknown wire order {order!r}")

@@ -13,10 +13,13 @@ What it adds to the replica's aiohttp app:
 - `POST /kv/v1/held`: the held probe (same credential as T2): how many leading blocks of a chain
   this replica holds for the caller's tenant, for peers whose hint index is the peer probe.
 - A cache listener that publishes "stored" blocks to the hint index and withdraws "removed" ones
-  (batched, in the background), and registers this replica's peer URL.
-- `replica.before_submit`: before a request enters the engine, if the prompt's leading blocks are
-  not all held here, ask the hint index for the peer with the longest run and import it over T2.
-  The engine's own lookup then hits. Any failure: nothing imported, the engine prefills.
+  (batched, in the background), and registers this replica's peer URL; a hit listener that keeps
+  the hints of blocks in use alive (re-published at most every refresh period).
+- T2 behind the engine's prepare (`fleet.peer_tier.PeerTier`, a `LowerTier`, `replica.peers`,
+  asked after T3: `Replica.wire_tiers`): for the blocks of a prompt's chain no tier above
+  supplies, the hint index's best peer; its run lands straight in the blocks the engine
+  allocated. Any failure: nothing lands, the engine prefills. What this replica holds (for its
+  T2 source and the held probe) is read from the cache's own index (`PrefixCache.num_held`).
 - The fleet config file (if any) is watched (`config.watch`: applied at the first poll that sees
   it, never half-written) and every tier toggle applies live, within that poll, with no restart:
   `tiers.t0_device` off stops caching in the engine's KV and drains T0 into T1
@@ -57,16 +60,15 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
 from aiohttp import web
 
-from kvfleet_runtime.cache import BlockEvent, CacheKey, usable_tokens
+from kvfleet_runtime.cache import BlockEvent, BlockHash, CacheKey
 from kvfleet_runtime.config.fleet import FleetConfig, TierToggles, next_fleet_config
 from kvfleet_runtime.config.watch import ConfigFileWatcher
 from kvfleet_runtime.fleet._metrics import FleetTierCollector
@@ -77,19 +79,15 @@ from kvfleet_runtime.fleet.hint_index import (
     RedisHintIndex,
     split_seed_urls,
 )
+from kvfleet_runtime.fleet.peer_tier import PeerTier
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
-from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
+from kvfleet_runtime.fleet.replica import CacheBlockSource
 from kvfleet_runtime.fleet.t2_fetch import FetchStats, PeerFetcher
 from kvfleet_runtime.fleet.t2_protocol import PeerSecrets
 from kvfleet_runtime.fleet.t2_serve import DEFAULT_PEER_BODY_TIMEOUT_S, ExportedRun, peer_routes
 from kvfleet_runtime.nvme import mode_for
-from kvfleet_runtime.wire import (
-    BLOCK_SIZE,
-    LOAD_PATH,
-    PLATFORM_TENANT,
-    LoadReport,
-)
+from kvfleet_runtime.wire import BLOCK_SIZE, LOAD_PATH, LoadReport
 
 if TYPE_CHECKING:
     from kvfleet_runtime.server import Replica
@@ -123,6 +121,8 @@ class FleetSettings:
     max_concurrent_fetches: int = 4
     min_fetch_blocks: int = 2
     """Runs shorter than this are recomputed: a round trip costs more than a few blocks."""
+    max_fetch_blocks: int = 4096
+    """At most this many blocks are fetched for one request (one transfer)."""
     config_poll_s: float = 2.0
     register_every_s: float = 60.0
     hint_lookup_budget_s: float | None = None
@@ -187,40 +187,6 @@ class FleetSettings:
             hint_lookup_budget_s=budget_s,
             peer_body_timeout_s=body_timeout_s,
         )
-
-
-class _HeldBlocks:
-    """This replica's blocks as seen through cache events: answers "how many leading blocks of
-    this chain are here?" without a cache lookup (which would count in the hit-rate stats).
-    Eventually consistent like the hints; a wrong answer only costs a useless or a missed fetch.
-
-    Each block remembers the tenant it was stored for (the platform tenant for allow-listed
-    platform blocks), so `leading(chain, tenant)` (the held probe peers send) counts only that
-    tenant's and the platform's blocks: knowing another tenant's hashes reveals nothing."""
-
-    def __init__(self) -> None:
-        self._held: dict[bytes, str] = {}
-        self._lock = threading.Lock()
-
-    def on_event(self, event: BlockEvent) -> None:
-        with self._lock:
-            if event.kind == "stored":
-                tenant = event.key.tenant_id
-                for h in event.block_hashes:
-                    self._held[h] = tenant
-            else:
-                for h in event.block_hashes:
-                    self._held.pop(h, None)
-
-    def leading(self, chain: Sequence[bytes], tenant: str | None = None) -> int:
-        """Leading blocks of `chain` held here; with `tenant`, only blocks stored for that tenant
-        or the platform count."""
-        with self._lock:
-            for i, h in enumerate(chain):
-                owner = self._held.get(h)
-                if owner is None or (tenant is not None and owner not in (tenant, PLATFORM_TENANT)):
-                    return i
-        return len(chain)
 
 
 def hint_index_for(
@@ -289,14 +255,13 @@ class FleetTier:
         self._peer_urls: dict[str, str] = {}
         self.index = hint_index_for(settings, peers=self._peers)
         self.publisher = HintPublisher(self.index, settings.name)
-        self.held = _HeldBlocks()
         self.session: aiohttp.ClientSession | None = None
         self.tier: PeerTier | None = None
         self.t2_enabled = True
         """`tiers.t2_peer`: fetch from peers and serve them (both ways at once)."""
         self._watcher: ConfigFileWatcher | None = None
-        self.cache.add_listener(self.held.on_event)
         self.cache.add_listener(self._publish)
+        self.cache.add_hit_listener(self._refresh)
         replica.registry.register(FleetTierCollector(self._metrics_snapshot))
 
     def _metrics_snapshot(self) -> tuple[FetchStats | None, TierToggles]:
@@ -318,29 +283,11 @@ class FleetTier:
             return None
         return next((r.peer_url or r.url for r in self.config.replicas if r.name == host), None)
 
-    async def before_submit(self, tenant_id: str, token_ids: Sequence[int]) -> None:
-        """Fetch from a peer what this replica lacks of the prompt's usable prefix."""
-        tier = self.tier
-        if (
-            tier is None
-            or not tier.enabled
-            or not self.t2_enabled
-            or self.replica.engine.cache is None
-        ):
-            return
-        usable_blocks = usable_tokens(len(token_ids)) // BLOCK_SIZE
-        if usable_blocks < 1:
-            return
-        try:
-            key = self.replica.engine.key_fields.key(tenant_id)
-            chain = self.cache.block_hashes(key, token_ids[: usable_blocks * BLOCK_SIZE])
-            local = self.held.leading(chain)
-            if local:
-                self.publisher.offer_stored(chain[:local], refresh=True, tenant=tenant_id)
-            if usable_blocks - local >= self.settings.min_fetch_blocks:
-                await tier.fill(key, token_ids[: usable_blocks * BLOCK_SIZE], local)
-        except Exception:  # the fleet tier never fails a request: the engine prefills instead
-            log.exception("fleet tier: pre-submit fetch failed; recomputing")
+    def _refresh(self, key: CacheKey, blocks: tuple[BlockHash, ...]) -> None:
+        """Keep the hints of a local hit's blocks alive while T2 is on (the publisher sends a
+        hash again only after its refresh period)."""
+        if self.tier is not None and self.t2_enabled:
+            self.publisher.offer_stored(blocks, refresh=True, tenant=key.tenant_id)
 
     def load_report(self) -> dict[str, Any]:
         engine = self.replica.engine
@@ -394,7 +341,9 @@ class FleetTier:
         return self.t2_enabled
 
     def held_for_peers(self, chain: Sequence[bytes], tenant: str | None = None) -> int:
-        return self.held.leading(chain, tenant) if self.t2_enabled else 0
+        if not self.t2_enabled:
+            return 0
+        return self.cache.num_held(cast(Sequence[BlockHash], chain), tenant)
 
     def t2_report(self) -> dict[str, Any]:
         """What this replica fetched from peers so far (for reports; the router ignores it)."""
@@ -487,7 +436,11 @@ class FleetTier:
             min_blocks=self.settings.min_fetch_blocks,
             resolve_url=self._resolve,
         )
-        self.tier = PeerTier(self.cache, fetcher)
+        self.tier = PeerTier(fetcher, self.cache.layout, asyncio.get_running_loop(),
+                             max_fetch_blocks=self.settings.max_fetch_blocks)
+        self.tier.enabled = self.t2_enabled
+        self.replica.peers = self.tier
+        self.replica.wire_tiers()
         path = self.settings.fleet_config
         # Before the first load (see ConfigFileWatcher): a write in between is seen, not missed.
         self._watcher = None if path is None else ConfigFileWatcher(path)
@@ -496,6 +449,8 @@ class FleetTier:
         self.publisher.start(self.replica.supervisor)
         task = self.replica.supervisor.start("kvfleet-fleet-tier", self._background)
         yield
+        self.replica.peers = None
+        self.replica.wire_tiers()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -507,7 +462,7 @@ class FleetTier:
 def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings) -> FleetTier:
     """Add the fleet tier's routes, listeners and background tasks to a replica's app."""
     fleet = FleetTier(replica, settings)
-    source = CacheBlockSource(fleet.cache, held=fleet.held.leading)
+    source = CacheBlockSource(fleet.cache, held=fleet.cache.num_held)
     app.add_routes(
         peer_routes(
             _GatedSource(source, fleet.serving_peers),
@@ -522,7 +477,6 @@ def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings
 
     app.router.add_get(LOAD_PATH, load)
     app.cleanup_ctx.append(fleet.lifecycle)
-    replica.before_submit = fleet.before_submit
     return fleet
 
 

@@ -3,7 +3,8 @@
     store = NvmeStore.open(NvmeConfig(path, capacity_bytes, block_bytes))   # pure, no torch
     tier = NvmeTier(cache, store, mode="on" | "shadow" | "off")             # torch glue
     cache.set_eviction_sink(tier.offer)     # what the host tier evicts and the policy values
-    await tier.fill(key, token_ids)         # on a local miss: read the continuation from T3
+    Engine(..., lower_tiers=[tier, ...])    # a `LowerTier`: the engine's prepare asks it, and it
+                                            # reads the continuation into the engine's blocks
 
 `_store` is the block store (one preallocated file, a ring of aligned slots, checksums, O_DIRECT
 where the filesystem allows); `_tier` connects it to the `PrefixCache`: its own admission, the

@@ -2,7 +2,7 @@
 
     tier = NvmeTier(cache, store, mode="shadow", registry=registry)   # attaches the eviction sink
     tier.start()                                                       # the background writer
-    n = tier.fill(key, token_ids)      # on a local miss (in a thread): blocks imported from T3
+    Engine(..., lower_tiers=[tier, ...])   # a `LowerTier`: asked by the engine's prepare
     tier.invalidate(weights_digest)    # POST /cache/invalidate (with the cache's own, see there)
 
 Admission is T3's own: of what the host tier evicts (`PrefixCache.set_eviction_sink`), only
@@ -13,20 +13,25 @@ request path or the cache lock.
 
 Modes (the fleet config's `tiers.nvme` / `tiers.nvme_shadow`, applied live by `set_mode`):
 
-- "on": store and serve. `fill` reads the continuation of the locally held prefix from T3 and
-  imports it into the cache (then the engine's own lookup hits).
-- "shadow": store and read back exactly as "on" would, then discard what was read; the achieved
-  read bandwidth per concurrency level is what the operator compares with the break-even (R6).
+- "on": store and serve. The engine's prepare asks T3 (`num_matched`: the store's in-memory
+  index, no I/O) how many blocks after what T0 and T1 supply it holds, and T3 reads them on a
+  worker thread straight into the engine's blocks (`load_into`: one read per stretch of slots,
+  one copy per run of blocks into the engine's layout); the prompt's store at its first token
+  then caches them like computed blocks.
+- "shadow": store and read back exactly as "on" would, then discard what was read (supplying
+  nothing: `num_matched` answers 0 and starts the read on a worker thread); the achieved read
+  bandwidth per concurrency level is what the operator compares with the break-even (R6).
 - "off": nothing is offered or read, and the store forgets what it held (its blocks become
   unreachable at once; the file keeps its size).
 
-Every failure is a 0 from `fill`: the engine prefills what is missing, as without T3.
+Every failure is a `done(0)` (or fewer leading blocks): the engine prefills what is missing, as
+without T3.
 
 `invalidate(weights_digest)` makes T3's blocks of that version unreachable at once (the store's
-epoch refuses queued and in-flight writes of it) and keeps a `fill` that read them before from
-importing them afterwards: the epoch check and the import happen under one lock the invalidation
-takes too. Calling it before and after `PrefixCache.invalidate` (as the replica does) also drops
-what T1 evicted into T3 while the cache was being invalidated.
+epoch refuses queued and in-flight writes of it) and keeps a load that read them before from
+landing them afterwards: the epoch check and the copy into the engine's blocks happen under one
+lock the invalidation takes too. Calling it before and after `PrefixCache.invalidate` (as the
+replica does) also drops what T1 evicted into T3 while the cache was being invalidated.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +49,12 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvfleet_runtime.cache import (
     BLOCK_SIZE,
-    BlockEvent,
     BlockHash,
-    CacheKey,
     EvictedRun,
+    LoadTarget,
     PrefixCache,
+    TierQuery,
+    paired_runs,
 )
 from kvfleet_runtime.nvme._store import MODES, NvmeMode, NvmeStore, _runs, aligned_buffer
 
@@ -64,35 +71,19 @@ class NvmeTierStats:
     num_blocks_dropped: int = 0
     """Admitted blocks dropped because the write queue was full."""
     num_fills: int = 0
+    """Reads started (loads, and shadow reads)."""
     num_blocks_served: int = 0
-    """Blocks read from T3 and imported into the cache (mode "on")."""
+    """Blocks read from T3 and landed in the engine's blocks (mode "on")."""
     num_blocks_shadow_read: int = 0
     """Blocks read back and discarded (mode "shadow")."""
 
 
-class _Held:
-    """Chain hashes the cache holds, from its events (a lookup would count in the hit stats)."""
-
-    def __init__(self) -> None:
-        self._held: set[bytes] = set()
-        self._lock = threading.Lock()
-
-    def on_event(self, event: BlockEvent) -> None:
-        with self._lock:
-            if event.kind == "stored":
-                self._held.update(event.block_hashes)
-            else:
-                self._held.difference_update(event.block_hashes)
-
-    def leading(self, chain: Sequence[bytes]) -> int:
-        with self._lock:
-            for i, h in enumerate(chain):
-                if h not in self._held:
-                    return i
-        return len(chain)
-
-
 class NvmeTier:
+    """T3 as a tier below the cache (`kvfleet_runtime.cache.LowerTier`), and the writer of what
+    the host tier evicts."""
+
+    name = "t3"
+
     def __init__(
         self,
         cache: PrefixCache,
@@ -102,6 +93,7 @@ class NvmeTier:
         min_sightings: int = 2,
         max_pending_bytes: int = 256 << 20,
         max_fill_blocks: int = 4096,
+        max_concurrent_reads: int = 2,
         registry: CollectorRegistry | None = None,
     ) -> None:
         if mode not in MODES:
@@ -118,17 +110,19 @@ class NvmeTier:
         self.max_pending_bytes = max_pending_bytes
         self.max_fill_blocks = max_fill_blocks
         self.stats = NvmeTierStats()
-        self.held = _Held()
+        self._readers = ThreadPoolExecutor(max_concurrent_reads,
+                                           thread_name_prefix="kvfleet-t3-read")
+        self._reads: set[Future[None]] = set()
         self._pending: queue.Queue[
             tuple[str, int, tuple[BlockHash, ...], memoryview] | None
         ] = queue.Queue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._import_lock = threading.Lock()
-        """Held by a fill from its epoch check to the end of its import, and by `invalidate`."""
+        """Held by a load from its epoch check to the end of its copy into the engine's blocks,
+        and by `invalidate`."""
         self._local = threading.local()
         self._writer: threading.Thread | None = None
-        cache.add_listener(self.held.on_event)
         # Attached only while T3 is on or shadowing: off, evictions cost no copy at all.
         cache.set_eviction_sink(self.offer if mode != "off" else None)
         if registry is not None:
@@ -145,6 +139,7 @@ class NvmeTier:
 
     def close(self) -> None:
         self.cache.set_eviction_sink(None)
+        self._readers.shutdown(wait=True)
         if self._writer is not None:
             self._pending.put(None)
             self._writer.join(timeout=30)
@@ -170,8 +165,13 @@ class NvmeTier:
             return self.store.invalidate(weights_digest)
 
     def flush(self) -> None:
-        """Wait until every queued write has been carried out (tests, shutdown)."""
+        """Wait until every queued write and every read started has been carried out (tests,
+        shutdown)."""
         self._pending.join()
+        with self._lock:
+            reads = list(self._reads)
+        for read in reads:
+            read.exception()  # waits; a read never raises (it reports through `done`)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -217,48 +217,95 @@ class NvmeTier:
             finally:
                 self._pending.task_done()
 
-    # -- reads -----------------------------------------------------------------------------
+    # -- reads: the tier below the cache ---------------------------------------------------
 
-    def fill(self, key: CacheKey, token_ids: Sequence[int]) -> int:
-        """Read from T3 what follows the locally held prefix of `token_ids`' full blocks; in
-        mode "on" import it and return the blocks imported, in "shadow" discard it (0)."""
+    def num_matched(self, query: TierQuery) -> int | None:
+        """Blocks after `query.start_block` the store holds, from its in-memory index (no I/O):
+        what a load will read. In shadow mode 0 (nothing is supplied) and the read that "on"
+        would make starts on a worker thread, to be measured and discarded."""
         mode = self.mode
         if mode == "off":
             return 0
+        start = query.start_block
+        rest = query.chain[start : start + self.max_fill_blocks]
+        n = self.store.leading(rest) if rest else 0
+        if n and mode == "shadow":
+            self._read_async(lambda: self._shadow_read(list(rest[:n])))
+            return 0
+        return n
+
+    def load_into(self, query: TierQuery, target: LoadTarget,
+                  done: Callable[[int], None]) -> None:
+        """Read the matched blocks on a worker thread, straight into the engine's blocks;
+        `done(n)`: the leading blocks read, verified and landed (0 on any failure)."""
         try:
-            chain = self.cache.block_hashes(key, token_ids)
-            local = self.held.leading(chain)
-            rest = chain[local : local + self.max_fill_blocks]
-            if not rest or not self.store.leading(rest[:1]):
-                return 0
-            epoch = self.store.epoch(key.weights_digest)
-            n_bytes = self.store.block_bytes
-            buf = self._buffer(len(rest) * n_bytes)
-            got = self.store.read_into(rest, buf)
+            self._read_async(lambda: self._load(query, target, done))
+        except Exception:  # shut down: nothing lands
+            done(0)
+
+    def forget(self, query: TierQuery) -> None:
+        """Nothing to drop: a read keeps no state past its `done`."""
+
+    def _read_async(self, read: Callable[[], None]) -> None:
+        future = self._readers.submit(read)
+        with self._lock:
+            self._reads.add(future)
+        future.add_done_callback(self._read_done)
+
+    def _read_done(self, future: Future[None]) -> None:
+        with self._lock:
+            self._reads.discard(future)
+
+    def _shadow_read(self, hashes: list[BlockHash]) -> None:
+        try:
+            buf = self._buffer(len(hashes) * self.store.block_bytes)
+            got = self.store.read_into(hashes, buf)
             with self._lock:
                 self.stats.num_fills += 1
-                if mode == "shadow":
-                    self.stats.num_blocks_shadow_read += got
-            if got == 0 or mode == "shadow":
-                return 0
-            k, v = self._from_block_major(buf, got)
-            if local:
-                prefix = self.cache.read_blocks(chain[:local], device="cpu")
-                if prefix is None:  # evicted meanwhile: the engine prefills, nothing imported
-                    return 0
-                k = torch.cat([prefix[0], k], dim=2)
-                v = torch.cat([prefix[1], v], dim=2)
-            end = (local + got) * BLOCK_SIZE
-            with self._import_lock:
-                if self.store.epoch(key.weights_digest) != epoch:
-                    return 0  # invalidated while we read: what we read is of a withdrawn version
-                self.cache.import_blocks(key, token_ids[:end], k, v)
+                self.stats.num_blocks_shadow_read += got
+        except Exception:
+            log.exception("T3 shadow read failed")
+
+    def _load(self, query: TierQuery, target: LoadTarget, done: Callable[[int], None]) -> None:
+        landed = 0
+        try:
+            n = len(target.block_ids)
+            start = query.start_block
+            hashes = list(query.chain[start : start + n])
+            epoch = self.store.epoch(query.key.weights_digest)
+            buf = self._buffer(n * self.store.block_bytes)
+            got = self.store.read_into(hashes, buf)
             with self._lock:
-                self.stats.num_blocks_served += got
-            return got
+                self.stats.num_fills += 1
+            if got and self.mode == "on":
+                with self._import_lock:
+                    # Invalidated while we read: what we read is of a withdrawn version.
+                    if self.store.epoch(query.key.weights_digest) == epoch:
+                        self._land(buf, got, target)
+                        landed = got
+            with self._lock:
+                self.stats.num_blocks_served += landed
         except Exception:  # T3 never fails a request: the engine prefills instead
-            log.exception("T3 fill failed; recomputing")
-            return 0
+            log.exception("T3 load failed; recomputing")
+            landed = 0
+        done(landed)
+
+    def _land(self, buf: memoryview, n: int, target: LoadTarget) -> None:
+        """Blocks 0..n of `buf` (block-major: each block's K then V, canonical) into the
+        engine's blocks `target.block_ids[:n]`, one copy per run of consecutive ids."""
+        layout = self.cache.layout
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=n * self.store.block_bytes)
+        blocks = raw.view(self.cache.dtype).view(
+            n, 2, layout.num_layers, layout.num_kv_heads, BLOCK_SIZE, layout.head_dim
+        )
+        kv = target.kv
+        for dst, src, m in paired_runs(target.block_ids[:n], range(n)):
+            run = blocks[src : src + m].permute(1, 2, 0, 3, 4, 5)  # [K|V, L, m, H, 16, D]
+            if kv.kv is not None:
+                kv.kv[:, :, dst : dst + m].copy_(run)
+            else:
+                kv.k[:, dst : dst + m].copy_(run[0])
+                kv.v[:, dst : dst + m].copy_(run[1])
 
     def _buffer(self, size: int) -> memoryview:
         """This thread's aligned read buffer (reused; O_DIRECT reads land in it directly)."""
@@ -267,18 +314,6 @@ class NvmeTier:
             buf = aligned_buffer(max(size, 1 << 20))
             self._local.buf = buf
         return memoryview(buf)[:size]
-
-    def _from_block_major(self, buf: memoryview, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        layout = self.cache.layout
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=n * self.store.block_bytes)
-        blocks = raw.view(self.cache.dtype).view(
-            n, 2, layout.num_layers, layout.num_kv_heads, BLOCK_SIZE, layout.head_dim
-        )
-        shape = (layout.num_layers, layout.num_kv_heads, n * BLOCK_SIZE, layout.head_dim)
-        # [n, L, H, 16, D] -> [L, H, n, 16, D] -> [L, H, n*16, D]: a copy, off the reused buffer.
-        k = blocks[:, 0].permute(1, 2, 0, 3, 4).reshape(shape).clone()
-        v = blocks[:, 1].permute(1, 2, 0, 3, 4).reshape(shape).clone()
-        return k, v
 
     # -- reports ---------------------------------------------------------------------------
 

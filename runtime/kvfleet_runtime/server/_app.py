@@ -163,12 +163,14 @@ def build_replica(config: ReplicaConfig, *, config_path: Path | None = None,
         kv=kv,
     )
     nvme = _build_nvme(cache, cache_cfg, registry)
-    return Replica(config=config, boot_config=config, loaded=loaded, model_id=model_id,
-                   tokenizer=tokenizer, nvme=nvme,
-                   engine=engine, cache=cache, registry=registry, config_path=config_path,
-                   overrides=dict(overrides or {}),
-                   reloads=Counter("kvfleet_replica_config_reloads", "Config file reloads.",
-                                   ["result"], registry=registry))
+    replica = Replica(config=config, boot_config=config, loaded=loaded, model_id=model_id,
+                      tokenizer=tokenizer, nvme=nvme,
+                      engine=engine, cache=cache, registry=registry, config_path=config_path,
+                      overrides=dict(overrides or {}),
+                      reloads=Counter("kvfleet_replica_config_reloads", "Config file reloads.",
+                                      ["result"], registry=registry))
+    replica.wire_tiers()
+    return replica
 
 
 def _build_nvme(cache: PrefixCache, settings: CacheSettings,

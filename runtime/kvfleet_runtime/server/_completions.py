@@ -44,7 +44,6 @@ from kvfleet_runtime.engine import (
     SamplingParams,
     TokenEvent,
 )
-from kvfleet_runtime.server._tiers import fill_from_nvme
 from kvfleet_runtime.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
@@ -174,29 +173,18 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                           logprobs=logprobs)
 
 
-async def _submit(replica: Replica, tenant: str, prompts: list[_Prompt],
-                  body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                  logprobs: int | None) -> list[_Choice]:
+def _submit(replica: Replica, tenant: str, prompts: list[_Prompt],
+            body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+            logprobs: int | None) -> list[_Choice]:
     engine = replica.engine
     gens = [[GenerationRequest(tenant, tuple(p.token_ids), _sampling(body, max_tokens, logprobs,
                                                                      j))
              for j in range(body.n)] for p in prompts]
     for row in gens:
         try:
-            engine.check(row[0])  # bad token ids never reach the fleet hook
+            engine.check(row[0])  # every prompt before the first submit: a 400 starts nothing
         except ValueError as exc:
             raise ApiError(400, str(exc), param="prompt", code="invalid_value") from exc
-    for p in prompts:
-        try:
-            await fill_from_nvme(replica, tenant, p.token_ids)
-        except Exception:  # a cache-side failure never fails the request: recompute
-            log.exception("T3 fill failed; the engine prefills instead")
-    if replica.before_submit is not None:
-        for p in prompts:
-            try:
-                await replica.before_submit(tenant, p.token_ids)
-            except Exception:  # a cache-side failure never fails the request: recompute
-                log.exception("before_submit hook failed; the engine prefills instead")
     stops = body.stop_list()
     model_stops = frozenset() if body.ignore_eos else engine.config.stop_ids
     stop_ids = model_stops | frozenset(body.stop_token_ids or ())
@@ -418,7 +406,7 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
             bad = next((t for t in p.token_ids if t >= replica.loaded.args.vocab_size), None)
             if bad is None:
                 p.text = tok.decode(p.token_ids, skip_special_tokens=body.skips_special_tokens())
-    choices = await _submit(replica, tenant, prompts, body, body.max_tokens, body.logprobs)
+    choices = _submit(replica, tenant, prompts, body, body.max_tokens, body.logprobs)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created,
             "model": replica.model_id,
@@ -497,7 +485,7 @@ async def chat_completions(replica: Replica, request: web.Request, tenant: str,
     _check_lengths(replica, token_ids, max_tokens, "messages")
     prompts = [_Prompt(0, token_ids, "")]
     top = (body.top_logprobs or 0) if body.logprobs else None
-    choices = await _submit(replica, tenant, prompts, body, max_tokens, top)
+    choices = _submit(replica, tenant, prompts, body, max_tokens, top)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": replica.model_id,
             "system_fingerprint": system_fingerprint(replica.loaded.weights_digest)}

@@ -1,13 +1,14 @@
 """What a running replica holds (`Replica`): its config, model, engine, cache and tiers, and the
 state the config watcher and the fleet tier update. The app (`_app.py`), the endpoints
-(`server/_completions.py`) and the tier hooks (`_tiers.py`) all read it; it imports none of them."""
+(`server/_completions.py`) and `invalidate_local` (`_tiers.py`) all read it; it imports none of
+them. `wire_tiers` is the one place that puts the tiers below the cache behind the engine's
+prepare, in their order (T3, then T2)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from kvfleet_runtime.background import Supervisor
-from kvfleet_runtime.cache import PrefixCache
+from kvfleet_runtime.cache import LowerTier, PrefixCache
 from kvfleet_runtime.config.watch import ConfigFileWatcher
 from kvfleet_runtime.engine import Engine
 from kvfleet_runtime.model import LoadedModel
@@ -62,9 +63,9 @@ class Replica:
     config_errors: dict[str, str] = field(default_factory=dict)
     """Why the file now on disk is not in force, per file ("replica"; the fleet tier adds
     "fleet"), shown by /readyz; empty once a valid file applies. The last good config serves."""
-    before_submit: Callable[[str, list[int]], Awaitable[None]] | None = None
-    """Set by the fleet tier (`kvfleet_runtime.fleet.wiring`): fetch the prompt's prefix from a
-    peer before the engine looks it up. Never raises; on any failure the engine prefills."""
+    peers: LowerTier | None = None
+    """T2, set by the fleet tier while it runs (`kvfleet_runtime.fleet.wiring`): asked by the
+    engine's prepare after T3 (`wire_tiers`)."""
     config_watcher: ConfigFileWatcher | None = None
     """The config file's watcher, made by the first run of the watch loop and kept across its
     restarts (a restarted loop must not take the file on disk for the config in force)."""
@@ -77,6 +78,14 @@ class Replica:
         self.supervisor = Supervisor(registry=self.registry)
     """Serializes `sync_t0`: the replica config and the fleet config are applied on different
     worker threads, and the second to run must see both inputs."""
+
+    def wire_tiers(self) -> None:
+        """Put the tiers below the cache behind the engine's prepare, in the order the engine
+        asks them: T3 (this replica's NVMe, cheaper to read), then T2 (a peer, over the network)
+        for what T3 lacks. Called when either appears or goes (build, the fleet tier's start and
+        stop); a tier's own mode or toggle (off, shadow) is the tier's to apply."""
+        tiers: list[LowerTier] = [t for t in (self.nvme, self.peers) if t is not None]
+        self.engine.lower_tiers = tuple(tiers)
 
     def sync_t0(self) -> None:
         """Turn T0 on or off to match `cache.t0_enabled` and the fleet's `tiers.t0_device` (both

@@ -14,11 +14,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
-from kvfleet_runtime.cache import LoadTarget, LowerTier, PrefixCache, TierQuery
+from kvfleet_runtime.cache import (
+    EvictedRun,
+    LoadTarget,
+    LowerTier,
+    PrefixCache,
+    TierQuery,
+    block_hashes,
+)
 from kvfleet_runtime.engine import (
     CacheKeyFields,
     Engine,
@@ -29,6 +38,7 @@ from kvfleet_runtime.engine import (
     TokenEvent,
 )
 from kvfleet_runtime.model import LoadedModel, PagedKV
+from kvfleet_runtime.nvme import NvmeConfig, NvmeStore, NvmeTier
 from kvfleet_runtime.wire import BLOCK_SIZE
 
 from .conftest import make_cache
@@ -96,9 +106,10 @@ def test_a_supply_is_a_lower_tier() -> None:
 
 
 def deterministic_engine(loaded: LoadedModel, cache: PrefixCache | None,
-                         tiers: Sequence[LowerTier] = (), **config: int) -> Engine:
+                         tiers: Sequence[LowerTier] = (), *,
+                         registry: CollectorRegistry | None = None, **config: int) -> Engine:
     return Engine(loaded.model, CacheKeyFields.for_model(loaded, "tiny", deterministic=True),
-                  cache=cache, lower_tiers=tiers,
+                  cache=cache, lower_tiers=tiers, registry=registry,
                   config=EngineConfig(**{"num_kv_blocks": 32, "deterministic": True,
                                          "decode_graphs": "off", **config}))
 
@@ -307,3 +318,41 @@ async def test_a_request_cancelled_while_a_tier_finds_out_is_forgotten_there(
         assert not t2.loads and engine.kv.num_free_blocks == engine.kv.num_blocks
 
     await started(engine, body)
+
+
+async def test_t3_lands_a_prompt_it_holds_in_the_engines_blocks_exactly(
+    loaded: LoadedModel, recomputed: dict[tuple[int, ...], list[int]], tmp_path: Path
+) -> None:
+    """The real T3 behind the engine's prepare: a prompt T1 evicted into NVMe is read straight
+    into the engine's allocated blocks; the output equals a recompute, the hit reports "t3", and
+    the cached tokens are counted by the tier that supplied them."""
+    cache = make_cache(loaded, t0=32)
+    store = NvmeStore.open(NvmeConfig(tmp_path, 64 * cache.layout.bytes_per_block,
+                                      cache.layout.bytes_per_block))
+    assert store is not None
+    t3 = NvmeTier(cache, store, mode="on", min_sightings=1)
+    t3.start()
+    registry = CollectorRegistry()
+    engine = deterministic_engine(loaded, cache, [t3], registry=registry)
+    key = engine.key_fields.key("acme")
+    # What T1's eviction sink hands T3: the prompt's first four usable blocks.
+    k, v = kv_of(loaded, PROMPT)
+    chain = tuple(block_hashes(key, PROMPT[: 4 * BLOCK_SIZE]))
+    t3.offer(EvictedRun(key, chain, (2,) * 4, k[:, :, : 4 * BLOCK_SIZE].contiguous(),
+                        v[:, :, : 4 * BLOCK_SIZE].contiguous()))
+    t3.flush()
+    assert len(store) == 4
+
+    async def body(engine: Engine) -> None:
+        out, fin = await engine.generate(GenerationRequest("acme", PROMPT, GREEDY))
+        assert out == recomputed[PROMPT]
+        assert (fin.cached_tokens, fin.cache_tier) == (4 * BLOCK_SIZE, "t3")
+
+    try:
+        await started(engine, body)
+    finally:
+        t3.close()
+    assert t3.stats.num_blocks_served == 4
+    metrics = generate_latest(registry).decode()
+    assert f'kvfleet_replica_cached_prompt_tokens_total{{tier="t3"}} {4.0 * BLOCK_SIZE}' in metrics
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

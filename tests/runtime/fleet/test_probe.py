@@ -12,22 +12,22 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import torch
 from aiohttp import web
 
-from kvfleet_runtime.cache import CacheTuning, Hit, PrefixCache
+from kvfleet_runtime.cache import CacheTuning, PrefixCache
 from kvfleet_runtime.fleet import (
     MAX_PROBE_BLOCKS,
     CacheBlockSource,
     EmbeddedHintIndex,
     PeerFetcher,
     PeerProbeHintIndex,
-    PeerTier,
     RedisHintIndex,
     peer_routes,
     peer_token,
     wiring,
 )
-from kvfleet_runtime.fleet.wiring import FleetSettings, _HeldBlocks, hint_index_for
+from kvfleet_runtime.fleet.wiring import FleetSettings, hint_index_for
 from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER
 from tests.runtime.fleet.test_transfer import (
     KEY_A,
@@ -35,8 +35,8 @@ from tests.runtime.fleet.test_transfer import (
     LAYOUT,
     SECRET,
     TOKENS,
+    land,
     make_cache,
-    materialized,
     prefill_kv,
     start_app,
     store,
@@ -48,7 +48,6 @@ from tests.support import free_port
 class Peer:
     name: str
     cache: PrefixCache
-    held: _HeldBlocks
     url: str
 
 
@@ -58,19 +57,17 @@ async def peers() -> AsyncIterator[Callable[..., Awaitable[Peer]]]:
 
     async def peer(name: str, secret: bytes | None = SECRET, probe: bool = True) -> Peer:
         cache = make_cache()
-        held = _HeldBlocks()
-        cache.add_listener(held.on_event)
         app = web.Application(client_max_size=64 << 20)
         app.add_routes(
             peer_routes(
-                CacheBlockSource(cache, held=held.leading),
+                CacheBlockSource(cache, held=cache.num_held),
                 secret,
-                held=held.leading if probe else None,
+                held=cache.num_held if probe else None,
             )
         )
         url, runner = await start_app(app)
         runners.append(runner)
-        return Peer(name, cache, held, url)
+        return Peer(name, cache, url)
 
     yield peer
     for runner in runners:
@@ -210,11 +207,9 @@ async def test_tenant_b_learns_nothing_about_tenant_a_blocks(
         assert await index.lookup_runs(chain_a, tenant="tenant-b") == {}
         assert await index.lookup_runs(chain_b, tenant="tenant-b") == {}
         assert await index.lookup_runs(chain_a, tenant="tenant-a") == {"a": 8}
-        b_cache = make_cache()
         fetcher = PeerFetcher(SECRET, index, "b", resolve_url={"a": a.url}.get)
-        assert await PeerTier(b_cache, fetcher).fill(KEY_B, TOKENS, 0) == 0
+        assert (await land(fetcher, KEY_B, TOKENS)).num_blocks == 0
         assert fetcher.stats.outcomes == {"no_peer": 1}
-        assert not isinstance(b_cache.lookup(KEY_B, TOKENS), Hit)
     finally:
         await index.close()
 
@@ -222,7 +217,6 @@ async def test_tenant_b_learns_nothing_about_tenant_a_blocks(
 async def test_platform_blocks_count_for_every_tenant() -> None:
     """Allow-listed platform blocks are shared by design: they count for any tenant; the
     tenant's own blocks after them do not."""
-    held = _HeldBlocks()
     cache = PrefixCache(
         CacheTuning(
             num_t0_blocks=64,
@@ -233,13 +227,12 @@ async def test_platform_blocks_count_for_every_tenant() -> None:
         LAYOUT,
         clock=time.monotonic,
     )
-    cache.add_listener(held.on_event)
     store(cache, KEY_A, TOKENS)
     chain_a = cache.block_hashes(KEY_A, TOKENS)
     chain_b = cache.block_hashes(KEY_B, TOKENS)
     assert chain_a[:4] == chain_b[:4] and not set(chain_a[4:]) & set(chain_b[4:])
-    assert held.leading(chain_a, "tenant-a") == held.leading(chain_a) == 8
-    assert held.leading(chain_a, "tenant-b") == held.leading(chain_b, "tenant-b") == 4
+    assert cache.num_held(chain_a, "tenant-a") == cache.num_held(chain_a) == 8
+    assert cache.num_held(chain_a, "tenant-b") == cache.num_held(chain_b, "tenant-b") == 4
 
 
 # -- the index -----------------------------------------------------------------------------
@@ -265,12 +258,12 @@ async def test_peer_probe_finds_each_peers_run_and_the_fetch_equals_recompute(
         await index.register_host("b", "http://elsewhere")
         assert await index.lookup_runs(chain, tenant="tenant-a") == {"a": 8, "c": 3}
         fetcher = PeerFetcher(SECRET, index, "b", resolve_url=urls.get)
-        assert await PeerTier(b_cache, fetcher).fill(KEY_A, TOKENS, 0) == 8
+        got = await land(fetcher, KEY_A, TOKENS)
+        assert got.num_blocks == 8
         assert fetcher.stats.outcomes == {"ok": 1}
         k, v = prefill_kv(TOKENS)
-        got_k, got_v = materialized(b_cache, KEY_A, TOKENS)
-        assert got_k.shape[2] == 8 * 16
-        assert (got_k == k[:, :, : 8 * 16]).all() and (got_v == v[:, :, : 8 * 16]).all()
+        assert got.k.shape[2] == 8 * 16
+        assert torch.equal(got.k, k[:, :, : 8 * 16]) and torch.equal(got.v, v[:, :, : 8 * 16])
     finally:
         await index.close()
 

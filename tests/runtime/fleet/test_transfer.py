@@ -1,6 +1,7 @@
 """T2 peer transfer between real PrefixCaches over real aiohttp servers on 127.0.0.1, with fault
 injection (corrupted bytes, a peer cut mid-transfer, a stalled peer, a dead peer, stale hints)
-and tenant isolation."""
+and tenant isolation. The fetching side is driven as the engine's prepare drives T2 (`land`:
+`PeerTier.num_matched`, one allocation in an engine-shaped pool, `load_into` those blocks)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,18 @@ import pytest
 import torch
 from aiohttp import web
 
-from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, CacheTuning, Hit, KVLayout, PrefixCache
+from kvfleet_runtime.cache import (
+    BLOCK_SIZE,
+    CacheKey,
+    CacheTuning,
+    Hit,
+    KVLayout,
+    LoadTarget,
+    LowerTier,
+    PagedBlocks,
+    PrefixCache,
+    TierQuery,
+)
 from kvfleet_runtime.fleet import (
     CacheBlockSource,
     EmbeddedHintIndex,
@@ -67,15 +79,6 @@ def store(cache: PrefixCache, key: CacheKey, tokens: list[int]) -> tuple[torch.T
     return k, v
 
 
-def materialized(cache: PrefixCache, key: CacheKey, tokens: list[int]) -> tuple[torch.Tensor, ...]:
-    hit = cache.lookup(key, tokens)
-    assert isinstance(hit, Hit)
-    try:
-        return cache.materialize(hit)
-    finally:
-        cache.release(hit)
-
-
 @dataclass
 class Replica:
     name: str
@@ -113,8 +116,42 @@ async def fleet() -> AsyncIterator[tuple[EmbeddedHintIndex, Callable[..., Awaita
         await runner.cleanup()
 
 
-def tier_for(cache: PrefixCache, fetcher: PeerFetcher) -> PeerTier:
-    return PeerTier(cache, fetcher)
+POOL_BLOCKS = 24
+SCATTERED = (9, 10, 11, 3, 4, 20, 0, 6)
+"""Engine blocks a run lands in: runs of consecutive ids and single ones."""
+
+
+@dataclass
+class Landed:
+    """What `land` left in the engine-shaped pool: the blocks landed, and their K and V in
+    canonical `[L, H, n * 16, D]`."""
+
+    num_blocks: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+async def land(fetcher: PeerFetcher, key: CacheKey, tokens: list[int], start_block: int = 0,
+               *, block_ids: tuple[int, ...] = SCATTERED, request_id: int = 1) -> Landed:
+    """What the engine's prepare does with T2 for `tokens`, whose first `start_block` blocks
+    the tiers above supply: ask until it knows, allocate, land, wait for `done`."""
+    tier = PeerTier(fetcher, LAYOUT, asyncio.get_running_loop())
+    chain = tuple(make_cache().block_hashes(key, tokens[: len(tokens) // BLOCK_SIZE * BLOCK_SIZE]))
+    query = TierQuery(request_id, key, tuple(tokens), chain, start_block)
+    while (n := tier.num_matched(query)) is None:
+        await asyncio.sleep(0.001)
+    empty = torch.empty(LAYOUT.num_layers, LAYOUT.num_kv_heads, 0, LAYOUT.head_dim)
+    if not n:
+        return Landed(0, empty, empty)
+    kv = PagedBlocks.zeros(LAYOUT, POOL_BLOCKS, torch.device("cpu"))
+    ids = block_ids[:n]
+    done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    tier.load_into(query, LoadTarget(kv, ids), done.set_result)
+    got = await done
+    if not got:
+        return Landed(0, empty, empty)
+    return Landed(got, torch.cat([kv.k[:, i] for i in ids[:got]], dim=2),
+                  torch.cat([kv.v[:, i] for i in ids[:got]], dim=2))
 
 
 async def publish_all(index: EmbeddedHintIndex, replica: Replica, key: CacheKey) -> None:
@@ -126,20 +163,69 @@ async def test_prefix_stored_on_a_is_fetched_by_b_and_equals_recompute(
     session: aiohttp.ClientSession,
 ) -> None:
     index, replica = fleet
-    a, b = await replica("a"), await replica("b")
+    a, _b = await replica("a"), await replica("b")
     publisher = HintPublisher(index, "a")
-    a.cache.add_listener(
-        PeerTier(a.cache, PeerFetcher(SECRET, index, "a"), publisher).on_block_event
-    )
+    a.cache.add_listener(lambda e: publisher.offer_stored(e.block_hashes, tenant=e.key.tenant_id)
+                         if e.kind == "stored" else None)
     k, v = store(a.cache, KEY_A, TOKENS)
     await publisher.flush()  # the listener published a's blocks
 
     fetcher = PeerFetcher(SECRET, index, "b")
-    assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 8
+    got = await land(fetcher, KEY_A, TOKENS)  # straight into scattered engine blocks
+    assert got.num_blocks == 8
     assert fetcher.stats.outcomes == {"ok": 1}
-    got_k, got_v = materialized(b.cache, KEY_A, TOKENS)
+    assert fetcher.stats.blocks_fetched == 8
+    assert fetcher.stats.bytes_fetched == 8 * LAYOUT.bytes_per_block
     n = 8 * BLOCK_SIZE
-    assert torch.equal(got_k, k[:, :, :n]) and torch.equal(got_v, v[:, :, :n])
+    assert torch.equal(got.k, k[:, :, :n]) and torch.equal(got.v, v[:, :, :n])
+
+
+def test_t2_is_a_tier_below_the_cache() -> None:
+    tier = PeerTier(PeerFetcher(SECRET, EmbeddedHintIndex(), "b"), LAYOUT,
+                    asyncio.new_event_loop())
+    assert isinstance(tier, LowerTier) and tier.name == "t2"
+    tier.loop.close()
+
+
+async def test_t2_off_or_too_short_matches_nothing_and_asks_nobody(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+) -> None:
+    index, replica = fleet
+    a = await replica("a")
+    store(a.cache, KEY_A, TOKENS)
+    await publish_all(index, a, KEY_A)
+    fetcher = PeerFetcher(SECRET, index, "b", min_blocks=2)
+    tier = PeerTier(fetcher, LAYOUT, asyncio.get_running_loop())
+    chain = tuple(a.cache.block_hashes(KEY_A, TOKENS))
+    tier.enabled = False
+    assert tier.num_matched(TierQuery(1, KEY_A, tuple(TOKENS), chain, 0)) == 0
+    tier.enabled = True
+    assert tier.num_matched(TierQuery(2, KEY_A, tuple(TOKENS), chain, 7)) == 0  # one block left
+    assert fetcher.stats.outcomes == {}
+
+
+async def test_a_lookup_forgotten_while_in_flight_leaves_nothing_behind(
+    fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[Replica]]],
+) -> None:
+    index, replica = fleet
+    a = await replica("a")
+    store(a.cache, KEY_A, TOKENS)
+    await publish_all(index, a, KEY_A)
+    tier = PeerTier(PeerFetcher(SECRET, index, "b"), LAYOUT, asyncio.get_running_loop())
+    query = TierQuery(1, KEY_A, tuple(TOKENS), tuple(a.cache.block_hashes(KEY_A, TOKENS)), 0)
+    assert tier.num_matched(query) is None  # the lookup runs on the loop, never here
+    tier.forget(query)
+    await asyncio.sleep(0.01)
+    # Asked again (the same request id, a new request): a new lookup, not the forgotten one.
+    assert tier.num_matched(query) is None
+    while (n := tier.num_matched(query)) is None:
+        await asyncio.sleep(0.001)
+    assert n == 8
+    done: list[int] = []
+    tier.forget(query)  # found, then not loading after all: a later load lands nothing
+    tier.load_into(query, LoadTarget(PagedBlocks.zeros(LAYOUT, 8, torch.device("cpu")),
+                                     tuple(range(8))), done.append)
+    assert done == [0]
 
 
 async def test_partial_local_hit_fetches_only_the_rest(
@@ -152,10 +238,10 @@ async def test_partial_local_hit_fetches_only_the_rest(
     await publish_all(index, a, KEY_A)
     store(b.cache, KEY_A, TOKENS[: 3 * BLOCK_SIZE])
     fetcher = PeerFetcher(SECRET, index, "b")
-    assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 3) == 5
+    got = await land(fetcher, KEY_A, TOKENS, 3)  # blocks 0-2 supplied by the tiers above
+    assert got.num_blocks == 5
     assert fetcher.stats.bytes_fetched == 2 * 5 * LAYOUT.bytes_per_block // 2
-    got_k, _ = materialized(b.cache, KEY_A, TOKENS)
-    assert torch.equal(got_k, k[:, :, : 8 * BLOCK_SIZE])
+    assert torch.equal(got.k, k[:, :, 3 * BLOCK_SIZE : 8 * BLOCK_SIZE])
 
 
 async def test_stale_hint_and_dead_peer_fall_back_to_recompute(
@@ -166,9 +252,9 @@ async def test_stale_hint_and_dead_peer_fall_back_to_recompute(
     a, b = await replica("a"), await replica("b")
     await publish_all(index, a, KEY_A)  # a never stored it: a stale hint
     fetcher = PeerFetcher(SECRET, index, "b")
-    assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
+    assert (await land(fetcher, KEY_A, TOKENS)).num_blocks == 0
     await index.register_host("a", f"http://127.0.0.1:{free_port()}")  # nobody listens
-    assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
+    assert (await land(fetcher, KEY_A, TOKENS)).num_blocks == 0
     assert fetcher.stats.outcomes == {"stale": 1, "peer_error": 1}
     assert isinstance(b.cache.lookup(KEY_A, TOKENS), type(b.cache.lookup(KEY_B, TOKENS)))
 
@@ -218,7 +304,7 @@ async def test_tenant_b_can_never_obtain_tenant_a_blocks_through_the_fetcher(
     # Even told (by a poisoned index) that a holds B's chain, the fetch finds nothing.
     await publish_all(index, a, KEY_B)
     fetcher = PeerFetcher(SECRET, index, "b")
-    assert await tier_for(b.cache, fetcher).fill(KEY_B, TOKENS, 0) == 0
+    assert (await land(fetcher, KEY_B, TOKENS)).num_blocks == 0
     assert fetcher.stats.outcomes == {"stale": 1}
     assert not isinstance(b.cache.lookup(KEY_B, TOKENS), Hit)
 
@@ -229,14 +315,14 @@ async def test_disabled_without_secret(
 ) -> None:
     index, replica = fleet
     a = await replica("a", secret=None)
-    b = await replica("b")
+    await replica("b")
     store(a.cache, KEY_A, TOKENS)
     await publish_all(index, a, KEY_A)
     fetcher = PeerFetcher(SECRET, index, "b")
-    assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
+    assert (await land(fetcher, KEY_A, TOKENS)).num_blocks == 0
     assert fetcher.stats.outcomes == {"http": 1}  # 503 from a
     no_secret = PeerFetcher(None, index, "b")
-    assert await tier_for(b.cache, no_secret).fill(KEY_A, TOKENS, 0) == 0
+    assert (await land(no_secret, KEY_A, TOKENS)).num_blocks == 0
     assert no_secret.stats.outcomes == {"disabled": 1}
 
 
@@ -306,7 +392,7 @@ async def test_faults_in_transit_give_recompute_never_wrong_kv(
         await index.register_host("a", proxy_url)
         # Only the stalled peer should hit the timeout, even on an overloaded CI box.
         fetcher = PeerFetcher(SECRET, index, "b", timeout_s=0.5 if mode == "stall" else 10)
-        assert await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0) == 0
+        assert (await land(fetcher, KEY_A, TOKENS)).num_blocks == 0
     assert fetcher.stats.outcomes == {outcome: 1}
     assert not isinstance(b.cache.lookup(KEY_A, TOKENS), Hit)
 
@@ -316,7 +402,7 @@ async def test_concurrency_limit_sends_the_overflow_to_recompute(
     session: aiohttp.ClientSession,
 ) -> None:
     index, replica = fleet
-    a, b = await replica("a"), await replica("b")
+    a, _b = await replica("a"), await replica("b")
     store(a.cache, KEY_A, TOKENS)
     await publish_all(index, a, KEY_A)
     port = int(a.url.rsplit(":", 1)[1])
@@ -324,10 +410,10 @@ async def test_concurrency_limit_sends_the_overflow_to_recompute(
         await index.register_host("a", proxy_url)
         fetcher = PeerFetcher(SECRET, index, "b", timeout_s=0.5, max_concurrency=1)
         results = await asyncio.gather(
-            tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0),
-            tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0),
+            land(fetcher, KEY_A, TOKENS, request_id=1),
+            land(fetcher, KEY_A, TOKENS, request_id=2),
         )
-    assert results == [0, 0]
+    assert [r.num_blocks for r in results] == [0, 0]
     assert fetcher.stats.outcomes == {"timeout": 1, "busy": 1}
 
 
@@ -361,7 +447,7 @@ async def test_a_peer_failing_mid_run_still_gives_its_verified_leading_blocks(
 ) -> None:
     index, replica = fleet
     a = await replica("a", chunk_bytes=LAYOUT.bytes_per_block)  # one block per chunk
-    b = await replica("b")
+    await replica("b")
     k, _ = store(a.cache, KEY_A, TOKENS)
     await publish_all(index, a, KEY_A)
     port = int(a.url.rsplit(":", 1)[1])
@@ -369,12 +455,11 @@ async def test_a_peer_failing_mid_run_still_gives_its_verified_leading_blocks(
     async with faulty_proxy(port, mode, at_byte=9000) as proxy_url:
         await index.register_host("a", proxy_url)
         fetcher = PeerFetcher(SECRET, index, "b", timeout_s=10)
-        got = await tier_for(b.cache, fetcher).fill(KEY_A, TOKENS, 0)
-    assert 1 <= got < 8
+        got = await land(fetcher, KEY_A, TOKENS)
+    assert 1 <= got.num_blocks < 8
     assert fetcher.stats.outcomes == {outcome: 1}
-    got_k, _ = materialized(b.cache, KEY_A, TOKENS)
-    assert got_k.shape[2] == got * BLOCK_SIZE
-    assert torch.equal(got_k, k[:, :, : got * BLOCK_SIZE])
+    assert got.k.shape[2] == got.num_blocks * BLOCK_SIZE
+    assert torch.equal(got.k, k[:, :, : got.num_blocks * BLOCK_SIZE])
 
 
 async def test_receive_buffers_are_reused_without_mixing_runs(
@@ -389,14 +474,14 @@ async def test_receive_buffers_are_reused_without_mixing_runs(
         stored.append(store(a.cache, KEY_A, tokens))
         await index.publish("a", a.cache.block_hashes(KEY_A, tokens))
     fetcher = PeerFetcher(SECRET, index, "b")
-    tier = tier_for(b.cache, fetcher)
-    assert await tier.fill(KEY_A, prompts[0], 0) == 8
-    assert len(fetcher._spare) == 2  # K and V buffers came back
-    assert await tier.fill(KEY_A, prompts[1], 0) == 8  # into the same buffers
-    assert len(fetcher._spare) == 2
     for tokens, (k, _) in zip(prompts, stored, strict=True):
-        got_k, _ = materialized(b.cache, KEY_A, tokens)
+        run = await fetcher.fetch(KEY_A, tokens, b.cache.block_hashes(KEY_A, tokens))
+        assert run is not None and run.num_blocks == 8
+        got_k = torch.frombuffer(run.k, dtype=torch.float16).view(
+            LAYOUT.num_layers, LAYOUT.num_kv_heads, 8 * BLOCK_SIZE, LAYOUT.head_dim)
         assert torch.equal(got_k, k[:, :, : 8 * BLOCK_SIZE])
+        fetcher.recycle(run)
+        assert len(fetcher._spare) == 2  # K and V buffers came back: the next run reuses them
 
 
 # -- fetch_into: received in place, into a pool-like landing ------------------------------------

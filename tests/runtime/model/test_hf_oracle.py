@@ -11,6 +11,7 @@ peer over T2 gives the same greedy tokens as the miss.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import torch
 import transformers
 from aiohttp import web
 
-from kvfleet_runtime.cache import CacheTuning, Hit, KVLayout, PrefixCache
+from kvfleet_runtime.cache import CacheTuning, KVLayout, PrefixCache
 from kvfleet_runtime.engine import (
     CacheKeyFields,
     Engine,
@@ -324,11 +325,10 @@ async def test_cache_hits_from_t0_t1_and_a_peer_equal_the_miss(
         await index.register_host("a", f"http://127.0.0.1:{port}")
         key = fields.key("acme")
         await index.publish("a", a_cache.block_hashes(key, case.prompt))
-        tier = PeerTier(b_cache, PeerFetcher(SECRET, index, "b"))
-        assert await tier.fill(key, case.prompt, 0) == PROMPT_LEN // 16
-        assert isinstance(b_cache.lookup(key, case.prompt), Hit)
         b = await engine(b_cache)
-        hit, cached = await generate(b, case.prompt)
+        b.lower_tiers = (PeerTier(PeerFetcher(SECRET, index, "b"), b_cache.layout,
+                                  asyncio.get_running_loop()),)
+        hit, cached = await generate(b, case.prompt)  # T2 lands in b's engine blocks
         assert (cached, hit) == (32, miss)
     finally:
         for e in engines:

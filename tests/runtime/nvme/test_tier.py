@@ -1,17 +1,31 @@
 """T3 attached to a real PrefixCache on tiny pools and a real file: what T1 evicts and the policy
-values goes to NVMe; a later miss is served from it with exactly the stored KV ("on"), or read and
-discarded with the bandwidth recorded ("shadow"); "off" writes and serves nothing."""
+values goes to NVMe; a later miss is served from it (as the engine's prepare asks a tier below
+the cache: `num_matched`, then `load_into` the engine's blocks) with exactly the stored KV
+("on"), or read and discarded with the bandwidth recorded ("shadow"); "off" writes and serves
+nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvfleet_runtime.cache import CacheKey, CacheTuning, Hit, KVLayout, Miss, PrefixCache
+from kvfleet_runtime.cache import (
+    CacheKey,
+    CacheTuning,
+    KVLayout,
+    LoadTarget,
+    LowerTier,
+    Miss,
+    PagedBlocks,
+    PrefixCache,
+    TierQuery,
+    block_hashes,
+)
 from kvfleet_runtime.nvme import STORE_FILENAME, NvmeConfig, NvmeStore, NvmeTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=8, head_dim=4, dtype="float32")  # 8 KiB blocks
@@ -57,6 +71,40 @@ def tier(cache: PrefixCache, tmp_path: Path) -> Iterator[NvmeTier]:
     t.close()
 
 
+def load(tier: NvmeTier, tokens: Sequence[int], start_block: int = 0, *,
+         key: CacheKey = KEY) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """What the engine's prepare does with T3 for a prompt whose first `start_block` blocks
+    T0/T1 supply: ask, allocate, load into the engine's blocks. Returns the blocks landed and
+    their K and V (canonical `[L, H, n * 16, D]`)."""
+    query = TierQuery(1, key, tuple(tokens), tuple(block_hashes(key, tokens)), start_block)
+    n = tier.num_matched(query)
+    assert n is not None
+    empty = torch.empty(LAYOUT.num_layers, LAYOUT.num_kv_heads, 0, LAYOUT.head_dim)
+    if not n:
+        return 0, empty, empty
+    kv = PagedBlocks.zeros(LAYOUT, 16, torch.device("cpu"))
+    kv.take(3)  # the engine's own blocks elsewhere: the load lands where it is told
+    ids = kv.take(n)
+    assert ids is not None
+    landed: list[int] = []
+    called = threading.Event()
+
+    def done(m: int) -> None:
+        landed.append(m)
+        called.set()
+
+    tier.load_into(query, LoadTarget(kv, tuple(ids)), done)
+    assert called.wait(30)
+    got = landed[0]
+    k = torch.cat([kv.k[:, i] for i in ids[:got]], dim=2) if got else empty
+    v = torch.cat([kv.v[:, i] for i in ids[:got]], dim=2) if got else empty
+    return got, k, v
+
+
+def test_t3_is_a_tier_below_the_cache(tier: NvmeTier) -> None:
+    assert isinstance(tier, LowerTier) and tier.name == "t3"
+
+
 def evict_a(cache: PrefixCache, tier: NvmeTier) -> None:
     store_twice(cache, A, KA, VA)
     store_twice(cache, B, KB, VB)
@@ -70,26 +118,20 @@ def test_t1_evictions_the_policy_values_are_served_back_exactly(
     assert tier.stats.num_blocks_offered == 4 and tier.stats.num_blocks_refused == 0
     assert len(tier.store) == 4
     assert isinstance(cache.lookup(KEY, A), Miss)
-    assert tier.fill(KEY, A) == 4
-    hit = cache.lookup(KEY, A)
-    assert isinstance(hit, Hit) and hit.matched_tokens == 64
-    k, v = cache.materialize(hit)
+    n, k, v = load(tier, A)
+    assert n == 4
     assert torch.equal(k, KA[:, :, :64]) and torch.equal(v, VA[:, :, :64])
-    cache.release(hit)
     assert tier.stats.num_blocks_served == 4
     assert sum(tier.store.bandwidth.counts[1]) == 1
 
 
-def test_fill_continues_a_locally_held_prefix(cache: PrefixCache, tier: NvmeTier) -> None:
+def test_a_load_continues_what_the_tiers_above_supply(cache: PrefixCache, tier: NvmeTier) -> None:
     evict_a(cache, tier)
-    # Blocks 0-1 come back from T3 first (a shorter prompt), then the full prompt needs 2-3.
-    assert tier.fill(KEY, A[:32]) == 2
-    assert tier.fill(KEY, A) == 2
-    hit = cache.lookup(KEY, A)
-    assert isinstance(hit, Hit) and hit.matched_tokens == 64
-    k, _ = cache.materialize(hit)
-    assert torch.equal(k, KA[:, :, :64])
-    cache.release(hit)
+    # T0/T1 supply blocks 0-1: T3 is asked for what follows, and lands exactly blocks 2-3.
+    n, k, v = load(tier, A, start_block=2)
+    assert n == 2
+    assert torch.equal(k, KA[:, :, 32:64]) and torch.equal(v, VA[:, :, 32:64])
+    assert load(tier, A[:32])[0] == 2  # a shorter prompt: only its own blocks
 
 
 def test_shadow_reads_back_and_discards(cache: PrefixCache, tmp_path: Path) -> None:
@@ -98,7 +140,8 @@ def test_shadow_reads_back_and_discards(cache: PrefixCache, tmp_path: Path) -> N
     try:
         evict_a(cache, tier)
         assert len(tier.store) == 4  # written as "on" would
-        assert tier.fill(KEY, A) == 0  # read back, discarded
+        assert load(tier, A)[0] == 0  # supplies nothing: read back on a worker, discarded
+        tier.flush()
         assert tier.stats.num_blocks_shadow_read == 4 and tier.stats.num_blocks_served == 0
         assert isinstance(cache.lookup(KEY, A), Miss)  # nothing imported
         assert tier.store.bandwidth.per_read_gb_s(1) is not None
@@ -117,7 +160,7 @@ def test_off_writes_nothing_and_turning_off_forgets(cache: PrefixCache, tier: Nv
     evict_a(cache, tier)
     tier.set_mode("off")
     assert len(tier.store) == 0
-    assert tier.fill(KEY, A) == 0
+    assert load(tier, A)[0] == 0
     c, d = list(range(2000, 2128)), list(range(3000, 3128))
     store_twice(cache, c, KA, VA)  # evicts B's blocks: not offered while off
     tier.flush()
@@ -154,8 +197,9 @@ def test_a_corrupt_t3_block_is_recomputed_never_served(
         for slot in range(4):
             f.seek(slot * LAYOUT.bytes_per_block + 10)
             f.write(b"\xff\xfe")
-    assert tier.fill(KEY, A) == 0
-    assert isinstance(cache.lookup(KEY, A), Miss)
+    query = TierQuery(1, KEY, tuple(A), tuple(block_hashes(KEY, A)), 0)
+    assert tier.num_matched(query) == 4  # held, as far as the index knows: read, then refused
+    assert load(tier, A)[0] == 0
     assert tier.store.stats.num_corrupt == 1
 
 
@@ -183,13 +227,10 @@ def test_invalidate_withdraws_one_version_from_t3(cache: PrefixCache, tier: Nvme
     assert len(tier.store) == 12
     assert tier.invalidate(KEY.weights_digest) == 8
     assert len(tier.store) == 4 and tier.store.stats.num_invalidated == 8
-    assert tier.fill(KEY, A) == 0 and isinstance(cache.lookup(KEY, A), Miss)
-    assert tier.fill(KEY_B, B) == 4  # version b is still served from T3, exactly
-    hit = cache.lookup(KEY_B, B)
-    assert isinstance(hit, Hit) and hit.matched_tokens == 64
-    k, v = cache.materialize(hit)
+    assert load(tier, A)[0] == 0 and isinstance(cache.lookup(KEY, A), Miss)
+    n, k, v = load(tier, B, key=KEY_B)  # version b is still served from T3, exactly
+    assert n == 4
     assert torch.equal(k, KB[:, :, :64]) and torch.equal(v, VB[:, :, :64])
-    cache.release(hit)
 
 
 def test_a_write_queued_before_the_invalidate_never_lands(
@@ -206,5 +247,5 @@ def test_a_write_queued_before_the_invalidate_never_lands(
     tier.start()
     tier.flush()
     assert len(store) == 0 and store.stats.num_stale_writes == 4
-    assert tier.fill(KEY, A) == 0
+    assert load(tier, A)[0] == 0
     tier.close()

@@ -7,13 +7,15 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import openai
 import pytest
 import yaml
+
+from kvfleet_runtime.cache import LoadTarget, TierQuery
 
 from .conftest import TEST_CONFIG, RunningReplica, as_router
 
@@ -276,20 +278,37 @@ def test_config_file_is_reloaded_on_change(running: RunningReplica) -> None:
         _wait_for(lambda: replica.config.limits.max_tokens == 32)
 
 
-def test_before_submit_hook_sees_valid_prompts_only_and_cannot_fail_a_request(
+@dataclass
+class ExplodingTier:
+    """A tier below the cache that fails every call: the HTTP layer never sees it (the engine's
+    prepare asks it), and it cannot fail a request."""
+
+    name: str = "t2"
+    asked: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+
+    def num_matched(self, query: TierQuery) -> int | None:
+        self.asked.append((query.key.tenant_id, query.token_ids))
+        raise RuntimeError("peer lookup exploded")
+
+    def load_into(self, query: TierQuery, target: LoadTarget,
+                  done: Callable[[int], None]) -> None:
+        raise AssertionError("never asked to load: it matched nothing")
+
+    def forget(self, query: TierQuery) -> None:
+        raise RuntimeError("forget exploded too")
+
+
+def test_a_failing_lower_tier_sees_valid_prompts_only_and_cannot_fail_a_request(
     running: RunningReplica,
 ) -> None:
-    seen: list[tuple[str, list[int]]] = []
-
-    async def hook(tenant: str, token_ids: list[int]) -> None:
-        seen.append((tenant, list(token_ids)))
-        raise RuntimeError("peer fetch exploded")
-
-    running.replica.before_submit = hook
+    tier = ExplodingTier()
+    engine = running.replica.engine
+    prompt = list(range(1, 41))  # two usable blocks: the tiers below the cache are asked
+    saved, engine.lower_tiers = engine.lower_tiers, (tier,)
     try:
-        ok = post(running, {"prompt": [1, 2, 3], "max_tokens": 1})
-        bad = post(running, {"prompt": [1, 999], "max_tokens": 1})
+        ok = post(running, {"prompt": prompt, "max_tokens": 1})
+        bad = post(running, {"prompt": [*prompt, 999], "max_tokens": 1})
     finally:
-        running.replica.before_submit = None
+        engine.lower_tiers = saved
     assert ok.status_code == 200 and bad.status_code == 400
-    assert seen == [("acme", [1, 2, 3])]
+    assert tier.asked == [("acme", tuple(prompt))]
