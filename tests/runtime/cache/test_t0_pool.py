@@ -494,3 +494,31 @@ def test_a_run_between_pools_copies_k_and_v_in_one_call_where_both_are_one_tenso
     for s, d in ((1, 4), (2, 5), (3, 6), (5, 0)):
         assert torch.equal(dst.k[:, d], src.k[:, s]) and torch.equal(dst.v[:, d], src.v[:, s])
     assert not dst.k[:, [1, 2, 3, 7]].any() and not dst.v[:, [1, 2, 3, 7]].any()
+
+
+def test_a_hit_listener_sees_each_prepared_hits_blocks_and_cannot_fail_it(
+    clock: FakeClock,
+) -> None:
+    """What keeps a fleet's hints of blocks in use alive (the fleet tier's refresh): every hit
+    `prepare` finds, with its exact blocks; a miss says nothing, and a listener that raises
+    costs the request nothing (the hit is placed, its refs are released at finish)."""
+    kv = pool()
+    cache = bound(kv, clock)
+    tokens = prompt(3, seed=1)
+    run_sequence(cache, kv, tokens, seed=1)
+    seen: list[tuple[str, tuple[bytes, ...]]] = []
+
+    def failing(key: CacheKey, blocks: tuple[bytes, ...]) -> None:
+        raise RuntimeError("the hint index is down")
+
+    cache.add_hit_listener(lambda key, blocks: seen.append((key.tenant_id, blocks)))
+    cache.add_hit_listener(failing)
+    miss = cache.prepare(make_key(), prompt(2, seed=9), kv)
+    assert seen == [] and miss.hit is None
+    cache.finish(miss)
+    prefix = cache.prepare(make_key(), [*tokens, 7], kv)
+    assert seen == [(make_key().tenant_id, tuple(cache.block_hashes(make_key(), tokens)))]
+    assert prefix.table == [0, 1, 2]
+    kv.give_back(prefix.table)
+    cache.finish(prefix)
+    assert (kv.refs.num_free, kv.refs.num_cache_only) == (8, 3)
