@@ -66,6 +66,9 @@ lock: setup
 	source scripts/env.sh && "$$KVFLEET_HOME/tools/bin/uv" pip compile \
 		tests/router/clients-requirements.in --python-version 3.11 \
 		--python-platform x86_64-unknown-linux-gnu -q -o requirements-clients.lock
+	for front in vllm-router sglang-router; do source scripts/env.sh && \
+		"$$KVFLEET_HOME/tools/bin/uv" pip compile scripts/fronts/$$front.in --python-version 3.11 \
+		--python-platform x86_64-unknown-linux-gnu -q -o requirements-front-$$front.lock; done
 	source scripts/env.sh && "$$KVFLEET_HOME/tools/bin/uv" pip compile pyproject.toml \
 		tests/vllm_serve/requirements.in --override tests/vllm_serve/overrides.txt \
 		--python-version 3.11 --python-platform x86_64-unknown-linux-gnu -q \

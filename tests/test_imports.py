@@ -39,6 +39,7 @@ PURE_CACHE_CORE = [
     "kvfleet_runtime.cache._metrics",
     "kvfleet_runtime.cache._allocator",
     "kvfleet_runtime.cache._config",
+    "kvfleet_runtime.cache._lower",
 ]
 
 
@@ -300,12 +301,13 @@ def test_the_connector_bench_imports_vllm_only_when_it_runs() -> None:
 
 
 def test_no_router_fleet_cycle() -> None:
-    # The router may use the fleet tier's hint index; the fleet tier never reaches the router.
+    # The router and the picker may use the fleet tier's hint index; the fleet tier never
+    # reaches either.
     fleet = [m for m in _sources() if m.startswith("kvfleet_runtime.fleet")]
     for module in fleet:
         reached = sorted(
             n for n in _closure(module, top_level_only=False)
-            if n.startswith("kvfleet_runtime.router")
+            if n.startswith(("kvfleet_runtime.router", "kvfleet_runtime.picker"))
         )
         assert reached == [], f"{module} reaches the router: {reached}"
 
@@ -316,6 +318,7 @@ def test_no_router_fleet_cycle() -> None:
         *PURE_CACHE_CORE,
         "kvfleet_runtime.cache",
         "kvfleet_runtime.router",
+        "kvfleet_runtime.picker",
         "kvfleet_runtime.affinity",
         "kvfleet_runtime.breakeven",
         "kvfleet_runtime.config.fleet",
@@ -354,7 +357,8 @@ _CACHE_INTERNALS_ALLOWED = {"kvfleet_lab.cache.bench"}
     "module",
     [
         m for m in _sources()
-        if (m.startswith(("kvfleet_lab", "kvfleet_runtime.fleet", "kvfleet_runtime.router")))
+        if (m.startswith(("kvfleet_lab", "kvfleet_runtime.fleet", "kvfleet_runtime.router",
+                          "kvfleet_runtime.picker")))
         and m not in _CACHE_INTERNALS_ALLOWED
     ],
 )
@@ -402,6 +406,8 @@ CACHE_EXPORTS = [
     "EvictedRun",
     "Hit",
     "KVLayout",
+    "LoadTarget",
+    "LowerTier",
     "Miss",
     "PagedBlocks",
     "Prefix",
@@ -410,6 +416,7 @@ CACHE_EXPORTS = [
     "StorePlan",
     "TenantStats",
     "Tier",
+    "TierQuery",
     "TierStats",
     "block_events",
     "block_hashes",

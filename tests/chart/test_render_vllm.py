@@ -13,7 +13,7 @@ import pytest
 
 from kvfleet_operator.constants import ENGINE_ANNOTATION, PEER_PORT_ANNOTATION
 from kvfleet_runtime.auth import ROUTER_SECRET_FILE
-from kvfleet_runtime.router._kv_subscriber import TOPIC
+from kvfleet_runtime.picker._kv_subscriber import TOPIC
 from kvfleet_vllm import _options
 from tests.chart.conftest import Render, kvfleet_cli_params, run_helm, template_args
 

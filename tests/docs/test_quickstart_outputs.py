@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from kvfleet_runtime.affinity import parse_api_keys
-from kvfleet_runtime.router import FleetView, RouterState
+from kvfleet_runtime.picker import FleetView
+from kvfleet_runtime.router import RouterState
 from kvfleet_runtime.server import ReplicaAuth, build_replica
 from kvfleet_runtime.server._config import ReplicaConfig
 from tests.router.test_openai_fleet import RouterThread

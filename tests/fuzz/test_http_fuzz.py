@@ -29,7 +29,8 @@ from kvfleet_runtime.affinity import parse_api_keys
 from kvfleet_runtime.api import AppRunner, ListenerLimits, error_middleware, handler_args
 from kvfleet_runtime.cache import CacheTuning, KVLayout, PrefixCache
 from kvfleet_runtime.fleet import CacheBlockSource, peer_routes, peer_token
-from kvfleet_runtime.router import FleetView, RouterState, create_router_app
+from kvfleet_runtime.picker import FleetView
+from kvfleet_runtime.router import RouterState, create_router_app
 from kvfleet_runtime.wire import ASSERTION_HEADER, HELD_PATH, T2_PATH, TENANT_HEADER
 from tests.rawhttp import RawAnswer, malformed, read_answer, request
 from tests.router.conftest import FakeReplica

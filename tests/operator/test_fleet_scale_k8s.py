@@ -27,7 +27,7 @@ from kvfleet_operator.kube import Kube
 from kvfleet_runtime.affinity import ReplicaLoad, choose_replica, rendezvous_top_k
 from kvfleet_runtime.config.fleet import load_fleet_config
 from kvfleet_runtime.config.watch import MAX_CONFIG_BYTES
-from kvfleet_runtime.router import FleetView
+from kvfleet_runtime.picker import FleetView
 from tests.cluster.fixtures import Cluster, Identity
 from tests.operator.conftest import OLD, wait_for
 

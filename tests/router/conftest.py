@@ -15,7 +15,8 @@ from aiohttp import web
 from kvfleet_runtime.affinity import parse_api_keys
 from kvfleet_runtime.api import AppRunner
 from kvfleet_runtime.fleet import EmbeddedHintIndex
-from kvfleet_runtime.router import FleetView, RouterState, create_router_app
+from kvfleet_runtime.picker import FleetView
+from kvfleet_runtime.router import RouterState, create_router_app
 from kvfleet_runtime.wire import LOAD_PATH
 from tests.support import free_port
 

@@ -20,8 +20,7 @@ SECRET = b"router-secret-router-tests"
 async def test_every_forwarded_request_carries_an_assertion_for_its_replica(
     replicas: list[FakeReplica], start_router: StartRouter
 ) -> None:
-    router = await start_router(replicas)
-    router.state.router_secret = SECRET
+    router = await start_router(replicas, state={"router_secret": SECRET})
     for _ in range(3):
         status, _headers, _body = await router.post({"prompt": "hi"}, key="sk-acme",
                                                    headers={ASSERTION_HEADER: "v1.forged"})
@@ -45,8 +44,7 @@ async def test_a_retry_on_another_replica_gets_its_own_assertion(
 ) -> None:
     for r in replicas:
         r.status = 503  # every attempt is refused: the router tries max_attempts replicas
-    router = await start_router(replicas)
-    router.state.router_secret = SECRET
+    router = await start_router(replicas, state={"router_secret": SECRET})
     status, _headers, _body = await router.post({"prompt": "hi"}, key="sk-globex")
     assert status == 503
     attempts = [(r.name, s["headers"][ASSERTION_HEADER]) for r in replicas for s in r.seen]

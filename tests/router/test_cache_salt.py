@@ -23,7 +23,7 @@ from kvfleet_runtime.auth import (
     verify_cache_salt,
 )
 from kvfleet_runtime.config.fleet import AffinitySettings, FleetConfig, ReplicaEndpoint
-from kvfleet_runtime.router import vllm_load_report
+from kvfleet_runtime.picker import Tenancy, vllm_load_report
 from kvfleet_runtime.wire import CACHE_SALT_FIELD, MAX_CACHE_SALT_CHARS
 from tests.support import free_port
 
@@ -107,8 +107,7 @@ def _config(vllm: Sequence[VllmServer], kvfleet: Sequence[FakeReplica] = ()) -> 
 
 async def _router(start_router: StartRouter, config: FleetConfig,
                   secret: bytes | None = SECRET) -> RouterHandle:
-    router = await start_router([], config=config)
-    router.state.router_secret = secret
+    router = await start_router([], config=config, state={"router_secret": secret})
     await router.refresh()
     return router
 
@@ -239,7 +238,8 @@ async def test_a_tenant_too_long_for_a_salt_is_a_clear_400(
 ) -> None:
     router = await _router(start_router, _config([vllm]))
     long_tenant = "t" * (MAX_SALTED_TENANT_CHARS + 1)
-    router.state.keys = parse_api_keys({"tenants": {long_tenant: ["sk-long"]}})
+    router.state.tenancy = Tenancy(parse_api_keys({"tenants": {long_tenant: ["sk-long"]}}),
+                                   router.state.tenancy.router_secret)
     status, _, body = await router.post({"model": "tiny", "prompt": "hi"}, key="sk-long")
     assert status == 400
     assert body["error"]["code"] == "tenant_not_servable"

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from kvfleet_runtime.affinity import ReplicaLoad, choose_replica, rendezvous_top_k
-from kvfleet_runtime.router import FleetView
+from kvfleet_runtime.picker import FleetView
 
 TENANTS = [f"tenant-{i}" for i in range(300)]
 

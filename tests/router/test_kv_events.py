@@ -1,4 +1,4 @@
-"""The router's view of vLLM replicas' KV events (`router._kv_events`): decoding vLLM's wire
+"""The router's view of vLLM replicas' KV events (`picker._kv_events`): decoding vLLM's wire
 format, mapping stored blocks onto kvfleet's chain under the request's salt, removals,
 and dropping the view on a gap, a restart, a bad payload or a clear."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvfleet_runtime.router._kv_events import (
+from kvfleet_runtime.picker._kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -187,8 +187,9 @@ def test_the_router_subscribes_to_vllm_replicas_and_takes_the_larger_match(tmp_p
     from kvfleet_runtime.affinity import ApiKeyMap
     from kvfleet_runtime.auth import cache_salt
     from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
-    from kvfleet_runtime.router import FleetView, RouterState
-    from kvfleet_runtime.router._app import _with_kv_events, kv_event_endpoints
+    from kvfleet_runtime.picker import FleetView, PickRequest
+    from kvfleet_runtime.picker._picker import larger_match
+    from kvfleet_runtime.router import RouterState
 
     config = tmp_path / "fleet.json"
     config.write_text(dump_fleet_config(FleetConfig(recompute_s_per_token=1e-3, replicas=(
@@ -201,11 +202,14 @@ def test_the_router_subscribes_to_vllm_replicas_and_takes_the_larger_match(tmp_p
                         kv_event_endpoints={"b": "ipc:///run/b.sock"})
     assert state.view.reload_config()
     # vLLM replicas only; an explicit endpoint wins
-    assert kv_event_endpoints(state) == {"a": "tcp://10.0.0.1:5557", "b": "ipc:///run/b.sock"}
+    assert state.picker.kv_event_endpoints() == {"a": "tcp://10.0.0.1:5557",
+                                                 "b": "ipc:///run/b.sock"}
     p = tokens(2 * B)
     assert state.kv_events is not None
     state.kv_events.view("a").apply(0, batch(stored([10, 11], None, p,
                                                     salt=cache_salt(secret, "acme"))))
-    got = asyncio.run(_with_kv_events(state, "acme", p, {"a": 16, "b": 48}))
-    assert got == {"a": 2 * B, "b": 48}
-    assert asyncio.run(_with_kv_events(state, "globex", p, {})) == {}
+    held = asyncio.run(state.picker.matched_tokens(PickRequest("acme", {"prompt": p}, False)))
+    assert held == {"a": 2 * B}
+    assert larger_match({"a": 16, "b": 48}, held) == {"a": 2 * B, "b": 48}
+    globex = PickRequest("globex", {"prompt": p}, False)
+    assert asyncio.run(state.picker.matched_tokens(globex)) == {}

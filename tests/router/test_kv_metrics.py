@@ -1,4 +1,4 @@
-"""The router's Prometheus series of its KV event views (`router._kv_metrics`): read from the
+"""The router's Prometheus series of its KV event views (`picker._kv_metrics`): read from the
 views at each scrape (blocks held, events applied, drops by reason, unplaced blocks), and served
 on the router's own /metrics next to its other series, fed by a real ZMQ publisher."""
 
@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet_runtime.affinity import ApiKeyMap
-from kvfleet_runtime.router import FleetView, KvEventViews, RouterState, create_router_app
-from kvfleet_runtime.router._kv_events import AllBlocksCleared
-from kvfleet_runtime.router._kv_metrics import DROP_REASONS, KvEventCollector
+from kvfleet_runtime.picker import FleetView, KvEventViews
+from kvfleet_runtime.picker._kv_events import AllBlocksCleared
+from kvfleet_runtime.picker._kv_metrics import DROP_REASONS, KvEventCollector
+from kvfleet_runtime.router import RouterState, create_router_app
 from tests.router.test_kv_events import B, batch, stored, tokens
 from tests.router.test_kv_subscriber import Publisher
 from tests.router.test_kv_subscriber import stored as wire_stored

@@ -1,4 +1,4 @@
-"""The router's ZMQ subscriber (`router._kv_subscriber`) against a real ZMQ PUB socket on
+"""The router's ZMQ subscriber (`picker._kv_subscriber`) against a real ZMQ PUB socket on
 loopback speaking vLLM's framing `(topic, seq, payload)`: events reach the view, a sequence
 gap, a restart (a new publisher counting from 0), a bad payload and a lost connection drop it,
 and replicas leaving the endpoint map are forgotten. (tests/vllm/test_kv_events.py drives the
@@ -13,8 +13,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvfleet_runtime.router._kv_events import KvEventViews, prompt_hashes
-from kvfleet_runtime.router._kv_subscriber import KvEventSubscriber
+from kvfleet_runtime.picker._kv_events import KvEventViews, prompt_hashes
+from kvfleet_runtime.picker._kv_subscriber import KvEventSubscriber
 from tests.support import free_port
 
 SALT = "acme.0123"

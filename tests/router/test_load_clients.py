@@ -28,7 +28,8 @@ import yaml
 from kvfleet_runtime.affinity import parse_api_keys
 from kvfleet_runtime.auth import DEFAULT_TENANT
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
-from kvfleet_runtime.router import FleetView, RouterState
+from kvfleet_runtime.picker import FleetView
+from kvfleet_runtime.router import RouterState
 from kvfleet_runtime.server import ReplicaAuth, build_replica, load_config
 from kvfleet_runtime.tokenizer import load_tokenizer
 from tests.router.test_openai_fleet import RouterThread
@@ -53,7 +54,8 @@ class Served:
         metrics = self.replica.replica.engine.metrics
         return {"prompt": metrics.prompt_tokens._value.get(),
                 "generated": metrics.generated_tokens._value.get(),
-                "cached": metrics.cached_tokens._value.get()}
+                "cached": sum(s.value for m in metrics.cached_tokens.collect()
+                              for s in m.samples if s.name.endswith("_total"))}
 
 
 @pytest.fixture(scope="module")

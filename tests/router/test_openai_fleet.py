@@ -27,7 +27,8 @@ from schemathesis import GenerationMode
 
 from kvfleet_runtime.api import CANCEL_ON_DISCONNECT
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
-from kvfleet_runtime.router import FleetView, RouterState, create_router_app
+from kvfleet_runtime.picker import FleetView
+from kvfleet_runtime.router import RouterState, create_router_app
 from kvfleet_runtime.server import ReplicaAuth, build_replica
 from kvfleet_runtime.server._config import ReplicaConfig
 from tests.router.conftest import KEYS

@@ -14,7 +14,8 @@ from aiohttp import web
 
 from kvfleet_runtime.affinity import rendezvous_top_k
 from kvfleet_runtime.api import AppRunner
-from kvfleet_runtime.router import FleetView, RouterState, create_router_app
+from kvfleet_runtime.picker import FleetView
+from kvfleet_runtime.router import RouterState, create_router_app
 from tests.router.conftest import KEYS
 from tests.support import free_port
 

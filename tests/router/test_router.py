@@ -13,11 +13,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvfleet_runtime.affinity import rendezvous_top_k
+from kvfleet_runtime.affinity import owner_rank, prefix_key, rendezvous_top_k
 from kvfleet_runtime.api import AppRunner
 from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.fleet import EmbeddedHintIndex
-from kvfleet_runtime.router import FleetView, RouterState, create_router_app, prompt_token_ids
+from kvfleet_runtime.picker import FleetView, prompt_token_ids
+from kvfleet_runtime.router import RouterState, create_router_app
 from tests.router.conftest import KEY_FIELDS, KEYS, FakeReplica, StartRouter
 from tests.support import free_port
 
@@ -50,9 +51,11 @@ async def test_tenant_lands_on_its_first_home(
     replicas: list[FakeReplica], start_router: StartRouter
 ) -> None:
     router = await start_router(replicas)
-    for tenant, key in (("acme", "sk-acme"), ("globex", "sk-globex")):
-        home = rendezvous_top_k(tenant, NAMES, 3)[0]
-        for _ in range(5):
+    # Rendezvous ranks r1 first for both; the router knows both tenants (its keys), so their
+    # first homes are spread (bounded_home_sets): globex's first home is its second choice.
+    assert rendezvous_top_k("acme", NAMES, 1) == rendezvous_top_k("globex", NAMES, 1) == ["r1"]
+    for key, home in (("sk-acme", "r1"), ("sk-globex", "r2")):
+        for _ in range(5):  # a prompt shorter than a block has no prefix to spread: first home
             status, headers, body = await router.post({"prompt": "x"}, key=key)
             assert status == 200 and body["replica"] == home
             assert headers["X-Kvfleet-Route"] == "home"
@@ -190,12 +193,15 @@ async def test_cache_aware_override_prefers_a_warm_replica(
     # The same prompt from another tenant hashes differently: no hint, stays home.
     status, headers, body = await router.post({"prompt": prompt}, key="sk-globex")
     assert status == 200 and headers["X-Kvfleet-Route"] == "home"
-    # A warm replica whose queue costs more than the saving is not preferred.
+    # A warm replica whose queue costs more than the saving is not preferred: the prompt goes
+    # to the home that owns its prefix.
     by_name = {r.name: r for r in replicas}
     by_name[warm].load["queue_delay_s"] = 10.0
     await router.refresh()
     _status, headers, body = await router.post({"prompt": prompt})
-    assert body["replica"] == homes[0]
+    prefix = prefix_key("acme", tokens)
+    assert prefix is not None
+    assert body["replica"] == owner_rank(prefix, homes)[0]
 
 
 async def test_two_routers_make_the_same_choices(
@@ -280,7 +286,7 @@ async def test_upstream_session_is_closed_cleanly(replicas: list[FakeReplica]) -
 
 
 def test_fleet_view_join_and_leave_move_about_one_nth_of_tenants(tmp_path: Path) -> None:
-    from kvfleet_runtime.router import FleetView
+    from kvfleet_runtime.picker import FleetView
 
     tenants = [f"t{i}" for i in range(1000)]
     urls = {f"r{i}": f"http://127.0.0.1:{9000 + i}" for i in range(8)}

@@ -11,7 +11,7 @@ from kvfleet_runtime.affinity import rendezvous_top_k
 from kvfleet_runtime.cache import CacheKey, block_hashes
 from kvfleet_runtime.cli import app
 from kvfleet_runtime.fleet import EmbeddedHintIndex
-from kvfleet_runtime.router import chat_token_ids, prompt_token_ids
+from kvfleet_runtime.picker import PickRequest, chat_token_ids, prompt_token_ids
 from kvfleet_runtime.tokenizer import ByteTokenizer, load_tokenizer
 from tests.router.conftest import KEY_FIELDS, FakeReplica, StartRouter
 from tests.runtime.tokenizer.conftest import bpe_dir, spm_dir  # noqa: F401 (fixtures)
@@ -47,10 +47,10 @@ async def test_cache_aware_override_with_the_models_tokenizer(
     # Without the tokenizer the router cannot know the ids: it routes home, never guesses.
     _, headers, body = await router.post({"prompt": PROMPT})
     assert headers["X-Kvfleet-Route"] == "home"
-    router.state.tokenizer = load_tokenizer(spm_dir)
+    router.state.picker.tokenizer = load_tokenizer(spm_dir)
     _, headers, body = await router.post({"prompt": PROMPT})
     assert headers["X-Kvfleet-Route"] == "home"
-    router.state.tokenizer = tok
+    router.state.picker.tokenizer = tok
     _, headers, body = await router.post({"prompt": PROMPT})
     assert body["replica"] == warm and headers["X-Kvfleet-Route"] == "warm"
     # A long document is tokenized off the event loop, to the same ids.
@@ -95,24 +95,26 @@ def test_text_that_is_not_unicode_is_not_tokenized(bpe_dir: Path) -> None:  # no
         tok.encode("a\ud800b")
 
 
+def chat(tenant: str, messages: list[dict[str, str]]) -> PickRequest:
+    return PickRequest(tenant, {"messages": messages}, chat=True)
+
+
 async def test_chat_messages_are_matched_under_the_replicas_template(
         bpe_dir: Path, replicas: list[FakeReplica], start_router: StartRouter) -> None:  # noqa: F811
-    from kvfleet_runtime.router._app import _matched_tokens
-
     tok = load_tokenizer(bpe_dir)
     for r in replicas:
         r.load["tokenizer"] = tok.name
     index = EmbeddedHintIndex()
     router = await start_router(replicas, index=index, recompute_s_per_token=1e-3)
-    router.state.tokenizer = tok
+    router.state.picker.tokenizer = tok
     messages = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "hi"}]
     ids = tok.encode_chat(messages)
     await index.publish("r1", block_hashes(CacheKey("acme", **KEY_FIELDS), ids))
-    matched = await _matched_tokens(router.state, "acme", messages, chat=True)
+    matched = await router.state.picker.matched_tokens(chat("acme", messages))
     assert matched == {"r1": len(ids) // 16 * 16}
     long = [{"role": "user", "content": PROMPT * 30}]
     assert len(PROMPT * 30) > 4096
     await index.publish("r2", block_hashes(CacheKey("acme", **KEY_FIELDS), tok.encode_chat(long)))
-    assert (await _matched_tokens(router.state, "acme", long, chat=True)).get("r2", 0) > 4096
-    router.state.tokenizer = None
-    assert await _matched_tokens(router.state, "acme", messages, chat=True) == {}
+    assert (await router.state.picker.matched_tokens(chat("acme", long))).get("r2", 0) > 4096
+    router.state.picker.tokenizer = None
+    assert await router.state.picker.matched_tokens(chat("acme", messages)) == {}

@@ -157,11 +157,11 @@ async def test_the_routers_poll_loop_killed_is_restarted_and_applies_the_next_fl
     reps = [{"name": r.name, "url": r.url} for r in replicas]
     path.write_text(json.dumps({"replicas": reps, "home_sets": {"acme": ["r2"]}, "generation": 1}))
     router = await start_router(replicas[:1], config_path=path)
-    router.state.supervisor.min_backoff_s = 0.01
+    router.state.picker.supervisor.min_backoff_s = 0.01
     await router.refresh()
     _task_named("router-poll").cancel()
     for _ in range(200):
-        if router.state.supervisor.restarts["router-poll"]:
+        if router.state.picker.supervisor.restarts["router-poll"]:
             break
         await asyncio.sleep(0.02)
     async with router.session.get(router.url + "/readyz") as r:

@@ -1,5 +1,5 @@
 """vLLM's real scheduler publishing its KV events (`KVEventsConfig`, vLLM's own
-`ZmqEventPublisher`) to the router's subscriber (`kvfleet_runtime.router._kv_subscriber`): the
+`ZmqEventPublisher`) to the router's subscriber (`kvfleet_runtime.picker._kv_subscriber`): the
 wire format as vLLM 0.33 writes it, real block hashes and extra keys; the view finds a salted
 prompt's computed blocks under its salt only, and forgets them on `reset_prefix_cache`."""
 
@@ -17,8 +17,8 @@ import msgspec
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-from kvfleet_runtime.router._kv_events import KvEventViews, decode_batch
-from kvfleet_runtime.router._kv_subscriber import KvEventSubscriber
+from kvfleet_runtime.picker._kv_events import KvEventViews, decode_batch
+from kvfleet_runtime.picker._kv_subscriber import KvEventSubscriber
 from tests.vllm import _support as sup
 
 SALT = "acme.0123456789abcdef0123456789abcdef"

@@ -104,6 +104,12 @@ class FleetOptions:
     recompute_s_per_token: float = 1e-3
     """For the router's cache-aware override (only with an index the router can read)."""
     start_timeout_s: float = 180.0
+    metrics_token: str = ""
+    """The replicas' metrics token (per-tenant series only for scrapes that present it); none:
+    the replicas show the per-tenant series to nobody (they have a router secret)."""
+    nvme_capacity_bytes: int = 0
+    """> 0: each replica gets a T3 file of this size in `work_dir`, and the fleet config turns
+    T3 on (`tiers.nvme`)."""
 
 
 @dataclass(slots=True)
@@ -160,9 +166,12 @@ class LocalFleet:
         # The replica list: each replica's peer names resolve to URLs through it, and without
         # Redis it is whom the peer-probe hint index asks.
         fleet_config = opts.work_dir / "fleet.yaml"
-        fleet_config.write_text(json.dumps({"replicas": [
+        published: dict[str, Any] = {"replicas": [
             {"name": n, "url": f"http://127.0.0.1:{self._ports[n]}"} for n in names
-        ]}, indent=1))
+        ]}
+        if opts.nvme_capacity_bytes:
+            published["tiers"] = {"nvme": True}
+        fleet_config.write_text(json.dumps(published, indent=1))
         for name in names:
             port = self._ports[name]
             self._configs[name] = opts.work_dir / f"{name}.yaml"
@@ -177,6 +186,8 @@ class LocalFleet:
             }
             if opts.redis_url:
                 env["KVFLEET_REDIS_URL"] = opts.redis_url
+            if opts.metrics_token:
+                env["KVFLEET_METRICS_TOKEN"] = opts.metrics_token
             cmd = [*_CLI, "replica", "--config", str(self._configs[name]),
                    "--log-level", "WARNING"]
             self._spawn(name, cmd, env, logs / f"{name}.log", f"http://127.0.0.1:{port}")
@@ -271,6 +282,11 @@ class LocalFleet:
             "cache": {"enabled": cache_enabled, "t0_enabled": True,
                       "num_t1_blocks": opts.num_t1_blocks},
         }
+        if opts.nvme_capacity_bytes:
+            t3_dir = opts.work_dir / f"{name}-t3"  # T3 preallocates its one file in here
+            t3_dir.mkdir(exist_ok=True)
+            config["cache"].update(nvme_path=str(t3_dir),
+                                   nvme_capacity_bytes=opts.nvme_capacity_bytes)
         path = self._configs[name]
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(config, indent=1))

@@ -102,7 +102,7 @@ def _stage(samples: Sequence[float]) -> Stage:
 def bench_override_cost(*, prompt_tokens: int = 2000, rounds: int = 2000) -> OverrideCostReport:
     from kvfleet_runtime.cache import CacheKey, block_hashes
     from kvfleet_runtime.fleet.hint_index import RedisHintIndex
-    from kvfleet_runtime.router import prompt_token_ids
+    from kvfleet_runtime.picker import prompt_token_ids
 
     prompt = _prompt(prompt_tokens)
     key = CacheKey(TENANT, *BENCH_KEY_FIELDS)

@@ -337,14 +337,14 @@ class Bench:
                 **{f"kvfleet.{k}": v for k, v in extra.items()}}})
 
     def client(self, url: str, dataset: list[str], seed: int, result: Path,
-               api_key: str | None = None) -> dict[str, Any]:
+               api_key: str | None = None, extra: Sequence[str] = ()) -> dict[str, Any]:
         cmd = [self.vllm, "bench", "serve", "--backend", "openai", "--endpoint",
                "/v1/completions", "--base-url", url, "--model", MODEL, "--tokenizer",
                str(self.model), "--max-concurrency", str(self.args.concurrency),
                "--request-rate", "inf", "--seed", str(seed), "--ignore-eos",
                "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
                "--save-result", "--result-dir", str(result.parent), "--result-filename",
-               result.name, *dataset]
+               result.name, *extra, *dataset]
         # the trace replay seeds a block's tokens with Python's hash() of its id: one seed for
         # every client, so a block id is the same tokens in every run
         env = {**self.base_env(), "OPENAI_API_KEY": api_key or "unused", "PYTHONHASHSEED": "0"}

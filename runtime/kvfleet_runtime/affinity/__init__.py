@@ -7,13 +7,19 @@ these, and several router replicas given the same inputs make the same choice.
 from __future__ import annotations
 
 from kvfleet_runtime.affinity.decision import (
+    LOAD_BOUND,
+    MIN_WARM_FRACTION,
+    PREFIX_KEY_TOKENS,
     ReplicaLoad,
     RouteDecision,
     RouteReason,
     choose_replica,
     least_loaded,
+    owner_rank,
+    prefix_key,
 )
 from kvfleet_runtime.affinity.rendezvous import (
+    bounded_home_sets,
     home_sets,
     rendezvous_rank,
     rendezvous_top_k,
@@ -23,16 +29,22 @@ from kvfleet_runtime.affinity.rendezvous import (
 from kvfleet_runtime.affinity.tenants import ApiKeyMap, bearer_token, load_api_keys, parse_api_keys
 
 __all__ = [
+    "LOAD_BOUND",
+    "MIN_WARM_FRACTION",
+    "PREFIX_KEY_TOKENS",
     "ApiKeyMap",
     "ReplicaLoad",
     "RouteDecision",
     "RouteReason",
     "bearer_token",
+    "bounded_home_sets",
     "choose_replica",
     "home_sets",
     "least_loaded",
     "load_api_keys",
+    "owner_rank",
     "parse_api_keys",
+    "prefix_key",
     "rendezvous_rank",
     "rendezvous_top_k",
     "rendezvous_weight",

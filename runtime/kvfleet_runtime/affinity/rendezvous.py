@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 __all__ = [
+    "bounded_home_sets",
     "home_sets",
     "rendezvous_rank",
     "rendezvous_top_k",
@@ -93,3 +96,29 @@ def home_sets(
         tenant: tuple(name for _, name in top)
         for tenant, top in weighted_top_k(tenants, replicas, k).items()
     }
+
+
+def bounded_home_sets(
+    tenants: Iterable[str], replicas: Sequence[str], k: int
+) -> dict[str, tuple[str, ...]]:
+    """Home sets whose first homes do not pile up: a replica is the first home of at most
+    `ceil(tenants / replicas)` tenants. Tenants in name order each take as first home the best
+    replica of their rendezvous rank that still has room, then the rest of their rendezvous
+    top k. On a small fleet plain rendezvous often ranks one replica first for most tenants
+    (issue 42: two tenants, two replicas, both first on one); over many tenants the bound
+    costs little, but one replica joining or leaving can move more than ~1/n of first homes
+    (the bound changes), so this is for fleets small enough to plan whole (a full rank per
+    tenant: one sha256 per pair)."""
+    _check(replicas, k)
+    names = sorted(set(tenants))
+    if not names:
+        return {}
+    cap = math.ceil(len(names) / len(replicas))
+    firsts: Counter[str] = Counter()
+    out: dict[str, tuple[str, ...]] = {}
+    for tenant in names:
+        rank = rendezvous_rank(tenant, replicas)
+        first = next(r for r in rank if firsts[r] < cap)
+        firsts[first] += 1
+        out[tenant] = (first, *[r for r in rank if r != first][: k - 1])
+    return out

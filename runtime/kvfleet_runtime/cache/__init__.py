@@ -32,6 +32,10 @@ Public facade (what the replica engine and the fleet tier code against)::
     cache.add_listener(callback)                  # BlockEvent("stored"|"removed", key, hashes)
     cache.set_eviction_sink(callback)             # EvictedRun: what T1 drops, with its data (T3)
 
+    # The tiers below the cache (T3, T2), asked by the engine after T0 and T1 (`_lower`):
+    class MyTier(LowerTier): name = "t3"; num_matched(TierQuery) -> int | None;
+                             load_into(TierQuery, LoadTarget, done); forget(TierQuery)
+
 Layouts: T0 is the engine's `[num_layers, num_blocks, num_kv_heads, 16, head_dim]` (what
 attention reads), and so is T1 (a T1 hit is a straight copy per run into the engine's blocks);
 everything that leaves the replica is the canonical TP-agnostic `[num_layers, num_kv_heads,
@@ -77,6 +81,7 @@ from kvfleet_runtime.cache._keys import (
     key_digest,
     usable_tokens,
 )
+from kvfleet_runtime.cache._lower import LoadTarget, LowerTier, TierQuery
 from kvfleet_runtime.cache._manager import (
     BlockEvent,
     CacheManager,
@@ -110,6 +115,8 @@ __all__ = [
     "EvictedRun",
     "Hit",
     "KVLayout",
+    "LoadTarget",
+    "LowerTier",
     "Miss",
     "PagedBlocks",
     "Prefix",
@@ -118,6 +125,7 @@ __all__ = [
     "StorePlan",
     "TenantStats",
     "Tier",
+    "TierQuery",
     "TierStats",
     "block_events",
     "block_hashes",

@@ -169,7 +169,8 @@ def router(
         RedisHintIndex,
         split_seed_urls,
     )
-    from kvfleet_runtime.router import FleetView, KvEventViews, RouterState, create_router_app
+    from kvfleet_runtime.picker import FleetView, KvEventViews
+    from kvfleet_runtime.router import RouterState, create_router_app
     from kvfleet_runtime.tokenizer import load_tokenizer
 
     if not 1 <= k <= 16:

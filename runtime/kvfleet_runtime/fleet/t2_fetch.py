@@ -8,6 +8,7 @@ import asyncio
 import enum
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from kvfleet_runtime.fleet.t2_protocol import (
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
 
 __all__ = [
+    "FETCH_SECONDS_BUCKETS",
     "FetchFailed",
     "FetchOutcome",
     "FetchStats",
@@ -109,18 +111,35 @@ class FetchedRun:
         return len(self.block_hashes)
 
 
+FETCH_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+"""Upper edges of the transfer-time histogram (`kvfleet_t2_fetch_seconds`): a run of 2,000
+tokens of the reference model is ~26 ms over RDMA, seconds over a slow TCP path."""
+
+
 @dataclass(slots=True)
 class FetchStats:
-    """Outcome counts: `ok` or the reason the request went back to recompute."""
+    """Outcome counts: `ok` or the reason the request went back to recompute; and the transfer
+    time of every run that landed (`fetch_seconds_counts[i]`: transfers within bucket i's edge,
+    not cumulative; the last entry counts those above every edge)."""
 
     outcomes: dict[FetchOutcome, int] = field(default_factory=dict)
     bytes_fetched: int = 0
     blocks_fetched: int = 0
+    fetch_seconds_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(FETCH_SECONDS_BUCKETS) + 1))
+    fetch_seconds_sum: float = 0.0
 
     def count(self, outcome: FetchOutcome | str) -> None:
         """One more `outcome` (a FetchOutcome's value is taken too: ValueError for any other)."""
         key = FetchOutcome(outcome)
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def time(self, seconds: float) -> None:
+        """One more landed transfer that took `seconds` (request to its last verified byte)."""
+        i = next((i for i, edge in enumerate(FETCH_SECONDS_BUCKETS) if seconds <= edge),
+                 len(FETCH_SECONDS_BUCKETS))
+        self.fetch_seconds_counts[i] += 1
+        self.fetch_seconds_sum += seconds
 
 
 Landing = Callable[[int, int], Sequence[memoryview]]
@@ -221,6 +240,7 @@ class PeerFetcher:
         except TimeoutError:
             self.stats.count(FetchOutcome.BUSY)
             return None
+        started_s = time.monotonic()
         try:
             run = await asyncio.wait_for(
                 self.fetch_from(url, key, token_ids, start_block, num_blocks), self.timeout_s
@@ -248,6 +268,7 @@ class PeerFetcher:
         self.stats.count(FetchOutcome.OK if run.partial is None else run.partial.partial)
         self.stats.bytes_fetched += 2 * len(run.k) * run.num_blocks // run.capacity_blocks
         self.stats.blocks_fetched += run.num_blocks
+        self.stats.time(time.monotonic() - started_s)
         return run
 
     async def _url(self, host: str) -> str | None:

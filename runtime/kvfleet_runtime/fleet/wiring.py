@@ -7,7 +7,7 @@
 What it adds to the replica's aiohttp app:
 
 - `POST /kv/v1/blocks`: the T2 endpoint (authenticated; see `transfer`), serving from the cache.
-- `GET /fleet/v1/load`: the load report the router polls (`kvfleet_runtime.router._view`):
+- `GET /fleet/v1/load`: the load report the router polls (`kvfleet_runtime.picker._view`):
   KV occupancy of the engine's working blocks, queue depth and an estimated queue delay, and the
   cache key fields and tokenizer id the router needs to compute the prompt's block hashes.
 - `POST /kv/v1/held`: the held probe (same credential as T2): how many leading blocks of a chain
@@ -69,8 +69,9 @@ from aiohttp import web
 from kvfleet_runtime.auth import hint_key as derive_hint_key
 from kvfleet_runtime.auth import read_router_secret
 from kvfleet_runtime.cache import BlockEvent, CacheKey, usable_tokens
-from kvfleet_runtime.config.fleet import FleetConfig, next_fleet_config
+from kvfleet_runtime.config.fleet import FleetConfig, TierToggles, next_fleet_config
 from kvfleet_runtime.config.watch import ConfigFileWatcher
+from kvfleet_runtime.fleet._metrics import FleetTierCollector
 from kvfleet_runtime.fleet.hint_index import (
     EmbeddedHintIndex,
     HintIndex,
@@ -81,7 +82,7 @@ from kvfleet_runtime.fleet.hint_index import (
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.replica import CacheBlockSource, PeerTier
-from kvfleet_runtime.fleet.t2_fetch import PeerFetcher
+from kvfleet_runtime.fleet.t2_fetch import FetchStats, PeerFetcher
 from kvfleet_runtime.fleet.t2_protocol import PeerSecrets
 from kvfleet_runtime.fleet.t2_serve import DEFAULT_PEER_BODY_TIMEOUT_S, ExportedRun, peer_routes
 from kvfleet_runtime.nvme import mode_for
@@ -301,6 +302,11 @@ class FleetTier:
         self._watcher: ConfigFileWatcher | None = None
         self.cache.add_listener(self.held.on_event)
         self.cache.add_listener(self._publish)
+        replica.registry.register(FleetTierCollector(self._metrics_snapshot))
+
+    def _metrics_snapshot(self) -> tuple[FetchStats | None, TierToggles]:
+        stats = self.tier.fetcher.stats if self.tier is not None else None
+        return stats, self.config.tiers if self.config is not None else TierToggles()
 
     def _publish(self, event: BlockEvent) -> None:
         if event.kind == "stored":

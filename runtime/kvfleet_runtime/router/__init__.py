@@ -1,19 +1,14 @@
-"""The router: API keys -> tenants, tenant-affinity + cache-aware replica choice, streaming proxy.
+"""The router: the fleet's OpenAI-compatible front proxy around the picker.
 
-Pure decisions live in `kvfleet_runtime.affinity`; this package is the aiohttp shell around them
-(fleet view, load polling, config watching, proxying, metrics). It never imports torch.
+The choice of a replica (fleet view, load polling, config watching, hint index, KV events, the
+pure decision) is `kvfleet_runtime.picker`, shared with the gateway's endpoint picker; this
+package is the aiohttp shell: authentication, proxy and failover, stream relay, probes, metrics.
+It never imports torch.
 """
 
 from __future__ import annotations
 
-from kvfleet_runtime.router._app import (
-    RouterState,
-    chat_token_ids,
-    create_router_app,
-    prompt_token_ids,
-)
-from kvfleet_runtime.router._kv_events import KvEventViews
-from kvfleet_runtime.router._view import FleetView, vllm_load_report
+from kvfleet_runtime.router._app import create_router_app
+from kvfleet_runtime.router._state import RouterState
 
-__all__ = ["FleetView", "KvEventViews", "RouterState", "chat_token_ids", "create_router_app",
-           "prompt_token_ids", "vllm_load_report"]
+__all__ = ["RouterState", "create_router_app"]

@@ -22,7 +22,7 @@ import requests
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, block_hashes
 from kvfleet_runtime.fleet import peer_token
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
-from kvfleet_runtime.router._app import prompt_token_ids
+from kvfleet_runtime.picker import prompt_token_ids
 from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER, parse_load_report
 from tests import credentials
 from tests.runtime.fleet.test_replicas import PROMPT, _spawn, _wait_ready, complete, held_blocks

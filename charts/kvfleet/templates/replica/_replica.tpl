@@ -73,7 +73,7 @@ size; the fleet config's tiers.nvme / tiers.nvme_shadow decide what the replica 
 
 {{/* vLLM's `--kv-events-config`: its ZMQ publisher bound on every interface of the pod at the
 `kv-events` port (vLLM binds only `*` or ipc endpoints), on the topic the router's subscriber
-takes (`router._kv_subscriber.TOPIC`). */}}
+takes (`picker._kv_subscriber.TOPIC`). */}}
 {{- define "kvfleet.vllm.kvEventsConfig" -}}
 {{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.replica.vllm.kvEvents.port)) "topic" "" | toJson -}}
 {{- end -}}

@@ -1,4 +1,4 @@
-"""The router's Prometheus series for its KV event views (`router._kv_events`), read from the
+"""The router's Prometheus series for its KV event views (`picker._kv_events`), read from the
 views at each scrape (pure: no sockets).
 
 The views keep their own counts (the subscriber and `_kv_events` update them on the event loop,
@@ -21,7 +21,7 @@ from typing import get_args
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvfleet_runtime.router._kv_events import DropReason, KvEventViews
+from kvfleet_runtime.picker._kv_events import DropReason, KvEventViews
 
 __all__ = ["DROP_REASONS", "KvEventCollector"]
 

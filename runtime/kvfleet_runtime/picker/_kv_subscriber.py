@@ -23,7 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvfleet_runtime.background import Supervisor
-from kvfleet_runtime.router._kv_events import (
+from kvfleet_runtime.picker._kv_events import (
     KvEventError,
     KvEventViews,
     decode_batch,

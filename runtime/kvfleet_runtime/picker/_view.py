@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvfleet_runtime.affinity import ReplicaLoad, home_sets
+from kvfleet_runtime.affinity import ReplicaLoad, bounded_home_sets, home_sets
 from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, next_fleet_config
 from kvfleet_runtime.config.watch import ConfigFileWatcher
 from kvfleet_runtime.wire import LOAD_PATH, Engine, LoadReport, parse_load_report
@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 HOME_SET_MEMO = 65_536
 """Tenants whose rendezvous choices the router keeps (oldest dropped first): ~100 bytes each."""
+BOUNDED_HOMES_MAX_PAIRS = 1 << 18
+"""Known tenants x replicas up to which the first homes are planned whole (`bounded_home_sets`,
+one sha256 per pair: ~0.2 s at this size); past it, plain rendezvous per tenant, whose first
+homes even out over many tenants per replica."""
 
 @dataclass(slots=True)
 class _Replica:
@@ -63,8 +67,13 @@ class FleetView:
     replicas: dict[str, _Replica] = field(default_factory=dict)
     on_change: Callable[[], None] | None = None
 
+    tenants: frozenset[str] = frozenset()
+    """The tenants the router knows (its API keys): their first homes are spread
+    (`bounded_home_sets`) while the fleet is small enough to plan whole."""
+
     _watcher: ConfigFileWatcher | None = field(default=None, init=False, repr=False)
     _homes: dict[str, tuple[str, ...]] = field(default_factory=dict, init=False, repr=False)
+    _bounded: dict[str, tuple[str, ...]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Before the first load (see ConfigFileWatcher): a write in between is seen, not missed.
@@ -119,6 +128,7 @@ class FleetView:
     def _apply(self) -> None:
         endpoints = self._endpoints()
         self._homes.clear()  # replicas or k may have changed
+        self._bounded = None
         for name in list(self.replicas):
             if name not in endpoints:
                 del self.replicas[name]
@@ -149,9 +159,16 @@ class FleetView:
     def t2_enabled(self) -> bool:
         return self.config is None or self.config.tiers.t2_peer
 
+    def set_tenants(self, tenants: frozenset[str]) -> None:
+        if tenants != self.tenants:
+            self.tenants = tenants
+            self._bounded = None
+
     def home_set(self, tenant: str) -> tuple[str, ...] | None:
-        """`tenant`'s home set as the config pins it, else its first `2k` rendezvous choices over
-        the config's replicas, memoized until the replica list changes (None without replicas).
+        """`tenant`'s home set as the config pins it; for a known tenant of a small fleet its
+        bounded home set (first home spread, then `2k - 1` rendezvous choices); else its first
+        `2k` rendezvous choices over the config's replicas, memoized until the replica list
+        changes (None without replicas).
 
         The decision takes the first k of these that are ready, and ranks every ready replica only
         when fewer than k are, so the result is the rendezvous top k over the ready replicas
@@ -159,6 +176,13 @@ class FleetView:
         replicas, where the published config no longer lists home sets)."""
         if self.config is not None and tenant in self.config.home_sets:
             return self.config.home_sets[tenant]
+        if tenant in self.tenants and self.replicas:
+            if self._bounded is None:
+                small = len(self.tenants) * len(self.replicas) <= BOUNDED_HOMES_MAX_PAIRS
+                self._bounded = (bounded_home_sets(self.tenants, sorted(self.replicas),
+                                                   2 * self.affinity_k) if small else {})
+            if tenant in self._bounded:
+                return self._bounded[tenant]
         cached = self._homes.get(tenant)
         if cached is None:
             if not self.replicas:
@@ -184,13 +208,14 @@ class FleetView:
             if rep is not None and r.down_until > now:
                 rep = dataclasses.replace(rep, ready=False)
             if rep is None:
-                out.append(ReplicaLoad(r.name, 0.0, 0.0, ready=False))
+                out.append(ReplicaLoad(r.name, 0.0, 0.0, ready=False, num_inflight=r.inflight))
                 continue
             occupancy = rep.kv_occupancy
             if rep.kv_capacity_tokens:
                 occupancy += r.inflight_tokens / rep.kv_capacity_tokens
             delay = rep.queue_delay_s + r.inflight * self.service_s_per_request
-            out.append(ReplicaLoad(r.name, occupancy, delay, ready=rep.ready))
+            out.append(ReplicaLoad(r.name, occupancy, delay, ready=rep.ready,
+                                   num_inflight=r.inflight))
         return out
 
     def report(self, name: str) -> LoadReport | None:
