@@ -76,6 +76,7 @@ __all__ = [
     "bearer_matches",
     "cache_salt",
     "header_bytes",
+    "hint_key",
     "read_metrics_token",
     "read_operator_token",
     "read_router_secret",
@@ -344,6 +345,21 @@ def verify_cache_salt(secret: bytes, salt: str | None) -> str | SaltRefused:
         return SaltRefused("forged", f"{CACHE_SALT_FIELD} for tenant {tenant[:80]!r} does not "
                            "verify under the salt secret")
     return tenant
+
+
+_HINT_KEY_DOMAIN = b"kvfleet-hint-key-v1"
+
+
+def hint_key(router_secret: bytes | None) -> bytes | None:
+    """The key that names blocks in the hint index (`fleet.hint_index.keyed_digest`), derived
+    from the router secret: routers, replicas and vLLM pods (whose connector verifies salts
+    with it) all hold that secret, Redis never does. A subkey, domain-separated: the hint key
+    reveals nothing of the secret that signs tenants. Rotating the router secret rotates it
+    (hints published under the old key are never found again and expire: recomputes, never a
+    wrong answer). None without a router secret."""
+    if not router_secret:
+        return None
+    return hmac.digest(router_secret, _HINT_KEY_DOMAIN, "sha256")
 
 
 def read_router_secret(environ: Mapping[str, str] | None = None) -> bytes | None:

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from kvfleet_runtime.affinity.tenants import load_api_keys
+from kvfleet_runtime.auth import hint_key
 from kvfleet_runtime.config.fleet import FLEET_CONFIG_FILENAME
 from tests.chart.conftest import (
     CHART,
@@ -373,7 +374,7 @@ def _redis_url_of(out: Rendered, deployment: str, container: str) -> Any:
 @pytest.mark.parametrize(
     ("scenario", "overrides", "expected"),
     [
-        (DEFAULT, [], "redis://:$(KVFLEET_REDIS_PASSWORD)@kvfleet-redis:6379/0"),
+        (DEFAULT, [], "redis://kvfleet-router:$(KVFLEET_REDIS_PASSWORD)@kvfleet-redis:6379/0"),
         (DEFAULT, ["redis.bundled.auth.enabled=false"], "redis://kvfleet-redis:6379/0"),
         (EXTERNAL_REDIS, [], "redis://redis-master.cache.svc.cluster.local:6379/0"),
         (EXTERNAL_SECRETS, [], {"secretKeyRef": {"name": "redis-url", "key": "url"}}),
@@ -754,7 +755,7 @@ def _resolved_env(container: dict[str, Any], pod: dict[str, str]) -> dict[str, s
 @pytest.mark.parametrize(
     ("scenario", "redis"),
     # A secretKeyRef resolves to "<secret>/<key>" here: the bundled Redis' password is in the URL.
-    [(DEFAULT, "redis://:kvfleet-redis/password@kvfleet-redis:6379/0"),
+    [(DEFAULT, "redis://kvfleet-replica:kvfleet-redis/replica-password@kvfleet-redis:6379/0"),
      (EXTERNAL_SECRETS, "redis-url/url")],
 )
 def test_replica_joins_the_fleet_tier(
@@ -777,13 +778,20 @@ def test_replica_joins_the_fleet_tier(
     )
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    settings = FleetSettings.from_env({**env, "KVFLEET_PEER_SECRET_FILE": str(token)}, port=8000)
+    # The router secret is the mounted auth Secret's key; the hint key is derived from it.
+    assert env["KVFLEET_ROUTER_SECRET_FILE"].startswith(_mount(c, "router-secret")["mountPath"])
+    router_secret = tmp_path / "router-secret"
+    router_secret.write_text("router-s3cret\n")
+    settings = FleetSettings.from_env({**env, "KVFLEET_PEER_SECRET_FILE": str(token),
+                                       "KVFLEET_ROUTER_SECRET_FILE": str(router_secret)},
+                                      port=8000)
     assert settings is not None, "the fleet tier would be off"
     assert settings.name == "kvfleet-replica-7d9f-x2x4q"  # the pod name, as in the home sets
     assert settings.peer_url == "http://10.1.2.3:8000"
     assert settings.secret == b"s3cret"
     assert settings.redis_url == redis
     assert str(settings.fleet_config) == env["KVFLEET_FLEET_CONFIG"]
+    assert settings.hint_key == hint_key(b"router-s3cret")  # block names keyed, as the router's
 
 
 def test_only_the_fleet_reaches_the_bundled_redis(render: Render) -> None:

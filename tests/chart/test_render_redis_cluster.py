@@ -69,12 +69,16 @@ def test_the_runtime_reads_the_cluster_from_what_the_chart_gives(render: Render)
     out = render(CLUSTER)
     secrets = {"hints-auth/password": "pw-1"}
     replica_env = _expanded_env(_container(out, "kvfleet-replica"), secrets)
-    settings = FleetSettings.from_env({**replica_env, "KVFLEET_PEER_SECRET": "x"}, port=8000)
+    # (the router secret from the environment: the mounted file does not exist here)
+    settings = FleetSettings.from_env({**replica_env, "KVFLEET_PEER_SECRET": "x",
+                                       "KVFLEET_ROUTER_SECRET": "rs"}, port=8000)
     assert settings is not None
+    assert settings.hint_key is not None
     assert settings.redis_cluster_urls == tuple(f"redis://:pw-1@{seed}" for seed in SEEDS)
     index = hint_index_for(settings)
     assert hint_index_kind(index) == "redis-cluster"
     assert isinstance(index, RedisClusterHintIndex)
+    assert index.hint_key == settings.hint_key
     # The router takes the same variable (its option's envvar); the chart passes no argument.
     router = _container(out, "kvfleet-router")
     assert kvfleet_cli_params(router["args"])["redis_cluster_urls"] is None

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvfleet_runtime.auth import read_operator_token, read_router_secret
+from kvfleet_runtime.fleet.hint_index import ACL_RULES, ACL_USERS
 from kvfleet_runtime.server import ReplicaAuth
 from tests.chart.conftest import Render, Rendered
 
@@ -176,23 +177,49 @@ def test_an_existing_auth_secret_replaces_the_generated_one(render: Render) -> N
 
 def test_the_bundled_redis_requires_its_password(render: Render) -> None:
     out = render(DEFAULT)
-    password = out.get("Secret", "kvfleet-redis")["data"]["password"]
-    assert len(base64.b64decode(password)) == 40
+    data = out.get("Secret", "kvfleet-redis")["data"]
+    assert sorted(data) == ["password", "replica-password", "router-password"]
+    assert all(len(base64.b64decode(v)) == 40 for v in data.values())
+    assert len(set(data.values())) == 3
     redis = _container(out, "kvfleet-redis")
     args = redis["args"]
     assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
     ref = {"secretKeyRef": {"name": "kvfleet-redis", "key": "password"}}
     env = {e["name"]: e.get("valueFrom") for e in redis["env"]}
-    assert env == {"REDIS_PASSWORD": ref, "REDISCLI_AUTH": ref}  # the probe's redis-cli too
-    for name in ("kvfleet-replica", "kvfleet-router"):
+    assert env == {  # the probe's redis-cli too
+        "REDIS_PASSWORD": ref, "REDISCLI_AUTH": ref,
+        "REDIS_REPLICA_PASSWORD": {"secretKeyRef": {"name": "kvfleet-redis",
+                                                    "key": "replica-password"}},
+        "REDIS_ROUTER_PASSWORD": {"secretKeyRef": {"name": "kvfleet-redis",
+                                                   "key": "router-password"}}}
+    for name, role in (("kvfleet-replica", "replica"), ("kvfleet-router", "router")):
         items = _container(out, name)["env"]
         names = [e["name"] for e in items]
         # Declared before the URL that refers to it (the kubelet expands in order).
         assert names.index("KVFLEET_REDIS_PASSWORD") < names.index("KVFLEET_REDIS_URL"), name
         by_name = {e["name"]: e for e in items}
-        assert by_name["KVFLEET_REDIS_PASSWORD"]["valueFrom"] == ref
+        assert by_name["KVFLEET_REDIS_PASSWORD"]["valueFrom"] == {
+            "secretKeyRef": {"name": "kvfleet-redis", "key": f"{role}-password"}}
         assert by_name["KVFLEET_REDIS_URL"]["value"] == (
-            "redis://:$(KVFLEET_REDIS_PASSWORD)@kvfleet-redis:6379/0")
+            f"redis://{ACL_USERS[role]}:$(KVFLEET_REDIS_PASSWORD)@kvfleet-redis:6379/0")
+
+
+def test_the_bundled_redis_has_the_hint_index_acl_users(render: Render) -> None:
+    """Each role's user with exactly `hint_index.ACL_RULES` (the chart's copy of them), so the
+    router's credential can look up and never write (tests/runtime/fleet/test_hint_keys.py runs
+    a redis-server with these rules)."""
+    args = [str(a) for a in _container(render(DEFAULT), "kvfleet-redis")["args"]]
+    users = [i for i, a in enumerate(args) if a == "--user"]
+    assert len(users) == 2
+    for start, end in zip(users, [*users[1:], len(args)], strict=True):
+        name, on, password, *rules = args[start + 1:end]
+        role = {v: k for k, v in ACL_USERS.items()}[name]
+        assert (on, password) == ("on", f">$(REDIS_{role.upper()}_PASSWORD)")
+        assert rules == ACL_RULES[role].split(), role
+    legacy = render(DEFAULT, set=["redis.bundled.auth.roleUsers=false"])
+    assert "--user" not in _container(legacy, "kvfleet-redis")["args"]
+    url = {e["name"]: e for e in _container(legacy, "kvfleet-router")["env"]}["KVFLEET_REDIS_URL"]
+    assert url["value"] == "redis://:$(KVFLEET_REDIS_PASSWORD)@kvfleet-redis:6379/0"
 
 
 @pytest.mark.parametrize("overrides", [["redis.bundled.auth.enabled=false"],

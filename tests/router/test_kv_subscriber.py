@@ -7,7 +7,10 @@ same subscriber with vLLM's own publisher.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -30,9 +33,9 @@ def stored(h: int, parent: int | None, tokens: list[int]) -> dict[str, object]:
 class Publisher:
     """A PUB socket bound on loopback, as vLLM binds `tcp://*:PORT`."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], where: int | str) -> None:
         self.sock = ctx.socket(zmq.PUB)
-        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.sock.bind(f"tcp://127.0.0.1:{where}" if isinstance(where, int) else where)
         self.seq = 0
 
     def send(self, *events: dict[str, object], seq: int | None = None,
@@ -112,5 +115,48 @@ async def test_events_gaps_restarts_and_disconnects() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        pub.close()
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+async def test_a_publisher_of_another_user_is_not_listened_to(
+    transport: str, tmp_path: Path
+) -> None:
+    """The laptop-mode impersonation of issue 44: a local process that bound a replica's
+    endpoint first. Its owner is checked at each connection (the kernel's peer credentials on
+    ipc, /proc/net/tcp on loopback); here the publisher is ours and the subscriber expects
+    another uid, so nothing it sends reaches the view. With the right uid the same events do."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    url = (f"tcp://127.0.0.1:{free_port()}" if transport == "tcp"
+           else f"ipc://{tmp_path}/kv-events.sock")
+    pub = Publisher(ctx, url)
+    tasks = []
+    try:
+        for expected, name in ((os.getuid() + 1, "impostor"), (os.getuid(), "ours")):
+            views = KvEventViews()
+            sub = KvEventSubscriber(views, lambda name=name: {name: url}, resync_s=0.05,
+                                    peer_uid=expected)
+            tasks.append(asyncio.create_task(sub.run()))
+            for _ in range(40):
+                pub.send(stored(10, None, P[:32]), seq=0)
+                await asyncio.sleep(0.05)
+                if held(views, name) or sub.num_refused:
+                    break
+            if name == "impostor":
+                await until(lambda sub=sub: sub.num_refused >= 1)
+                for _ in range(5):
+                    pub.send(stored(10, None, P[:32]), seq=0)
+                    await asyncio.sleep(0.05)
+                assert held(views, name) == 0
+            else:
+                await until(lambda views=views, name=name: held(views, name) == 32)
+                assert sub.num_refused == 0
+    finally:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         pub.close()
         ctx.destroy(linger=0)

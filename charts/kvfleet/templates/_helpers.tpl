@@ -127,35 +127,52 @@ true
 
 {{/*
 The Redis URL as the environment variable KVFLEET_REDIS_URL, which the router and the replicas
+(`dict "context" . "role" "router"|"replica"`)
 read from their environment (never from argv, where a password would show in the process list): the bundled Redis' Service, an
 external URL, or a key of an existing Secret (a URL with a password stays out of the pod spec).
 Nothing when no Redis is configured (the runtime then keeps an in-process hint index).
 */}}
 {{- define "kvfleet.redisUrlEnv" -}}
-{{- if .Values.redis.cluster.seedUrls -}}
-{{- include "kvfleet.redisClusterEnv" . -}}
-{{- else if and .Values.redis.bundled.enabled .Values.redis.bundled.auth.enabled -}}
+{{- $ctx := .context -}}
+{{- $b := $ctx.Values.redis.bundled -}}
+{{- if $ctx.Values.redis.cluster.seedUrls -}}
+{{- include "kvfleet.redisClusterEnv" $ctx -}}
+{{- else if and $b.enabled $b.auth.enabled -}}
 {{- /* The password from its Secret, into the URL by the kubelet's $(VAR) expansion: it never
-appears in the pod spec. */}}
+appears in the pod spec. With roleUsers, the role's own ACL user and password. */}}
 - name: KVFLEET_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "kvfleet.redisSecretName" . }}
-      key: {{ .Values.redis.bundled.auth.secretKey }}
+      name: {{ include "kvfleet.redisSecretName" $ctx }}
+      key: {{ ternary (get $b.auth (printf "%sPasswordKey" .role)) $b.auth.secretKey (and $b.auth.roleUsers true) }}
 - name: KVFLEET_REDIS_URL
-  value: {{ printf "redis://:$(KVFLEET_REDIS_PASSWORD)@%s:%d/0" (include "kvfleet.componentFullname" (dict "context" . "component" "redis")) (int .Values.redis.bundled.port) | quote }}
-{{- else if .Values.redis.bundled.enabled -}}
+  value: {{ printf "redis://%s:$(KVFLEET_REDIS_PASSWORD)@%s:%d/0" (ternary (printf "kvfleet-%s" .role) "" (and $b.auth.roleUsers true)) (include "kvfleet.componentFullname" (dict "context" $ctx "component" "redis")) (int $b.port) | quote }}
+{{- else if $b.enabled -}}
 - name: KVFLEET_REDIS_URL
-  value: {{ printf "redis://%s:%d/0" (include "kvfleet.componentFullname" (dict "context" . "component" "redis")) (int .Values.redis.bundled.port) | quote }}
-{{- else if .Values.redis.external.existingSecret -}}
+  value: {{ printf "redis://%s:%d/0" (include "kvfleet.componentFullname" (dict "context" $ctx "component" "redis")) (int $b.port) | quote }}
+{{- else if $ctx.Values.redis.external.existingSecret -}}
 - name: KVFLEET_REDIS_URL
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.external.existingSecret }}
-      key: {{ .Values.redis.external.secretKey }}
-{{- else if .Values.redis.external.url -}}
+      name: {{ $ctx.Values.redis.external.existingSecret }}
+      key: {{ $ctx.Values.redis.external.secretKey }}
+{{- else if $ctx.Values.redis.external.url -}}
 - name: KVFLEET_REDIS_URL
-  value: {{ .Values.redis.external.url | quote }}
+  value: {{ $ctx.Values.redis.external.url | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The ACL rules of a role's Redis user (after `user <name> on ><password>`): a copy of
+kvfleet_runtime.fleet.hint_index.ACL_RULES, checked equal by tests/chart/test_sources_of_truth.py.
+*/}}
+{{- define "kvfleet.redisAclRules" -}}
+{{- if eq . "replica" -}}
+resetkeys ~kvfleet:* resetchannels -@all +@connection +evalsha +eval +script|load +zadd +zrem +expire +zrangebyscore +set +get +cluster|slots +cluster|shards +readonly
+{{- else if eq . "router" -}}
+resetkeys ~kvfleet:* resetchannels -@all +@connection +evalsha +eval +script|load +zrangebyscore +get +cluster|slots +cluster|shards +readonly
+{{- else -}}
+{{- fail (printf "no Redis ACL role %q" .) -}}
 {{- end -}}
 {{- end -}}
 

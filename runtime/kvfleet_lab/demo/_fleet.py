@@ -97,6 +97,17 @@ class FleetOptions:
     tenants: tuple[str, ...]
     num_replicas: int = 3
     redis_url: str | None = None
+    redis_cluster_urls: tuple[str, ...] = ()
+    """Seed URLs of a Redis Cluster hint index (wins over `redis_url`, as in a pod)."""
+    router_redis_urls: tuple[str, ...] = ()
+    """The router's own URL(s) of the same Redis (another ACL user: `hint_index.ACL_USERS`);
+    default the replicas'. Passed in the environment: a password never goes on argv."""
+    hint_lookup_budget_s: float | None = None
+    """`KVFLEET_HINT_LOOKUP_BUDGET_S` of every process; None: the default (2 ms with Redis, a
+    quiet pod's figure: on a loaded box most lookups would miss it)."""
+    peer_urls: dict[str, str] = field(default_factory=dict)
+    """Replica name -> the URL its peers reach it at (fleet config and `KVFLEET_PEER_URL`);
+    default its own. The soak puts a fault-injecting proxy there."""
     num_kv_blocks: int = 512
     num_t1_blocks: int = 1024
     max_prompt_tokens: int = 4000
@@ -118,6 +129,8 @@ class _Child:
     proc: subprocess.Popen[bytes]
     log: Path
     url: str
+    cmd: list[str]
+    env: dict[str, str]
 
 
 @dataclass
@@ -131,6 +144,8 @@ class LocalFleet:
     _configs: dict[str, Path] = field(default_factory=dict)
     _ports: dict[str, int] = field(default_factory=dict)
     _operator_token: str = ""
+    router_secret: str = ""
+    """The secret the router signs tenant assertions with (the replicas verify them)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -149,6 +164,37 @@ class LocalFleet:
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self._children]
 
+    @property
+    def pid_by_name(self) -> dict[str, int]:
+        """Each child's pid by name ("router", "r0", ...), restarted children included."""
+        return {c.name: c.proc.pid for c in self._children}
+
+    def config_path(self, name: str) -> Path:
+        """Replica `name`'s watched config file."""
+        return self._configs[name]
+
+    def kill(self, name: str) -> None:
+        """SIGKILL child `name`'s process group (a crash: no graceful drain)."""
+        child = self._child(name)
+        _signal_group(child.proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(timeout=10.0)
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start child `name` again (same command, port and config) and wait until ready."""
+        child = self._child(name)
+        if child.proc.poll() is None:
+            self.kill(name)
+        self._children.remove(child)
+        self._spawn(name, child.cmd, child.env, child.log, child.url, append=True)
+        self._wait_ready(self._child(name), time.monotonic() + timeout_s)
+
+    def _child(self, name: str) -> _Child:
+        for child in self._children:
+            if child.name == name:
+                return child
+        raise KeyError(name)
+
     def start(self, *, cache_enabled: bool) -> None:
         """Start the replicas and the router and wait until all are ready."""
         opts = self.options
@@ -158,7 +204,7 @@ class LocalFleet:
         secret = secrets.token_hex(16)
         # The router's tenant assertions and the operator's token, as the chart generates them:
         # the demo's tenants are real tenants, so the replicas must know the router.
-        router_secret = secrets.token_hex(16)
+        router_secret = self.router_secret = secrets.token_hex(16)
         self._operator_token = secrets.token_hex(16)
         names = [f"r{i}" for i in range(opts.num_replicas)]
         for name in names:
@@ -166,8 +212,10 @@ class LocalFleet:
         # The replica list: each replica's peer names resolve to URLs through it, and without
         # Redis it is whom the peer-probe hint index asks.
         fleet_config = opts.work_dir / "fleet.yaml"
+        peer_urls = {n: opts.peer_urls.get(n, f"http://127.0.0.1:{self._ports[n]}")
+                     for n in names}
         published: dict[str, Any] = {"replicas": [
-            {"name": n, "url": f"http://127.0.0.1:{self._ports[n]}"} for n in names
+            {"name": n, "url": peer_urls[n]} for n in names
         ]}
         if opts.nvme_capacity_bytes:
             published["tiers"] = {"nvme": True}
@@ -179,13 +227,17 @@ class LocalFleet:
             env = {
                 "KVFLEET_FLEET_NAME": name,
                 "KVFLEET_PEER_SECRET": secret,
-                "KVFLEET_PEER_URL": f"http://127.0.0.1:{port}",
+                "KVFLEET_PEER_URL": peer_urls[name],
                 "KVFLEET_FLEET_CONFIG": str(fleet_config),
                 "KVFLEET_ROUTER_SECRET": router_secret,
                 "KVFLEET_OPERATOR_TOKEN": self._operator_token,
             }
             if opts.redis_url:
                 env["KVFLEET_REDIS_URL"] = opts.redis_url
+            if opts.redis_cluster_urls:
+                env["KVFLEET_REDIS_CLUSTER_URLS"] = ",".join(opts.redis_cluster_urls)
+            if opts.hint_lookup_budget_s is not None:
+                env["KVFLEET_HINT_LOOKUP_BUDGET_S"] = str(opts.hint_lookup_budget_s)
             if opts.metrics_token:
                 env["KVFLEET_METRICS_TOKEN"] = opts.metrics_token
             cmd = [*_CLI, "replica", "--config", str(self._configs[name]),
@@ -200,12 +252,18 @@ class LocalFleet:
                "--poll-interval-s", "0.25", "--log-level", "WARNING"]
         for name, url in self.replica_urls.items():
             cmd += ["--replica", f"{name}={url}"]
-        if opts.redis_url:
-            cmd += ["--redis-url", opts.redis_url,
-                    "--recompute-s-per-token", str(opts.recompute_s_per_token)]
+        router_env = {"KVFLEET_ROUTER_SECRET": router_secret}
+        if opts.hint_lookup_budget_s is not None:
+            router_env["KVFLEET_HINT_LOOKUP_BUDGET_S"] = str(opts.hint_lookup_budget_s)
+        if opts.redis_cluster_urls:
+            router_env["KVFLEET_REDIS_CLUSTER_URLS"] = ",".join(
+                opts.router_redis_urls or opts.redis_cluster_urls)
+        elif opts.redis_url:
+            router_env["KVFLEET_REDIS_URL"] = (opts.router_redis_urls or (opts.redis_url,))[0]
+        if opts.redis_url or opts.redis_cluster_urls:
+            cmd += ["--recompute-s-per-token", str(opts.recompute_s_per_token)]
         self.router_url = f"http://127.0.0.1:{port}"
-        self._spawn("router", cmd, {"KVFLEET_ROUTER_SECRET": router_secret}, logs / "router.log",
-                    self.router_url)
+        self._spawn("router", cmd, router_env, logs / "router.log", self.router_url)
         deadline = time.monotonic() + opts.start_timeout_s
         for child in self._children:
             self._wait_ready(child, deadline)
@@ -292,13 +350,14 @@ class LocalFleet:
         tmp.write_text(json.dumps(config, indent=1))
         tmp.replace(path)  # atomic: the watcher never reads half a file
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], log: Path, url: str) -> None:
-        with log.open("wb") as sink:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], log: Path, url: str,
+               *, append: bool = False) -> None:
+        with log.open("ab" if append else "wb") as sink:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
                 env=_child_env(env), start_new_session=True,
             )
-        self._children.append(_Child(name, proc, log, url))
+        self._children.append(_Child(name, proc, log, url, cmd, env))
 
     def _wait_ready(self, child: _Child, deadline: float) -> None:
         def ready() -> bool:

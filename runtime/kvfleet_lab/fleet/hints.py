@@ -14,6 +14,13 @@ block write and per lookup (INFO cpu, summed over the masters). The load generat
 process on the same cores, so on a small box it saturates before Redis does: the per-op server
 CPU is what carries to another machine (one core per shard / CPU per op = a shard's ceiling).
 
+Keys (`compare_keys`, `--keys`, issue 44): the shipped names before and after keying, side by
+side on one Redis and a 3-master cluster: block keys named by the raw chain hash under Redis'
+default user, against keyed digests (`hint_index.keyed_digest` under `auth.hint_key`) with the
+replica's ACL user publishing and the router's looking up (`hint_index.ACL_RULES`). Per
+variant: lookup p50/p99, the caller's CPU per lookup and per 100-block publish, the servers' CPU
+per lookup, interleaved in batches; and the digest alone (ns per block hash).
+
 Layouts (`compare_layouts`): the same 100-block chains on a 3-master cluster, looked up with the
 shipped layout (tenant hash tag, one EVALSHA on one master) and with block keys spread over all
 slots (a pipelined ZRANGEBYSCORE per block, one round trip per master in parallel, runs computed
@@ -38,15 +45,25 @@ from typing import Any
 from kvfleet_lab.fleet.bench import _free_port, _pct
 from kvfleet_lab.fleet.redis_servers import RedisCluster, RedisNode, cluster_ports
 from kvfleet_lab.simulate import Fleet, Workload
+from kvfleet_runtime.auth import hint_key
 from kvfleet_runtime.fleet.hint_index import (
     RedisClusterHintIndex,
     RedisHintIndex,
+    keyed_namer,
     leading_runs,
 )
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.wire import BLOCK_SIZE
 
-__all__ = ["HintsBenchReport", "LayoutResult", "LevelResult", "bench_hints", "compare_layouts"]
+__all__ = [
+    "HintsBenchReport",
+    "KeysResult",
+    "LayoutResult",
+    "LevelResult",
+    "bench_hints",
+    "compare_keys",
+    "compare_layouts",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +104,21 @@ class LayoutResult:
 
 
 @dataclass(slots=True)
+class KeysResult:
+    target: str
+    variant: str
+    lookup_p50_s: float
+    lookup_p99_s: float
+    client_cpu_per_lookup_us: float
+    client_cpu_per_publish_us: float
+    """One 100-block publish (the caller's side: names, script call)."""
+    server_cpu_per_lookup_us: float
+    num_lookups: int
+    digest_ns_per_block: float = 0.0
+    """The keyed digest alone, CPU per block hash (0 for the unkeyed variant)."""
+
+
+@dataclass(slots=True)
 class HintsBenchReport:
     seconds: float
     rps_per_replica: float
@@ -95,6 +127,7 @@ class HintsBenchReport:
     lookups_per_request: float
     levels: list[LevelResult] = field(default_factory=list)
     layouts: list[LayoutResult] = field(default_factory=list)
+    keys: list[KeysResult] = field(default_factory=list)
     load_average: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def to_json(self) -> str:
@@ -259,10 +292,18 @@ def bench_hints(
     publish_fraction: float = 1.0,
     lookups_per_request: float = 2.0,
     layouts: bool = True,
+    keys: bool = False,
 ) -> HintsBenchReport:
     report = HintsBenchReport(seconds, RPS_PER_REPLICA, BLOCKS_PER_REQUEST, publish_fraction,
                               lookups_per_request)
     with tempfile.TemporaryDirectory() as tmp:
+        if keys:
+            for target in ("redis", "cluster-3"):
+                with ExitStack() as stack:
+                    server, masters = _start(target, Path(tmp) / f"keys-{target}", stack,
+                                             role_passwords=_ROLE_PASSWORDS)
+                    report.keys += asyncio.run(compare_keys(target, server, masters))
+            targets, layouts = (), False
         for target in targets:
             with ExitStack() as stack:
                 server, masters = _start(target, Path(tmp) / target, stack)
@@ -301,10 +342,11 @@ async def _level_with_cpu(index: RedisHintIndex, masters: Sequence[RedisNode], t
         await index.close()
 
 
-def _start(target: str, workdir: Path, stack: ExitStack) -> tuple[RedisNode | RedisCluster,
-                                                                   list[RedisNode]]:
+def _start(target: str, workdir: Path, stack: ExitStack,
+           role_passwords: dict[str, str] | None = None
+           ) -> tuple[RedisNode | RedisCluster, list[RedisNode]]:
     if target == "redis":
-        node = RedisNode(_free_port(), workdir)
+        node = RedisNode(_free_port(), workdir, role_passwords=dict(role_passwords or {}))
         node.start()
         stack.callback(node.kill)
         return node, [node]
@@ -314,7 +356,8 @@ def _start(target: str, workdir: Path, stack: ExitStack) -> tuple[RedisNode | Re
     if num_masters < 3:
         raise ValueError(f"a Redis Cluster needs at least 3 masters, got {target!r}")
     # No replicas: on a shared box their replication CPU would be charged to the masters' load.
-    cluster = RedisCluster(cluster_ports(num_masters), workdir, replicas_per_master=0)
+    cluster = RedisCluster(cluster_ports(num_masters), workdir, replicas_per_master=0,
+                           role_passwords=dict(role_passwords or {}))
     stack.callback(cluster.stop)
     cluster.start()
     return cluster, cluster.masters()
@@ -357,4 +400,77 @@ async def compare_layouts(cluster: RedisNode | RedisCluster, masters: Sequence[R
         results.append(LayoutResult(name, _pct(times[name], 0.5), _pct(times[name], 0.99),
                                     cpu[name] * 1e6 / len(times[name]), len(times[name])))
         await index.close()
+    return results
+
+
+_ROLE_PASSWORDS = {"replica": "bench-replica", "router": "bench-router"}
+_BENCH_HINT_KEY = hint_key(b"bench-router-secret") or b""
+
+
+def _role_index(server: RedisNode | RedisCluster, role: str | None, **kwargs: Any
+                ) -> RedisHintIndex:
+    generous: dict[str, Any] = {"lookup_budget_s": 1.0, "write_timeout_s": 5.0, **kwargs}
+    if isinstance(server, RedisCluster):
+        urls = server.seed_urls_for(role)[:3] if role else server.seed_urls[:3]
+        return RedisClusterHintIndex.from_urls(urls, **generous)
+    return RedisHintIndex.from_url(server.url_for(role) if role else server.url, **generous)
+
+
+async def compare_keys(target: str, server: RedisNode | RedisCluster,
+                       masters: Sequence[RedisNode], *, num_chains: int = 50,
+                       num_lookups: int = 600) -> list[KeysResult]:
+    """Raw-hash names under the default user vs keyed names under the role users, interleaved."""
+    rng = random.Random(4)
+    chains = [(f"tenant-{i}", [rng.getrandbits(128).to_bytes(16, "big")
+                               for _ in range(BLOCKS_PER_REQUEST)]) for i in range(num_chains)]
+    variants = {
+        "raw hash names, default user": (
+            _role_index(server, None, namespace="raw"), _role_index(server, None, namespace="raw")),
+        "keyed names, ACL role users": (
+            _role_index(server, "replica", namespace="kvfleet", hint_key=_BENCH_HINT_KEY),
+            _role_index(server, "router", namespace="kvfleet", hint_key=_BENCH_HINT_KEY)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    lookup_cpu = dict.fromkeys(variants, 0.0)
+    publish_cpu = dict.fromkeys(variants, 0.0)
+    server_cpu = dict.fromkeys(variants, 0.0)
+    for publisher, looker in variants.values():
+        for tenant, chain in chains:
+            await publisher.publish("r1", chain, tenant=tenant)
+        await looker.lookup_runs(chains[0][1], tenant=chains[0][0])  # load the script, warm
+    batch = 30
+    for b in range(num_lookups // batch):
+        for name, (publisher, looker) in variants.items():
+            before_server = _masters_cpu_s(masters)
+            before = time.process_time()
+            for i in range(b * batch, (b + 1) * batch):
+                tenant, chain = chains[i % num_chains]
+                start = time.perf_counter()
+                runs = await looker.lookup_runs(chain, tenant=tenant)
+                times[name].append(time.perf_counter() - start)
+                assert runs == {"r1": BLOCKS_PER_REQUEST}, (name, runs)
+            lookup_cpu[name] += time.process_time() - before
+            server_cpu[name] += _masters_cpu_s(masters) - before_server
+            before = time.process_time()
+            for i in range(b * batch // 10, (b + 1) * batch // 10):  # re-publishes: 3 a batch
+                tenant, chain = chains[i % num_chains]
+                await publisher.publish("r1", chain, tenant=tenant)
+            publish_cpu[name] += time.process_time() - before
+    hashes = [h for _, chain in chains for h in chain]
+    keyed_name = keyed_namer(_BENCH_HINT_KEY)
+    start = time.process_time()
+    for h in hashes:
+        keyed_name(h)
+    digest_ns = (time.process_time() - start) * 1e9 / len(hashes)
+    results = []
+    num_publishes = num_lookups // 10
+    for name, (publisher, looker) in variants.items():
+        n = len(times[name])
+        results.append(KeysResult(
+            target, name, _pct(times[name], 0.5), _pct(times[name], 0.99),
+            lookup_cpu[name] * 1e6 / n, publish_cpu[name] * 1e6 / num_publishes,
+            server_cpu[name] * 1e6 / n, n,
+            digest_ns if publisher.hint_key else 0.0))
+        await publisher.close()
+        await looker.close()
     return results

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvfleet_runtime.fleet.hint_index import ACL_RULES, ACL_USERS
+
 __all__ = [
     "REDIS_CLI",
     "REDIS_SERVER",
@@ -108,6 +110,10 @@ class RedisNode:
     workdir: Path
     cluster: bool = False
     password: str = ""
+    role_passwords: dict[str, str] = field(default_factory=dict)
+    """Role ("replica", "router") -> password: the server also has the hint index's ACL user of
+    each (`fleet.hint_index.ACL_USERS`, `ACL_RULES`), as the chart's Redis does; the default
+    user (`password`) stays the administrator's."""
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -118,6 +124,13 @@ class RedisNode:
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def url_for(self, role: str) -> str:
+        """The URL a process of `role` uses (its ACL user), or `url` without ACL users."""
+        if role not in self.role_passwords:
+            return self.url
+        return (f"redis://{ACL_USERS[role]}:{self.role_passwords[role]}@127.0.0.1:"
+                f"{self.port}/0")
 
     def command(self, line: str, timeout_s: float = 0.5) -> str:
         return _send(self.port, line.encode(), self.password, timeout_s).decode(errors="replace")
@@ -138,6 +151,8 @@ class RedisNode:
         if self.password:
             # masterauth: a replica authenticates to its master with the same password.
             args += ["--requirepass", self.password, "--masterauth", self.password]
+        for role, secret in self.role_passwords.items():
+            args += ["--user", ACL_USERS[role], "on", f">{secret}", *ACL_RULES[role].split()]
         if self.cluster:
             args += [
                 "--cluster-enabled", "yes",
@@ -186,6 +201,8 @@ class RedisCluster:
     workdir: Path
     replicas_per_master: int = 1
     password: str = ""
+    role_passwords: dict[str, str] = field(default_factory=dict)
+    """As `RedisNode.role_passwords`, on every node."""
     nodes: list[RedisNode] = field(default_factory=list)
 
     @property
@@ -193,9 +210,14 @@ class RedisCluster:
         """Every node's URL (a client needs one that answers; the chart lists several)."""
         return [n.url for n in self.nodes]
 
+    def seed_urls_for(self, role: str) -> list[str]:
+        """Every node's URL for a process of `role` (its ACL user)."""
+        return [n.url_for(role) for n in self.nodes]
+
     def start(self, timeout_s: float = 60.0) -> None:
         self.nodes = [
-            RedisNode(p, self.workdir / str(p), cluster=True, password=self.password)
+            RedisNode(p, self.workdir / str(p), cluster=True, password=self.password,
+                      role_passwords=dict(self.role_passwords))
             for p in self.ports
         ]
         for node in self.nodes:
@@ -261,9 +283,10 @@ class RedisCluster:
 
 @contextlib.contextmanager
 def running_cluster(ports: Sequence[int], workdir: Path, *, replicas_per_master: int = 1,
-                    password: str = "") -> Iterator[RedisCluster]:
+                    password: str = "", role_passwords: dict[str, str] | None = None
+                    ) -> Iterator[RedisCluster]:
     cluster = RedisCluster(ports, workdir, replicas_per_master=replicas_per_master,
-                           password=password)
+                           password=password, role_passwords=dict(role_passwords or {}))
     try:
         cluster.start()
         yield cluster

@@ -22,6 +22,7 @@ from kvfleet_runtime.cli import bench_operator as _bench_operator  # noqa: E402,
 from kvfleet_runtime.cli import bench_policies as _bench_policies  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_replica as _bench  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_scale as _bench_scale  # noqa: E402, F401
+from kvfleet_runtime.cli import bench_soak as _bench_soak  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_startup as _bench_startup  # noqa: E402, F401
 from kvfleet_runtime.cli import bench_vllm as _bench_vllm  # noqa: E402, F401
 from kvfleet_runtime.cli import benchmarks as _benchmarks  # noqa: E402, F401

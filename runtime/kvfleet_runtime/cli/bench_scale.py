@@ -71,6 +71,9 @@ def hints(
         float, typer.Option(help="Hint lookups per request (router + replica's own).")
     ] = 2.0,
     layouts: Annotated[bool, typer.Option(help="Also compare the two cluster layouts.")] = True,
+    keys: Annotated[bool, typer.Option(help="Instead: block names by raw hash (default user) vs "
+                                            "keyed digests (ACL role users), side by side on "
+                                            "redis and cluster-3.")] = False,
 ) -> None:
     """N simulated replicas' hint publish and lookup streams against one Redis and 3-/6-master
     Redis Clusters on loopback; and the cluster key layouts compared; JSON."""
@@ -86,7 +89,8 @@ def hints(
     try:
         report = bench_hints(targets=names, replica_counts=counts, seconds=seconds,
                              publish_fraction=publish_fraction,
-                             lookups_per_request=lookups_per_request, layouts=layouts)
+                             lookups_per_request=lookups_per_request, layouts=layouts,
+                             keys=keys)
     except ValueError as exc:
         fail(str(exc))
     except (OSError, RuntimeError) as exc:

@@ -162,7 +162,7 @@ def router(
     Replicas holding that secret accept a tenant only so signed (docs/security.md)."""
     from kvfleet_runtime.affinity import load_api_keys
     from kvfleet_runtime.api import run_app
-    from kvfleet_runtime.auth import read_router_secret
+    from kvfleet_runtime.auth import hint_key, read_router_secret
     from kvfleet_runtime.fleet.hint_index import (
         HintIndex,
         RedisClusterHintIndex,
@@ -223,7 +223,8 @@ def router(
              f"({upstream_max_connections_per_replica}) <= --upstream-max-connections "
              f"({upstream_max_connections})")
     budget: dict[str, Any] = {"lookup_budget_s": hint_lookup_budget_s,
-                              "max_connections": redis_max_connections}
+                              "max_connections": redis_max_connections,
+                              "hint_key": hint_key(router_secret)}
     index: HintIndex | None = (
         RedisHintIndex.from_url(redis_url, **budget) if redis_url else None)
     seeds = split_seed_urls(redis_cluster_urls or "")

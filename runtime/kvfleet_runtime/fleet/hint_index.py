@@ -44,6 +44,21 @@ Three implementations with one contract (`HintIndex`):
 After any error either index reconnects and loads its scripts in the background (under the write
 timeout), outside any request's budget: a 2 ms budget cannot hold a connect, AUTH and a script
 load, and a call cut short drops its half-made connection.
+
+Keys that reveal nothing (issue 44). A block hash is the chain hash of a tenant's prompt, so a
+key named by it let anyone who can read Redis test whether a tenant sent a guessed prompt (hash
+the guess, look for the key). With a `hint_key` (every process of a fleet derives the same one
+from the router secret, `auth.hint_key`; Redis never sees it) each block is named by its keyed
+digest instead, and so is a cluster key's tenant tag:
+
+      {ns}:k:{keyed digest hex}                 (`keyed_digest`: BLAKE2b-128 keyed)
+      {ns}:k:{t<keyed tenant digest>}:{keyed digest hex}     (Redis Cluster)
+
+A reader of Redis sees random names: without the key it can neither confirm a guess nor tell
+which tenant a key belongs to, nor compute the key of a prompt it wants to steer (a writer can
+only copy or drop entries it cannot read, which misroutes at random: a cost, never a leak). Who
+may write at all is Redis' ACL (`ACL_RULES`): replicas publish, routers only read. Without a key
+(no router secret: a laptop) the old `{ns}:b:` names are used.
 """
 
 from __future__ import annotations
@@ -60,6 +75,8 @@ from typing import Any, Protocol
 from kvfleet_runtime.pools import REDIS_MAX_CONNECTIONS
 
 __all__ = [
+    "ACL_RULES",
+    "ACL_USERS",
     "DEFAULT_TTL_S",
     "EmbeddedHintIndex",
     "HintIndex",
@@ -67,6 +84,8 @@ __all__ = [
     "RedisClusterHintIndex",
     "RedisHintIndex",
     "best_peer",
+    "keyed_digest",
+    "keyed_namer",
     "leading_runs",
     "split_seed_urls",
     "tenant_tag",
@@ -76,6 +95,47 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 900.0
 """How long a published hint lives unless re-published (a held block is re-offered on use)."""
+
+DIGEST_BYTES = 16
+"""Width of a block's keyed digest (as wide as a block hash: 128 bits)."""
+
+ACL_USERS = {"replica": "kvfleet-replica", "router": "kvfleet-router"}
+"""The Redis user of each role (its URL: redis://kvfleet-router:<password>@host:port/0)."""
+
+ACL_RULES = {
+    "replica": "resetkeys ~kvfleet:* resetchannels -@all +@connection +evalsha +eval "
+               "+script|load +zadd +zrem +expire +zrangebyscore +set +get +cluster|slots "
+               "+cluster|shards +readonly",
+    "router": "resetkeys ~kvfleet:* resetchannels -@all +@connection +evalsha +eval "
+              "+script|load +zrangebyscore +get +cluster|slots +cluster|shards +readonly",
+}
+"""Redis ACL rules (after `user <name> on ><password>`) of the two roles that use the hint index:
+replicas (and vLLM connectors) publish, withdraw and register; routers run only reading
+commands. Commands a script calls are checked against the caller's ACL, so the router's user
+can run the lookup script and any write (the publish script's first ZADD, an EVAL of its own)
+is refused with NOPERM. (Not a read-only key pattern, `%R~`: Redis counts a script's declared
+keys as written unless the script carries 7.0's `flags=no-writes`, which Redis 6 cannot
+parse.) The chart's bundled Redis runs with these users; an external Redis or Redis Cluster
+should be given the same (docs/security.md)."""
+
+
+def keyed_digest(key: bytes, h: bytes) -> bytes:
+    """A block hash's name in the index: keyed BLAKE2b-128 (BLAKE2's keyed mode is a MAC by
+    design: no HMAC construction needed, and it costs a third of HMAC-SHA256 here)."""
+    return hashlib.blake2b(h, key=key, digest_size=DIGEST_BYTES).digest()
+
+
+def keyed_namer(key: bytes) -> Callable[[bytes], bytes]:
+    """`keyed_digest` under `key` as one function, the key's block compressed once: each name
+    copies that state (0.7x the time of keying anew; `kvfleet bench hints --keys`)."""
+    keyed = hashlib.blake2b(key=key, digest_size=DIGEST_BYTES)
+
+    def name(h: bytes) -> bytes:
+        state = keyed.copy()
+        state.update(h)
+        return state.digest()
+
+    return name
 
 
 @dataclass(slots=True)
@@ -248,9 +308,13 @@ class RedisHintIndex:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         max_connections: int = REDIS_MAX_CONNECTIONS,
+        hint_key: bytes | None = None,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.hint_key = hint_key or None
+        """Blocks are named by their keyed digest under it (`keyed_digest`); None: by hash."""
+        self._keyed_name = keyed_namer(self.hint_key) if self.hint_key else None
         self._client = client
         self.max_connections = max_connections
         self._slots = asyncio.Semaphore(max_connections)
@@ -294,8 +358,15 @@ class RedisHintIndex:
         now = self.monotonic()
         return not self._down_until or any(now >= t for t in self._down_until.values())
 
+    def _block_prefix(self, tenant: str | None = None) -> str:
+        return f"{self.namespace}:{'k' if self.hint_key else 'b'}:"
+
+    def _name(self, h: bytes) -> bytes:
+        """What names block `h` in Redis: its keyed digest, or itself without a key."""
+        return h if self._keyed_name is None else self._keyed_name(h)
+
     def _block_key(self, h: bytes, tenant: str | None = None) -> str:
-        return f"{self.namespace}:b:{h.hex()}"
+        return self._block_prefix(tenant) + self._name(h).hex()
 
     def _host_key(self, host: str) -> str:
         return f"{self.namespace}:h:{host}"
@@ -435,11 +506,13 @@ class RedisHintIndex:
         # the router's cost of a lookup. The first key is declared, so a cluster client sends
         # the call to its slot's master; the others share its tenant's hash tag, hence its slot.
         width = len(hashes[0])
-        chain = b"".join(hashes)
-        if len(chain) != width * len(hashes):
+        if any(len(h) != width for h in hashes):
             raise ValueError("block hashes of one chain must have one length")
-        first = self._block_key(hashes[0], tenant)
-        args = [repr(self.clock()), self._block_key(b"", tenant), chain.hex(), 2 * width]
+        names = [self._name(h) for h in hashes]
+        chain = b"".join(names)
+        prefix = self._block_prefix(tenant)
+        first = prefix + names[0].hex()
+        args = [repr(self.clock()), prefix, chain.hex(), 2 * len(names[0])]
         flat = await self._call(
             lambda: self._runs_script(keys=[first], args=args), self.lookup_budget_s,
             self._shard(first), wait=False,
@@ -479,12 +552,14 @@ def split_seed_urls(text: str) -> tuple[str, ...]:
     return tuple(u for u in text.replace(",", " ").split() if u)
 
 
-def tenant_tag(tenant: str | None) -> str:
+def tenant_tag(tenant: str | None, hint_key: bytes | None = None) -> str:
     """The Redis Cluster hash tag of `tenant`'s block keys (braces included). A digest, not the
-    name: names may hold braces, and digests spread tenants evenly over the 16,384 slots."""
+    name: names may hold braces, and digests spread tenants evenly over the 16,384 slots. With
+    the fleet's `hint_key` the digest is keyed: a reader of Redis cannot confirm a guessed name."""
     if tenant is None:
         return "{t-}"
-    return "{t" + hashlib.blake2b(tenant.encode(), digest_size=8).hexdigest() + "}"
+    digest = hashlib.blake2b(tenant.encode(), key=hint_key or b"", digest_size=8)
+    return "{t" + digest.hexdigest() + "}"
 
 
 class RedisClusterHintIndex(RedisHintIndex):
@@ -523,8 +598,8 @@ class RedisClusterHintIndex(RedisHintIndex):
         )
         return cls(client, **kwargs)
 
-    def _block_key(self, h: bytes, tenant: str | None = None) -> str:
-        return f"{self.namespace}:b:{tenant_tag(tenant)}:{h.hex()}"
+    def _block_prefix(self, tenant: str | None = None) -> str:
+        return f"{super()._block_prefix(tenant)}{tenant_tag(tenant, self.hint_key)}:"
 
     def _shard(self, key: str) -> str:
         try:

@@ -68,6 +68,8 @@ from typing import TYPE_CHECKING, Any, cast
 import aiohttp
 from aiohttp import web
 
+from kvfleet_runtime.auth import hint_key as derive_hint_key
+from kvfleet_runtime.auth import read_router_secret
 from kvfleet_runtime.cache import BlockEvent, BlockHash, CacheKey
 from kvfleet_runtime.config.fleet import FleetConfig, TierToggles, next_fleet_config
 from kvfleet_runtime.config.watch import ConfigFileWatcher
@@ -133,6 +135,9 @@ class FleetSettings:
     the secret file at every config poll, so a rotation needs no restart."""
     peer_body_timeout_s: float = DEFAULT_PEER_BODY_TIMEOUT_S
     """A peer's request body (`/kv/v1/blocks`, `/kv/v1/held`) must arrive within this (408)."""
+    hint_key: bytes | None = None
+    """Names the blocks in a Redis hint index by their keyed digest (`auth.hint_key`, derived
+    from the router secret, which routers and replicas hold); None: by hash."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, port: int) -> FleetSettings | None:
@@ -186,6 +191,7 @@ class FleetSettings:
             fleet_config=config_path,
             hint_lookup_budget_s=budget_s,
             peer_body_timeout_s=body_timeout_s,
+            hint_key=derive_hint_key(read_router_secret(environ)),
         )
 
 
@@ -196,15 +202,14 @@ def hint_index_for(
     fleet config is configured and `peers` reads its replica list: {name: URL}); else the
     embedded in-process index. The configured lookup budget reaches Redis and the probe."""
     budget = settings.hint_lookup_budget_s
+    redis_budget_s = DEFAULT_REDIS_BUDGET_S if budget is None else budget
     if settings.redis_cluster_urls:
         return RedisClusterHintIndex.from_urls(
-            settings.redis_cluster_urls,
-            lookup_budget_s=DEFAULT_REDIS_BUDGET_S if budget is None else budget,
-        )
+            settings.redis_cluster_urls, lookup_budget_s=redis_budget_s,
+            hint_key=settings.hint_key)
     if settings.redis_url:
-        return RedisHintIndex.from_url(
-            settings.redis_url, lookup_budget_s=DEFAULT_REDIS_BUDGET_S if budget is None else budget
-        )
+        return RedisHintIndex.from_url(settings.redis_url, lookup_budget_s=redis_budget_s,
+                                       hint_key=settings.hint_key)
     if peers is not None and settings.fleet_config is not None:
         return PeerProbeHintIndex(
             settings.secret,

@@ -8,6 +8,10 @@ host. The endpoints are re-read every `resync_s`, so replicas that join or leave
 config are subscribed and forgotten. A socket monitor drops a replica's view when its
 connection goes away (a restarted replica may come back with a sequence that happens to go
 on): until events rebuild it, that replica matches nothing and affinity decides.
+
+Each connection is checked when it is made (`_kv_peer.peer_refusal`: on this host its other end
+must be a process of `peer_uid`, the router's own user unless told otherwise): a local process
+of another user that bound a replica's port first is not listened to.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Callable
 
 import zmq
@@ -29,6 +34,7 @@ from kvfleet_runtime.picker._kv_events import (
     decode_batch,
     decode_seq,
 )
+from kvfleet_runtime.picker._kv_peer import peer_refusal
 
 __all__ = ["TOPIC", "KvEventSubscriber"]
 
@@ -46,8 +52,13 @@ class KvEventSubscriber:
     """Keeps `views` up to date from the endpoints `endpoints()` names (name -> ZMQ URL)."""
 
     def __init__(self, views: KvEventViews, endpoints: Callable[[], dict[str, str]], *,
-                 resync_s: float = 1.0, supervisor: Supervisor | None = None) -> None:
+                 resync_s: float = 1.0, supervisor: Supervisor | None = None,
+                 peer_uid: int | None = None) -> None:
         self.views = views
+        self.peer_uid = os.getuid() if peer_uid is None else peer_uid
+        """The user a replica's publisher must run as when it is on this host."""
+        self.num_refused = 0
+        """Connections whose other end was not `peer_uid`'s (their events were not applied)."""
         self.endpoints = endpoints
         self.resync_s = resync_s
         self.supervisor = Supervisor() if supervisor is None else supervisor
@@ -88,7 +99,9 @@ class KvEventSubscriber:
         sub.setsockopt(zmq.RCVHWM, RCVHWM)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        trusted = False
+        refused: set[str] = set()
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -98,11 +111,25 @@ class KvEventSubscriber:
             while True:
                 ready = dict(await poller.poll())
                 if monitor in ready:
-                    parse_monitor_message(await monitor.recv_multipart())
-                    log.info("KV events of %s: disconnected; its view is dropped", name)
-                    view.disconnected()
+                    event = parse_monitor_message(await monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_CONNECTED:
+                        reason = peer_refusal(int(event["value"]), self.peer_uid)
+                        trusted = reason is None
+                        if reason is not None:
+                            self.num_refused += 1
+                            if reason not in refused:  # one line per endpoint and reason
+                                refused.add(reason)
+                                log.warning("KV events of %s: %s refused: %s, not uid %d; its "
+                                            "events are ignored", name, url, reason,
+                                            self.peer_uid)
+                    else:
+                        trusted = False
+                        log.info("KV events of %s: disconnected; its view is dropped", name)
+                        view.disconnected()
                 if sub in ready:
-                    self._apply(name, await sub.recv_multipart())
+                    frames = await sub.recv_multipart()
+                    if trusted:
+                        self._apply(name, frames)
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)

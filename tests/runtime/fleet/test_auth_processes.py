@@ -162,7 +162,8 @@ def test_redis_refuses_a_client_without_the_password(world: World) -> None:
             wrong.ping()
     finally:
         wrong.close()
-    # The replica, with the password in its URL, published its hints and registered itself.
+    # The replica, with the password in its URL, published its hints (named by keyed digests:
+    # it holds the router secret, `auth.hint_key`) and registered itself.
     client = redis.Redis.from_url(world.redis.url)
     try:
         # A publish that times out is dropped (hints are best effort) and a hit publishes
@@ -172,7 +173,7 @@ def test_redis_refuses_a_client_without_the_password(world: World) -> None:
         for attempt in range(10):
             assert _via_router(world, "sk-acme", prompt=f"{attempt} {PROMPT}")[0] == 200
             polls_left = 30
-            while not (published := bool(list(client.scan_iter("kvfleet:b:*")))) and polls_left:
+            while not (published := bool(list(client.scan_iter("kvfleet:k:*")))) and polls_left:
                 polls_left -= 1
                 time.sleep(0.1)
             if published:

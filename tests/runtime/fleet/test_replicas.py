@@ -201,7 +201,7 @@ def hinted_blocks(fleet: Fleet, host: str) -> int:
     client = redis.Redis.from_url(fleet.redis.url)
     try:
         return sum(client.zscore(key, host) is not None
-                   for key in client.scan_iter("kvfleet:b:*"))
+                   for key in client.scan_iter("kvfleet:k:*"))  # keyed: it has a router secret
     finally:
         client.close()
 

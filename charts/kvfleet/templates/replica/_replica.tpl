@@ -52,7 +52,7 @@ operator's token. */}}
   value: /etc/kvfleet/operator-token/token
 - name: KVFLEET_FLEET_CONFIG
   value: {{ printf "%s/fleet.yaml" .Values.fleetConfig.mountPath | quote }}
-{{ include "kvfleet.redisUrlEnv" . }}
+{{ include "kvfleet.redisUrlEnv" (dict "context" . "role" "replica") }}
 {{- with .Values.replica.nvme }}
 {{- if .enabled }}
 {{- /* T3 (kvfleet_runtime/nvme): the store file lives on the mounted volume, bounded by its

@@ -42,7 +42,7 @@ files, so an unchanged tokenizer still matches, and a changed one turns the over
 {{- /* It signs each forwarded request's tenant with this (docs/security.md). */}}
 - name: KVFLEET_ROUTER_SECRET_FILE
   value: /etc/kvfleet/router-secret/secret
-{{ include "kvfleet.redisUrlEnv" . }}
+{{ include "kvfleet.redisUrlEnv" (dict "context" . "role" "router") }}
 {{- end -}}
 
 {{/* The router's keys file: {tenants: {tenant: [key or sha256:<hex>, ...]}} (affinity/tenants.py). */}}
