@@ -77,6 +77,8 @@ class LiveDashboard:
     fleet: LocalFleet | None = None
     prometheus: subprocess.Popen[bytes] | None = None
     prometheus_url: str = ""
+    driven: tuple[float, float] | None = None
+    """Wall-clock start and end of the traffic `drive` sent (first call to last)."""
 
     def __enter__(self) -> LiveDashboard:
         try:
@@ -167,12 +169,14 @@ class LiveDashboard:
         assert self.fleet is not None
         workload = self._workload()
         ok = 0
+        start = time.time() if self.driven is None else self.driven[0]
         for _ in range(rounds):
             results = asyncio.run(drive(workload, self.fleet.router_url, self.fleet.api_keys,
                                         concurrency=concurrency))
             ok += sum(1 for r in results if r.ok)
         # Every series' last samples in: two scrapes after the last request.
         time.sleep(3 * SCRAPE_INTERVAL_S)
+        self.driven = (start, time.time())
         return ok
 
     def query(self, promql: str) -> list[dict[str, Any]]:
@@ -205,13 +209,19 @@ class LiveDashboard:
             self.fleet.stop()
 
 
-def panel_results(live: LiveDashboard, rate_interval: str = "1m"
+def panel_results(live: LiveDashboard, rate_interval: str = "1m", step_s: float = 2.0
                   ) -> dict[tuple[str, str], list[dict[str, Any]]]:
     """Every panel's every query, as Grafana would send it (variables at their defaults, the
-    namespace the live fleet's), against the live Prometheus: (panel title, legend) -> result."""
+    namespace the live fleet's), over the time range the traffic ran (a range query, as a
+    dashboard's time series panel asks): (panel title, legend) -> result, each series with its
+    `values`. Asked at one instant after a slow run instead, a 1-minute rate can be empty for a
+    tier or a pod that was busy only in the run's first minutes."""
+    if live.driven is None:
+        raise RuntimeError("no traffic yet: call drive() first")
+    start_s, end_s = live.driven
     out = {}
     for panel in PANELS:
         for target in panel.targets:
             expr = render_expr(target.expr, {"namespace": NAMESPACE}, rate_interval)
-            out[(panel.title, target.legend)] = live.query(expr)
+            out[(panel.title, target.legend)] = live.query_range(expr, start_s, end_s, step_s)
     return out

@@ -1,7 +1,8 @@
 """Every panel's every query of the chart's Grafana dashboard, run against a real Prometheus that
 scrapes real replicas and a real router on loopback (kvfleet_lab.dashboard.live): each must
-return data. The replicas run T2 (peer probe) and T3, their homes fill so requests spill, and one
-replica's pod is named as a ModelRollout's canary pods are, so every panel has something to show.
+return data over the time the traffic ran (a range query, as the panels ask). The replicas run
+T2 (peer probe) and T3, their homes fill so requests spill, and one replica's pod is named as a
+ModelRollout's canary pods are, so every panel has something to show.
 
 Shown to fail: with the fleet's T3 folder missing (the replica then serves without T3) the
 "t3 (read from NVMe)" query returned no series; without the fleet tier's collector the T2 and
@@ -40,7 +41,7 @@ def test_every_query_returns_data(
 ) -> None:
     series = results[(title, legend)]
     assert series, f"{title} / {legend}: no series"
-    values = [float(s["value"][1]) for s in series]  # type: ignore[index]
+    values = [float(v) for s in series for _, v in s["values"]]  # type: ignore[attr-defined]
     assert any(math.isfinite(v) for v in values), f"{title} / {legend}: {values}"
 
 
