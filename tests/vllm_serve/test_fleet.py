@@ -26,7 +26,12 @@ pytest.importorskip("vllm")
 
 import openai
 
-from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
+from kvfleet_runtime.config.fleet import (
+    AffinitySettings,
+    FleetConfig,
+    ReplicaEndpoint,
+    dump_fleet_config,
+)
 from tests.runtime.fleet.conftest import REDIS_SERVER, RedisProcess
 from tests.support import BY_SOURCE, MATCHED, counter
 
@@ -150,7 +155,9 @@ class Fleet:
             generation=self.generation, replicas=tuple(
                 ReplicaEndpoint(name=s.name, url=s.url, engine="vllm")
                 for s in (self.a, self.b_redis, self.b_probe)),
-            home_sets={"acme": (name,)})))
+            # One home (k = 1): a tenant's prefixes are spread over all of its homes, and a
+            # shorter published set is filled up to k with the tenant's next rendezvous choices.
+            affinity=AffinitySettings(k=1), home_sets={"acme": (name,)})))
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,12 @@ pytest.importorskip("vllm")
 
 import openai
 
-from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
+from kvfleet_runtime.config.fleet import (
+    AffinitySettings,
+    FleetConfig,
+    ReplicaEndpoint,
+    dump_fleet_config,
+)
 from tests.support import BY_SOURCE, counter
 
 from .conftest import MODEL, VllmServe, free_port, start_all, stop_all
@@ -54,6 +59,9 @@ class World:
             generation=self.generation, recompute_s_per_token=1e-3,
             replicas=tuple(ReplicaEndpoint(name=s.name, url=s.url, engine="vllm")
                            for s in (self.a, self.b)),
+            # One home each (k = 1): a tenant's prefixes are spread over all of its homes, and
+            # a shorter published set is filled up to k with the tenant's next rendezvous choices.
+            affinity=AffinitySettings(k=1),
             home_sets={tenant: (name,) for tenant, name in homes.items()})))
 
     def send(self, tenant: str, tokens: list[int]) -> tuple[str | None, str | None]:
