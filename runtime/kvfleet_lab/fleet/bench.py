@@ -80,7 +80,7 @@ def serve_t2(port: int, num_layers: int, num_kv_heads: int, head_dim: int, num_t
 
     from kvfleet_runtime.cache import KVLayout, PrefixCache
     from kvfleet_runtime.fleet import peer_routes
-    from kvfleet_runtime.fleet.replica import CacheBlockSource
+    from kvfleet_runtime.fleet.t2_source import CacheBlockSource
 
     layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype="float16")
     num_blocks = num_tokens // BLOCK_SIZE

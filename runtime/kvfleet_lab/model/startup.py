@@ -57,7 +57,8 @@ print(json.dumps({"token": token, "vmhwm_kib": int(hwm)}), flush=True)
 
 _IMPORTS = {
     # what each side's process imports before it touches the checkpoint
-    "kvfleet": "import kvfleet_runtime.cli, kvfleet_runtime.server, kvfleet_runtime.fleet.wiring",
+    "kvfleet": ("import kvfleet_runtime.cli, kvfleet_runtime.server, "
+                "kvfleet_runtime.fleet.fleet_tier"),
     "transformers": "import torch, transformers; transformers.AutoModelForCausalLM",
 }
 _HWM = ("; print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))"

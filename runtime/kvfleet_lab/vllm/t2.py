@@ -94,8 +94,8 @@ def bench_connector_fetch(*, num_tokens: int = 2000, reps: int = 7, num_layers: 
 def _connector_once(pool: HostPool, url: str, num_blocks: int) -> float:
     from kvfleet_runtime.cache import block_hashes
     from kvfleet_runtime.fleet import EmbeddedHintIndex, FleetSettings
+    from kvfleet_vllm._connector_index import ConnectorIndex
     from kvfleet_vllm._peer import PeerService
-    from kvfleet_vllm._plan import ConnectorIndex
 
     # One block more than the run: the prompt's last token is computed, never fetched.
     tokens = _tokens(num_blocks * BLOCK_SIZE + 1)
