@@ -1,6 +1,6 @@
 """The `kvfleet` command line. Each subcommand lives in its own module of this package.
 
-Bad input exits with code 2 and one line on stderr, never a traceback (see `errors.py`).
+Bad input exits with code 2 and one line on stderr, never a traceback (`fail` in `_app.py`).
 """
 
 from __future__ import annotations
