@@ -4,7 +4,7 @@ packed in Python) and as it is (the chain as one argument, the keys named by the
 side by side in one run.
 
 One process, one real redis-server on loopback holding the prompt's chain for one replica. Each
-round runs, for one 2,000-token text prompt, what `_matched_tokens` runs in the router: encode
+round runs, for one 2,000-token text prompt, what `Picker.matched_tokens` runs in the router: encode
 (`prompt_token_ids`, the byte tokenizer), hash the chain (`block_hashes`), and the lookup, once
 with each index (their order alternating round by round). Sequential, so the figures are the
 override's own time (CPU + one loopback round trip), not queueing behind other requests, which
