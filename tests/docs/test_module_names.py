@@ -12,7 +12,9 @@ What counts as naming a module:
 - a quoted `module.Name` (`picker.Tenancy`, `_options.ConnectorOptions`), or `package._module`:
   the dotted path ends some module of the tree (or is an importable library) and defines Name;
 - a quoted private name, `_admission` or `_flat`: a module of that name or a name some source
-  defines.
+  defines;
+- a file or folder of the repository by its path, `tests/picker/test_kv_events.py` or
+  `tests/runtime/affinity/`, quoted or not: it is there.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ FILE_RE = re.compile(r"^[\w./-]*\w\.py$")
 MODULE_NAME_RE = re.compile(r"^((?:[a-z_][a-z0-9_]*\.)+)([A-Z][A-Za-z0-9_]+)")
 PRIVATE_MODULE_RE = re.compile(r"^((?:[a-z][a-z0-9_]*\.)+_[a-z][a-z0-9_]*)$")
 PRIVATE_NAME_RE = re.compile(r"^_[a-z][a-z0-9_]*$")
+REPO_PATH_RE = re.compile(
+    r"(?<![\w/.-])((?:tests|runtime|operator|scripts|charts|docker|crds|docs|examples)"
+    r"/[\w/.-]*(?:\.[a-z]+\b|/(?![\w-])))")
 TABLE_ROW_RE = re.compile(r"^ *(_[a-z][a-z0-9_]*) +\S", re.MULTILINE)
 # Named in the docs as the anchors' own modules; not installed in kvfleet's environment.
 OTHER_PROJECTS = ("vllm", "sglang", "lmcache")
@@ -143,6 +148,10 @@ def _stale_names(text: str, scope: tuple[Path, ...] = ()) -> list[str]:
     if scope:  # a package's table of its modules: `    _body     JSON request bodies ...`
         stale += [m.group(1) for m in TABLE_ROW_RE.finditer(text)
                   if not any(p.stem == m.group(1) for p in scope)]
+    for m in REPO_PATH_RE.finditer(text):
+        path = m.group(1)
+        if not ((path.endswith("/") and (ROOT / path).is_dir()) or path in _files()):
+            stale.append(path)
     for m in PATH_RE.finditer(text):
         if m.group(2) and not _path_exists(m.group(1), m.group(2)):
             stale.append(m.group(0))
@@ -210,6 +219,7 @@ def test_docs_name_modules_that_exist(doc: Path) -> None:
     "`kvfleet_runtime.fleet.wiring`", "kvfleet_runtime/fleet/replica.py", "`cache/_index.py`",
     "`transfer.DEFAULT_PEER_BODY_BYTES`", "`cache._policy`", "`_ranking`",
     "kvfleet_runtime.affinity.tenants", "`_plan.ConnectorIndex`",
+    "tests/router/test_kv_subscriber.py", "tests/runtime/tiers/",
 ])
 def test_a_removed_module_is_caught(old: str) -> None:
     assert _stale_names(old) == [old.strip("`")]
@@ -219,6 +229,7 @@ def test_a_removed_module_is_caught(old: str) -> None:
     "`kvfleet_runtime.fleet.fleet_tier`", "runtime/kvfleet_runtime/fleet/t2_source.py",
     "`_block_index.py`", "`fleet.t2_protocol.WireOrder`", "`asyncio.BufferedProtocol`",
     "kvfleet_runtime.affinity.choose_replica", "`_connector_index.ConnectorIndex`", "`_flat`",
+    "tests/picker/test_kv_subscriber.py (a real ZMQ PUB)", "tests/runtime/affinity/.",
 ])
 def test_a_module_of_today_passes(today: str) -> None:
     assert _stale_names(today) == []
