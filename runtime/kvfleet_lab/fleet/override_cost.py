@@ -30,9 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfleet_lab.fleet.bench import _free_port, _pct
+from kvfleet_lab.fleet.bench import _pct
 from kvfleet_lab.fleet.redis_servers import RedisNode
 from kvfleet_lab.fleet.router_capacity import BENCH_KEY_FIELDS, TENANT, _prompt
+from kvfleet_lab.processes import free_port
 
 __all__ = ["OverrideCostReport", "bench_override_cost"]
 
@@ -107,7 +108,7 @@ def bench_override_cost(*, prompt_tokens: int = 2000, rounds: int = 2000) -> Ove
     prompt = _prompt(prompt_tokens)
     key = CacheKey(TENANT, *BENCH_KEY_FIELDS)
     with tempfile.TemporaryDirectory() as tmp:
-        redis = RedisNode(_free_port(), Path(tmp) / "redis")
+        redis = RedisNode(free_port(), Path(tmp) / "redis")
         redis.start()
         try:
             return asyncio.run(_rounds(redis.url, prompt, key, rounds, prompt_token_ids,
