@@ -29,7 +29,7 @@ from kvfleet_runtime.fleet import (
 )
 from kvfleet_runtime.fleet.fleet_tier import FleetSettings, hint_index_for
 from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER
-from tests.runtime.fleet.test_t2_fetch_and_serve import (
+from tests.runtime.fleet.t2_support import (
     KEY_A,
     KEY_B,
     LAYOUT,
