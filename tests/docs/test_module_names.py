@@ -7,8 +7,8 @@ What counts as naming a module:
 - a path into a package, `kvfleet_runtime/fleet/t2_source.py` or `kvfleet_vllm/` (with or without
   `runtime/` in front), and a dotted name, `kvfleet_runtime.fleet.peer_tier.PeerTier`: each step
   is a subpackage, a module, or (after a package) a name its `__init__` exports;
-- a quoted file name, `fleet/t2_protocol.py`, `_block_index.py` or `test_probe.py`: some tracked
-  file's path ends with it;
+- a Python file's name, `fleet/t2_protocol.py`, `_block_index.py` or `test_probe.py` (quoted,
+  in prose or in a tree of a code block): some tracked file's path ends with it;
 - a quoted `module.Name` (`picker.Tenancy`, `_options.ConnectorOptions`), or `package._module`:
   the dotted path ends some module of the tree (or is an importable library) and defines Name;
 - a quoted private name, `_admission` or `_flat`: a module of that name or a name some source
@@ -40,6 +40,7 @@ PATH_RE = re.compile(rf"\b({_PKG})((?:/[\w.-]*\w)*)/?")
 DOTTED_RE = re.compile(rf"\b({_PKG})((?:\.\w+)*)")
 QUOTED_RE = re.compile(r"`([^`\s]+)`")
 FILE_RE = re.compile(r"^[\w./-]*\w\.py$")
+FILE_NAME_RE = re.compile(r"(?<![\w/.-])(\w[\w/-]*\.py)\b")
 MODULE_NAME_RE = re.compile(r"^((?:[a-z_][a-z0-9_]*\.)+)([A-Z][A-Za-z0-9_]+)")
 PRIVATE_MODULE_RE = re.compile(r"^((?:[a-z][a-z0-9_]*\.)+_[a-z][a-z0-9_]*)$")
 PRIVATE_NAME_RE = re.compile(r"^_[a-z][a-z0-9_]*$")
@@ -152,6 +153,12 @@ def _stale_names(text: str, scope: tuple[Path, ...] = ()) -> list[str]:
         path = m.group(1)
         if not ((path.endswith("/") and (ROOT / path).is_dir()) or path in _files()):
             stale.append(path)
+    for m in FILE_NAME_RE.finditer(text):
+        name = m.group(1)
+        if name.split("/")[0] in OTHER_PROJECTS:
+            continue
+        if not any(n == name or n.endswith("/" + name) for n in _files()):
+            stale.append(name)
     for m in PATH_RE.finditer(text):
         if m.group(2) and not _path_exists(m.group(1), m.group(2)):
             stale.append(m.group(0))
@@ -163,11 +170,8 @@ def _stale_names(text: str, scope: tuple[Path, ...] = ()) -> list[str]:
         if token.startswith(tuple(PACKAGES)) or "://" in token:
             continue  # the two rules above
         if FILE_RE.match(token):
-            if token.split("/")[0] in OTHER_PROJECTS:
-                continue
-            if not any(n == token or n.endswith("/" + token) for n in _files()):
-                stale.append(token)
-        elif named := MODULE_NAME_RE.match(token):
+            continue  # the file rule below
+        if named := MODULE_NAME_RE.match(token):
             module, name = named.group(1).rstrip("."), named.group(2)
             homes = _module_by_suffix(module)
             if not homes and _library(module.split(".")[0]):
@@ -219,10 +223,10 @@ def test_docs_name_modules_that_exist(doc: Path) -> None:
     "`kvfleet_runtime.fleet.wiring`", "kvfleet_runtime/fleet/replica.py", "`cache/_index.py`",
     "`transfer.DEFAULT_PEER_BODY_BYTES`", "`cache._policy`", "`_ranking`",
     "kvfleet_runtime.affinity.tenants", "`_plan.ConnectorIndex`",
-    "tests/router/test_kv_subscriber.py", "tests/runtime/tiers/",
+    "tests/router/test_kv_subscriber.py", "tests/runtime/tiers/", "cli/replica.py",
 ])
 def test_a_removed_module_is_caught(old: str) -> None:
-    assert _stale_names(old) == [old.strip("`")]
+    assert set(_stale_names(old)) == {old.strip("`")}
 
 
 @pytest.mark.parametrize("today", [
