@@ -16,13 +16,14 @@ import pytest
 _HANDED_OUT: set[int] = set()
 
 
-def free_port() -> int:
-    """A free loopback port never handed out before in this session: the kernel may give the same
-    ephemeral port to two calls in a row, and two replicas told one port make the second fail to
-    bind while its readiness probe reaches the first."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free port on `host` (loopback; "0.0.0.0": free on every address, so no wildcard listener
+    of another test holds it) never handed out before in this session: the kernel may give the
+    same ephemeral port to two calls in a row, and two replicas told one port make the second fail
+    to bind while its readiness probe reaches the first. The tests' one port picker."""
     for _ in range(64):
         with contextlib.closing(socket.socket()) as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             port = int(s.getsockname()[1])
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)

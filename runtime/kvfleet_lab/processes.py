@@ -1,14 +1,23 @@
 """Server processes the lab benchmarks start in a process group of their own (a server and the
-workers it forks): stop the whole group, read the end of its log."""
+workers it forks): a port to give one, stop the whole group, read the end of its log."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
-__all__ = ["log_tail", "stop_group"]
+__all__ = ["free_port", "log_tail", "stop_group"]
+
+
+def free_port() -> int:
+    """A free loopback port for a server the lab starts (the lab's one port picker)."""
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def stop_group(proc: subprocess.Popen[bytes] | None) -> None:

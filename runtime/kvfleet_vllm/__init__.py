@@ -7,11 +7,11 @@ GPU prefix cache stays T0. See docs/vllm.md.
 
 Modules: `connector` (the `KVConnectorBase_V1` shell handing each method to its role's side;
 imports vllm), `_options` (the extra config, parsed once), `_scheduler` (the scheduler side:
-keys, plans, T2, stats) over `_plan` (kvfleet's `CacheManager`, no vllm types), `_worker` (the
-worker side) over `_copy` (host pool <-> paged KV copies, torch only), `_keys` (the whole
-cache key of a vLLM replica), `_peer` (T2: the peer server, hint publishing and fetches, in the
-engine-core process). Importing this package imports neither vllm nor torch;
-`KvfleetConnector` loads `connector` on first use.
+keys, plans, T2, stats) over `_connector_index` (`ConnectorIndex`: kvfleet's `CacheManager`, no
+vllm types), `_worker` (the worker side) over `_copy` (host pool <-> paged KV copies, torch
+only), `_keys` (the whole cache key of a vLLM replica), `_peer` (T2: the peer server, hint
+publishing and fetches, in the engine-core process). Importing this package imports neither
+vllm nor torch; `KvfleetConnector` loads `connector` on first use.
 """
 
 from __future__ import annotations

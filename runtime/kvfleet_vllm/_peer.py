@@ -63,8 +63,8 @@ from kvfleet_runtime.fleet import (
     hint_index_for,
     peer_routes,
 )
+from kvfleet_vllm._connector_index import ConnectorIndex, FetchWant, Reservation
 from kvfleet_vllm._copy import HostPool
-from kvfleet_vllm._plan import ConnectorIndex, FetchWant, Reservation
 
 __all__ = ["DEFAULT_WAIT_S", "FetchJob", "PeerService"]
 

@@ -1,7 +1,7 @@
 """The connector's scheduler side (vLLM's engine-core process): the requests' cache keys, the
-lookups, loads and saves planned on kvfleet's index (`_plan.ConnectorIndex`), T2 (`_peer`) and
-the stats. vLLM's types appear only in annotations: `connector` wraps the plans in vLLM's
-metadata classes."""
+lookups, loads and saves planned on kvfleet's index (`_connector_index.ConnectorIndex`), T2
+(`_peer`) and the stats. vLLM's types appear only in annotations: `connector` wraps the plans in
+vLLM's metadata classes."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 from kvfleet_runtime.auth import SaltRefused
 from kvfleet_runtime.cache import CacheKey, CacheStats, CacheTuning, KVLayout
 from kvfleet_runtime.fleet import FleetSettings
+from kvfleet_vllm._connector_index import ConnectorIndex, LoadPlan, SavePlan
 from kvfleet_vllm._copy import HostPool
 from kvfleet_vllm._keys import ModelKey, TenantSalts, model_key
 from kvfleet_vllm._options import PREFIX, ConnectorOptions
 from kvfleet_vllm._peer import DEFAULT_WAIT_S, PeerService
-from kvfleet_vllm._plan import ConnectorIndex, LoadPlan, SavePlan
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager

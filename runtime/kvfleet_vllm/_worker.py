@@ -9,6 +9,7 @@ import logging
 import torch
 
 from kvfleet_runtime.cache import BLOCK_SIZE, KVLayout
+from kvfleet_vllm._connector_index import LoadPlan, SavePlan
 from kvfleet_vllm._copy import (
     HostPool,
     LayerViews,
@@ -21,7 +22,6 @@ from kvfleet_vllm._copy import (
     view_positions,
 )
 from kvfleet_vllm._options import ConnectorOptions
-from kvfleet_vllm._plan import LoadPlan, SavePlan
 
 __all__ = ["WorkerSide"]
 

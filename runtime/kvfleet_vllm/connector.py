@@ -48,8 +48,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvfleet_runtime.cache import BLOCK_SIZE, KVLayout
+from kvfleet_vllm._connector_index import LoadPlan, SavePlan
 from kvfleet_vllm._options import ConnectorOptions
-from kvfleet_vllm._plan import LoadPlan, SavePlan
 from kvfleet_vllm._scheduler import SchedulerSide
 from kvfleet_vllm._worker import WorkerSide
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvfleet_runtime.affinity.tenants import load_api_keys
+from kvfleet_runtime.affinity.api_keys import load_api_keys
 from kvfleet_runtime.auth import hint_key
 from kvfleet_runtime.config.fleet import FLEET_CONFIG_FILENAME
 from tests.chart.conftest import (
@@ -762,7 +762,7 @@ def test_replica_joins_the_fleet_tier(
     render: Render, tmp_path: Path, scenario: str, redis: str
 ) -> None:
     """The fleet tier's own settings loader, on the environment the chart gives a replica pod."""
-    from kvfleet_runtime.fleet.wiring import FleetSettings
+    from kvfleet_runtime.fleet.fleet_tier import FleetSettings
 
     obj = render(scenario).get("Deployment", "kvfleet-replica")
     c = _container(obj, "replica")

@@ -62,8 +62,8 @@ def test_replicas_and_routers_get_the_seed_urls_with_the_password(
 
 
 def test_the_runtime_reads_the_cluster_from_what_the_chart_gives(render: Render) -> None:
+    from kvfleet_runtime.fleet.fleet_tier import FleetSettings, hint_index_for, hint_index_kind
     from kvfleet_runtime.fleet.hint_index import RedisClusterHintIndex
-    from kvfleet_runtime.fleet.wiring import FleetSettings, hint_index_for, hint_index_kind
     from tests.chart.conftest import kvfleet_cli_params
 
     out = render(CLUSTER)

@@ -17,7 +17,6 @@ Every wait is bounded and names what did not become ready, with the tail of that
 from __future__ import annotations
 
 import json
-import socket
 import ssl
 import urllib.error
 import urllib.request
@@ -29,6 +28,7 @@ from tests.cluster import kubeconfig
 from tests.cluster.binaries import Binaries
 from tests.cluster.pki import ClientSubject, Pki, make_pki
 from tests.cluster.processes import ComponentError, ManagedProcess, start_process, wait_until
+from tests.support import free_port
 
 FAKE_NODE_COUNT = 3
 GPUS_PER_NODE = 8
@@ -63,17 +63,8 @@ class Ports:
 
 
 def free_ports() -> Ports:
-    """Distinct free loopback ports: all sockets stay open until every port is picked."""
-    sockets = []
-    try:
-        for _ in range(5):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return Ports(*(s.getsockname()[1] for s in sockets))
-    finally:
-        for s in sockets:
-            s.close()
+    """Distinct free loopback ports (`free_port` never hands one out twice)."""
+    return Ports(*(free_port() for _ in range(5)))
 
 
 class _Http:

@@ -49,11 +49,11 @@ from tests.e2e.world import (
     Prometheus,
     Redis,
     create_loopback_nodes,
-    free_port,
     generate_model,
     kubectl_table,
 )
 from tests.images.buildah import Container, checkout_image, have_image, working_container
+from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvfleet"
@@ -205,7 +205,7 @@ def open_world(
         cleanup.append(redis)
         prometheus = Prometheus(work_dir)
         cleanup.append(prometheus)
-        replica_port, router_port = free_port(), free_port()
+        replica_port, router_port = free_port("0.0.0.0"), free_port("0.0.0.0")
         values_file = work_dir / "my-values.yaml"
         values_file.write_text(yaml.safe_dump(
             make_values(models, digests, replica_port, router_port, redis.url)))

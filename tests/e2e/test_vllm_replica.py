@@ -53,9 +53,16 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.kubelet import VLLM_REPOSITORY, http_json
 from tests.e2e.traffic import TraceRequest, Traffic, tenant_name
-from tests.e2e.world import elapsed, events, free_port, kubectl_table, wait_for
+from tests.e2e.world import elapsed, events, kubectl_table, wait_for
 from tests.images.buildah import Container, payload_pids
-from tests.support import BY_SOURCE, MATCHED, counter, parse_metrics, write_serve_llama
+from tests.support import (
+    BY_SOURCE,
+    MATCHED,
+    counter,
+    free_port,
+    parse_metrics,
+    write_serve_llama,
+)
 
 RUN_ENV = "KVFLEET_E2E_VLLM"
 """Set by `make test-vllm-e2e`, after it built the vLLM image."""
@@ -118,8 +125,8 @@ def vllm_values(models: Path, digests: dict[str, str], replica_port: int, router
         vllm={
             "image": {"repository": VLLM_REPOSITORY},
             "numHostBlocks": HOST_BLOCKS,
-            "peerPort": free_port(),
-            "kvEvents": {"port": free_port()},
+            "peerPort": free_port("0.0.0.0"),
+            "kvEvents": {"port": free_port("0.0.0.0")},
             "extraArgs": ["--enforce-eager", "--dtype", "float16", "--max-model-len", "2048",
                           "--kv-cache-memory-bytes", str(T0_BYTES),
                           "--enable-prompt-tokens-details"],

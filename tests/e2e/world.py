@@ -23,6 +23,7 @@ from typing import Any
 from tests.cluster.fixtures import Cluster, CommandError, Identity
 from tests.cluster.processes import ManagedProcess, start_process
 from tests.e2e.kubelet import PodProcess, http_json
+from tests.support import free_port
 
 E2E_NODE_LABEL = "kvfleet.dev/e2e-node"
 NUM_E2E_NODES = 2
@@ -56,13 +57,6 @@ def wait_for(check: Callable[[], Any], what: str, timeout_s: float,
 
 def _load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def free_port() -> int:
-    """A port free on every address (so no 0.0.0.0 listener of another test holds it)."""
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return int(s.getsockname()[1])
 
 
 def loopback_node(index: int) -> dict[str, Any]:
@@ -138,7 +132,7 @@ class Redis:
     """redis-server on a free loopback port, no persistence."""
 
     def __init__(self, log_dir: Path) -> None:
-        self.port = free_port()
+        self.port = free_port("0.0.0.0")
         self.url = f"redis://127.0.0.1:{self.port}/0"
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         self.process = start_process("redis", [
@@ -184,7 +178,7 @@ class Prometheus:
                 "authorization": {"type": "Bearer", "credentials_file": str(self.token)},
             }],
         }))
-        self.port = free_port()
+        self.port = free_port("0.0.0.0")
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = start_process("prometheus", [
             binary, f"--config.file={config}", f"--storage.tsdb.path={work_dir / 'tsdb'}",

@@ -8,7 +8,7 @@ from kvfleet_runtime.fleet import EmbeddedHintIndex
 from kvfleet_runtime.picker import FleetView, KvEventViews, Picker, PickRequest
 from kvfleet_runtime.tokenizer import ByteTokenizer
 from kvfleet_runtime.wire import LoadReport
-from tests.router.test_kv_events import batch, stored
+from tests.picker.test_kv_events import batch, stored
 
 KEY = ("tiny", "sha256:" + "cd" * 32, "float32", "rope0", "sdpa")
 PROMPT = "the same system prompt, long enough for a few blocks of sixteen bytes each. " * 2

@@ -15,6 +15,7 @@ import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvfleet_runtime.cache import KVLayout
+from kvfleet_vllm._connector_index import SavePlan
 from kvfleet_vllm._copy import (
     HostPool,
     LayerViews,
@@ -26,7 +27,6 @@ from kvfleet_vllm._copy import (
     stack_layers,
     view_positions,
 )
-from kvfleet_vllm._plan import SavePlan
 from kvfleet_vllm.connector import KvfleetConnectorMetadata, KvfleetWorkerMetadata
 from tests.vllm import _support as sup
 

@@ -16,11 +16,9 @@ requests spill, replicas fetch over T2, blocks are evicted into T3 and read back
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -39,6 +37,7 @@ from kvfleet_lab.demo import (
     drive,
     ensure_model,
 )
+from kvfleet_lab.processes import free_port
 
 __all__ = ["NAMESPACE", "POD_NAMES", "LiveDashboard", "panel_results"]
 
@@ -52,12 +51,6 @@ POD_NAMES = {
 }
 """Pod names as Kubernetes gives them: the operator's gate selects the canary's by name."""
 SCRAPE_INTERVAL_S = 1.0
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str, timeout_s: float = 5.0) -> bytes:
@@ -133,7 +126,7 @@ class LiveDashboard:
              "file_sd_configs": [{"files": [str(self.work_dir / "router.json")]}]},
         ]}
         (self.work_dir / "prometheus.yml").write_text(json.dumps(config))
-        port = _free_port()
+        port = free_port()
         self.prometheus_url = f"http://127.0.0.1:{port}"
         log = (self.work_dir / "logs" / "prometheus.log").open("wb")
         self.prometheus = subprocess.Popen(

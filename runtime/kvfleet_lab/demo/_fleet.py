@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["FleetError", "FleetOptions", "LocalFleet", "ensure_model", "free_port"]
+from kvfleet_lab.processes import free_port
+
+__all__ = ["FleetError", "FleetOptions", "LocalFleet", "ensure_model"]
 
 _CLI = [sys.executable, "-m", "kvfleet_runtime.cli"]
 _STOP_GRACE_S = 5.0
@@ -45,12 +46,6 @@ _STOP_GRACE_S = 5.0
 
 class FleetError(RuntimeError):
     """A child failed to start or died; the message carries the tail of its log."""
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _child_env(extra: dict[str, str]) -> dict[str, str]:

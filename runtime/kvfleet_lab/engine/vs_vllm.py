@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfleet_lab.processes import log_tail, stop_group
+from kvfleet_lab.processes import free_port, log_tail, stop_group
 
 __all__ = [
     "CHECKPOINTS",
@@ -45,7 +44,6 @@ __all__ = [
     "compare",
     "compare_checkpoint",
     "first_tokens",
-    "free_port",
     "kvfleet_server",
     "make_checkpoint",
     "one_token_ms",
@@ -260,12 +258,6 @@ def make_checkpoint(out: Path, name: str, *, seed: int = 0) -> Path:
         model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **common))
     model.to(torch.bfloat16).save_pretrained(str(out))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -42,6 +42,7 @@ from kvfleet_lab.cache.sim import (
     simulate_infinite,
     unique_blocks,
 )
+from kvfleet_lab.processes import free_port
 from kvfleet_runtime.affinity import ReplicaLoad, choose_replica, least_loaded
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, CacheManager, CacheTuning
 
@@ -60,12 +61,6 @@ BENCH_SECRET = b"kvfleet-bench-secret"
 BENCH_KEY = CacheKey("bench", "bench-model", "sha256:" + "1" * 64, "float16", "rope", "sdpa")
 
 
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _tokens(num_tokens: int) -> list[int]:
     return [(7 * i + 3) % 50_000 for i in range(num_tokens)]
 
@@ -80,7 +75,7 @@ def serve_t2(port: int, num_layers: int, num_kv_heads: int, head_dim: int, num_t
 
     from kvfleet_runtime.cache import KVLayout, PrefixCache
     from kvfleet_runtime.fleet import peer_routes
-    from kvfleet_runtime.fleet.replica import CacheBlockSource
+    from kvfleet_runtime.fleet.t2_source import CacheBlockSource
 
     layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype="float16")
     num_blocks = num_tokens // BLOCK_SIZE
@@ -231,7 +226,7 @@ def bench_t2_bandwidth(
     if num_blocks < 1 or reps < 1:
         raise ValueError(f"need num_tokens >= {BLOCK_SIZE} and reps >= 1")
     num_bytes = 2 * num_layers * num_kv_heads * num_blocks * BLOCK_SIZE * head_dim * 2
-    t2_port, raw_port = _free_port(), _free_port()
+    t2_port, raw_port = free_port(), free_port()
     t2_code = (
         "from kvfleet_lab.fleet.bench import serve_t2; "
         f"serve_t2({t2_port}, {num_layers}, {num_kv_heads}, {head_dim}, {num_tokens})"
@@ -329,7 +324,7 @@ def _pct(values: Sequence[float], q: float) -> float:
 def bench_router_overhead(*, num_requests: int = 500) -> RouterOverheadResult:
     """Sequential small completions through a `kvfleet router` process vs straight to the
     replica process; p50/p99 of each."""
-    replica_port, router_port = _free_port(), _free_port()
+    replica_port, router_port = free_port(), free_port()
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.yaml"
         keys.write_text(json.dumps({"tenants": {"bench": ["sk-bench"]}}))

@@ -42,8 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfleet_lab.fleet.bench import _free_port, _pct
+from kvfleet_lab.fleet.bench import _pct
 from kvfleet_lab.fleet.redis_servers import RedisCluster, RedisNode, cluster_ports
+from kvfleet_lab.processes import free_port
 from kvfleet_lab.simulate import Fleet, Workload
 from kvfleet_runtime.auth import hint_key
 from kvfleet_runtime.fleet.hint_index import (
@@ -346,7 +347,7 @@ def _start(target: str, workdir: Path, stack: ExitStack,
            role_passwords: dict[str, str] | None = None
            ) -> tuple[RedisNode | RedisCluster, list[RedisNode]]:
     if target == "redis":
-        node = RedisNode(_free_port(), workdir, role_passwords=dict(role_passwords or {}))
+        node = RedisNode(free_port(), workdir, role_passwords=dict(role_passwords or {}))
         node.start()
         stack.callback(node.kill)
         return node, [node]

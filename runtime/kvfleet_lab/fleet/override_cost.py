@@ -4,7 +4,7 @@ packed in Python) and as it is (the chain as one argument, the keys named by the
 side by side in one run.
 
 One process, one real redis-server on loopback holding the prompt's chain for one replica. Each
-round runs, for one 2,000-token text prompt, what `_matched_tokens` runs in the router: encode
+round runs, for one 2,000-token text prompt, what `Picker.matched_tokens` runs in the router: encode
 (`prompt_token_ids`, the byte tokenizer), hash the chain (`block_hashes`), and the lookup, once
 with each index (their order alternating round by round). Sequential, so the figures are the
 override's own time (CPU + one loopback round trip), not queueing behind other requests, which
@@ -30,9 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfleet_lab.fleet.bench import _free_port, _pct
+from kvfleet_lab.fleet.bench import _pct
 from kvfleet_lab.fleet.redis_servers import RedisNode
 from kvfleet_lab.fleet.router_capacity import BENCH_KEY_FIELDS, TENANT, _prompt
+from kvfleet_lab.processes import free_port
 
 __all__ = ["OverrideCostReport", "bench_override_cost"]
 
@@ -107,7 +108,7 @@ def bench_override_cost(*, prompt_tokens: int = 2000, rounds: int = 2000) -> Ove
     prompt = _prompt(prompt_tokens)
     key = CacheKey(TENANT, *BENCH_KEY_FIELDS)
     with tempfile.TemporaryDirectory() as tmp:
-        redis = RedisNode(_free_port(), Path(tmp) / "redis")
+        redis = RedisNode(free_port(), Path(tmp) / "redis")
         redis.start()
         try:
             return asyncio.run(_rounds(redis.url, prompt, key, rounds, prompt_token_ids,

@@ -37,8 +37,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfleet_lab.fleet.bench import _free_port, _pct, _wait_http
+from kvfleet_lab.fleet.bench import _pct, _wait_http
 from kvfleet_lab.fleet.redis_servers import RedisNode
+from kvfleet_lab.processes import free_port
 
 __all__ = ["RouterCapacityReport", "bench_router_capacity", "serve_stub_replica"]
 
@@ -289,11 +290,11 @@ def bench_router_capacity(
     report = RouterCapacityReport(prompt_tokens, concurrency, seconds_per_level, num_replicas)
     prompt = _prompt(prompt_tokens)
     names = [f"r{i}" for i in range(num_replicas)]
-    ports = {name: _free_port() for name in names}
+    ports = {name: free_port() for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.yaml"
         keys.write_text(json.dumps({"tenants": {TENANT: [API_KEY]}}))
-        redis = RedisNode(_free_port(), Path(tmp) / "redis")
+        redis = RedisNode(free_port(), Path(tmp) / "redis")
         redis.start()
         try:
             with contextlib.ExitStack() as stubs:
@@ -315,7 +316,7 @@ def bench_router_capacity(
 def _bench_mode(override: bool, keys: Path, ports: dict[str, int], redis: RedisNode, prompt: str,
                 report: RouterCapacityReport, fractions: tuple[float, ...],
                 profile_to: Path | None) -> ModeResult:
-    router_port = _free_port()
+    router_port = free_port()
     routed = f"http://127.0.0.1:{router_port}/v1/completions"
     direct = f"http://127.0.0.1:{next(iter(ports.values()))}/v1/completions"
     auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}

@@ -44,6 +44,7 @@ from kvfleet_lab.fronts.figures import (
     requests_by_replica,
 )
 from kvfleet_lab.fronts.table import FRONTS, FrontSetup, select
+from kvfleet_lab.processes import free_port
 from kvfleet_lab.vllm.serve_bench import parse_metrics
 from kvfleet_lab.vllm.serve_run import (
     TENANTS,
@@ -52,7 +53,6 @@ from kvfleet_lab.vllm.serve_run import (
     _progress,
     _start_all,
     _sum,
-    free_port,
     make_checkpoint,
 )
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvfleet_lab.processes import free_port
 from kvfleet_runtime.wire import TENANT_HEADER
 
 __all__ = ["BENCH_ARGS", "StartupReport", "run_startup_bench"]
@@ -57,7 +57,8 @@ print(json.dumps({"token": token, "vmhwm_kib": int(hwm)}), flush=True)
 
 _IMPORTS = {
     # what each side's process imports before it touches the checkpoint
-    "kvfleet": "import kvfleet_runtime.cli, kvfleet_runtime.server, kvfleet_runtime.fleet.wiring",
+    "kvfleet": ("import kvfleet_runtime.cli, kvfleet_runtime.server, "
+                "kvfleet_runtime.fleet.fleet_tier"),
     "transformers": "import torch, transformers; transformers.AutoModelForCausalLM",
 }
 _HWM = ("; print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))"
@@ -111,12 +112,6 @@ class StartupReport:
                     self.transformers_loading_rss_per_checkpoint}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _vmhwm_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -126,7 +121,7 @@ def _vmhwm_bytes(pid: int) -> int:
 
 
 def _kvfleet_once(model_dir: Path, threads: int, timeout_s: float) -> tuple[float, int, int]:
-    port = _free_port()
+    port = free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")},
            "KVFLEET_REPLICA_CACHE__T0_ENABLED": "true",
            "KVFLEET_REPLICA_CACHE__NUM_T1_BLOCKS": "0",

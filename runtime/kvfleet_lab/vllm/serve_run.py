@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfleet_lab.processes import log_tail, stop_group
+from kvfleet_lab.processes import free_port, log_tail, stop_group
 from kvfleet_lab.vllm.serve_bench import (
     FLEET_FRONTS,
     FRONT_SEEDS,
@@ -108,13 +108,6 @@ def _stop_on_signals() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_checkpoint(path: Path) -> Path:

@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvfleet_lab.fleet.bench import BENCH_KEY, BENCH_SECRET, _free_port, _process, _tokens
+from kvfleet_lab.fleet.bench import BENCH_KEY, BENCH_SECRET, _process, _tokens
+from kvfleet_lab.processes import free_port
 from kvfleet_runtime.cache import BLOCK_SIZE, KVLayout
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def bench_connector_fetch(*, num_tokens: int = 2000, reps: int = 7, num_layers: 
     if num_blocks < 2 or reps < 1:
         raise ValueError(f"need num_tokens >= {2 * BLOCK_SIZE} and reps >= 1")
     layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype="float16")
-    port = _free_port()
+    port = free_port()
     code = ("from kvfleet_lab.fleet.bench import serve_t2; "
             f"serve_t2({port}, {num_layers}, {num_kv_heads}, {head_dim}, {num_tokens})")
     result = T2FetchResult(num_tokens, num_blocks * layout.bytes_per_block)
@@ -94,8 +95,8 @@ def bench_connector_fetch(*, num_tokens: int = 2000, reps: int = 7, num_layers: 
 def _connector_once(pool: HostPool, url: str, num_blocks: int) -> float:
     from kvfleet_runtime.cache import block_hashes
     from kvfleet_runtime.fleet import EmbeddedHintIndex, FleetSettings
+    from kvfleet_vllm._connector_index import ConnectorIndex
     from kvfleet_vllm._peer import PeerService
-    from kvfleet_vllm._plan import ConnectorIndex
 
     # One block more than the run: the prompt's last token is computed, never fetched.
     tokens = _tokens(num_blocks * BLOCK_SIZE + 1)

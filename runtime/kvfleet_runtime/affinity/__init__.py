@@ -6,6 +6,7 @@ these, and several router replicas given the same inputs make the same choice.
 
 from __future__ import annotations
 
+from kvfleet_runtime.affinity.api_keys import ApiKeyMap, bearer_token, load_api_keys, parse_api_keys
 from kvfleet_runtime.affinity.decision import (
     LOAD_BOUND,
     MIN_WARM_FRACTION,
@@ -26,7 +27,6 @@ from kvfleet_runtime.affinity.rendezvous import (
     rendezvous_weight,
     weighted_top_k,
 )
-from kvfleet_runtime.affinity.tenants import ApiKeyMap, bearer_token, load_api_keys, parse_api_keys
 
 __all__ = [
     "LOAD_BOUND",

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP surface shared by the replica and the router (no torch).
 
-    _errors   the one error envelope and the middleware that makes every error use it
-    _body     JSON request bodies read within size, time, number, depth and Unicode bounds
-    _listen   the listener: parser limits, the head deadline, parser refusals in the envelope
-    _openai   request and response models; which OpenAI fields are supported, ignored, refused
-    _stop     stop strings matched on streamed text (nothing after a stop is ever sent)
+    _errors    the one error envelope and the middleware that makes every error use it
+    _body      JSON request bodies read within size, time, number, depth and Unicode bounds
+    _listen    the listener: parser limits, the head deadline, parser refusals in the envelope
+    _requests  request and response models; which OpenAI fields are supported, ignored, refused
+    _stop      stop strings matched on streamed text (nothing after a stop is ever sent)
 """
 
 from kvfleet_runtime.api._body import MAX_DEPTH, MAX_INT_DIGITS, parse_json, read_body, read_json

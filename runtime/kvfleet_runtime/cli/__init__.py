@@ -1,6 +1,6 @@
 """The `kvfleet` command line. Each subcommand lives in its own module of this package.
 
-Bad input exits with code 2 and one line on stderr, never a traceback (see `errors.py`).
+Bad input exits with code 2 and one line on stderr, never a traceback (`fail` in `_app.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,6 @@ from kvfleet_runtime.cli import benchmarks as _benchmarks  # noqa: E402, F401
 from kvfleet_runtime.cli import breakeven as _breakeven  # noqa: E402, F401
 from kvfleet_runtime.cli import demo as _demo  # noqa: E402, F401
 from kvfleet_runtime.cli import model as _model  # noqa: E402, F401
-from kvfleet_runtime.cli import replica as _replica  # noqa: E402, F401
 from kvfleet_runtime.cli import router as _router  # noqa: E402, F401
+from kvfleet_runtime.cli import serve_replica as _serve_replica  # noqa: E402, F401
 from kvfleet_runtime.cli import simulate as _simulate  # noqa: E402, F401

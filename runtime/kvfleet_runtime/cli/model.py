@@ -1,4 +1,5 @@
-"""`kvfleet model inspect DIR`: what a checkpoint is, and whether this replica would serve it."""
+"""`kvfleet model`: `generate` writes a test checkpoint, `inspect DIR` says what a checkpoint is and
+whether this replica would serve it."""
 
 from __future__ import annotations
 
@@ -9,10 +10,33 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.replica import model_app
+from kvfleet_runtime.cli._app import app, fail
 
-__all__ = ["inspect"]
+__all__ = ["generate", "inspect", "model_app"]
+
+model_app = typer.Typer(name="model", help="Reference model checkpoints.", no_args_is_help=True)
+app.add_typer(model_app)
+
+
+@model_app.command("generate")
+def generate(
+    out: Annotated[Path, typer.Option("--out", help="Folder to write config.json and "
+                                      "model.safetensors into.")],
+    preset: Annotated[str, typer.Option(help="tiny (tests) or small (bench, demo).")] = "tiny",
+    seed: Annotated[int, typer.Option(help="Same preset and seed: the same bytes.")] = 0,
+    attn_impl: Annotated[str, typer.Option(help="eager or sdpa.")] = "eager",
+) -> None:
+    """Write a deterministic random Llama-style checkpoint (Hugging Face layout)."""
+    from kvfleet_runtime.model import ModelArgs, generate_checkpoint
+
+    try:
+        args = ModelArgs.from_preset(preset)
+        args.attn_impl = attn_impl
+        args.__post_init__()
+        digest = generate_checkpoint(out, args, seed=seed)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    Console(highlight=False).print(f"{out}  {digest}")
 
 
 @model_app.command("inspect")

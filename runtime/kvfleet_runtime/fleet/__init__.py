@@ -11,11 +11,11 @@
 Every failure here degrades to recompute: a lookup that cannot answer says "nobody", a fetch that
 fails for any reason returns None, a publish that fails is dropped.
 
-Torch-free except `CacheBlockSource` (module `replica`, T2's serving side), `PeerTier` (module
+Torch-free except `CacheBlockSource` (module `t2_source`, T2's serving side), `PeerTier` (module
 `peer_tier`, T2 as a tier below the cache: the engine's prepare asks it), and `FleetSettings` and
-`hint_index_for` (module `wiring`: a replica's fleet settings from its environment, and the hint
-index they choose; the vLLM connector reads the same), which load on first use so that the router
-can import the hint index without pulling torch.
+`hint_index_for` (module `fleet_tier`, beside `FleetTier`: a replica's fleet settings from its
+environment, and the hint index they choose; the vLLM connector reads the same), which load on
+first use so that the router can import the hint index without pulling torch.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from kvfleet_runtime.fleet.t2_protocol import (
 from kvfleet_runtime.fleet.t2_serve import BlockSource, ExportedRun, peer_routes
 
 if TYPE_CHECKING:
+    from kvfleet_runtime.fleet.fleet_tier import FleetSettings, hint_index_for
     from kvfleet_runtime.fleet.peer_tier import PeerTier
-    from kvfleet_runtime.fleet.replica import CacheBlockSource
-    from kvfleet_runtime.fleet.wiring import FleetSettings, hint_index_for
+    from kvfleet_runtime.fleet.t2_source import CacheBlockSource
 
 __all__ = [
     "DEFAULT_PROBE_BUDGET_S",
@@ -81,8 +81,8 @@ __all__ = [
     "peer_token",
 ]
 
-_TORCH_EXPORTS = {"CacheBlockSource": "replica", "PeerTier": "peer_tier",
-                  "FleetSettings": "wiring", "hint_index_for": "wiring"}
+_TORCH_EXPORTS = {"CacheBlockSource": "t2_source", "PeerTier": "peer_tier",
+                  "FleetSettings": "fleet_tier", "hint_index_for": "fleet_tier"}
 
 # Deferred so that the router (which imports the index) never pulls torch.
 __getattr__ = lazy_exports(__name__, _TORCH_EXPORTS, globals())

@@ -3,7 +3,7 @@
 A replica serves the block runs it holds to authenticated peers (`fleet.t2_serve`); a replica
 that misses a prefix fetches it from the peer that holds the longest run (`fleet.t2_fetch`).
 
-Protocol (version 1), one HTTP request per block run:
+Protocol (version 3, `VERSION`), one HTTP request per block run:
 
     POST /kv/v1/blocks
     X-Kvfleet-Tenant: <tenant>
@@ -83,7 +83,7 @@ its tenant, so a probe of tenant B's chain never matches tenant A's blocks, and 
 hashes presented with B's credential count nothing. 400 with a message for a bad body, 401 and
 503 as above.
 
-T2 is torch-free (it moves bytes); `kvfleet_runtime.fleet.replica` adapts it to `PrefixCache`
+T2 is torch-free (it moves bytes); `kvfleet_runtime.fleet.t2_source` adapts it to `PrefixCache`
 tensors.
 """
 

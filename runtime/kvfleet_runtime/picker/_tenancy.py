@@ -1,7 +1,8 @@
 """Who a request is for, and how a replica learns it: the one module both fronts call.
 
-    API key -> tenant        `Authorization: Bearer <key>` looked up by digest (`affinity.tenants`);
-                             a missing or unknown key is a 401 in OpenAI's envelope
+    API key -> tenant        `Authorization: Bearer <key>` looked up by digest
+                             (`affinity.api_keys`); a missing or unknown key is a 401 in OpenAI's
+                             envelope
     tenant -> replica        `X-Kvfleet-Tenant` with a signed assertion bound to the replica,
                              method and path, for seconds (`kvfleet_runtime.auth`)
     tenant -> vLLM body      the body re-encoded with `cache_salt` = the tenant's signed salt,

@@ -18,8 +18,8 @@ from kvfleet_runtime.server._config import (
     ReplicaConfig,
     load_config,
 )
-from kvfleet_runtime.server._replica import Replica
 from kvfleet_runtime.server._schemas import InvalidateRequest
+from kvfleet_runtime.server._state import Replica
 
 __all__ = [
     "CONFIG_ENV",

@@ -13,7 +13,7 @@ Routes:
 Every error is JSON, `{"error": {"message", "type", "param", "code"}}` (`kvfleet_runtime.api`),
 and names the problem; bad input is a 4xx and never takes the server down. Only an internal bug
 gives a 500. The OpenAI endpoints themselves live in `server/_completions.py`; what a running
-replica holds (`Replica`), in `_replica.py`.
+replica holds (`Replica`), in `_state.py`.
 """
 
 from __future__ import annotations
@@ -83,12 +83,12 @@ from kvfleet_runtime.server._config import (
     load_config,
     restart_fields,
 )
-from kvfleet_runtime.server._replica import Replica
 from kvfleet_runtime.server._schemas import (
     TENANT_PATTERN,
     InvalidateAccepted,
     InvalidateRequest,
 )
+from kvfleet_runtime.server._state import Replica
 from kvfleet_runtime.server._tiers import invalidate_local
 from kvfleet_runtime.tokenizer import ByteTokenizer, load_tokenizer
 from kvfleet_runtime.wire import TENANT_HEADER

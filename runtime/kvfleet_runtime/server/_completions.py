@@ -47,7 +47,7 @@ from kvfleet_runtime.engine import (
 from kvfleet_runtime.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.server._replica import Replica
+    from kvfleet_runtime.server._state import Replica
     from kvfleet_runtime.tokenizer import IncrementalDecoder
 
 __all__ = ["MIN_TOKENS_CODE", "chat_completions", "completions", "detokenize",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.server._replica import Replica
+    from kvfleet_runtime.server._state import Replica
 
 __all__ = ["invalidate_local"]
 

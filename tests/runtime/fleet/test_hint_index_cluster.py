@@ -282,7 +282,7 @@ async def test_the_publisher_sends_each_tenants_blocks_under_its_tenant(
 
 
 async def test_a_replica_configured_with_seed_urls_uses_the_cluster(cluster: RedisCluster) -> None:
-    from kvfleet_runtime.fleet.wiring import FleetSettings, hint_index_for, hint_index_kind
+    from kvfleet_runtime.fleet.fleet_tier import FleetSettings, hint_index_for, hint_index_kind
 
     settings = FleetSettings.from_env(
         {"KVFLEET_REDIS_CLUSTER_URLS": ",".join(cluster.seed_urls[:3]),

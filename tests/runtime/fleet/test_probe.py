@@ -23,13 +23,13 @@ from kvfleet_runtime.fleet import (
     PeerFetcher,
     PeerProbeHintIndex,
     RedisHintIndex,
+    fleet_tier,
     peer_routes,
     peer_token,
-    wiring,
 )
-from kvfleet_runtime.fleet.wiring import FleetSettings, hint_index_for
+from kvfleet_runtime.fleet.fleet_tier import FleetSettings, hint_index_for
 from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER
-from tests.runtime.fleet.test_transfer import (
+from tests.runtime.fleet.t2_support import (
     KEY_A,
     KEY_B,
     LAYOUT,
@@ -338,13 +338,13 @@ async def test_all_peers_down_costs_the_budget_at_most() -> None:
         await index.close()
 
 
-# -- wiring --------------------------------------------------------------------------------
+# -- fleet tier settings ---------------------------------------------------------------------------
 
 
 @pytest.fixture
 def no_mounted_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(wiring, "DEFAULT_SECRET_FILE", tmp_path / "absent-token")
-    monkeypatch.setattr(wiring, "DEFAULT_FLEET_CONFIG", tmp_path / "absent-fleet.yaml")
+    monkeypatch.setattr(fleet_tier, "DEFAULT_SECRET_FILE", tmp_path / "absent-token")
+    monkeypatch.setattr(fleet_tier, "DEFAULT_FLEET_CONFIG", tmp_path / "absent-fleet.yaml")
 
 
 @pytest.mark.usefixtures("no_mounted_defaults")

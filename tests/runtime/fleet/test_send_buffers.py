@@ -20,7 +20,7 @@ from kvfleet_runtime.fleet import (
     peer_routes,
 )
 from kvfleet_runtime.fleet.t2_protocol import BufferPool
-from tests.runtime.fleet.test_transfer import (
+from tests.runtime.fleet.t2_support import (
     KEY_A,
     KEY_B,
     LAYOUT,

@@ -26,7 +26,7 @@ from kvfleet_runtime.fleet import (
 from kvfleet_runtime.fleet._receive import BodyReader
 from kvfleet_runtime.fleet.t2_protocol import VERSION, chunk_checksum
 from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
-from tests.runtime.fleet.test_transfer import (
+from tests.runtime.fleet.t2_support import (
     KEY_A,
     LAYOUT,
     SECRET,

@@ -23,7 +23,7 @@
 - name: KVFLEET_WEIGHTS_DIGEST
   value: {{ . | quote }}
 {{- end }}
-{{- /* The fleet tier (kvfleet_runtime/fleet/wiring.py): the replica's name in the fleet is its
+{{- /* The fleet tier (kvfleet_runtime/fleet/fleet_tier.py): the replica's name in the fleet is its
 pod's name (POD_NAME; the operator's home sets and replica list use pod names), peers reach it at
 http://POD_IP:<port>, it reads the fleet config and the T2 secret from the mounts below (the
 config file may appear later: it is polled), and shares hints in Redis. */}}

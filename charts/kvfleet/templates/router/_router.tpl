@@ -45,7 +45,8 @@ files, so an unchanged tokenizer still matches, and a changed one turns the over
 {{ include "kvfleet.redisUrlEnv" (dict "context" . "role" "router") }}
 {{- end -}}
 
-{{/* The router's keys file: {tenants: {tenant: [key or sha256:<hex>, ...]}} (affinity/tenants.py). */}}
+{{/* The router's keys file: {tenants: {tenant: [key or sha256:<hex>, ...]}}
+(affinity/api_keys.py). */}}
 {{- define "kvfleet.router.keysFile" -}}
 {{- toYaml (dict "tenants" .Values.router.apiKeys.tenants) -}}
 {{- end -}}

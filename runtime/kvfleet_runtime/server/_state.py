@@ -64,7 +64,7 @@ class Replica:
     """Why the file now on disk is not in force, per file ("replica"; the fleet tier adds
     "fleet"), shown by /readyz; empty once a valid file applies. The last good config serves."""
     peers: LowerTier | None = None
-    """T2, set by the fleet tier while it runs (`kvfleet_runtime.fleet.wiring`): asked by the
+    """T2, set by the fleet tier while it runs (`kvfleet_runtime.fleet.fleet_tier`): asked by the
     engine's prepare after T3 (`wire_tiers`)."""
     config_watcher: ConfigFileWatcher | None = None
     """The config file's watcher, made by the first run of the watch loop and kept across its

@@ -1,4 +1,5 @@
-"""`kvfleet replica` (serve one replica) and `kvfleet model generate` (make a test checkpoint)."""
+"""`kvfleet replica`: serve one replica (its config, model, engine, cache and tiers, and the fleet
+tier when the environment names a fleet)."""
 
 from __future__ import annotations
 
@@ -8,37 +9,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
 from kvfleet_runtime.cli._app import app, fail
 
 WEIGHTS_DIGEST_ENV = "KVFLEET_WEIGHTS_DIGEST"
 """Set by the chart and by ModelRollout: the digest the pod is meant to serve."""
 
-model_app = typer.Typer(name="model", help="Reference model checkpoints.", no_args_is_help=True)
-app.add_typer(model_app)
-
-
-
-@model_app.command("generate")
-def generate(
-    out: Annotated[Path, typer.Option("--out", help="Folder to write config.json and "
-                                      "model.safetensors into.")],
-    preset: Annotated[str, typer.Option(help="tiny (tests) or small (bench, demo).")] = "tiny",
-    seed: Annotated[int, typer.Option(help="Same preset and seed: the same bytes.")] = 0,
-    attn_impl: Annotated[str, typer.Option(help="eager or sdpa.")] = "eager",
-) -> None:
-    """Write a deterministic random Llama-style checkpoint (Hugging Face layout)."""
-    from kvfleet_runtime.model import ModelArgs, generate_checkpoint
-
-    try:
-        args = ModelArgs.from_preset(preset)
-        args.attn_impl = attn_impl
-        args.__post_init__()
-        digest = generate_checkpoint(out, args, seed=seed)
-    except (ValueError, OSError) as exc:
-        fail(str(exc))
-    Console(highlight=False).print(f"{out}  {digest}")
+__all__ = ["WEIGHTS_DIGEST_ENV", "replica"]
 
 
 @app.command("replica")
@@ -65,7 +42,7 @@ def replica(
     Without it: only the tenant "default", on loopback.
     Cache control needs KVFLEET_OPERATOR_TOKEN[_FILE] (docs/security.md)."""
     from kvfleet_runtime.api import run_app
-    from kvfleet_runtime.fleet.wiring import attach_fleet, settings_from_env
+    from kvfleet_runtime.fleet.fleet_tier import attach_fleet, settings_from_env
     from kvfleet_runtime.server import (
         CONFIG_ENV,
         ReplicaAuth,

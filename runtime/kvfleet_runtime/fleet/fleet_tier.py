@@ -6,7 +6,8 @@
 
 What it adds to the replica's aiohttp app:
 
-- `POST /kv/v1/blocks`: the T2 endpoint (authenticated; see `transfer`), serving from the cache.
+- `POST /kv/v1/blocks`: the T2 endpoint (authenticated; see `t2_protocol`), serving from the
+  cache.
 - `GET /fleet/v1/load`: the load report the router polls (`kvfleet_runtime.picker._view`):
   KV occupancy of the engine's working blocks, queue depth and an estimated queue delay, and the
   cache key fields and tokenizer id the router needs to compute the prompt's block hashes.
@@ -84,10 +85,10 @@ from kvfleet_runtime.fleet.hint_index import (
 from kvfleet_runtime.fleet.peer_tier import PeerTier
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
-from kvfleet_runtime.fleet.replica import CacheBlockSource
 from kvfleet_runtime.fleet.t2_fetch import FetchStats, PeerFetcher
 from kvfleet_runtime.fleet.t2_protocol import PeerSecrets
 from kvfleet_runtime.fleet.t2_serve import DEFAULT_PEER_BODY_TIMEOUT_S, ExportedRun, peer_routes
+from kvfleet_runtime.fleet.t2_source import CacheBlockSource
 from kvfleet_runtime.nvme import mode_for
 from kvfleet_runtime.wire import BLOCK_SIZE, LOAD_PATH, LoadReport
 

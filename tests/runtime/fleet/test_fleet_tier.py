@@ -9,16 +9,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvfleet_runtime.fleet import EmbeddedHintIndex, PeerProbeHintIndex, RedisHintIndex, wiring
-from kvfleet_runtime.fleet.wiring import FleetSettings
+from kvfleet_runtime.fleet import (
+    EmbeddedHintIndex,
+    PeerProbeHintIndex,
+    RedisHintIndex,
+    fleet_tier,
+)
+from kvfleet_runtime.fleet.fleet_tier import FleetSettings
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.server import build_replica, load_config
 
 
 @pytest.fixture(autouse=True)
 def no_mounted_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(wiring, "DEFAULT_SECRET_FILE", tmp_path / "absent-token")
-    monkeypatch.setattr(wiring, "DEFAULT_FLEET_CONFIG", tmp_path / "absent-fleet.yaml")
+    monkeypatch.setattr(fleet_tier, "DEFAULT_SECRET_FILE", tmp_path / "absent-token")
+    monkeypatch.setattr(fleet_tier, "DEFAULT_FLEET_CONFIG", tmp_path / "absent-fleet.yaml")
 
 
 def test_nothing_configured_means_no_fleet_tier() -> None:
@@ -83,14 +88,14 @@ async def test_the_hint_lookup_budget_reaches_the_redis_index() -> None:
            "KVFLEET_HINT_LOOKUP_BUDGET_S": "0.25"}
     settings = FleetSettings.from_env(env, port=1)
     assert settings is not None
-    index = wiring.hint_index_for(settings)
+    index = fleet_tier.hint_index_for(settings)
     try:
         assert isinstance(index, RedisHintIndex) and index.lookup_budget_s == 0.25
     finally:
         await index.close()
     embedded = FleetSettings.from_env({"KVFLEET_PEER_SECRET": "s"}, port=1)
     assert embedded is not None
-    assert isinstance(wiring.hint_index_for(embedded), EmbeddedHintIndex)
+    assert isinstance(fleet_tier.hint_index_for(embedded), EmbeddedHintIndex)
 
 
 async def test_the_peer_probe_reaches_a_vllm_replica_at_its_peer_url(tmp_path: Path) -> None:
@@ -114,7 +119,7 @@ async def test_the_peer_probe_reaches_a_vllm_replica_at_its_peer_url(tmp_path: P
     settings = FleetSettings.from_env({"KVFLEET_FLEET_NAME": "self", "KVFLEET_PEER_SECRET": "s",
                                        "KVFLEET_FLEET_CONFIG": str(fleet_yaml)}, port=8000)
     assert settings is not None
-    tier = wiring.FleetTier(replica, settings)
+    tier = fleet_tier.FleetTier(replica, settings)
     tier._reload_config()
     assert isinstance(tier.index, PeerProbeHintIndex)
     assert tier.index.peers() == {"vllm-a": "http://10.0.0.2:8701",

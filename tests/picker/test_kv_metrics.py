@@ -17,9 +17,9 @@ from kvfleet_runtime.picker import FleetView, KvEventViews
 from kvfleet_runtime.picker._kv_events import AllBlocksCleared
 from kvfleet_runtime.picker._kv_metrics import DROP_REASONS, KvEventCollector
 from kvfleet_runtime.router import RouterState, create_router_app
-from tests.router.test_kv_events import B, batch, stored, tokens
-from tests.router.test_kv_subscriber import Publisher
-from tests.router.test_kv_subscriber import stored as wire_stored
+from tests.picker.test_kv_events import B, batch, stored, tokens
+from tests.picker.test_kv_subscriber import Publisher
+from tests.picker.test_kv_subscriber import stored as wire_stored
 from tests.support import free_port
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
