@@ -88,12 +88,16 @@ class Tracked:
     # Which replicas' load reports / `/cache/stats` did not answer, and until when to skip them.
     nvme_reports: NvmeReportReader = field(default_factory=NvmeReportReader)
     cache_stats: CacheStatsReader = field(default_factory=CacheStatsReader)
+    # Each policy's last home-set plan (a re-plan starts from it).
+    home_set_plans: handlers.HomeSetPlans = field(default_factory=handlers.HomeSetPlans)
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: tuple[str, str, str]) -> None:
         with self.locks.holding(key):  # after a handler in flight re-armed the schedule
             self.schedule.forget(key)
             self.nvme_reports.backoff.forget(key)
             self.cache_stats.backoff.forget(key)
+            if key[0] == "policy":
+                self.home_set_plans.forget(key[1], key[2])
 
     def sizes(self) -> dict[str, int]:
         return {
@@ -101,6 +105,7 @@ class Tracked:
             "locks": len(self.locks),
             "nvme_backoff": len(self.nvme_reports.backoff),
             "stats_backoff": len(self.cache_stats.backoff),
+            "home_set_plans": len(self.home_set_plans),
         }
 
 
@@ -150,7 +155,8 @@ def _policy(memo: Any, namespace: str | None, name: str, tick: bool = False) -> 
     read_nvme = functools.partial(_tracked(memo).nvme_reports, owner=key)
 
     def once() -> float:
-        handlers.reconcile_policy(_kube(memo), key[1], name, read_nvme=read_nvme)
+        handlers.reconcile_policy(_kube(memo), key[1], name, read_nvme=read_nvme,
+                                  plans=_tracked(memo).home_set_plans)
         return 0.0  # a valid policy is due on every tick: pods come and go
 
     _scheduled(memo, key, tick, once)
@@ -174,9 +180,8 @@ def _deleted(event: Any, **_: Any) -> bool:
 def _forget(memo: Any, kind: str, namespace: str | None, name: str) -> None:
     tracked = _tracked(memo)
     tracked.forget((kind, _ns(namespace), name))
-    log.debug("%s %s/%s deleted: forgotten; now tracking %s, home_set_plans %d", kind, namespace,
-              name, ", ".join(f"{k} {v}" for k, v in tracked.sizes().items()),
-              handlers.num_home_set_plans())
+    log.debug("%s %s/%s deleted: forgotten; now tracking %s", kind, namespace, name,
+              ", ".join(f"{k} {v}" for k, v in tracked.sizes().items()))
 
 
 @kopf.on.resume(*_POLICY)
@@ -212,7 +217,6 @@ def rollout_tick(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
 def policy_deleted(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
     """A deleted KVCachePolicy: forget what the operator kept for it (its ConfigMap goes with it:
     it is owned by the policy)."""
-    handlers.forget_home_sets(_ns(namespace), name)
     _forget(memo, "policy", namespace, name)
 
 

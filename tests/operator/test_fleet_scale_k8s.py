@@ -22,7 +22,7 @@ import pytest
 from kubernetes import client as kube_client
 from kubernetes import config as kube_config
 
-from kvfleet_operator.handlers import reconcile_policy
+from kvfleet_operator.handlers import HomeSetPlans, reconcile_policy
 from kvfleet_operator.kube import Kube
 from kvfleet_runtime.affinity import ReplicaLoad, choose_replica, rendezvous_top_k
 from kvfleet_runtime.config.fleet import load_fleet_config
@@ -117,8 +117,9 @@ def test_a_policy_over_1000_replicas_and_20000_tenants_publishes_a_config_that_f
         })
         kube = TimedKube(kube_config.new_client_from_config(str(operator_identity.kubeconfig)))
 
+        plans = HomeSetPlans()  # the operator's, kept between reconciles
         t0 = time.perf_counter()
-        assert reconcile_policy(kube, ns, "kv") is True
+        assert reconcile_policy(kube, ns, "kv", plans=plans) is True
         reconcile_s = time.perf_counter() - t0
         assert kube.applied_at is not None
         publish_s = kube.applied_at - t0
@@ -154,7 +155,7 @@ def test_a_policy_over_1000_replicas_and_20000_tenants_publishes_a_config_that_f
             assert d.homes == tuple(rendezvous_top_k(tenant, names, 3))
 
         # Nothing changed: nothing written.
-        assert reconcile_policy(kube, ns, "kv") is False
+        assert reconcile_policy(kube, ns, "kv", plans=plans) is False
 
         # One pod leaves: re-planned from the previous plan, published without it.
         gone = names[17]
@@ -162,7 +163,7 @@ def test_a_policy_over_1000_replicas_and_20000_tenants_publishes_a_config_that_f
         wait_for(lambda: gone not in {p["metadata"]["name"] for p in pods()}, f"{gone} deleted")
         kube.applied_at = None
         t0 = time.perf_counter()
-        assert reconcile_policy(kube, ns, "kv") is True
+        assert reconcile_policy(kube, ns, "kv", plans=plans) is True
         replan_s = time.perf_counter() - t0
         assert kube.applied_at is not None
         republish_s = kube.applied_at - t0

@@ -269,7 +269,7 @@ def test_rollout_drives_the_deployments_and_writes_status_after_the_actions(
     )
     rates = {"canary": 0.0}
     monkeypatch.setattr(
-        handlers,
+        handlers.rollout,
         "read_hit_rates",
         lambda *_, **__: MetricReading(0.6, rates["canary"], None, "prometheus"),
     )
@@ -329,7 +329,7 @@ def test_a_fleet_config_too_big_for_a_configmap_is_refused(
 ) -> None:
     import kopf
 
-    monkeypatch.setattr(handlers, "MAX_FLEET_CONFIG_BYTES", 2000)
+    monkeypatch.setattr(handlers.policy, "MAX_FLEET_CONFIG_BYTES", 2000)
     for i in range(3, 30):  # the replica list is what fills a config now, not the tenants
         kube.put("Pod", pod(f"llm-{i}", f"10.0.1.{i}"))
     kube.put(

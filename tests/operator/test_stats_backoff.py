@@ -110,7 +110,8 @@ def test_the_back_off_is_per_object_and_forgotten_with_it(
     assert silent.num_asked == 1
     assert tracked.sizes()["stats_backoff"] == 1
     tracked.forget(a)  # a was deleted (a new rollout of that name asks its pods again)
-    assert tracked.sizes() == {"schedule": 0, "locks": 0, "nvme_backoff": 0, "stats_backoff": 0}
+    assert tracked.sizes() == {"schedule": 0, "locks": 0, "nvme_backoff": 0, "stats_backoff": 0,
+                               "home_set_plans": 0}
     tracked.cache_stats(source, [SILENT], owner=a)
     wait_asked(silent, 2)
 

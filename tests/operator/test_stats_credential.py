@@ -91,12 +91,12 @@ def test_read_hit_rates_passes_the_token_on(replica_port: int) -> None:
 
 def test_the_handlers_read_the_token_the_chart_mounts(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvfleet_operator import handlers
+    from kvfleet_operator.handlers.rollout import _operator_token
 
     token = tmp_path / "token"
     token.write_text("mounted-token\n")
     monkeypatch.delenv("KVFLEET_OPERATOR_TOKEN", raising=False)
     monkeypatch.setenv("KVFLEET_OPERATOR_TOKEN_FILE", str(token))
-    assert handlers._operator_token() == b"mounted-token"
+    assert _operator_token() == b"mounted-token"
     monkeypatch.setenv("KVFLEET_OPERATOR_TOKEN_FILE", str(tmp_path / "missing"))
-    assert handlers._operator_token() is None  # logged; the Prometheus source still works
+    assert _operator_token() is None  # logged; the Prometheus source still works

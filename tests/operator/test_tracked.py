@@ -54,11 +54,15 @@ def test_the_deletion_handler_forgets_every_map() -> None:
                                             [("http://10.0.0.1:8000/x", TimeoutError())], key)
         tracked.cache_stats.backoff.record(["http://10.0.0.1:8000/y"],
                                            [("http://10.0.0.1:8000/y", TimeoutError())], key)
-    assert tracked.sizes() == {"schedule": 2, "locks": 0, "nvme_backoff": 2, "stats_backoff": 2}
+        tracked.home_set_plans.plan(f"{key[1]}/{key[2]}", ("acme",), ("r0", "r1"), 1)
+    assert tracked.sizes() == {"schedule": 2, "locks": 0, "nvme_backoff": 2, "stats_backoff": 2,
+                               "home_set_plans": 2}
     main.policy_deleted(namespace="ns", name="kv", memo=memo)
-    assert tracked.sizes() == {"schedule": 1, "locks": 0, "nvme_backoff": 1, "stats_backoff": 1}
+    assert tracked.sizes() == {"schedule": 1, "locks": 0, "nvme_backoff": 1, "stats_backoff": 1,
+                               "home_set_plans": 1}
     assert tracked.schedule.is_due(other) is False and len(tracked.schedule) == 1
     main.rollout_deleted(namespace="ns", name="other", memo=memo)  # another kind: not it
     assert tracked.sizes()["schedule"] == 1
     main.policy_deleted(namespace="ns", name="other", memo=memo)
-    assert tracked.sizes() == {"schedule": 0, "locks": 0, "nvme_backoff": 0, "stats_backoff": 0}
+    assert tracked.sizes() == {"schedule": 0, "locks": 0, "nvme_backoff": 0, "stats_backoff": 0,
+                               "home_set_plans": 0}
