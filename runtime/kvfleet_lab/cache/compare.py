@@ -7,6 +7,8 @@ Policies (all from `kvfleet_lab.cache.sim`, replayed one request at a time, capa
     no-cache   every prompt token is prefilled (hit rate 0: the prefill reference)
     vllm       per-block hash cache, LRU over freed blocks (vLLM v1 prefix caching)
     radix      radix tree, leaf-first LRU of whole segments (SGLang RadixAttention)
+    s3fifo     S3-FIFO (SOSP'23): small probationary FIFO, main FIFO with 2-bit counts, ghost
+    sieve      SIEVE (NSDI'24): one FIFO, a visited bit and a moving hand
     kvfleet    the shipped policy: kvfleet_runtime.cache.CacheManager
     belady     Belady's offline optimum at the same capacity (an upper bound of any policy)
     infinite   nothing is ever evicted (the workload's bound)
@@ -30,11 +32,14 @@ from kvfleet_lab.cache.sim import (
     simulate_infinite,
     simulate_kvfleet,
     simulate_radix,
+    simulate_s3fifo,
+    simulate_sieve,
     simulate_vllm,
     unique_blocks,
 )
 
 __all__ = [
+    "ANCHORS",
     "BASELINES",
     "POLICIES",
     "CapacityRow",
@@ -45,13 +50,17 @@ __all__ = [
     "compare_workload",
 ]
 
-POLICIES = ("no-cache", "vllm", "radix", "kvfleet", "belady", "infinite")
+POLICIES = ("no-cache", "vllm", "radix", "s3fifo", "sieve", "kvfleet", "belady", "infinite")
 BASELINES = ("vllm", "radix")
-"""The online policies kvfleet is compared against."""
+"""The LRU policies kvfleet is compared against (the engines' own)."""
+ANCHORS = ("s3fifo", "sieve")
+"""Published scan-resistant policies, replayed as anchors to beat."""
 
 _AT_CAPACITY: dict[str, Callable[[Sequence[TraceRequest], int], SimResult]] = {
     "vllm": simulate_vllm,
     "radix": simulate_radix,
+    "s3fifo": simulate_s3fifo,
+    "sieve": simulate_sieve,
     "kvfleet": simulate_kvfleet,
     "belady": simulate_belady,
 }
@@ -127,10 +136,9 @@ class PolicyComparison:
         data = asdict(self)
         for workload, raw in zip(self.workloads, data["workloads"], strict=True):
             for row, raw_row in zip(workload.rows, raw["rows"], strict=True):
-                raw_row["kvfleet_vs"] = {p: row.kvfleet_vs(p) for p in (*BASELINES, "belady")}
-                raw_row["kvfleet_saved_vs"] = {
-                    p: row.kvfleet_saved_vs(p) for p in (*BASELINES, "belady")
-                }
+                others = (*BASELINES, *ANCHORS, "belady")
+                raw_row["kvfleet_vs"] = {p: row.kvfleet_vs(p) for p in others}
+                raw_row["kvfleet_saved_vs"] = {p: row.kvfleet_saved_vs(p) for p in others}
                 raw_row["of_infinite"] = {p: row.of_infinite(p) for p in POLICIES}
                 raw_row["prefill_vs_no_cache"] = {p: row.prefill_vs_no_cache(p) for p in POLICIES}
         return data
@@ -144,17 +152,20 @@ class PolicyComparison:
                 f"{w.description}. {w.num_requests:,} requests, {w.num_tokens:,} prompt tokens, "
                 f"{w.num_unique_blocks:,} unique blocks.",
                 "",
-                "| capacity | vLLM | radix | kvfleet | Belady | infinite | kvfleet / vLLM "
-                "| kvfleet / radix | kvfleet / Belady | vLLM / inf | radix / inf | kvfleet / inf "
+                "| capacity | vLLM | radix | S3-FIFO | SIEVE | kvfleet | Belady | infinite "
+                "| kvfleet / vLLM | kvfleet / radix | kvfleet / S3-FIFO | kvfleet / SIEVE "
+                "| kvfleet / Belady | vLLM / inf | radix / inf | kvfleet / inf "
                 "| Belady / inf | prefill vs no cache (kvfleet) | compute saved: vLLM | radix "
                 "| kvfleet | Belady | kvfleet / Belady (compute) |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+                "|" + "---|" * 23,
             ]
             for r in w.rows:
                 cells = [f"{r.capacity_fraction:.0%} ({r.capacity_blocks:,} blocks)"]
-                cells += [f"{r.rate(p):.1%}" for p in ("vllm", "radix", "kvfleet", "belady")]
-                cells.append(f"{r.rate('infinite'):.1%}")
-                cells += [_fmt_ratio(r.kvfleet_vs(p)) for p in (*BASELINES, "belady")]
+                cells += [
+                    f"{r.rate(p):.1%}"
+                    for p in ("vllm", "radix", *ANCHORS, "kvfleet", "belady", "infinite")
+                ]
+                cells += [_fmt_ratio(r.kvfleet_vs(p)) for p in (*BASELINES, *ANCHORS, "belady")]
                 cells += [
                     _fmt_ratio(r.of_infinite(p)) for p in ("vllm", "radix", "kvfleet", "belady")
                 ]

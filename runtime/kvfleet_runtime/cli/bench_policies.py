@@ -1,10 +1,10 @@
 """`kvfleet bench policies` (also plain `kvfleet bench`).
 
-`policies`: no cache, vLLM-style hash + LRU, SGLang-style radix + LRU, kvfleet's shipped policy,
-Belady's offline optimum and the infinite cache, side by side on the Mooncake traces (each
-`--trace` given, its own row set: the synthetic one by default, `--trace synthetic --trace
-conversation` for both) and on the generated populations (`kvfleet_lab.cache.compare`,
-`.workloads`), at several capacities.
+`policies`: no cache, vLLM-style hash + LRU, SGLang-style radix + LRU, S3-FIFO and SIEVE (the
+published scan-resistant anchors), kvfleet's shipped policy, Belady's offline optimum and the
+infinite cache, side by side on the Mooncake traces (each `--trace` given, its own row set: the
+synthetic one by default, `--trace synthetic --trace conversation` for both) and on the generated
+populations (`kvfleet_lab.cache.compare`, `.workloads`), at several capacities.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def policies(
         ),
     ] = True,
 ) -> None:
-    """Hit rates side by side: no cache, vLLM-style hash + LRU, radix + LRU (SGLang), kvfleet,
-    Belady and the infinite cache, on the trace and the generated populations."""
+    """Hit rates side by side: no cache, vLLM-style hash + LRU, radix + LRU (SGLang), S3-FIFO,
+    SIEVE, kvfleet, Belady and the infinite cache, on the trace and the generated populations."""
     from kvfleet_lab.cache.blockpool import vllm_python
     from kvfleet_lab.cache.compare import compare_policies
     from kvfleet_lab.cache.sim import TraceRequest, load_mooncake_trace
@@ -167,11 +167,15 @@ def policies(
             "capacity (blocks)",
             "vLLM",
             "radix",
+            "S3-FIFO",
+            "SIEVE",
             "kvfleet",
             "Belady",
             "inf.",
             "kv/vLLM",
             "kv/radix",
+            "kv/S3-FIFO",
+            "kv/SIEVE",
             "kv/Belady",
             "kv/inf.",
             "saved: kv",
@@ -182,8 +186,11 @@ def policies(
         for r in w.rows:
             table.add_row(
                 f"{r.capacity_fraction:.0%} ({r.capacity_blocks:,})",
-                *(f"{r.rate(p):.1%}" for p in ("vllm", "radix", "kvfleet", "belady", "infinite")),
-                *(_ratio(r.kvfleet_vs(p)) for p in ("vllm", "radix", "belady")),
+                *(
+                    f"{r.rate(p):.1%}"
+                    for p in ("vllm", "radix", "s3fifo", "sieve", "kvfleet", "belady", "infinite")
+                ),
+                *(_ratio(r.kvfleet_vs(p)) for p in ("vllm", "radix", "s3fifo", "sieve", "belady")),
                 _ratio(r.of_infinite("kvfleet")),
                 f"{r.saved('kvfleet'):.1%}",
                 f"{r.saved('belady'):.1%}",
