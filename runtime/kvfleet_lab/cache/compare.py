@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfleet_lab.cache.blockpool import simulate_vllm_pool
+from kvfleet_lab.cache.explain import LostHits, explain_lost_hits
 from kvfleet_lab.cache.sim import (
     SimResult,
     TraceRequest,
@@ -92,6 +93,9 @@ class CapacityRow:
     vllm_pool: PolicyFigure | None = None
     """vLLM's own `BlockPool` replayed on the same requests (`blockpool.py`), beside the
     project's model of it ("vllm"); None where vllm was not found."""
+    lost_hits: LostHits | None = None
+    """What Belady hits and kvfleet does not, and what came between (`explain.py`); None unless
+    asked for."""
 
     def rate(self, policy: str) -> float:
         return self.figures[policy].token_hit_rate
@@ -192,7 +196,54 @@ class PolicyComparison:
                 lines.append("")
             if w.vllm_pool_error:
                 lines += [f"vLLM's BlockPool replay did not run: {w.vllm_pool_error}", ""]
+            lines += _lost_hits_table(w)
         return "\n".join(lines)
+
+
+def _lost_hits_table(w: WorkloadResult) -> list[str]:
+    rows = [(r, r.lost_hits) for r in w.rows if r.lost_hits is not None]
+    if not rows:
+        return []
+    lines = [
+        f"What Belady hits and kvfleet does not, {w.name} (block-weighted; between the two uses "
+        "of each lost block, in capacities, p25 / p50 / p75):",
+        "",
+        "| capacity | lost blocks (of Belady's hits) | kvfleet hits Belady misses | at their "
+        "first reuse | blocks requested between | first sightings between | once-seen between "
+        "| returning first sightings between | once-seen share of the first sightings | "
+        "returning < capacity | first sightings < capacity |",
+        "|" + "---|" * 11,
+    ]
+    for r, lost in rows:
+        belady = r.figures["belady"].num_hit_tokens // 16
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{r.capacity_fraction:.0%}",
+                    f"{lost.num_lost_blocks:,} ({_share(lost.num_lost_blocks, belady)})",
+                    f"{lost.num_gained_blocks:,}",
+                    f"{lost.first_reuse_share:.0%}",
+                    _fmt_quartiles(lost.accesses_quartiles),
+                    _fmt_quartiles(lost.new_quartiles),
+                    _fmt_quartiles(lost.once_quartiles),
+                    _fmt_quartiles(lost.returning_quartiles),
+                    f"{lost.once_share_of_new:.0%}",
+                    f"{lost.share_returning_below_capacity:.0%}",
+                    f"{lost.share_new_below_capacity:.0%}",
+                ]
+            )
+            + " |"
+        )
+    return [*lines, ""]
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part / whole:.0%}" if whole else "—"
+
+
+def _fmt_quartiles(q: tuple[float, float, float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in q)
 
 
 def _fmt_ratio(value: float | None) -> str:
@@ -228,9 +279,11 @@ def compare_workload(
     *,
     on_progress: Callable[[str], None] | None = None,
     vllm_python: str | None = None,
+    explain: bool = False,
 ) -> WorkloadResult:
     """Every policy on `requests` at each capacity (a fraction of the unique blocks); with
-    `vllm_python` (an interpreter that imports vllm), vLLM's own BlockPool too."""
+    `vllm_python` (an interpreter that imports vllm), vLLM's own BlockPool too; with `explain`,
+    each row's `lost_hits` (what Belady hits and kvfleet does not), from the same replays."""
     if not requests:
         raise ValueError(f"workload {name!r} has no requests")
     if not fractions or any(not 0 < f <= 1 for f in fractions):
@@ -243,14 +296,20 @@ def compare_workload(
     for fraction in fractions:
         capacity = max(1, round(unique * fraction))
         figures = {"no-cache": no_cache}
+        results: dict[str, SimResult] = {}
         for policy, simulate in _AT_CAPACITY.items():
             if on_progress is not None:
                 on_progress(f"{name}: {policy} at {fraction:.0%} ({capacity:,} blocks)")
             t0 = time.perf_counter()
-            result = simulate(requests, capacity)
+            result = results[policy] = simulate(requests, capacity)
             figures[policy] = _figure(result, time.perf_counter() - t0)
         figures["infinite"] = infinite
-        rows.append(CapacityRow(fraction, capacity, {p: figures[p] for p in POLICIES}))
+        row = CapacityRow(fraction, capacity, {p: figures[p] for p in POLICIES})
+        if explain:
+            if on_progress is not None:
+                on_progress(f"{name}: what Belady keeps that kvfleet drops at {fraction:.0%}")
+            row.lost_hits = explain_lost_hits(requests, results["kvfleet"], results["belady"])
+        rows.append(row)
     error = None
     if vllm_python is not None:
         if on_progress is not None:
@@ -283,6 +342,7 @@ def compare_policies(
     *,
     on_progress: Callable[[str], None] | None = None,
     vllm_python: str | None = None,
+    explain: bool = False,
 ) -> PolicyComparison:
     start = time.perf_counter()
     results = [
@@ -293,6 +353,7 @@ def compare_policies(
             fractions,
             on_progress=on_progress,
             vllm_python=vllm_python,
+            explain=explain,
         )
         for name, description, requests in workloads
     ]

@@ -97,6 +97,14 @@ def policies(
             "$KVFLEET_VLLM_PYTHON / $KVFLEET_HOME/vllm-venv (docs/cache.md)."
         ),
     ] = True,
+    explain: Annotated[
+        bool,
+        typer.Option(
+            "--explain",
+            help="Also find, per cell, what Belady hits and kvfleet does not: the reuse distance "
+            "of those blocks and the once-seen blocks stored between their uses (docs/cache.md).",
+        ),
+    ] = False,
 ) -> None:
     """Hit rates side by side: no cache, vLLM-style hash + LRU, radix + LRU (SGLang), S3-FIFO,
     SIEVE, kvfleet, Belady and the infinite cache, on the trace and the generated populations."""
@@ -138,7 +146,7 @@ def policies(
     if vllm_pool and python is None:
         progress("vLLM's BlockPool: vllm not found (docs/cache.md makes its environment); skipped")
     report = compare_policies(
-        inputs, capacity_fractions, on_progress=progress, vllm_python=python
+        inputs, capacity_fractions, on_progress=progress, vllm_python=python, explain=explain
     )
     report.seconds = time.perf_counter() - start
     try:
@@ -209,6 +217,18 @@ def policies(
             )
         if w.vllm_pool_error:
             console.print(f"  vLLM's BlockPool replay did not run: {w.vllm_pool_error}")
+        for r in w.rows:
+            lost = r.lost_hits
+            if lost is not None:
+                console.print(
+                    f"  {r.capacity_fraction:.0%}: Belady hits {lost.num_lost_blocks:,} blocks "
+                    f"kvfleet does not ({lost.first_reuse_share:.0%} at their first reuse); "
+                    "between their uses (x capacity, p50): "
+                    f"{lost.accesses_quartiles[1]:.2f} requested, "
+                    f"{lost.new_quartiles[1]:.2f} first sightings, "
+                    f"{lost.once_quartiles[1]:.2f} once-seen; "
+                    f"{lost.share_returning_below_capacity:.0%} had room without the once-seen"
+                )
     console.print(
         "Token hit rates; kv/X = kvfleet's over X's; saved: the share of the prefill FLOPs of "
         "the reference model (breakeven's 2N per token plus attention by position) the hits "

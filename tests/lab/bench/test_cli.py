@@ -189,3 +189,17 @@ def test_all_runs_each_benchmark_and_reports_failures(
     assert replica[2:] == ["--reps", "2", "--prefill-tokens", "512,2000", "--prompt-tokens", "1000",
                            "--concurrency", "1,8"]
     assert "exit 1" in result.output
+
+
+def test_policies_explain_writes_what_belady_keeps_that_kvfleet_drops(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "trace.jsonl", ROWS)
+    out = tmp_path / "out"
+    result = kvfleet(
+        "policies", "--trace", str(trace), "--workloads", "trace", *TINY, "--explain",
+        "--out", str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "blocks kvfleet does not" in result.stdout
+    assert "What Belady hits and kvfleet does not, trace" in (out / "policies.md").read_text()
+    rows = json.loads((out / "policies.json").read_text())["workloads"][0]["rows"]
+    assert all(row["lost_hits"]["capacity_blocks"] == row["capacity_blocks"] for row in rows)
