@@ -211,8 +211,9 @@ def _lost_hits_table(w: WorkloadResult) -> list[str]:
         "| capacity | lost blocks (of Belady's hits) | kvfleet hits Belady misses | at their "
         "first reuse | blocks requested between | first sightings between | once-seen between "
         "| returning first sightings between | once-seen share of the first sightings | "
-        "returning < capacity | first sightings < capacity |",
-        "|" + "---|" * 11,
+        "returning < capacity | first sightings < capacity | LRU storing only returning blocks "
+        "(offline) / Belady |",
+        "|" + "---|" * 12,
     ]
     for r, lost in rows:
         belady = r.figures["belady"].num_hit_tokens // 16
@@ -231,6 +232,7 @@ def _lost_hits_table(w: WorkloadResult) -> list[str]:
                     f"{lost.once_share_of_new:.0%}",
                     f"{lost.share_returning_below_capacity:.0%}",
                     f"{lost.share_new_below_capacity:.0%}",
+                    _fmt_ratio(_ratio(lost.returning_only_lru_hit_blocks, belady)),
                 ]
             )
             + " |"

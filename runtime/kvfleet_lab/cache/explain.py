@@ -15,18 +15,21 @@ the trace alone tells, between its previous use (request `p`) and request `r`:
 - `new - once`: first sightings that do come back later.
 
 Distances are given as multiples of the capacity. Block-weighted (a lost block is a lost 16-token
-hit). Pure and torch-free; returns records, prints nothing.
+hit). Beside them, `simulate_lru_returning_only`: LRU told which blocks will be requested again,
+storing (and refreshing) only those: how far admission alone, with perfect knowledge, takes
+recency toward Belady. Pure and torch-free; returns records, prints nothing.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvfleet_lab.cache.sim import SimResult, TraceRequest
+from kvfleet_lab.cache.sim import SimResult, TraceRequest, cached_prefix
+from kvfleet_runtime.cache import BlockHash
 
-__all__ = ["LostHits", "explain_lost_hits"]
+__all__ = ["LostHits", "explain_lost_hits", "simulate_lru_returning_only"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,10 +58,36 @@ class LostHits:
     policy that stored no once-seen block had room to keep them (as Belady's bypass does)."""
     share_new_below_capacity: float
     """Lost blocks with fewer first sightings in between than the capacity."""
+    returning_only_lru_hit_blocks: int
+    """What LRU hits at this capacity when it stores only blocks that are requested again
+    (`simulate_lru_returning_only`: offline, a bound of admission in front of recency)."""
 
     @property
     def first_reuse_share(self) -> float:
         return self.num_first_reuse_blocks / self.num_lost_blocks if self.num_lost_blocks else 0.0
+
+
+def simulate_lru_returning_only(
+    requests: Sequence[TraceRequest], capacity_blocks: int
+) -> SimResult:
+    """`simulate_lru` with an oracle admission: at each request, a block that no later request
+    holds is neither stored nor refreshed (a resident one ages out as LRU has it). Not online."""
+    remaining = Counter(b for r in requests for b in r.blocks)
+    result = SimResult("lru_returning_only", capacity_blocks)
+    cache: OrderedDict[BlockHash, None] = OrderedDict()
+    for request in requests:
+        result.record(request, cached_prefix(request.blocks, cache))
+        for b in reversed(request.blocks):
+            remaining[b] -= 1
+            if not remaining[b]:
+                continue
+            if b in cache:
+                cache.move_to_end(b)
+            else:
+                cache[b] = None
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
+    return result
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -136,4 +165,5 @@ def explain_lost_hits(
         sum_once / sum_new if sum_new else 0.0,
         below_returning / num_lost if num_lost else 0.0,
         below_new / num_lost if num_lost else 0.0,
+        sum(simulate_lru_returning_only(requests, capacity).hit_blocks),
     )

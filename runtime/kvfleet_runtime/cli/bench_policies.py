@@ -227,7 +227,9 @@ def policies(
                     f"{lost.accesses_quartiles[1]:.2f} requested, "
                     f"{lost.new_quartiles[1]:.2f} first sightings, "
                     f"{lost.once_quartiles[1]:.2f} once-seen; "
-                    f"{lost.share_returning_below_capacity:.0%} had room without the once-seen"
+                    f"{lost.share_returning_below_capacity:.0%} had room without the once-seen; "
+                    "LRU storing only returning blocks (offline): "
+                    f"{lost.returning_only_lru_hit_blocks * 16 / max(1, w.num_tokens):.1%}"
                 )
     console.print(
         "Token hit rates; kv/X = kvfleet's over X's; saved: the share of the prefill FLOPs of "

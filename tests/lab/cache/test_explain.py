@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvfleet_lab.cache.compare import compare_workload
-from kvfleet_lab.cache.explain import explain_lost_hits
+from kvfleet_lab.cache.explain import explain_lost_hits, simulate_lru_returning_only
 from kvfleet_lab.cache.sim import TraceRequest, simulate_belady, simulate_lru
 from kvfleet_runtime.cache import BlockHash
 
@@ -28,6 +28,16 @@ def test_one_shots_between_the_reuses_of_a_prefix_are_what_lru_loses_to() -> Non
     assert lost.returning_quartiles == (0, 0, 0)
     assert lost.once_share_of_new == 1.0
     assert lost.share_returning_below_capacity == 1.0 and lost.share_new_below_capacity == 0.0
+    # LRU that stores no one-shot keeps A as Belady does.
+    assert lost.returning_only_lru_hit_blocks == 6
+
+
+def test_lru_storing_only_returning_blocks_neither_stores_nor_refreshes_a_last_use() -> None:
+    # At 1 block: [1] stored (it returns), [2] not (never again); [1]'s last use does not
+    # refresh it, so [3], which returns, replaces it; [3] hits.
+    trace = [req(1), req(2), req(1), req(3), req(3)]
+    assert simulate_lru_returning_only(trace, 1).hit_blocks == [0, 0, 1, 0, 1]
+    assert simulate_lru(trace, 1).hit_blocks == [0, 0, 0, 0, 1]
 
 
 def test_returning_blocks_and_resent_blocks_count_apart() -> None:
