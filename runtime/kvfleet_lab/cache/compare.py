@@ -7,6 +7,8 @@ Policies (all from `kvfleet_lab.cache.sim`, replayed one request at a time, capa
     no-cache   every prompt token is prefilled (hit rate 0: the prefill reference)
     vllm       per-block hash cache, LRU over freed blocks (vLLM v1 prefix caching)
     radix      radix tree, leaf-first LRU of whole segments (SGLang RadixAttention)
+    s3fifo     S3-FIFO (SOSP'23): small probationary FIFO, main FIFO with 2-bit counts, ghost
+    sieve      SIEVE (NSDI'24): one FIFO, a visited bit and a moving hand
     kvfleet    the shipped policy: kvfleet_runtime.cache.CacheManager
     belady     Belady's offline optimum at the same capacity (an upper bound of any policy)
     infinite   nothing is ever evicted (the workload's bound)
@@ -23,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfleet_lab.cache.blockpool import simulate_vllm_pool
+from kvfleet_lab.cache.explain import LostHits, explain_lost_hits
 from kvfleet_lab.cache.sim import (
     SimResult,
     TraceRequest,
@@ -30,11 +33,14 @@ from kvfleet_lab.cache.sim import (
     simulate_infinite,
     simulate_kvfleet,
     simulate_radix,
+    simulate_s3fifo,
+    simulate_sieve,
     simulate_vllm,
     unique_blocks,
 )
 
 __all__ = [
+    "ANCHORS",
     "BASELINES",
     "POLICIES",
     "CapacityRow",
@@ -45,13 +51,17 @@ __all__ = [
     "compare_workload",
 ]
 
-POLICIES = ("no-cache", "vllm", "radix", "kvfleet", "belady", "infinite")
+POLICIES = ("no-cache", "vllm", "radix", "s3fifo", "sieve", "kvfleet", "belady", "infinite")
 BASELINES = ("vllm", "radix")
-"""The online policies kvfleet is compared against."""
+"""The LRU policies kvfleet is compared against (the engines' own)."""
+ANCHORS = ("s3fifo", "sieve")
+"""Published scan-resistant policies, replayed as anchors to beat."""
 
 _AT_CAPACITY: dict[str, Callable[[Sequence[TraceRequest], int], SimResult]] = {
     "vllm": simulate_vllm,
     "radix": simulate_radix,
+    "s3fifo": simulate_s3fifo,
+    "sieve": simulate_sieve,
     "kvfleet": simulate_kvfleet,
     "belady": simulate_belady,
 }
@@ -83,6 +93,9 @@ class CapacityRow:
     vllm_pool: PolicyFigure | None = None
     """vLLM's own `BlockPool` replayed on the same requests (`blockpool.py`), beside the
     project's model of it ("vllm"); None where vllm was not found."""
+    lost_hits: LostHits | None = None
+    """What Belady hits and kvfleet does not, and what came between (`explain.py`); None unless
+    asked for."""
 
     def rate(self, policy: str) -> float:
         return self.figures[policy].token_hit_rate
@@ -127,10 +140,9 @@ class PolicyComparison:
         data = asdict(self)
         for workload, raw in zip(self.workloads, data["workloads"], strict=True):
             for row, raw_row in zip(workload.rows, raw["rows"], strict=True):
-                raw_row["kvfleet_vs"] = {p: row.kvfleet_vs(p) for p in (*BASELINES, "belady")}
-                raw_row["kvfleet_saved_vs"] = {
-                    p: row.kvfleet_saved_vs(p) for p in (*BASELINES, "belady")
-                }
+                others = (*BASELINES, *ANCHORS, "belady")
+                raw_row["kvfleet_vs"] = {p: row.kvfleet_vs(p) for p in others}
+                raw_row["kvfleet_saved_vs"] = {p: row.kvfleet_saved_vs(p) for p in others}
                 raw_row["of_infinite"] = {p: row.of_infinite(p) for p in POLICIES}
                 raw_row["prefill_vs_no_cache"] = {p: row.prefill_vs_no_cache(p) for p in POLICIES}
         return data
@@ -144,17 +156,20 @@ class PolicyComparison:
                 f"{w.description}. {w.num_requests:,} requests, {w.num_tokens:,} prompt tokens, "
                 f"{w.num_unique_blocks:,} unique blocks.",
                 "",
-                "| capacity | vLLM | radix | kvfleet | Belady | infinite | kvfleet / vLLM "
-                "| kvfleet / radix | kvfleet / Belady | vLLM / inf | radix / inf | kvfleet / inf "
+                "| capacity | vLLM | radix | S3-FIFO | SIEVE | kvfleet | Belady | infinite "
+                "| kvfleet / vLLM | kvfleet / radix | kvfleet / S3-FIFO | kvfleet / SIEVE "
+                "| kvfleet / Belady | vLLM / inf | radix / inf | kvfleet / inf "
                 "| Belady / inf | prefill vs no cache (kvfleet) | compute saved: vLLM | radix "
                 "| kvfleet | Belady | kvfleet / Belady (compute) |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+                "|" + "---|" * 23,
             ]
             for r in w.rows:
                 cells = [f"{r.capacity_fraction:.0%} ({r.capacity_blocks:,} blocks)"]
-                cells += [f"{r.rate(p):.1%}" for p in ("vllm", "radix", "kvfleet", "belady")]
-                cells.append(f"{r.rate('infinite'):.1%}")
-                cells += [_fmt_ratio(r.kvfleet_vs(p)) for p in (*BASELINES, "belady")]
+                cells += [
+                    f"{r.rate(p):.1%}"
+                    for p in ("vllm", "radix", *ANCHORS, "kvfleet", "belady", "infinite")
+                ]
+                cells += [_fmt_ratio(r.kvfleet_vs(p)) for p in (*BASELINES, *ANCHORS, "belady")]
                 cells += [
                     _fmt_ratio(r.of_infinite(p)) for p in ("vllm", "radix", "kvfleet", "belady")
                 ]
@@ -181,7 +196,56 @@ class PolicyComparison:
                 lines.append("")
             if w.vllm_pool_error:
                 lines += [f"vLLM's BlockPool replay did not run: {w.vllm_pool_error}", ""]
+            lines += _lost_hits_table(w)
         return "\n".join(lines)
+
+
+def _lost_hits_table(w: WorkloadResult) -> list[str]:
+    rows = [(r, r.lost_hits) for r in w.rows if r.lost_hits is not None]
+    if not rows:
+        return []
+    lines = [
+        f"What Belady hits and kvfleet does not, {w.name} (block-weighted; between the two uses "
+        "of each lost block, in capacities, p25 / p50 / p75):",
+        "",
+        "| capacity | lost blocks (of Belady's hits) | kvfleet hits Belady misses | at their "
+        "first reuse | blocks requested between | first sightings between | once-seen between "
+        "| returning first sightings between | once-seen share of the first sightings | "
+        "returning < capacity | first sightings < capacity | LRU storing only returning blocks "
+        "(offline) / Belady |",
+        "|" + "---|" * 12,
+    ]
+    for r, lost in rows:
+        belady = r.figures["belady"].num_hit_tokens // 16
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{r.capacity_fraction:.0%}",
+                    f"{lost.num_lost_blocks:,} ({_share(lost.num_lost_blocks, belady)})",
+                    f"{lost.num_gained_blocks:,}",
+                    f"{lost.first_reuse_share:.0%}",
+                    _fmt_quartiles(lost.accesses_quartiles),
+                    _fmt_quartiles(lost.new_quartiles),
+                    _fmt_quartiles(lost.once_quartiles),
+                    _fmt_quartiles(lost.returning_quartiles),
+                    f"{lost.once_share_of_new:.0%}",
+                    f"{lost.share_returning_below_capacity:.0%}",
+                    f"{lost.share_new_below_capacity:.0%}",
+                    _fmt_ratio(_ratio(lost.returning_only_lru_hit_blocks, belady)),
+                ]
+            )
+            + " |"
+        )
+    return [*lines, ""]
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part / whole:.0%}" if whole else "—"
+
+
+def _fmt_quartiles(q: tuple[float, float, float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in q)
 
 
 def _fmt_ratio(value: float | None) -> str:
@@ -217,9 +281,11 @@ def compare_workload(
     *,
     on_progress: Callable[[str], None] | None = None,
     vllm_python: str | None = None,
+    explain: bool = False,
 ) -> WorkloadResult:
     """Every policy on `requests` at each capacity (a fraction of the unique blocks); with
-    `vllm_python` (an interpreter that imports vllm), vLLM's own BlockPool too."""
+    `vllm_python` (an interpreter that imports vllm), vLLM's own BlockPool too; with `explain`,
+    each row's `lost_hits` (what Belady hits and kvfleet does not), from the same replays."""
     if not requests:
         raise ValueError(f"workload {name!r} has no requests")
     if not fractions or any(not 0 < f <= 1 for f in fractions):
@@ -232,14 +298,20 @@ def compare_workload(
     for fraction in fractions:
         capacity = max(1, round(unique * fraction))
         figures = {"no-cache": no_cache}
+        results: dict[str, SimResult] = {}
         for policy, simulate in _AT_CAPACITY.items():
             if on_progress is not None:
                 on_progress(f"{name}: {policy} at {fraction:.0%} ({capacity:,} blocks)")
             t0 = time.perf_counter()
-            result = simulate(requests, capacity)
+            result = results[policy] = simulate(requests, capacity)
             figures[policy] = _figure(result, time.perf_counter() - t0)
         figures["infinite"] = infinite
-        rows.append(CapacityRow(fraction, capacity, {p: figures[p] for p in POLICIES}))
+        row = CapacityRow(fraction, capacity, {p: figures[p] for p in POLICIES})
+        if explain:
+            if on_progress is not None:
+                on_progress(f"{name}: what Belady keeps that kvfleet drops at {fraction:.0%}")
+            row.lost_hits = explain_lost_hits(requests, results["kvfleet"], results["belady"])
+        rows.append(row)
     error = None
     if vllm_python is not None:
         if on_progress is not None:
@@ -272,6 +344,7 @@ def compare_policies(
     *,
     on_progress: Callable[[str], None] | None = None,
     vllm_python: str | None = None,
+    explain: bool = False,
 ) -> PolicyComparison:
     start = time.perf_counter()
     results = [
@@ -282,6 +355,7 @@ def compare_policies(
             fractions,
             on_progress=on_progress,
             vllm_python=vllm_python,
+            explain=explain,
         )
         for name, description, requests in workloads
     ]

@@ -17,6 +17,8 @@ __all__ = ["write_policy_plots"]
 _STYLE = {
     "vllm": ("vLLM (hash + LRU)", "#dd8452", "o", "-"),
     "radix": ("radix + LRU (SGLang)", "#55a868", "s", "-"),
+    "s3fifo": ("S3-FIFO", "#c44e52", "v", "-."),
+    "sieve": ("SIEVE", "#937860", "P", "-."),
     "kvfleet": ("kvfleet", "#4c72b0", "D", "-"),
     "belady": ("Belady (offline optimum)", "#8172b3", "^", "--"),
     "infinite": ("infinite cache", "#444444", "", ":"),
@@ -57,7 +59,7 @@ def _ratios(report: PolicyComparison, path: Path) -> Path:
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
     for ax, w in zip(axes.flat, report.workloads, strict=False):
         x = [r.capacity_fraction * 100 for r in w.rows]
-        for policy in ("vllm", "radix", "belady"):
+        for policy in ("vllm", "radix", "s3fifo", "sieve", "belady"):
             label, color, marker, line = _STYLE[policy]
             y = [r.kvfleet_vs(policy) for r in w.rows]
             ax.plot(

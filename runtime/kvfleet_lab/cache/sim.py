@@ -12,12 +12,24 @@ capacity counted in blocks:
 - `simulate_radix`: SGLang's RadixAttention (`radix_cache.py`, LRU): a radix tree of multi-block
   segments, whole leaves evicted least recently used first, `evict(n)` asked for the whole
   allocation whenever the free pool is short of it;
+- `simulate_s3fifo`: S3-FIFO (Yang et al., SOSP'23) over blocks: a small probationary FIFO of 10%
+  of the capacity, a main FIFO with a 2-bit frequency (reinserted while it is above 0, one less
+  each time), and a ghost FIFO of evicted keys as long as the main FIFO; a block hit twice while
+  in the small FIFO moves to the main one, a ghost that comes back goes straight there;
+- `simulate_sieve`: SIEVE (Zhang et al., NSDI'24) over blocks: one FIFO with a visited bit and a
+  hand that walks from the oldest block toward the newest, clearing bits, and evicts the first
+  unvisited block it meets; newcomers go in at the new end;
 - `simulate_belady`: Belady's offline optimum (MIN with bypass): evict the block whose next use is
   furthest away, deepest first among ties, never admit a block that would be that victim;
 - `simulate_kvfleet`: the shipped policy, i.e. `kvfleet_runtime.cache.CacheManager` (sketch,
   admission from `CacheTuning.admit_min_sightings`, TinyLFU duel, pinning, thrash detector) via its
   `replay` with the same hashes: the lab's one kvfleet replay (the fleet simulator and the fleet
   routing replay drive the same manager).
+
+S3-FIFO and SIEVE are per-block hash caches like `simulate_lru`: a hit is the leading run of
+resident blocks (a block is only usable when its whole parent chain is), then every block of the
+request is accessed, tail first so that the head is the newest (a resident block counts as a
+hit for the policy, a missing one is inserted), as `simulate_lru` touches them.
 
 `load_mooncake_trace` replays the Mooncake trace format: each 512-token `hash_id` expands into 32
 blocks of deterministic tokens derived from (hash id, sub-block index), the last block cut to
@@ -52,6 +64,8 @@ __all__ = [
     "simulate_lru",
     "simulate_popularity_oracle",
     "simulate_radix",
+    "simulate_s3fifo",
+    "simulate_sieve",
     "simulate_vllm",
     "unique_blocks",
 ]
@@ -87,6 +101,8 @@ class SimResult:
     saved_flops: float = 0.0
     """Of it, the positions the hits supplied: each request's first `hit` positions."""
     extra: dict[str, float] = field(default_factory=dict)
+    hit_blocks: list[int] = field(default_factory=list)
+    """Each request's hit, in blocks, in trace order."""
 
     @property
     def token_hit_rate(self) -> float:
@@ -107,6 +123,7 @@ class SimResult:
         self.num_tokens += request.num_tokens
         self.num_hit_tokens += hit_blocks * BLOCK_SIZE
         self.num_hit_requests += 1 if hit_blocks else 0
+        self.hit_blocks.append(hit_blocks)
         self.prompt_flops += prefill_flops(COST_MODEL, request.num_tokens)
         if hit_blocks:
             self.saved_flops += prefill_flops(COST_MODEL, hit_blocks * BLOCK_SIZE)
@@ -210,6 +227,149 @@ def simulate_lru(requests: Sequence[TraceRequest], capacity_blocks: int) -> SimR
                 cache[b] = None
         while len(cache) > capacity_blocks:
             cache.popitem(last=False)
+    return result
+
+
+def simulate_s3fifo(
+    requests: Sequence[TraceRequest],
+    capacity_blocks: int,
+    *,
+    small_fraction: float = 0.1,
+    move_to_main_threshold: int = 2,
+    on_evict: Callable[[BlockHash], None] | None = None,
+) -> SimResult:
+    """S3-FIFO as the paper's Algorithm 1 has it, one block an object.
+
+    A miss goes to the small FIFO S (to the main FIFO M when its key is in the ghost G), after
+    `evict` made room. `evict` takes from S while S holds at least `small_fraction` of the
+    capacity, else from M. From S: the oldest block moves to M when it was hit at least
+    `move_to_main_threshold` times (its count cleared), else it leaves for G (the first block that
+    leaves ends the eviction). From M: the oldest block is reinserted with its count less one while
+    the count is above 0, else evicted. Counts are capped at 3 (2 bits); G keeps as many keys as M
+    may hold, oldest dropped first. `on_evict` sees each block that leaves the cache, in order."""
+    if capacity_blocks < 1:
+        raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+    result = SimResult("s3fifo", capacity_blocks)
+    small_target = max(1, round(small_fraction * capacity_blocks))
+    main_target = max(1, capacity_blocks - small_target)
+    small: OrderedDict[BlockHash, None] = OrderedDict()  # oldest first
+    main: OrderedDict[BlockHash, None] = OrderedDict()
+    ghost: OrderedDict[BlockHash, None] = OrderedDict()
+    freq: dict[BlockHash, int] = {}
+    num_evictions = num_to_main = 0
+
+    def evict_main() -> None:
+        nonlocal num_evictions
+        while main:
+            b = next(iter(main))
+            if freq[b] > 0:
+                freq[b] -= 1
+                main.move_to_end(b)
+                continue
+            del main[b], freq[b]
+            num_evictions += 1
+            if on_evict is not None:
+                on_evict(b)
+            return
+
+    def evict_small() -> None:
+        nonlocal num_evictions, num_to_main
+        while small:
+            b, _ = small.popitem(last=False)
+            if freq[b] >= move_to_main_threshold:
+                freq[b] = 0
+                main[b] = None
+                num_to_main += 1
+                if len(main) > main_target:
+                    evict_main()
+                continue
+            del freq[b]
+            ghost[b] = None
+            if len(ghost) > main_target:
+                ghost.popitem(last=False)
+            num_evictions += 1
+            if on_evict is not None:
+                on_evict(b)
+            return
+
+    for request in requests:
+        result.record(request, cached_prefix(request.blocks, freq))
+        for b in reversed(request.blocks):
+            if b in freq:
+                freq[b] = min(freq[b] + 1, 3)
+                continue
+            while len(small) + len(main) >= capacity_blocks:
+                if len(small) >= small_target or not main:
+                    evict_small()
+                else:
+                    evict_main()
+            freq[b] = 0
+            if b in ghost:
+                del ghost[b]
+                main[b] = None
+            else:
+                small[b] = None
+    result.extra["evictions"] = num_evictions
+    result.extra["moved_to_main"] = num_to_main
+    return result
+
+
+def simulate_sieve(
+    requests: Sequence[TraceRequest],
+    capacity_blocks: int,
+    *,
+    on_evict: Callable[[BlockHash], None] | None = None,
+) -> SimResult:
+    """SIEVE, one block an object: a FIFO (`newer` links oldest to newest), a visited bit set by
+    a hit, and a hand that starts at the oldest block, clears the bits it passes on its way to the
+    newer end (wrapping round to the oldest), and evicts the first unvisited block; it then rests
+    on the next newer block. Newcomers are never where the hand is about to look first."""
+    if capacity_blocks < 1:
+        raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+    result = SimResult("sieve", capacity_blocks)
+    visited: dict[BlockHash, bool] = {}
+    newer: dict[BlockHash, BlockHash | None] = {}
+    older: dict[BlockHash, BlockHash | None] = {}
+    oldest: BlockHash | None = None
+    newest: BlockHash | None = None
+    hand: BlockHash | None = None
+    num_evictions = 0
+    for request in requests:
+        result.record(request, cached_prefix(request.blocks, visited))
+        for b in reversed(request.blocks):
+            if b in visited:
+                visited[b] = True
+                continue
+            if len(visited) >= capacity_blocks:
+                h = hand if hand is not None else oldest
+                assert h is not None
+                while visited[h]:
+                    visited[h] = False
+                    nxt = newer[h]
+                    h = nxt if nxt is not None else oldest
+                    assert h is not None
+                hand = newer[h]
+                before, after = older.pop(h), newer.pop(h)
+                if before is None:
+                    oldest = after
+                else:
+                    newer[before] = after
+                if after is None:
+                    newest = before
+                else:
+                    older[after] = before
+                del visited[h]
+                num_evictions += 1
+                if on_evict is not None:
+                    on_evict(h)
+            visited[b] = False
+            older[b], newer[b] = newest, None
+            if newest is None:
+                oldest = b
+            else:
+                newer[newest] = b
+            newest = b
+    result.extra["evictions"] = num_evictions
     return result
 
 

@@ -1,10 +1,10 @@
 """`kvfleet bench policies` (also plain `kvfleet bench`).
 
-`policies`: no cache, vLLM-style hash + LRU, SGLang-style radix + LRU, kvfleet's shipped policy,
-Belady's offline optimum and the infinite cache, side by side on the Mooncake traces (each
-`--trace` given, its own row set: the synthetic one by default, `--trace synthetic --trace
-conversation` for both) and on the generated populations (`kvfleet_lab.cache.compare`,
-`.workloads`), at several capacities.
+`policies`: no cache, vLLM-style hash + LRU, SGLang-style radix + LRU, S3-FIFO and SIEVE (the
+published scan-resistant anchors), kvfleet's shipped policy, Belady's offline optimum and the
+infinite cache, side by side on the Mooncake traces (each `--trace` given, its own row set: the
+synthetic one by default, `--trace synthetic --trace conversation` for both) and on the generated
+populations (`kvfleet_lab.cache.compare`, `.workloads`), at several capacities.
 """
 
 from __future__ import annotations
@@ -97,9 +97,17 @@ def policies(
             "$KVFLEET_VLLM_PYTHON / $KVFLEET_HOME/vllm-venv (docs/cache.md)."
         ),
     ] = True,
+    explain: Annotated[
+        bool,
+        typer.Option(
+            "--explain",
+            help="Also find, per cell, what Belady hits and kvfleet does not: the reuse distance "
+            "of those blocks and the once-seen blocks stored between their uses (docs/cache.md).",
+        ),
+    ] = False,
 ) -> None:
-    """Hit rates side by side: no cache, vLLM-style hash + LRU, radix + LRU (SGLang), kvfleet,
-    Belady and the infinite cache, on the trace and the generated populations."""
+    """Hit rates side by side: no cache, vLLM-style hash + LRU, radix + LRU (SGLang), S3-FIFO,
+    SIEVE, kvfleet, Belady and the infinite cache, on the trace and the generated populations."""
     from kvfleet_lab.cache.blockpool import vllm_python
     from kvfleet_lab.cache.compare import compare_policies
     from kvfleet_lab.cache.sim import TraceRequest, load_mooncake_trace
@@ -138,7 +146,7 @@ def policies(
     if vllm_pool and python is None:
         progress("vLLM's BlockPool: vllm not found (docs/cache.md makes its environment); skipped")
     report = compare_policies(
-        inputs, capacity_fractions, on_progress=progress, vllm_python=python
+        inputs, capacity_fractions, on_progress=progress, vllm_python=python, explain=explain
     )
     report.seconds = time.perf_counter() - start
     try:
@@ -167,11 +175,15 @@ def policies(
             "capacity (blocks)",
             "vLLM",
             "radix",
+            "S3-FIFO",
+            "SIEVE",
             "kvfleet",
             "Belady",
             "inf.",
             "kv/vLLM",
             "kv/radix",
+            "kv/S3-FIFO",
+            "kv/SIEVE",
             "kv/Belady",
             "kv/inf.",
             "saved: kv",
@@ -182,8 +194,11 @@ def policies(
         for r in w.rows:
             table.add_row(
                 f"{r.capacity_fraction:.0%} ({r.capacity_blocks:,})",
-                *(f"{r.rate(p):.1%}" for p in ("vllm", "radix", "kvfleet", "belady", "infinite")),
-                *(_ratio(r.kvfleet_vs(p)) for p in ("vllm", "radix", "belady")),
+                *(
+                    f"{r.rate(p):.1%}"
+                    for p in ("vllm", "radix", "s3fifo", "sieve", "kvfleet", "belady", "infinite")
+                ),
+                *(_ratio(r.kvfleet_vs(p)) for p in ("vllm", "radix", "s3fifo", "sieve", "belady")),
                 _ratio(r.of_infinite("kvfleet")),
                 f"{r.saved('kvfleet'):.1%}",
                 f"{r.saved('belady'):.1%}",
@@ -202,6 +217,20 @@ def policies(
             )
         if w.vllm_pool_error:
             console.print(f"  vLLM's BlockPool replay did not run: {w.vllm_pool_error}")
+        for r in w.rows:
+            lost = r.lost_hits
+            if lost is not None:
+                console.print(
+                    f"  {r.capacity_fraction:.0%}: Belady hits {lost.num_lost_blocks:,} blocks "
+                    f"kvfleet does not ({lost.first_reuse_share:.0%} at their first reuse); "
+                    "between their uses (x capacity, p50): "
+                    f"{lost.accesses_quartiles[1]:.2f} requested, "
+                    f"{lost.new_quartiles[1]:.2f} first sightings, "
+                    f"{lost.once_quartiles[1]:.2f} once-seen; "
+                    f"{lost.share_returning_below_capacity:.0%} had room without the once-seen; "
+                    "LRU storing only returning blocks (offline): "
+                    f"{lost.returning_only_lru_hit_blocks * 16 / max(1, w.num_tokens):.1%}"
+                )
     console.print(
         "Token hit rates; kv/X = kvfleet's over X's; saved: the share of the prefill FLOPs of "
         "the reference model (breakeven's 2N per token plus attention by position) the hits "

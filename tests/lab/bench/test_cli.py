@@ -49,10 +49,13 @@ def test_policies_writes_its_table_json_and_plots(tmp_path: Path) -> None:
         str(out),
     )
     assert result.returncode == 0, result.stderr
-    for text in ("vLLM", "radix", "kvfleet", "Belady", "inf.", "kv/vLLM", "agent-loops"):
+    for text in (
+        "vLLM", "radix", "S3-FIFO", "SIEVE", "kvfleet", "Belady", "inf.", "kv/vLLM", "kv/SIEVE",
+        "agent-loops",
+    ):
         assert text in result.stdout, text
     table = (out / "policies.md").read_text()
-    assert "| capacity | vLLM | radix | kvfleet | Belady | infinite |" in table
+    assert "| capacity | vLLM | radix | S3-FIFO | SIEVE | kvfleet | Belady | infinite |" in table
     assert "### trace" in table and "### agent-loops" in table
     report = json.loads((out / "policies.json").read_text())
     trace_result, agent = report["workloads"]
@@ -62,12 +65,14 @@ def test_policies_writes_its_table_json_and_plots(tmp_path: Path) -> None:
     # infinite cache hits is hit by the baselines too (request 2 reuses hash id 1's 32 blocks,
     # request 3 all 68 blocks of request 1).
     assert row["figures"]["infinite"]["num_hit_tokens"] == (32 + 68) * 16
+    for anchor in ("s3fifo", "sieve"):
+        assert 0 < row["figures"][anchor]["num_hit_tokens"] <= (32 + 68) * 16
     assert row["figures"]["no-cache"]["token_hit_rate"] == 0.0
-    assert set(row["kvfleet_vs"]) == {"vllm", "radix", "belady"}
+    assert set(row["kvfleet_vs"]) == {"vllm", "radix", "s3fifo", "sieve", "belady"}
     # beside the token hit rate: the prefill compute saved, and kvfleet / Belady per workload
     assert "saved: kv" in result.stdout
     assert "kvfleet / Belady (compute) |" in table and "kvfleet / Belady, trace: 10%" in table
-    assert set(row["kvfleet_saved_vs"]) == {"vllm", "radix", "belady"}
+    assert set(row["kvfleet_saved_vs"]) == {"vllm", "radix", "s3fifo", "sieve", "belady"}
     infinite = row["figures"]["infinite"]
     # the hits are the prompts' heads, their cheapest positions: a smaller share of the FLOPs
     assert 0.0 < infinite["compute_saved"] < infinite["token_hit_rate"]
@@ -184,3 +189,17 @@ def test_all_runs_each_benchmark_and_reports_failures(
     assert replica[2:] == ["--reps", "2", "--prefill-tokens", "512,2000", "--prompt-tokens", "1000",
                            "--concurrency", "1,8"]
     assert "exit 1" in result.output
+
+
+def test_policies_explain_writes_what_belady_keeps_that_kvfleet_drops(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "trace.jsonl", ROWS)
+    out = tmp_path / "out"
+    result = kvfleet(
+        "policies", "--trace", str(trace), "--workloads", "trace", *TINY, "--explain",
+        "--out", str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "blocks kvfleet does not" in result.stdout
+    assert "What Belady hits and kvfleet does not, trace" in (out / "policies.md").read_text()
+    rows = json.loads((out / "policies.json").read_text())["workloads"][0]["rows"]
+    assert all(row["lost_hits"]["capacity_blocks"] == row["capacity_blocks"] for row in rows)

@@ -52,7 +52,7 @@ def test_comparison_rows_and_ratios() -> None:
     for row in result.rows:
         assert tuple(row.figures) == POLICIES
         assert row.rate("no-cache") == 0.0 and row.prefill_vs_no_cache("no-cache") == 1.0
-        for policy in ("vllm", "radix", "kvfleet"):
+        for policy in ("vllm", "radix", "s3fifo", "sieve", "kvfleet"):
             assert row.rate(policy) <= row.rate("belady") <= row.rate("infinite")
         if row.rate("vllm"):
             assert row.kvfleet_vs("vllm") == row.rate("kvfleet") / row.rate("vllm")

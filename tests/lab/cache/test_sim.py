@@ -20,6 +20,8 @@ from kvfleet_lab.cache.sim import (
     simulate_kvfleet,
     simulate_lru,
     simulate_popularity_oracle,
+    simulate_s3fifo,
+    simulate_sieve,
     unique_blocks,
 )
 from kvfleet_runtime.cache import BlockHash, CacheTuning, block_hashes
@@ -170,3 +172,71 @@ def test_compute_saved_weighs_each_hit_position_by_its_prefill_flops() -> None:
     # the hit is the prompt's head, its cheapest positions: below the token share
     assert result.compute_saved < result.token_hit_rate == 32 / 112
     assert simulate_lru(trace, 1).saved_flops == prefill_flops(COST_MODEL, 16)  # the head stays
+
+
+def _names(trace: str) -> tuple[list[TraceRequest], dict[BlockHash, str]]:
+    """One single-block request per letter; the blocks' names, for readable eviction orders."""
+    ids = {name: ord(name) for name in dict.fromkeys(trace)}
+    return [req(ids[c]) for c in trace], {req(i).blocks[0]: c for c, i in ids.items()}
+
+
+def test_s3fifo_keeps_a_block_hit_twice_in_probation_through_a_scan() -> None:
+    # 4 blocks: S holds 1 (10%, at least one), M 3, the ghost 3 keys.
+    trace, name = _names("abcdaaebfghiagg")
+    evicted: list[str] = []
+    result = simulate_s3fifo(trace, 4, on_evict=lambda b: evicted.append(name[b]))
+    # a b c d fill S; a is hit twice. e: S's oldest, a (count 2), moves to M, b leaves for the
+    # ghost. b comes back: c leaves S, b (a ghost) goes straight to M. f g h i each push S's
+    # oldest out (d e f g; the ghost drops c at h's turn), M's a and b stay: a hits. g is in
+    # the ghost again (h out, e dropped): it goes to M and its next request hits.
+    assert result.hit_blocks == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 1]
+    assert evicted == ["b", "c", "d", "e", "f", "g", "h"]
+    assert result.extra == {"evictions": 7, "moved_to_main": 1}
+    # LRU at the same capacity loses a to the scan (and b to e).
+    assert simulate_lru(trace, 4).hit_blocks == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+
+
+def test_sieve_evicts_at_its_hand_not_the_least_recent() -> None:
+    trace, name = _names("abcadebafg")
+    evicted: list[str] = []
+    result = simulate_sieve(trace, 3, on_evict=lambda b: evicted.append(name[b]))
+    # a b c; a hit (visited). d: the hand starts at the oldest, a, clears it and evicts b; it
+    # rests on c. e evicts c, b evicts d (the hand passes nothing visited), so a is still there
+    # when it returns; f evicts e, g evicts b: a, hit last, stays.
+    assert result.hit_blocks == [0, 0, 0, 1, 0, 0, 0, 1, 0, 0]
+    assert evicted == ["b", "c", "d", "e", "b"]
+    # LRU evicts a at b's turn (its order then: a d e) and misses it.
+    assert simulate_lru(trace, 3).hit_blocks == [0, 0, 0, 1, 0, 0, 0, 0, 0, 0]
+
+
+def test_sieve_hand_wraps_round_clearing_every_bit() -> None:
+    trace, name = _names("ababc")
+    evicted: list[str] = []
+    simulate_sieve(trace, 2, on_evict=lambda b: evicted.append(name[b]))
+    # a and b both visited: the hand clears a, then b, wraps to a and evicts it.
+    assert evicted == ["a"]
+
+
+def test_fifo_anchors_count_a_block_only_behind_its_whole_chain() -> None:
+    # Block 2 is resident when [9 2] comes, behind a missing 9: no hit; the chain that starts
+    # with it does hit (nothing was evicted at 3 blocks).
+    trace = [req(1, 2), req(9, 2), req(2)]
+    for simulate in (simulate_s3fifo, simulate_sieve):
+        result = simulate(trace, 3)
+        assert result.hit_blocks == [0, 0, 1], simulate.__name__
+        assert result.extra["evictions"] == 0
+
+
+def test_fifo_anchors_are_below_belady_on_a_random_trace() -> None:
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(10**6) for _ in range(rng.randint(1, 6))] for _ in range(12)]
+    trace = [
+        req(*prefixes[min(int(rng.expovariate(0.4)), 11)], rng.randrange(10**6, 2 * 10**6))
+        for _ in range(200)
+    ]
+    for cap in (1, 4, 10, 30):
+        best = simulate_belady(trace, cap).num_hit_tokens
+        for simulate in (simulate_s3fifo, simulate_sieve):
+            result = simulate(trace, cap)
+            assert result.num_hit_tokens <= best, (simulate.__name__, cap)
+            assert len(result.hit_blocks) == len(trace)
