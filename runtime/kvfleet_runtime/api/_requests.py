@@ -20,8 +20,11 @@ __all__ = [
     "MAX_N",
     "MAX_STOP_SEQUENCES",
     "PROMPT_TAGS",
+    "ChatChunkChoice",
+    "ChatCompletionChunk",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
+    "ChatDelta",
     "ChatMessage",
     "CompletionRequest",
     "CompletionResponse",
@@ -429,6 +432,33 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """What one chat stream event adds: the role in the first, text after, nothing in the last."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (a streamed completion's events are
+    `CompletionResponse`s: a choice's text so far, `usage` null until the last)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

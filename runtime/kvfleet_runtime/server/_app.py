@@ -75,7 +75,13 @@ from kvfleet_runtime.model import (
 )
 from kvfleet_runtime.nvme import NvmeConfig, NvmeStore, NvmeTier
 from kvfleet_runtime.server._auth import DEFAULTED_TENANT, ReplicaAuth, auth_middleware
-from kvfleet_runtime.server._completions import chat_completions, completions, detokenize, tokenize
+from kvfleet_runtime.server._completions import (
+    answer,
+    chat_completions,
+    completions,
+    detokenize,
+    tokenize,
+)
 from kvfleet_runtime.server._config import (
     CacheSettings,
     Limits,
@@ -342,11 +348,12 @@ def _handlers(replica: Replica, auth: ReplicaAuth) -> dict[str, Handler]:
         return await chat_completions(replica, request, tenant,
                                       _validate(ChatCompletionRequest, data))
 
-    def card() -> dict[str, Any]:
+    def card() -> ModelCard:
         return ModelCard(id=replica.model_id, created=0, owned_by="kvfleet",
                          root=replica.config.model_dir,
                          max_model_len=replica.loaded.args.max_seq_len,
-                         weights_digest=replica.loaded.weights_digest).model_dump()
+                         weights_digest=replica.loaded.weights_digest,
+                         object="model", parent=None, permission=[])
 
     async def tokenize_handler(request: web.Request) -> web.StreamResponse:
         data = await _json_body(request, replica.config.limits)
@@ -355,13 +362,12 @@ def _handlers(replica: Replica, auth: ReplicaAuth) -> dict[str, Handler]:
             body = _validate(TokenizeChatRequest, data, generation=False)
         else:
             body = _validate(TokenizeCompletionRequest, data, generation=False)
-        out = await asyncio.to_thread(tokenize, replica, body)
-        return web.json_response(out)
+        return answer(await asyncio.to_thread(tokenize, replica, body))
 
     async def detokenize_handler(request: web.Request) -> web.StreamResponse:
         body = _validate(DetokenizeRequest, await _json_body(request, replica.config.limits),
                          generation=False)
-        return web.json_response(await asyncio.to_thread(detokenize, replica, body))
+        return answer(await asyncio.to_thread(detokenize, replica, body))
 
     async def version(request: web.Request) -> web.StreamResponse:
         return web.json_response({"version": __version__})
@@ -371,14 +377,14 @@ def _handlers(replica: Replica, auth: ReplicaAuth) -> dict[str, Handler]:
         return web.Response(status=200 if replica.ready else 503)
 
     async def models(request: web.Request) -> web.StreamResponse:
-        return web.json_response({"object": "list", "data": [card()]})
+        return answer(ModelList(object="list", data=[card()]))
 
     async def model(request: web.Request) -> web.StreamResponse:
         name = request.match_info["model"]
         if name != replica.model_id:
             raise ApiError(404, f"model {name[:80]!r} is not served here; this replica serves "
                            f"{replica.model_id!r}", param="model", code="model_not_found")
-        return web.json_response(card())
+        return answer(card())
 
     async def cache_stats(request: web.Request) -> web.StreamResponse:
         extra = sorted(set(request.query) - {"tenant"})

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from kvfleet_runtime.api import (
     ApiError,
@@ -35,6 +35,25 @@ from kvfleet_runtime.api import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     is_client_gone,
+)
+from kvfleet_runtime.api._requests import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DetokenizeResponse,
+    FinishReason,
+    PromptTokensDetails,
+    TokenizeResponse,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
 )
 from kvfleet_runtime.engine import (
     EngineOverloaded,
@@ -50,7 +69,7 @@ if TYPE_CHECKING:
     from kvfleet_runtime.server._state import Replica
     from kvfleet_runtime.tokenizer import IncrementalDecoder
 
-__all__ = ["MIN_TOKENS_CODE", "chat_completions", "completions", "detokenize",
+__all__ = ["MIN_TOKENS_CODE", "answer", "chat_completions", "completions", "detokenize",
            "system_fingerprint", "tokenize"]
 
 log = logging.getLogger(__name__)
@@ -85,7 +104,7 @@ class _Choice:
     """Token events carrying log-probabilities."""
     cached_tokens: int = 0
     cache_tier: str | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     done: bool = False
     stop_ids: frozenset[int] = frozenset()
     """Ids that end this sequence: their text is left out unless include_stop is set."""
@@ -264,14 +283,14 @@ async def _run_all(choices: list[_Choice], on_delta: Delta) -> None:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _usage(prompts: list[_Prompt], choices: list[_Choice]) -> dict[str, Any]:
+def _usage(prompts: list[_Prompt], choices: list[_Choice]) -> Usage:
     first = {c.prompt.index: c for c in sorted(choices, key=lambda c: -c.index)}
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens
-                                                           for c in first.values())}}
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                 total_tokens=prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(
+                     cached_tokens=sum(c.cached_tokens for c in first.values())))
 
 
 # ---- log-probabilities -----------------------------------------------------------------------
@@ -291,42 +310,57 @@ def _token_text(replica: Replica, token_id: int) -> str:
 
 
 def _completion_logprobs(replica: Replica, events: list[TokenEvent], offset: int
-                         ) -> dict[str, Any]:
+                         ) -> CompletionLogprobs:
     tokens = [_token_text(replica, e.token_id) for e in events]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": [{_token_text(replica, i): lp for i, lp in e.top_logprobs}
-                             for e in events],
-            "text_offset": offsets}
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=[e.logprob or 0.0 for e in events],
+        top_logprobs=[{_token_text(replica, i): lp for i, lp in e.top_logprobs}
+                      for e in events],
+        text_offset=offsets)
 
 
-def _chat_logprobs(replica: Replica, events: list[TokenEvent]) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": _token_text(replica, token_id), "logprob": logprob,
-                "bytes": list(_token_bytes(replica, token_id))}
+def _chat_logprobs(replica: Replica, events: list[TokenEvent]) -> ChatLogprobs:
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=_token_text(replica, token_id), logprob=logprob,
+                          bytes=list(_token_bytes(replica, token_id)))
 
-    return {"content": [{**entry(e.token_id, e.logprob or 0.0),
-                         "top_logprobs": [entry(i, lp) for i, lp in e.top_logprobs]}
-                        for e in events], "refusal": None}
+    return ChatLogprobs(content=[
+        TokenLogprob(token=_token_text(replica, e.token_id), logprob=e.logprob or 0.0,
+                     bytes=list(_token_bytes(replica, e.token_id)),
+                     top_logprobs=[top(i, lp) for i, lp in e.top_logprobs])
+        for e in events], refusal=None)
 
 
-# ---- SSE -------------------------------------------------------------------------------------
+# ---- the answer's JSON -----------------------------------------------------------------------
 
-def _sse(data: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(data)}\n\n".encode()
+def _json(model: BaseModel) -> str:
+    """A response model's JSON with the fields the handler set: OpenAI leaves some out (a
+    stream's `usage` without `include_usage`, an empty last delta) rather than sending null."""
+    return model.model_dump_json(exclude_unset=True)
+
+
+def answer(model: BaseModel, headers: dict[str, str] | None = None) -> web.Response:
+    """A 200 whose body is `model`'s JSON (every answer the replica writes is a protocol
+    model's: `kvfleet_runtime.api`, which the OpenAPI document is made from)."""
+    return web.Response(text=_json(model), content_type="application/json", headers=headers)
+
+
+def _sse(data: BaseModel) -> bytes:
+    return f"data: {_json(data)}\n\n".encode()
 
 
 async def _stream(request: web.Request, choices: list[_Choice],
-                  chunk: Callable[[_Choice, str, TokenEvent | None], dict[str, Any] | None],
-                  opening: list[dict[str, Any]], closing: Callable[[], list[dict[str, Any]]]
+                  chunk: Callable[[_Choice, str, TokenEvent | None], BaseModel | None],
+                  opening: list[BaseModel], closing: Callable[[], list[BaseModel]]
                   ) -> web.StreamResponse:
     """Send chunks as choices produce text; a client that goes away cancels everything."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
-    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    queue: asyncio.Queue[BaseModel | None] = asyncio.Queue()
 
     async def on_delta(choice: _Choice, text: str, event: TokenEvent | None) -> None:
         data = chunk(choice, text, event)
@@ -407,21 +441,22 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
             if bad is None:
                 p.text = tok.decode(p.token_ids, skip_special_tokens=body.skips_special_tokens())
     choices = _submit(replica, tenant, prompts, body, body.max_tokens, body.logprobs)
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "object": "text_completion", "created": created,
-            "model": replica.model_id,
-            "system_fingerprint": system_fingerprint(replica.loaded.weights_digest)}
+    head: dict[str, Any] = {
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+        "created": int(time.time()), "model": replica.model_id,
+        "system_fingerprint": system_fingerprint(replica.loaded.weights_digest)}
     want_logprobs = body.logprobs is not None
 
     if body.stream:
         include_usage = body.include_usage()
-        extra = {"usage": None} if include_usage else {}
+        extra: dict[str, Any] = {"usage": None} if include_usage else {}
         offsets = {c.index: len(c.prompt.text) if body.echo else 0 for c in choices}
 
         def usage_so_far() -> dict[str, Any]:
             return {"usage": _usage(prompts, choices)} if body.continuous_usage() else extra
 
-        def chunk(choice: _Choice, text: str, event: TokenEvent | None) -> dict[str, Any] | None:
+        def chunk(choice: _Choice, text: str, event: TokenEvent | None
+                  ) -> CompletionResponse | None:
             final = event is None or choice.done
             if not text and not final and not (want_logprobs and event is not None):
                 return None
@@ -431,19 +466,19 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
                 lp = _completion_logprobs(replica, events, offsets[choice.index])
             offsets[choice.index] += len(text)
             ids = [event.token_id] if event is not None else []
-            return {**head, "choices": [{"index": choice.index, "text": text, "logprobs": lp,
-                                         "finish_reason": choice.finish_reason if final
-                                         else None, "token_ids": ids}], **usage_so_far()}
+            return CompletionResponse(**head, choices=[CompletionChoice(
+                index=choice.index, text=text, logprobs=lp,
+                finish_reason=choice.finish_reason if final else None, token_ids=ids)],
+                **usage_so_far())
 
-        opening = ([{**head, "choices": [{"index": c.index, "text": c.prompt.text,
-                                          "logprobs": None, "finish_reason": None,
-                                          "token_ids": []}], **extra} for c in choices]
-                   if body.echo else [])
+        opening: list[BaseModel] = ([CompletionResponse(**head, choices=[CompletionChoice(
+            index=c.index, text=c.prompt.text, logprobs=None, finish_reason=None,
+            token_ids=[])], **extra) for c in choices] if body.echo else [])
 
-        def closing() -> list[dict[str, Any]]:
+        def closing() -> list[BaseModel]:
             if not include_usage:
                 return []
-            return [{**head, "choices": [], "usage": _usage(prompts, choices)}]
+            return [CompletionResponse(**head, choices=[], usage=_usage(prompts, choices))]
 
         return await _stream(request, choices, chunk, opening, closing)
 
@@ -454,12 +489,13 @@ async def completions(replica: Replica, request: web.Request, tenant: str,
     out = []
     for c in sorted(choices, key=lambda c: c.index):
         prefix = c.prompt.text if body.echo else ""
-        out.append({"index": c.index, "text": prefix + "".join(c.text),
-                    "logprobs": _completion_logprobs(replica, c.events, len(prefix))
-                    if want_logprobs else None,
-                    "finish_reason": c.finish_reason, "token_ids": c.token_ids})
-    return web.json_response({**head, "choices": out, "usage": _usage(prompts, choices)},
-                             headers=_headers(choices))
+        out.append(CompletionChoice(
+            index=c.index, text=prefix + "".join(c.text),
+            logprobs=_completion_logprobs(replica, c.events, len(prefix))
+            if want_logprobs else None,
+            finish_reason=c.finish_reason, token_ids=c.token_ids))
+    return answer(CompletionResponse(**head, choices=out, usage=_usage(prompts, choices)),
+                  _headers(choices))
 
 
 async def chat_completions(replica: Replica, request: web.Request, tenant: str,
@@ -486,38 +522,39 @@ async def chat_completions(replica: Replica, request: web.Request, tenant: str,
     prompts = [_Prompt(0, token_ids, "")]
     top = (body.top_logprobs or 0) if body.logprobs else None
     choices = _submit(replica, tenant, prompts, body, max_tokens, top)
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "created": created, "model": replica.model_id,
-            "system_fingerprint": system_fingerprint(replica.loaded.weights_digest)}
+    head: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+        "model": replica.model_id,
+        "system_fingerprint": system_fingerprint(replica.loaded.weights_digest)}
 
     if body.stream:
         include_usage = body.include_usage()
-        extra = {"usage": None} if include_usage else {}
+        extra: dict[str, Any] = {"usage": None} if include_usage else {}
         chunk_head = {**head, "object": "chat.completion.chunk"}
 
-        def chunk(choice: _Choice, text: str, event: TokenEvent | None) -> dict[str, Any] | None:
+        def chunk(choice: _Choice, text: str, event: TokenEvent | None
+                  ) -> ChatCompletionChunk | None:
             final = event is None or choice.done
             has_lp = body.logprobs and event is not None and event.logprob is not None
             if not text and not final and not has_lp:
                 return None
             lp = (_chat_logprobs(replica, [event]) if has_lp and event is not None
                   else None)
-            delta = {"content": text} if text or not final else {}
+            delta = ChatDelta(content=text) if text or not final else ChatDelta()
             usage = {"usage": _usage(prompts, choices)} if body.continuous_usage() else extra
-            return {**chunk_head, "choices": [{"index": choice.index, "delta": delta,
-                                               "logprobs": lp,
-                                               "finish_reason": choice.finish_reason
-                                               if final else None}], **usage}
+            return ChatCompletionChunk(**chunk_head, choices=[ChatChunkChoice(
+                index=choice.index, delta=delta, logprobs=lp,
+                finish_reason=choice.finish_reason if final else None)], **usage)
 
-        opening = [{**chunk_head, "choices": [{"index": c.index,
-                                               "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}],
-                    **extra} for c in choices]
+        opening: list[BaseModel] = [ChatCompletionChunk(**chunk_head, choices=[ChatChunkChoice(
+            index=c.index, delta=ChatDelta(role="assistant", content=""), logprobs=None,
+            finish_reason=None)], **extra) for c in choices]
 
-        def closing() -> list[dict[str, Any]]:
+        def closing() -> list[BaseModel]:
             if not include_usage:
                 return []
-            return [{**chunk_head, "choices": [], "usage": _usage(prompts, choices)}]
+            return [ChatCompletionChunk(**chunk_head, choices=[],
+                                        usage=_usage(prompts, choices))]
 
         return await _stream(request, choices, chunk, opening, closing)
 
@@ -525,13 +562,19 @@ async def chat_completions(replica: Replica, request: web.Request, tenant: str,
         return None
 
     await _run_all(choices, ignore)
-    out = [{"index": c.index,
-            "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
-            "logprobs": _chat_logprobs(replica, c.events) if body.logprobs else None,
-            "finish_reason": c.finish_reason}
+    out = [ChatChoice(index=c.index,
+                      message=AssistantMessage(role="assistant", content="".join(c.text),
+                                               refusal=None),
+                      logprobs=_chat_logprobs(replica, c.events) if body.logprobs else None,
+                      finish_reason=_finished(c))
            for c in sorted(choices, key=lambda c: c.index)]
-    return web.json_response({**head, "object": "chat.completion", "choices": out,
-                              "usage": _usage(prompts, choices)}, headers=_headers(choices))
+    return answer(ChatCompletionResponse(**head, object="chat.completion", choices=out,
+                                         usage=_usage(prompts, choices)), _headers(choices))
+
+
+def _finished(choice: _Choice) -> FinishReason:
+    assert choice.finish_reason is not None, "every choice ends before the answer is written"
+    return choice.finish_reason
 
 
 def _headers(choices: list[_Choice]) -> dict[str, str]:
@@ -543,7 +586,7 @@ def _headers(choices: list[_Choice]) -> dict[str, str]:
 # ---- vLLM's /tokenize and /detokenize ------------------------------------------------------
 
 def tokenize(replica: Replica, body: TokenizeCompletionRequest | TokenizeChatRequest
-             ) -> dict[str, Any]:
+             ) -> TokenizeResponse:
     """The ids a completion or a chat completion with the same prompt would use (vLLM's
     response: `count`, `max_model_len`, `tokens`, `token_strs`)."""
     _check_model(replica, body.model)
@@ -559,15 +602,15 @@ def tokenize(replica: Replica, body: TokenizeCompletionRequest | TokenizeChatReq
         raise ApiError(400, f"{param} cannot be tokenized: {exc}", param=param,
                        code="invalid_value") from exc
     strs = [tok.token_text(t) for t in ids] if body.return_token_strs else None
-    return {"count": len(ids), "max_model_len": replica.loaded.args.max_seq_len,
-            "tokens": ids, "token_strs": strs}
+    return TokenizeResponse(count=len(ids), max_model_len=replica.loaded.args.max_seq_len,
+                            tokens=ids, token_strs=strs)
 
 
-def detokenize(replica: Replica, body: DetokenizeRequest) -> dict[str, Any]:
+def detokenize(replica: Replica, body: DetokenizeRequest) -> DetokenizeResponse:
     _check_model(replica, body.model)
     vocab = replica.loaded.args.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:
         raise ApiError(400, f"tokens: token id {bad} is out of range [0, {vocab})",
                        param="tokens", code="invalid_value")
-    return {"prompt": replica.tokenizer.decode(body.tokens)}
+    return DetokenizeResponse(prompt=replica.tokenizer.decode(body.tokens))
