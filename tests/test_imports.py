@@ -32,6 +32,7 @@ PURE_CACHE_CORE = [
     "kvfleet_runtime.cache._moves",
     "kvfleet_runtime.cache._eviction",
     "kvfleet_runtime.cache._sketch",
+    "kvfleet_runtime.cache._ghosts",
     "kvfleet_runtime.cache._admission",
     "kvfleet_runtime.cache._store_queue",
     "kvfleet_runtime.cache._stats",

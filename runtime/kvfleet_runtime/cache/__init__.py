@@ -50,7 +50,7 @@ eviction; over `_tier_slots` and `_tier_drains`, its nodes in `_block_node`, aud
 `_index_audit`) -> `_moves` (`Move`, `Plan`: what the index plans and `_pool` carries out) and
 `_allocator` (free slots; `BlockRefs`, the device pool's ref counts shared by sequences and the
 cache); `_pool` holds the tensors; `_lower` is the interface of the tiers below (T3, T2); `_keys`,
-`_sketch`, `_admission`, `_eviction`, `_reuse`, `_store_queue`, `_stats`, `_metrics` and
+`_sketch`, `_admission`, `_ghosts`, `_eviction`, `_reuse`, `_store_queue`, `_stats`, `_metrics` and
 `_config` are pure. Importing this package does not import torch: `PrefixCache`,
 `Prefix`, `Hit`, `Miss` and `PagedBlocks` load on first use. Replays (the lab's policy
 comparison, the fleet simulator) drive the shipped policy through `CacheManager.replay`, with

@@ -16,18 +16,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvfleet_runtime.cache._admission import (
-    AdaptiveRanking,
-    Admission,
-    Placement,
-    ThrashDetector,
-    ghost_rankings,
-    place,
-)
+from kvfleet_runtime.cache._admission import Admission, Placement, ThrashDetector, place
 from kvfleet_runtime.cache._allocator import Slots
 from kvfleet_runtime.cache._block_index import BlockIndex, BlockNode
 from kvfleet_runtime.cache._config import CacheTuning
 from kvfleet_runtime.cache._eviction import chain_bound, floors
+from kvfleet_runtime.cache._ghosts import AdaptiveRanking, ghost_rankings
 from kvfleet_runtime.cache._keys import (
     BLOCK_SIZE,
     PLATFORM_TENANT,

@@ -399,6 +399,7 @@ def test_pure_modules_do_not_import_torch() -> None:
             "_index_audit",
             "_tier_drains",
             "_sketch",
+            "_ghosts",
             "_admission",
             "_store_queue",
             "_stats",

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_runtime.cache._admission import (
-    AdaptiveRanking,
-    Admission,
-    GhostRanking,
-    ThrashDetector,
-)
+from kvfleet_runtime.cache._admission import Admission, ThrashDetector
 from kvfleet_runtime.cache._block_index import BlockNode, Namespace
 from kvfleet_runtime.cache._eviction import RankedEviction, floors
+from kvfleet_runtime.cache._ghosts import AdaptiveRanking, GhostRanking
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from tests.runtime.cache.conftest import make_key
 from tests.runtime.cache.test_block_index import h

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvfleet_runtime.cache import CacheTuning
-from kvfleet_runtime.cache._admission import AdaptiveRanking, GhostRanking
 from kvfleet_runtime.cache._block_index import BlockIndex
 from kvfleet_runtime.cache._eviction import RankedEviction
+from kvfleet_runtime.cache._ghosts import AdaptiveRanking, GhostRanking
 from kvfleet_runtime.cache._manager import CacheManager, StorePlan
 from kvfleet_runtime.cache._sketch import CountMinSketch
 from tests.runtime.cache.conftest import make_key

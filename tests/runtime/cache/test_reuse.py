@@ -7,15 +7,10 @@ from __future__ import annotations
 import pytest
 
 from kvfleet_runtime.cache import CacheManager, CacheTuning
-from kvfleet_runtime.cache._admission import (
-    AdaptiveRanking,
-    Admission,
-    GhostRanking,
-    ThrashDetector,
-    ghost_rankings,
-)
+from kvfleet_runtime.cache._admission import Admission, ThrashDetector
 from kvfleet_runtime.cache._block_index import BlockIndex, BlockNode
 from kvfleet_runtime.cache._eviction import floors
+from kvfleet_runtime.cache._ghosts import AdaptiveRanking, GhostRanking, ghost_rankings
 from kvfleet_runtime.cache._moves import Tier
 from kvfleet_runtime.cache._reuse import HORIZON_WEIGHT, GhostReuse, Horizon, ReuseEviction
 from kvfleet_runtime.cache._sketch import CountMinSketch
