@@ -23,6 +23,7 @@ in file order and share one release (each step is the state the next one starts 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from typing import Any
@@ -30,12 +31,17 @@ from typing import Any
 import pytest
 import yaml
 
+from kvfleet_lab.dashboard.panels import PANELS, render_expr
 from tests.cluster.fixtures import CommandError
 from tests.e2e.conftest import MODEL_ID, RELEASE, REPLICA_LABEL, ROOT, World, dump
 from tests.e2e.kubelet import UNSTABLE_KEY_IMAGE, http_json
 from tests.e2e.traffic import NUM_TENANTS, Traffic, load_requests, tenant_name
 from tests.e2e.unstable_key import MARKER
 from tests.e2e.world import elapsed, events, kubectl_table, wait_for
+
+E2E_PANELS = frozenset({"Fleet token hit rate", "Hit rate per tenant", "Prefill tokens saved",
+                        "TTFT p50 / p99, hit vs miss"})
+"""The dashboard's panels over series this fleet's replicas publish under its traffic."""
 
 pytestmark = [pytest.mark.e2e, pytest.mark.k8s, pytest.mark.slow]
 
@@ -242,6 +248,21 @@ def test_1_helm_install_policy_and_warm_caches(world: World) -> None:
              'sum(rate(kvfleet_cache_lookup_tokens_total[10s]))')
     wait_for(lambda: float(world.prometheus.query(query)[0]["value"][1]) > 0.7,
              "Prometheus' hit rate of the replicas > 0.7", 60, lambda: _diagnostics(world))
+    # The chart's dashboard shows this fleet: its replica panels have data in this Prometheus
+    # (labelled as the chart's ServiceMonitor labels; the router is not scraped here, and
+    # tests/lab/dashboard runs every panel against a fleet with T2, T3 and spill).
+    for panel in PANELS:
+        if panel.title not in E2E_PANELS:
+            continue
+        for target in panel.targets:
+            expr = render_expr(target.expr, {"namespace": ns}, "30s")
+
+            def has_data(expr: str = expr) -> bool:
+                return any(math.isfinite(float(s["value"][1]))
+                           for s in world.prometheus.query(expr))
+
+            wait_for(has_data, f"dashboard panel {panel.title!r} / {target.legend!r} has data",
+                     30, lambda: _diagnostics(world))
     print(f"install + policy + warm: {elapsed(started)}; {traffic.summary(10)}")
 
 
