@@ -484,8 +484,10 @@ class Engine:
         n, args = len(request.token_ids), self.model.args
         if n == 0:
             raise ValueError("prompt is empty")
-        bad = next((t for t in request.token_ids if not 0 <= t < args.vocab_size), None)
-        if bad is not None:
+        ids = request.token_ids
+        # min/max run in C; the element-wise scan cost ~0.15 ms of a 2,000-token T0 hit's TTFT
+        if min(ids) < 0 or max(ids) >= args.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < args.vocab_size)
             raise ValueError(f"token id {bad} is out of range [0, {args.vocab_size})")
         total = n + request.params.max_tokens
         if total > args.max_seq_len:
