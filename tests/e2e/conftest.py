@@ -95,6 +95,18 @@ class World:
         """Where to look, for failure messages."""
         return f"process logs under {self.work_dir} (set {KEEP_ENV}=1 to keep them)"
 
+    def error_lines(self, limit: int = 60) -> str:
+        """Every process log's ERROR lines and tracebacks (exited pods' too), for a failure
+        message that must say which process failed and why once the work dir is gone."""
+        out: list[str] = []
+        for log in sorted(self.work_dir.rglob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            for i, line in enumerate(lines):
+                if "ERROR" in line or line.startswith("Traceback"):
+                    out.append(f"{log.relative_to(self.work_dir)}: " + "\n    ".join(
+                        lines[i : i + (14 if line.startswith("Traceback") else 1)]))
+        return "\n".join(out[-limit:]) or "no ERROR lines or tracebacks in the process logs"
+
     def diagnostics(self, traffic: Traffic | None, *, pod_logs: bool = False) -> str:
         """What a failed wait shows: pods and rollouts, the shim's last events and errors, the
         traffic so far, each running replica pod's log tail (with `pod_logs`) and the newest

@@ -407,7 +407,7 @@ def test_3_a_cache_key_that_never_recovers_is_rolled_back(world: World) -> None:
     during = traffic.recent(time.monotonic() - applied)
     failed = [s for s in during if s.status != 200]
     summary = traffic.summary(time.monotonic() - applied)
-    assert len(during) > 50 and not failed, summary
+    assert len(during) > 50 and not failed, summary + "\n" + world.error_lines()
     print(f"scenario B: {elapsed(started)}; traffic from the apply on: {summary}")
 
 

@@ -16,11 +16,12 @@ import json
 import random
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet_lab.traces import DEFAULT_TRACE
-from tests.e2e.kubelet import http_json
 
 TRACE = DEFAULT_TRACE
 NUM_TENANTS = 48
@@ -72,6 +73,7 @@ class Sample:
     status: int
     prompt_tokens: int
     cached_tokens: int
+    detail: str = ""  # a failure's message and the replica that gave it (the router's headers)
 
 
 @dataclass
@@ -90,17 +92,22 @@ class Traffic:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, request: TraceRequest) -> Sample:
-        status, body = http_json(
+        status, headers, body = _post(
             f"{self.router_url}/v1/completions",
             {"model": self.model, "prompt": list(request.token_ids), "max_tokens": 1,
              "temperature": 0},
-            headers={"Authorization": f"Bearer {api_key(request.tenant)}"},
-            timeout_s=30,
+            {"Authorization": f"Bearer {api_key(request.tenant)}"},
         )
-        cached = 0
+        cached, detail = 0, ""
         if status == 200:
             cached = int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
-        return Sample(time.monotonic(), request.tenant, status, len(request.token_ids), cached)
+        else:
+            error = body.get("error", {}) if isinstance(body, dict) else {}
+            message = error.get("message", body) if isinstance(error, dict) else error
+            detail = (f"replica {headers.get('X-Kvfleet-Replica', '?')} "
+                      f"(route {headers.get('X-Kvfleet-Route', '?')}): {str(message)[:200]}")
+        return Sample(time.monotonic(), request.tenant, status, len(request.token_ids), cached,
+                      detail)
 
     def _client(self) -> None:
         period_s = self.num_clients / self.max_rps
@@ -135,9 +142,30 @@ class Traffic:
         ok = [s for s in recent if s.status == 200]
         statuses = collections.Counter(s.status for s in recent)
         hit = sum(s.cached_tokens for s in ok) / max(1, sum(s.prompt_tokens for s in ok))
+        failures = [f"{s.status} at {s.at:.1f} ({s.tenant}): {s.detail}"
+                    for s in recent if s.status != 200][:5]
         return (f"last {seconds:.0f}s: {len(recent)} requests, statuses {dict(statuses)}, "
-                f"token hit rate {hit:.2f}")
+                f"token hit rate {hit:.2f}" + "".join(f"\n  {f}" for f in failures))
 
     def hit_rate(self, seconds: float) -> float:
         ok = [s for s in self.recent(seconds) if s.status == 200]
         return sum(s.cached_tokens for s in ok) / max(1, sum(s.prompt_tokens for s in ok))
+
+
+def _post(url: str, body: object, headers: dict[str, str],
+          timeout_s: float = 30) -> tuple[int, dict[str, str], object]:
+    """(status, headers, parsed JSON body or text); status 0 when nothing answered."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=timeout_s) as response:
+            raw, status, got = response.read(), response.status, dict(response.headers)
+    except urllib.error.HTTPError as exc:
+        raw, status, got = exc.read(), exc.code, dict(exc.headers)
+    except OSError as exc:
+        return 0, {}, f"nothing answered ({type(exc).__name__})"
+    try:
+        return status, got, json.loads(raw)
+    except ValueError:
+        return status, got, raw.decode(errors="replace")

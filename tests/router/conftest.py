@@ -58,6 +58,8 @@ class FakeReplica:
     "cut_mid_event" (two tokens, then the first `cut_at` bytes of `CUT_EVENT`, then the
     connection closes)."""
     cut_at: int = 0
+    before_answer: Callable[[FakeReplica], Awaitable[None]] | None = None
+    """Awaited when a completion arrives, before it is answered (a fleet change mid-request)."""
     url: str = ""
     runner: web.AppRunner | None = None
 
@@ -65,6 +67,8 @@ class FakeReplica:
         async def completions(request: web.Request) -> web.StreamResponse:
             body = await request.json()
             self.seen.append({"headers": dict(request.headers), "body": body})
+            if self.before_answer is not None:
+                await self.before_answer(self)
             if self.status != 200:
                 return web.json_response({"error": {"message": "busy"}}, status=self.status)
             if self.fault:

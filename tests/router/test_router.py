@@ -176,6 +176,39 @@ async def test_config_file_home_sets_and_replicas_are_watched_and_bad_files_igno
     assert body["replica"] == "r4"
 
 
+async def test_a_fallback_that_left_the_fleet_during_a_try_is_skipped_not_a_500(
+    replicas: list[FakeReplica], start_router: StartRouter, tmp_path: Path
+) -> None:
+    """The pick's failover order is fixed when it is made; the fleet can change while its first
+    replica is tried. Here the first one answers 503 after the published config dropped every
+    other replica: the router must not look the dropped ones up (a KeyError was a 500), and with
+    nobody left says so with a 503."""
+    path = tmp_path / "fleet.yaml"
+    path.write_text(json.dumps({"replicas": [{"name": r.name, "url": r.url} for r in replicas],
+                                "generation": 1}))
+    router = await start_router(replicas[:1], config_path=path)
+    await router.refresh()
+
+    async def only_me_left(me: FakeReplica) -> None:
+        for r in replicas:
+            r.before_answer = None
+        path.write_text(json.dumps({"replicas": [{"name": me.name, "url": me.url}],
+                                    "generation": 2}))
+        for _ in range(100):
+            config = router.state.view.config
+            if config is not None and config.generation == 2:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the router never reloaded the config")
+
+    for r in replicas:
+        r.status, r.before_answer = 503, only_me_left
+    status, headers, body = await router.post({"prompt": "x"})
+    assert status == 503, body
+    assert body["error"]["code"] == "no_replica" and headers["Retry-After"] == "1"
+    assert sum(len(r.seen) for r in replicas) == 1  # nobody that left was sent the request
+
+
 async def test_cache_aware_override_prefers_a_warm_replica(
     replicas: list[FakeReplica], start_router: StartRouter
 ) -> None:

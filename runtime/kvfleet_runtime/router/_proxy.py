@@ -2,10 +2,11 @@
 
 A replica that cannot be reached, or answers 503 before any byte was sent to the client, is
 skipped and the request goes to the next replica of the pick's failover order (what deciding
-again without it chooses; at most `max_attempts` replicas). A replica that took the request and
-did not answer (or answered a non-JSON 5xx) is also kept out for `replica_backoff_s`. A client
-that goes away is a `client_abort` outcome (the upstream request is closed, so the replica
-cancels the sequence), never a broken replica and never an ERROR log.
+again without it chooses; at most `max_attempts` replicas), unless that one left the fleet
+meanwhile. A replica that took the request and did not answer (or answered a non-JSON 5xx) is
+also kept out for `replica_backoff_s`. A client that goes away is a `client_abort` outcome (the
+upstream request is closed, so the replica cancels the sequence), never a broken replica and
+never an ERROR log.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ async def proxy(request: web.Request, path: str, *, chat: bool) -> web.StreamRes
     salted: bytes | None = None
     for target in pick.targets if pick is not None else ():
         name = target.replica
-        replica = state.view.replicas[name]
+        replica = state.view.replicas.get(name)
+        if replica is None:  # left the fleet (a config reload) while an earlier one was tried
+            continue
         data = raw
         if replica.engine == "vllm":
             if salted is None:
