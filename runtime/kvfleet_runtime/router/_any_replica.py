@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from urllib.parse import quote
 
 import aiohttp
@@ -21,14 +22,22 @@ __all__ = ["from_a_replica", "model", "models", "openapi", "tokenizer_route"]
 
 async def from_a_replica(state: RouterState, path: str) -> web.Response:
     """GET `path` from the first ready replica that answers with JSON."""
-    for load in sorted(state.view.loads(), key=lambda x: x.name):
-        if not load.ready:
-            continue
-        url = state.view.replicas[load.name].url + path
+    for base in _ready_urls(state):
+        url = base + path
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
             async with state.client.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
                 return web.json_response(await r.json(), status=r.status)
     raise ApiError(503, "no replica is ready", code="no_replica", headers={"Retry-After": "1"})
+
+
+def _ready_urls(state: RouterState) -> Iterator[str]:
+    """The ready replicas' URLs by name, each looked up when its turn comes: one that left the
+    fleet (a config reload) while an earlier one was tried is skipped."""
+    for load in sorted(state.view.loads(), key=lambda x: x.name):
+        replica = state.view.replicas.get(load.name)
+        if load.ready and replica is not None:
+            yield replica.url
+
 
 async def tokenizer_route(request: web.Request) -> web.StreamResponse:
     """vLLM's /tokenize and /detokenize, answered by the first ready replica: every
@@ -36,10 +45,8 @@ async def tokenizer_route(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     authenticate(state, request)
     raw, _ = await json_body(state, request)
-    for load in sorted(state.view.loads(), key=lambda x: x.name):
-        if not load.ready:
-            continue
-        url = state.view.replicas[load.name].url + request.path
+    for base in _ready_urls(state):
+        url = base + request.path
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
             async with state.client.post(
                 url, data=raw, headers={"Content-Type": "application/json"},
