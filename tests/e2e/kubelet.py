@@ -553,6 +553,13 @@ def _object_data(obj: dict[str, Any]) -> dict[str, bytes]:
 def http_json(url: str, body: Any = None, headers: dict[str, str] | None = None,
               timeout_s: float = 10.0) -> tuple[int, Any]:
     """(status, parsed JSON body or text); status 0 when nothing answered."""
+    status, _headers, parsed = http_json_headers(url, body, headers, timeout_s)
+    return status, parsed
+
+
+def http_json_headers(url: str, body: Any = None, headers: dict[str, str] | None = None,
+                      timeout_s: float = 10.0) -> tuple[int, dict[str, str], Any]:
+    """(status, response headers, parsed JSON body or text); status 0 when nothing answered."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
                                      headers={"Content-Type": "application/json",
@@ -560,13 +567,12 @@ def http_json(url: str, body: Any = None, headers: dict[str, str] | None = None,
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(request, timeout=timeout_s) as response:
-            raw = response.read()
-            status = response.status
+            raw, status, got = response.read(), response.status, dict(response.headers)
     except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
+        raw, status, got = exc.read(), exc.code, dict(exc.headers)
     except OSError:
-        return 0, None
+        return 0, {}, None
     try:
-        return status, json.loads(raw)
+        return status, got, json.loads(raw)
     except ValueError:
-        return status, raw.decode(errors="replace")
+        return status, got, raw.decode(errors="replace")

@@ -16,12 +16,11 @@ import json
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet_lab.traces import DEFAULT_TRACE
+from tests.e2e.kubelet import http_json_headers
 
 TRACE = DEFAULT_TRACE
 NUM_TENANTS = 48
@@ -92,11 +91,12 @@ class Traffic:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, request: TraceRequest) -> Sample:
-        status, headers, body = _post(
+        status, headers, body = http_json_headers(
             f"{self.router_url}/v1/completions",
             {"model": self.model, "prompt": list(request.token_ids), "max_tokens": 1,
              "temperature": 0},
-            {"Authorization": f"Bearer {api_key(request.tenant)}"},
+            headers={"Authorization": f"Bearer {api_key(request.tenant)}"},
+            timeout_s=30,
         )
         cached, detail = 0, ""
         if status == 200:
@@ -151,21 +151,3 @@ class Traffic:
         ok = [s for s in self.recent(seconds) if s.status == 200]
         return sum(s.cached_tokens for s in ok) / max(1, sum(s.prompt_tokens for s in ok))
 
-
-def _post(url: str, body: object, headers: dict[str, str],
-          timeout_s: float = 30) -> tuple[int, dict[str, str], object]:
-    """(status, headers, parsed JSON body or text); status 0 when nothing answered."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(request, timeout=timeout_s) as response:
-            raw, status, got = response.read(), response.status, dict(response.headers)
-    except urllib.error.HTTPError as exc:
-        raw, status, got = exc.read(), exc.code, dict(exc.headers)
-    except OSError as exc:
-        return 0, {}, f"nothing answered ({type(exc).__name__})"
-    try:
-        return status, got, json.loads(raw)
-    except ValueError:
-        return status, got, raw.decode(errors="replace")
