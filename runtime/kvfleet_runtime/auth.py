@@ -14,6 +14,10 @@ Three credentials, three secrets (each a Secret the chart generates; see docs/se
   (constant-time compare), checks the expiry (with a bounded clock skew and a bounded lifetime),
   its own name against the audience, and remembers the nonce until the expiry (`ReplayCache`):
   the assertion is good for one request, to one replica, for one method and path, for seconds.
+  A front that does not send the request itself (`kvfleet epp`: Envoy sends it, and retries on
+  the pick's fallbacks) sends one assertion per replica it may reach, comma-separated, each with
+  its own audience and nonce (`MAX_ASSERTIONS`); a replica checks the one for its own name, so
+  the list is still good at each of those replicas once and nowhere else.
 - **Operator token** (operator -> replica): `Authorization: Bearer <token>` on
   `POST /cache/invalidate` and on `GET /cache/stats` for all tenants or a tenant other than the
   caller's. A plain bearer compared in constant time: the operator is one party with one secret.
@@ -57,6 +61,7 @@ from kvfleet_runtime.wire import ASSERTION_HEADER, CACHE_SALT_FIELD, MAX_CACHE_S
 __all__ = [
     "DEFAULT_ASSERTION_TTL_S",
     "DEFAULT_TENANT",
+    "MAX_ASSERTIONS",
     "MAX_ASSERTION_TTL_S",
     "MAX_CLOCK_SKEW_S",
     "MAX_SALTED_TENANT_CHARS",
@@ -95,6 +100,9 @@ MAX_ASSERTION_TTL_S = 60.0
 """A replica refuses assertions that expire later than this from now (plus the skew): it bounds
 how long a nonce must be remembered, so the replay cache stays bounded."""
 MAX_CLOCK_SKEW_S = 5.0
+MAX_ASSERTIONS = 8
+"""Most assertions one header may list (the pick and its fallbacks): the replica parses at most
+this many entries, whatever the header holds."""
 """Wall-clock difference between router and replica hosts that is tolerated."""
 
 ROUTER_SECRET_ENV = "KVFLEET_ROUTER_SECRET"
@@ -172,6 +180,9 @@ def sign_assertion(secret: bytes, tenant: str, *, audience: str, method: str, pa
     `audience` ("" when the router does not know its name), `method` and `path` (no query)."""
     if not secret:
         raise ValueError("the router secret is empty")
+    if "," in audience:
+        raise ValueError(f"a replica name cannot hold ',' (assertion lists are comma-separated): "
+                         f"{audience[:80]!r}")
     if not 0 < ttl_s <= MAX_ASSERTION_TTL_S:
         raise ValueError(f"ttl_s must be in (0, {MAX_ASSERTION_TTL_S}], got {ttl_s}")
     nonce = secrets.token_hex(_NONCE_HEX // 2) if nonce is None else nonce
@@ -259,6 +270,19 @@ def _parse(value: str) -> _Parsed | None:
     return _Parsed(int(expires), nonce, mac, audience)
 
 
+def _own_entry(value: str, own_name: str | None) -> _Parsed | None:
+    """The entry of an assertion list addressed to `own_name` (else the first, whose audience
+    check then refuses it); None when any entry is malformed or there are too many."""
+    entries = value.split(",", MAX_ASSERTIONS)
+    if len(entries) > MAX_ASSERTIONS:
+        return None
+    parsed = [_parse(entry.strip()) for entry in entries]
+    if any(p is None for p in parsed):
+        return None
+    own = [p for p in parsed if p is not None and p.audience == own_name]
+    return own[0] if own else parsed[0]
+
+
 def _is_hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
 
@@ -272,10 +296,11 @@ def verify_assertion(secret: bytes, value: str | None, tenant: str, *, method: s
     if not value:
         return AssertionRefused("missing", f"missing {ASSERTION_HEADER}: tenant requests are "
                                 "accepted only from the router")
-    parsed = _parse(value)
+    parsed = _own_entry(value, own_name)
     if parsed is None:
         return AssertionRefused("malformed", f"{ASSERTION_HEADER} is not "
-                                "v1.<expires_ms>.<nonce>.<mac>.<audience>")
+                                "v1.<expires_ms>.<nonce>.<mac>.<audience>[,...] (at most "
+                                f"{MAX_ASSERTIONS})")
     expected = _mac(secret, tenant, parsed.audience, parsed.nonce, parsed.expires_ms, method, path)
     if not hmac.compare_digest(parsed.mac, expected):
         return AssertionRefused("forged", f"{ASSERTION_HEADER} does not verify for tenant "

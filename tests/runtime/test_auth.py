@@ -8,6 +8,7 @@ import pytest
 
 from kvfleet_runtime.auth import (
     MAX_ASSERTION_TTL_S,
+    MAX_ASSERTIONS,
     MAX_CLOCK_SKEW_S,
     AssertionRefused,
     ReplayCache,
@@ -90,6 +91,33 @@ def test_a_tampered_field_fails_the_mac() -> None:
     retargeted = f"{version}.{expires}.{nonce}.{mac}.r1"
     assert [reason(verify(v, own_name=None)) for v in (later, other_nonce, retargeted)] == [
         "forged", "forged", "forged"]
+
+
+def test_a_list_is_checked_by_the_entry_for_this_replica_once_at_each() -> None:
+    """The EPP's header: one assertion per replica Envoy may try; each replica takes its own."""
+    listed = ",".join(sign(audience=name) for name in ("r1", "r0", "r2"))
+    replays = {name: ReplayCache(16, FakeClock(NOW)) for name in ("r0", "r1", "r2", "r3")}
+    ok = {name: verify(listed, own_name=name, replays=replays[name]) for name in replays}
+    assert {name: reason(r) for name, r in ok.items()} == {
+        "r0": "ok", "r1": "ok", "r2": "ok", "r3": "audience"}
+    nonces = {r.nonce for r in ok.values() if isinstance(r, TenantAssertion)}
+    assert len(nonces) == 3  # each its own nonce: a replay at one is no use at another
+    assert reason(verify(listed, own_name="r0", replays=replays["r0"])) == "replayed"
+    assert reason(verify(listed, own_name="r1", tenant="globex")) == "forged"
+
+
+@pytest.mark.parametrize("value", [
+    ",".join([sign()] * (MAX_ASSERTIONS + 1)),  # too many entries: none is parsed
+    sign() + ",",
+    sign() + ",v1.garbage",  # one bad entry spoils the list
+])
+def test_a_list_longer_than_the_cap_or_with_a_bad_entry_is_malformed(value: str) -> None:
+    assert reason(verify(value)) == "malformed"
+
+
+def test_a_replica_name_with_a_comma_cannot_be_an_audience() -> None:
+    with pytest.raises(ValueError, match="cannot hold ','"):
+        sign(audience="r0,r1")
 
 
 def test_a_forged_assertion_is_not_remembered() -> None:

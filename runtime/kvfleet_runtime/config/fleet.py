@@ -56,7 +56,9 @@ class AffinitySettings(_Strict):
 
 
 class ReplicaEndpoint(_Strict):
-    name: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(min_length=1, pattern=r"^[^,\s]+$")]
+    """A pod name in the operator's config; never a comma or a space: the name is the audience
+    of a tenant assertion, and the EPP lists one assertion per replica comma-separated."""
     url: Annotated[str, Field(pattern=r"^https?://")]
     weights_digest: str | None = None
     ready: bool = True

@@ -4,7 +4,8 @@
                              (`affinity.api_keys`); a missing or unknown key is a 401 in OpenAI's
                              envelope
     tenant -> replica        `X-Kvfleet-Tenant` with a signed assertion bound to the replica,
-                             method and path, for seconds (`kvfleet_runtime.auth`)
+                             method and path, for seconds (`kvfleet_runtime.auth`); one per
+                             replica the request may reach, when the gateway fails over
     tenant -> vLLM body      the body re-encoded with `cache_salt` = the tenant's signed salt,
                              whatever the client sent (vLLM takes the tenant from it)
 
@@ -16,7 +17,7 @@ and read its cache).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,14 +44,16 @@ class Tenancy:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return tenant
 
-    def replica_headers(self, tenant: str, *, replica: str, method: str, path: str,
+    def replica_headers(self, tenant: str, *, replicas: Sequence[str], method: str, path: str,
                         now_s: float) -> dict[str, str]:
-        """The headers that carry `tenant` to `replica` (one assertion per attempt)."""
+        """The headers that carry `tenant` to the replicas the request may reach: the router
+        names the one it sends to (one assertion per attempt), the EPP the pick and its
+        fallbacks (Envoy retries on them with the same headers; each replica checks its own)."""
         headers = {TENANT_HEADER: tenant}
         if self.router_secret:
-            headers[ASSERTION_HEADER] = sign_assertion(
-                self.router_secret, tenant, audience=replica, method=method, path=path,
-                now_s=now_s)
+            headers[ASSERTION_HEADER] = ",".join(
+                sign_assertion(self.router_secret, tenant, audience=replica, method=method,
+                               path=path, now_s=now_s) for replica in replicas)
         return headers
 
     def salt(self, tenant: str) -> str:

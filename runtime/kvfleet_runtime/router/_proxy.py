@@ -64,7 +64,7 @@ async def proxy(request: web.Request, path: str, *, chat: bool) -> web.StreamRes
                 salted = state.tenancy.vllm_body(body, tenant)
             data = salted
         headers = {"Content-Type": "application/json",
-                   **state.tenancy.replica_headers(tenant, replica=name, method="POST",
+                   **state.tenancy.replica_headers(tenant, replicas=(name,), method="POST",
                                                    path=path, now_s=time.time())}
         assert pick is not None
         state.picker.begin(name, pick.prompt_tokens)
