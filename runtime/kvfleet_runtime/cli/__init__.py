@@ -28,6 +28,7 @@ from kvfleet_runtime.cli import bench_vllm as _bench_vllm  # noqa: E402, F401
 from kvfleet_runtime.cli import benchmarks as _benchmarks  # noqa: E402, F401
 from kvfleet_runtime.cli import breakeven as _breakeven  # noqa: E402, F401
 from kvfleet_runtime.cli import demo as _demo  # noqa: E402, F401
+from kvfleet_runtime.cli import epp as _epp  # noqa: E402, F401
 from kvfleet_runtime.cli import model as _model  # noqa: E402, F401
 from kvfleet_runtime.cli import router as _router  # noqa: E402, F401
 from kvfleet_runtime.cli import serve_replica as _serve_replica  # noqa: E402, F401

@@ -359,6 +359,10 @@ class Picker:
         log.warning("replicas report tokenizer %r, the picker has %s: text prompts are routed "
                     "without the cache-aware override", replica_tokenizer or "(none)", mine)
 
+    def address_of(self, replica: str) -> str:
+        """`host:port` of a replica of the view (what a gateway's destination names)."""
+        return urlsplit(self.view.replicas[replica].url).netloc
+
     # -- in flight ---------------------------------------------------------------------------
 
     def begin(self, replica: str, tokens: int) -> None:

@@ -86,6 +86,8 @@ class ServerThread:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if not self._thread.is_alive():  # already stopped (a test killed this replica)
+            return
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)
 
