@@ -56,5 +56,5 @@ def test_an_entry_point_that_is_no_typer_is_refused(monkeypatch: pytest.MonkeyPa
         return [bad] if group == "kvfleet.commands" else []
 
     monkeypatch.setattr(importlib.metadata, "entry_points", points)
-    with pytest.raises(TypeError, match="broken = json:dumps is not a typer.Typer"):
+    with pytest.raises(TypeError, match=r"broken = json:dumps is not a typer\.Typer"):
         add_installed_commands(_app())
