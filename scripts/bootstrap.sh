@@ -40,5 +40,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   VIRTUAL_ENV="$VENV" "$UV" pip sync -q --python "$VENV/bin/python" requirements.lock
   echo "$want" > "$stamp"
 fi
-# Always re-point the editable install at this checkout: CI clones into another folder.
-VIRTUAL_ENV="$VENV" "$UV" pip install -q --python "$VENV/bin/python" --no-deps -e .
+# Always re-point the editable installs at this checkout: CI clones into another folder. Two
+# distributions: the product (.) and the lab (lab/: its `kvfleet bench`, `demo` and `simulate`).
+VIRTUAL_ENV="$VENV" "$UV" pip install -q --python "$VENV/bin/python" --no-deps -e . -e ./lab

@@ -1,8 +1,9 @@
 """The import contract, read from the source (every `import`, at module level or inside a function).
 
-Dependencies point one way: the CLI and the lab import the product, the operator imports only the
-runtime's pure core, nothing in the product imports the lab, and the router, the operator and the
-pure cache core never load torch. No import circle in the product, even one closed only by a
+Dependencies point one way: the lab imports the product, the operator imports only the runtime's
+pure core, nothing in the product imports or names the lab (its CLI included: the lab's commands
+join `kvfleet` through an entry point), and the router, the operator and the pure cache core never
+load torch. No import circle in the product, even one closed only by a
 lazy or a type-only import.
 """
 
@@ -217,32 +218,70 @@ def test_the_sources_parse_into_modules() -> None:
 
 
 def test_the_contract_sees_nested_imports() -> None:
-    cli = _imports("kvfleet_runtime.cli.bench_policies", top_level_only=False)
+    cli = _imports("kvfleet_lab.cli.bench_policies", top_level_only=False)
     assert "kvfleet_lab.cache.compare" in cli  # imported inside the command function
     assert "kvfleet_lab.cache.compare" not in _imports(
-        "kvfleet_runtime.cli.bench_policies", top_level_only=True
+        "kvfleet_lab.cli.bench_policies", top_level_only=True
     )
 
 
-@pytest.mark.parametrize(
-    "module", [m for m in _product_modules() if not m.startswith("kvfleet_runtime.cli")]
-)
+def _names_the_lab(path: Path) -> list[str]:
+    """Each line of `path` that spells the lab's package: an import at any depth, and the
+    strings an import could be made of (`importlib.import_module`, `-m`, an entry point)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [f"{path.name}:{n} {line.strip()}" for n, line in enumerate(lines, 1)
+            if "kvfleet_lab" in line]
+
+
+def test_the_cli_is_read_by_the_lab_rules() -> None:
+    # The rules below cover every product module: the CLI's among them, none exempt.
+    assert "kvfleet_runtime.cli" in _product_modules()
+    assert "kvfleet_runtime.cli.router" in _product_modules()
+
+
+@pytest.mark.parametrize("module", _product_modules())
 def test_product_never_imports_the_lab(module: str) -> None:
     lab = sorted(n for n in _imports(module, top_level_only=False) if n.startswith("kvfleet_lab"))
     assert lab == [], f"{module} imports the lab: {lab}"
 
 
-@pytest.mark.parametrize("module", [m for m in _sources() if m.startswith("kvfleet_runtime.cli")])
-def test_cli_imports_the_lab_only_when_a_command_runs(module: str) -> None:
-    # `kvfleet replica` and `kvfleet router` load the whole CLI: the lab stays out of their way.
-    lab = sorted(
-        n for n in _closure(module, top_level_only=True) if n.startswith("kvfleet_lab")
+@pytest.mark.parametrize("module", _product_modules())
+def test_product_never_names_the_lab(module: str) -> None:
+    # Nor by a string: the lab's commands reach `kvfleet` through the `kvfleet.commands` entry
+    # points its own distribution declares, so no product source has a reason to spell it.
+    assert _names_the_lab(_sources()[module]) == []
+
+
+def test_the_naming_rule_would_catch_a_lazy_or_dynamic_import(tmp_path: Path) -> None:
+    source = tmp_path / "sneaky.py"
+    source.write_text(
+        "import importlib\n\n"
+        "def run():\n"
+        "    from kvfleet_lab.demo import percentile\n"
+        "    return importlib.import_module('kvfleet_lab.simulate'), percentile\n"
     )
-    assert lab == [], f"importing {module} loads the lab: {lab}"
+    assert _names_the_lab(source) == [
+        "sneaky.py:4 from kvfleet_lab.demo import percentile",
+        "sneaky.py:5 return importlib.import_module('kvfleet_lab.simulate'), percentile",
+    ]
+    assert "kvfleet_lab.demo" in _imports_of(source, "sneaky", False, False)
+
+
+def test_the_lab_commands_import_the_lab_only_when_they_run() -> None:
+    # Where the lab is installed, every `kvfleet` start (`kvfleet replica`, `kvfleet router`)
+    # loads its commands' package through the entry point: the rooms they run stay out of it.
+    closure = _closure("kvfleet_lab.cli", top_level_only=True)
+    assert "kvfleet_lab.cli.bench_policies" in closure  # the walk reads the commands' modules
+    rooms = sorted(
+        n for n in closure
+        if (_ours(n) or "").startswith("kvfleet_lab.")
+        and not (_ours(n) or "").startswith("kvfleet_lab.cli")
+    )
+    assert rooms == [], f"importing kvfleet_lab.cli loads {rooms}"
 
 
 @pytest.mark.parametrize(
-    "module", [m for m in _sources() if m.startswith("kvfleet_runtime") and ".cli" not in m]
+    "module", [m for m in _sources() if m.startswith("kvfleet_runtime")]
 )
 def test_runtime_never_imports_the_operator(module: str) -> None:
     names = sorted(
@@ -326,6 +365,8 @@ def test_no_router_fleet_cycle() -> None:
         "kvfleet_operator",
         "kvfleet_operator.main",
         "kvfleet_operator.cli",
+        "kvfleet_runtime.cli",
+        "kvfleet_lab.cli",  # loaded by every `kvfleet` start where the lab is installed
     ],
 )
 def test_no_torch_on_import(module: str) -> None:
@@ -484,7 +525,7 @@ def test_the_door_rule_would_catch_a_reach_through(tmp_path: Path) -> None:
     assert _reaches_below_the_manager(leaky) == ["leaky.py:2 .manager.index"]
 
 
-# The packages that run in a pod. The lab and the CLI sit above them and import downwards.
+# The packages that run in a pod. The lab sits above them and imports downwards.
 _NO_CIRCLES_IN = ("kvfleet_runtime", "kvfleet_vllm", "kvfleet_operator")
 
 

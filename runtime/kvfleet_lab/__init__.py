@@ -12,11 +12,13 @@ Rooms (each mirrors the product package it measures):
   operator/   the operator's planner and cluster benchmarks
   simulate/   the fleet-scale simulator (44 replicas, 2,000 tenants) and its plots
   demo/       the `kvfleet demo` driver: local fleet, workloads, report, plots
+  cli/        the `kvfleet bench ...`, `kvfleet demo` and `kvfleet simulate` commands
 
 Dependencies point one way: the lab imports the product (kvfleet_runtime, kvfleet_operator);
-nothing in the product imports the lab (tests/test_imports.py checks it). The `kvfleet bench`,
-`kvfleet simulate` and `kvfleet demo` commands are thin shells in `kvfleet_runtime.cli` that import
-the lab only when they run.
+nothing in the product imports or names the lab (tests/test_imports.py checks it). The
+`kvfleet bench`, `kvfleet simulate` and `kvfleet demo` commands are the lab's own (`cli/`), thin
+shells that import the rooms they run only when they run; the lab's distribution
+(lab/pyproject.toml) adds them to `kvfleet` through the `kvfleet.commands` entry points.
 """
 
 __all__: list[str] = []

@@ -2,7 +2,8 @@
 
 The pure core (break-even arithmetic, keys, index, policies, routing, `wire`) never imports torch;
 only the modules that touch tensors do. Benchmarks, simulators, the demo and plots live in the
-separate `kvfleet_lab` package, which nothing here imports (the CLI only when a command runs).
+lab, a separate package and distribution that nothing here imports or names: its `kvfleet bench`,
+`demo` and `simulate` join the CLI through the `kvfleet.commands` entry points.
 """
 
 __version__ = "0.1.0"

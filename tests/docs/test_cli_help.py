@@ -11,7 +11,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvfleet_runtime.cli import app
+from kvfleet_lab.cli import kvfleet_app
+
+app = kvfleet_app()
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["breakeven"], ["simulate"], ["bench", "nvme"]])

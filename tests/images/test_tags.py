@@ -47,6 +47,18 @@ def test_the_tag_follows_the_sources(tmp_path: Path) -> None:
     assert changed != ours and changed.rsplit("-src-", 1)[0] == ours.rsplit("-src-", 1)[0]
 
 
+def test_a_change_of_the_lab_alone_rebuilds_no_image(tmp_path: Path) -> None:
+    # The lab is not in kvfleet's wheel (.dockerignore keeps it out of the build context too).
+    copy = _copy(tmp_path)
+    before = {kind: _tag(copy, kind) for kind in ("runtime", "operator")}
+    source = copy / "runtime" / "kvfleet_lab" / "__init__.py"
+    source.write_text(source.read_text() + "\n# changed\n")
+    assert {kind: _tag(copy, kind) for kind in before} == before
+    product = copy / "runtime" / "kvfleet_runtime" / "__init__.py"
+    product.write_text(product.read_text() + "\n# changed\n")
+    assert _tag(copy, "runtime") != before["runtime"]
+
+
 def test_a_wrong_argument_is_refused_with_the_usage() -> None:
     out = subprocess.run(["bash", str(ROOT / "scripts" / "images.sh"), "--tag", "router"],
                          capture_output=True, text=True, timeout=60)

@@ -4,7 +4,7 @@ Everything the cache decides, without tensors, and the one place that wires the 
 index: `Admission` (`_admission.py`) decides what is worth storing and which eviction ranking is in
 use; the `BlockIndex` (blocks, chains, refs, tiers) asks that ranking's `EvictionPolicy`
 (`_eviction.py`) for victims. The `PrefixCache` facade adds the pools and the copies, and the
-hit-rate simulator (`kvfleet_lab.cache.sim`) drives this same class with
+lab's hit-rate simulator drives this same class with
 precomputed hashes, so the simulated policy is the shipped policy. Not thread-safe by itself: the
 facade serializes calls under its lock.
 """

@@ -15,16 +15,18 @@ import pytest
 from typer.testing import CliRunner
 
 from kvfleet_lab.cache.sim import load_mooncake_trace
+from kvfleet_lab.cli import kvfleet_app
 from kvfleet_lab.traces import TRACES
-from kvfleet_runtime.cli import app
 from tests.lab.cache.test_sim import write_trace
+
+app = kvfleet_app()
 
 TINY = ["--requests", "60", "--fractions", "0.1,0.5"]
 
 
 def kvfleet(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvfleet_runtime.cli", "bench", *args],
+        [sys.executable, "-m", "kvfleet_lab.cli", "bench", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -142,7 +144,7 @@ def test_a_bad_trace_is_one_line_and_exit_2(
 def _replace_policies(monkeypatch: pytest.MonkeyPatch, fake: Callable[..., None]) -> None:
     """`kvfleet bench policies` replaced on the group (same options: typer reads the signature
     through `__wrapped__`), so that the group's own commands are tested without the replays."""
-    from kvfleet_runtime.cli.benchmarks import bench
+    from kvfleet_lab.cli.benchmarks import bench
 
     info = next(c for c in bench.registered_commands if c.name == "policies")
     monkeypatch.setattr(info, "callback", functools.wraps(info.callback)(fake))
@@ -166,7 +168,7 @@ def test_other_benchmarks_are_still_there() -> None:
 def test_all_runs_each_benchmark_and_reports_failures(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvfleet_runtime.cli.benchmarks as mod
+    import kvfleet_lab.cli.benchmarks as mod
 
     ran: list[list[str]] = []
 

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvfleet_lab.cli.benchmarks import default_trace
 from kvfleet_lab.traces import DEFAULT_TRACE, TRACE_NAME
-from kvfleet_runtime.cli.benchmarks import default_trace
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -61,7 +61,7 @@ def test_bench_policies_runs_from_a_copy_with_nothing_beside_it(tmp_path: Path) 
                            text=True, check=True).stdout.strip()
     assert Path(where).is_relative_to(copy), where  # the copy runs, not this checkout
     result = subprocess.run(
-        [sys.executable, "-m", "kvfleet_runtime.cli", "bench", "policies", "--trace-requests",
+        [sys.executable, "-m", "kvfleet_lab.cli", "bench", "policies", "--trace-requests",
          "200", "--workloads", "trace", "--json", "--out", str(tmp_path / "out")],
         cwd=copy, env=env, capture_output=True, text=True, timeout=900,
     )

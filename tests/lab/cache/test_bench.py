@@ -17,8 +17,10 @@ from kvfleet_lab.cache.bench import (
     bench_metadata,
     bench_request_cpu,
 )
+from kvfleet_lab.cli import kvfleet_app
 from kvfleet_runtime.cache import KVLayout
-from kvfleet_runtime.cli import app
+
+app = kvfleet_app()
 
 
 def test_lookup_and_materialize_and_metadata_on_tiny_sizes() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-CLI = [sys.executable, "-m", "kvfleet_runtime.cli"]
+CLI = [sys.executable, "-m", "kvfleet_lab.cli"]
 
 
 @pytest.fixture(scope="session")

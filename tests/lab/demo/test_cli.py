@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvfleet_runtime.cli import app
+from kvfleet_lab.cli import kvfleet_app
+
+app = kvfleet_app()
 
 
 @pytest.fixture
@@ -63,7 +65,7 @@ def test_an_out_folder_that_cannot_be_made_is_bad_input(tmp_path: Path) -> None:
 def test_the_demo_ends_with_next_steps_and_how_to_reach_the_commands(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvfleet_runtime.cli.demo import next_steps
+    from kvfleet_lab.cli.demo import next_steps
 
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # as after `make demo`: the venv is not on it
     path_line, steps = next_steps()

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvfleet_runtime.cli import app
+from kvfleet_lab.cli import kvfleet_app
+
+app = kvfleet_app()
 
 
 def test_bench_replica_json_on_a_tiny_model(tiny_dir: Path) -> None:

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from kvfleet_lab.cli import kvfleet_app
 from kvfleet_lab.nvme.bench import reference_block_bytes, run_nvme_bench
-from kvfleet_runtime.cli import app
 from kvfleet_runtime.nvme import STORE_FILENAME
+
+app = kvfleet_app()
 
 
 def test_reference_block_is_5_mib() -> None:

@@ -6,7 +6,9 @@ import json
 
 from typer.testing import CliRunner
 
-from kvfleet_runtime.cli import app
+from kvfleet_lab.cli import kvfleet_app
+
+app = kvfleet_app()
 
 
 def test_bench_operator_quick_json() -> None:

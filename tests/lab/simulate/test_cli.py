@@ -12,7 +12,7 @@ import pytest
 
 def kvfleet(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvfleet_runtime.cli", "simulate", *args],
+        [sys.executable, "-m", "kvfleet_lab.cli", "simulate", *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import typer
 
+from kvfleet_lab.cli.benchmarks import bench
 from kvfleet_runtime.cli._app import fail, stderr
-from kvfleet_runtime.cli.benchmarks import bench
 
 __all__ = ["fronts", "vllm_connector", "vllm_serve"]
 

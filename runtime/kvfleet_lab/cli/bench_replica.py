@@ -13,8 +13,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvfleet_lab.cli.benchmarks import bench
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.benchmarks import bench
 
 __all__ = ["replica"]
 

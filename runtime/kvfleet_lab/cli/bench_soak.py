@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from kvfleet_lab.cli.benchmarks import bench
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.benchmarks import bench
 
 __all__ = ["soak"]
 

@@ -13,13 +13,14 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from kvfleet_lab.cli._commands import commands
 from kvfleet_runtime.breakeven import GPUS, MODELS, KVDtype
-from kvfleet_runtime.cli._app import app, fail
+from kvfleet_runtime.cli._app import fail
 
 __all__ = ["simulate"]
 
 
-@app.command()
+@commands.command()
 def simulate(
     scenario: Annotated[str, typer.Argument(
         help="One of: coverage, savings, rollout, what-if, all.")] = "all",

@@ -22,7 +22,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from kvfleet_runtime.cli._app import app, fail
+from kvfleet_lab.cli._commands import commands
+from kvfleet_runtime.cli._app import fail
 
 __all__ = ["demo"]
 
@@ -78,7 +79,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-@app.command()
+@commands.command()
 def demo(
     workload: Annotated[str, typer.Option(
         help="Built-in workload: mixed, system-prompts, rag or conversations.")] = "mixed",

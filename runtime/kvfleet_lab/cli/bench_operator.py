@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from kvfleet_runtime.cli.benchmarks import bench
+from kvfleet_lab.cli.benchmarks import bench
 
 __all__ = ["operator"]
 

@@ -21,7 +21,8 @@ import typer.core
 from rich.console import Console
 from rich.table import Table
 
-from kvfleet_runtime.cli._app import app, fail
+from kvfleet_lab.cli._commands import commands
+from kvfleet_runtime.cli._app import fail
 
 __all__ = ["QUICK_ARGS", "TRACE_HELP", "all_benchmarks", "bench",
            "default_trace", "trace_path"]
@@ -56,7 +57,7 @@ bench = typer.Typer(
     "policy comparison (`policies`, its defaults); `all` runs every benchmark quickly.",
     invoke_without_command=True,
 )
-app.add_typer(bench)
+commands.add_typer(bench)
 
 QUICK_ARGS: dict[str, list[str]] = {
     "replica": ["--reps", "2", "--prefill-tokens", "512,2000", "--prompt-tokens", "1000",
@@ -72,7 +73,7 @@ benchmark not named here runs with its own defaults."""
 
 
 def command(name: str) -> Any:  # typer's own (vendored) click.Command
-    """The `bench` subcommand `name` as registered (`kvfleet_runtime.cli` imports its module)."""
+    """The `bench` subcommand `name` as registered (`kvfleet_lab.cli` imports its module)."""
     group = typer.main.get_command(bench)
     assert isinstance(group, typer.core.TyperGroup)
     found = group.commands.get(name)
@@ -139,7 +140,7 @@ def all_benchmarks(
             status = f"exit {exc.exit_code}"
         results.append(("policies", status, time.perf_counter() - t0))
     for name in others:
-        args = [sys.executable, "-m", "kvfleet_runtime.cli", "bench", name, *_quick_args(name)]
+        args = [sys.executable, "-m", "kvfleet_lab.cli", "bench", name, *_quick_args(name)]
         console.rule(f"kvfleet bench {name} {' '.join(args[5:])}".rstrip())
         t0 = time.perf_counter()
         try:

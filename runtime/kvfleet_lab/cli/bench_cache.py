@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvfleet_lab.cli.benchmarks import TRACE_HELP, bench, default_trace, trace_path
 from kvfleet_runtime.cli._app import fail
-from kvfleet_runtime.cli.benchmarks import TRACE_HELP, bench, default_trace, trace_path
 
 if TYPE_CHECKING:
     from kvfleet_lab.cache.bench import CacheBenchReport, MaterializeBandwidth, RequestCpu

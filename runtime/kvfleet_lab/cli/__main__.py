@@ -1,0 +1,3 @@
+from kvfleet_lab.cli import main
+
+main()
