@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 UV = Path(os.environ.get("KVFLEET_HOME", Path.home() / ".cache" / "kvfleet")) / "tools/bin/uv"
 PRODUCT_PACKAGES = {"kvfleet_runtime", "kvfleet_vllm", "kvfleet_operator"}
 LAB_COMMANDS = ("bench", "demo", "simulate")
-PRODUCT_COMMANDS = ("breakeven", "model", "replica", "router")
+PRODUCT_COMMANDS = ("breakeven", "epp", "model", "replica", "router")
 
 
 def _uv(*args: str) -> None:
