@@ -58,7 +58,7 @@ from kvfleet_runtime.cache._pool import (
 from kvfleet_runtime.cache._stats import CacheStats
 from kvfleet_runtime.cache._store_queue import StoreQueue
 
-__all__ = ["EvictedRun", "Hit", "Miss", "Prefix", "PrefixCache"]
+__all__ = ["EvictedRun", "Hit", "Miss", "PinnedRun", "Prefix", "PrefixCache"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,21 @@ class Hit:
     tier: Tier
     """The coldest tier holding one of the blocks at lookup time (T1 means a copy from host)."""
     key: CacheKey
+    _path: list[BlockNode] = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+
+@dataclass(slots=True, eq=False)
+class PinnedRun:
+    """Blocks held where they lie for a reader outside the cache (a peer's one-sided read of
+    the host pools: T2 over NIXL) until `PrefixCache.unpin`. A ref on every block, so none is
+    freed, moved or overwritten meanwhile (`_block_index`'s invariant), and no lookup is counted
+    (serving a peer is not a hit here)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    slots: tuple[tuple[int, int], ...]
+    """Where each block lies: (tier, block id), tier 0 for T0 (`PrefixCache.pools()[0]`), 1 for
+    T1."""
     _path: list[BlockNode] = field(repr=False)
     _released: bool = field(default=False, repr=False)
 
@@ -292,6 +307,35 @@ class PrefixCache:
         and the platform's blocks count (a peer's held probe)."""
         with self._lock:
             return self._manager.num_held(chain, tenant)
+
+    def pin(self, chain: Sequence[BlockHash], start_block: int = 0,
+            max_blocks: int | None = None) -> PinnedRun | None:
+        """Hold the blocks of `chain` this cache holds from `start_block` on (at most
+        `max_blocks`), where they lie, until `unpin`; None when block `start_block` is not held.
+        `chain` is the whole chain from the root (the match walks it from its first block)."""
+        end = len(chain) if max_blocks is None else min(len(chain), start_block + max_blocks)
+        with self._lock:
+            path = self._manager.match(chain[:end])[start_block:]
+            if not path:
+                return None
+            self._manager.acquire(path)
+            return PinnedRun(tuple([n.block_hash for n in path]),
+                             tuple([(int(n.tier), n.block_id) for n in path]), path)
+
+    def unpin(self, run: PinnedRun) -> None:
+        """The reader is done (or its lease ran out): the blocks become evictable again. Once
+        per run; later calls do nothing."""
+        with self._lock:
+            if run._released:
+                return
+            run._released = True
+            self._manager.release(run._path)
+
+    def pools(self) -> tuple[PagedBlocks | None, TensorPool | None]:
+        """The memory blocks lie in: T0 (the engine's KV) and T1 (host), None where a tier has
+        no pool. What a one-sided reader registers once (`fleet.t2_nixl`), addressed by
+        `PinnedRun.slots`."""
+        return self._pools
 
     def _lookup(self, key: CacheKey, chain: PromptChain, num_tokens: int) -> Hit | Miss:
         with self._lock:
