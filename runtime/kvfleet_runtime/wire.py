@@ -28,9 +28,11 @@ __all__ = [
     "CACHE_SALT_FIELD",
     "ENGINES",
     "HELD_PATH",
+    "LEASE_PATH",
     "LOAD_PATH",
     "MAX_CACHE_SALT_CHARS",
     "PLATFORM_TENANT",
+    "RELEASE_PATH",
     "T2_PATH",
     "TENANT_HEADER",
     "Engine",
@@ -76,6 +78,14 @@ T2_PATH = "/kv/v1/blocks"
 
 HELD_PATH = "/kv/v1/held"
 """A peer's held-blocks probe (which of these chain hashes do you hold?)."""
+
+LEASE_PATH = "/kv/v1/lease"
+"""T2 over NIXL, the control request: a peer's run pinned for a short lease, answered with its
+descriptors and the serving agent's metadata (`fleet.t2_serve.lease_routes`)."""
+
+RELEASE_PATH = "/kv/v1/lease/release"
+"""T2 over NIXL: the lease's end (`{"held": true}` when it was still live: the bytes read are
+the run's)."""
 
 BYTE_TOKENIZER_ID = "byte-v1"
 """The byte tokenizer's name in load reports (the generated demo model's: ids 0-255 are UTF-8

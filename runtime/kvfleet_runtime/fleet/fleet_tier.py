@@ -7,7 +7,9 @@
 What it adds to the replica's aiohttp app:
 
 - `POST /kv/v1/blocks`: the T2 endpoint (authenticated; see `t2_protocol`), serving from the
-  cache.
+  cache; `POST /kv/v1/lease` and `/kv/v1/lease/release`: T2 over NIXL's control routes (the run
+  pinned for a lease and read one-sided by the peer, `fleet.t2_nixl`), with this replica's
+  NIXL agent when NIXL is installed (else they answer 501 and peers use the HTTP path).
 - `GET /fleet/v1/load`: the load report the router polls (`kvfleet_runtime.picker._view`):
   KV occupancy of the engine's working blocks, queue depth and an estimated queue delay, and the
   cache key fields and tokenizer id the router needs to compute the prompt's block hashes.
@@ -52,6 +54,8 @@ Environment (all optional; none of the first four set -> no fleet tier):
     KVFLEET_HINT_LOOKUP_BUDGET_S   hint lookup budget (default 0.002 with Redis, 0.05 for the
                                    peer probe)
     KVFLEET_PEER_BODY_TIMEOUT_S    deadline of a peer's request body (default 10)
+    KVFLEET_T2_NIXL         "0": no NIXL agent (T2 over HTTP only, both ways) even where NIXL
+                            is installed (default "1")
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,8 +91,17 @@ from kvfleet_runtime.fleet.peer_tier import PeerTier
 from kvfleet_runtime.fleet.probe import DEFAULT_PROBE_BUDGET_S, PeerProbeHintIndex
 from kvfleet_runtime.fleet.publisher import HintPublisher
 from kvfleet_runtime.fleet.t2_fetch import FetchStats, PeerFetcher
+from kvfleet_runtime.fleet.t2_lease import LEASE_BUDGET_FRACTION, LeaseTable
+from kvfleet_runtime.fleet.t2_nixl import NixlAgent
 from kvfleet_runtime.fleet.t2_protocol import PeerSecrets
-from kvfleet_runtime.fleet.t2_serve import DEFAULT_PEER_BODY_TIMEOUT_S, ExportedRun, peer_routes
+from kvfleet_runtime.fleet.t2_serve import (
+    DEFAULT_PEER_BODY_TIMEOUT_S,
+    ExportedRun,
+    LeasedRun,
+    NixlServing,
+    lease_routes,
+    peer_routes,
+)
 from kvfleet_runtime.fleet.t2_source import CacheBlockSource
 from kvfleet_runtime.nvme import mode_for
 from kvfleet_runtime.wire import BLOCK_SIZE, LOAD_PATH, LoadReport
@@ -139,6 +153,8 @@ class FleetSettings:
     hint_key: bytes | None = None
     """Names the blocks in a Redis hint index by their keyed digest (`auth.hint_key`, derived
     from the router secret, which routers and replicas hold); None: by hash."""
+    nixl: bool = True
+    """T2 over NIXL where NIXL is installed (`KVFLEET_T2_NIXL`, "0" turns it off)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, port: int) -> FleetSettings | None:
@@ -193,7 +209,14 @@ class FleetSettings:
             hint_lookup_budget_s=budget_s,
             peer_body_timeout_s=body_timeout_s,
             hint_key=derive_hint_key(read_router_secret(environ)),
+            nixl=_nixl_setting(environ.get("KVFLEET_T2_NIXL", "1")),
         )
+
+
+def _nixl_setting(raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ValueError(f'KVFLEET_T2_NIXL must be "0" or "1", got {raw!r}')
+    return raw == "1"
 
 
 def hint_index_for(
@@ -248,6 +271,13 @@ class _GatedSource:
             return None
         return await self.source.export(key, token_ids, start_block, max_blocks)
 
+    async def lease(
+        self, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
+    ) -> LeasedRun | None:
+        if not self.serving():
+            return None
+        return await self.source.lease(key, token_ids, start_block, max_blocks)
+
 
 class FleetTier:
     """The fleet tier of one replica; built by `attach_fleet`, started with the app."""
@@ -266,6 +296,13 @@ class FleetTier:
         self.t2_enabled = True
         """`tiers.t2_peer`: fetch from peers and serve them (both ways at once)."""
         self._watcher: ConfigFileWatcher | None = None
+        # T2 over NIXL: one agent for this process, the cache's pools registered once, now.
+        self.nixl = NixlAgent.start(settings.name, self.cache.pools()) if settings.nixl else None
+        pools = self.cache.pools()
+        self.leases = LeaseTable(
+            max_blocks=max(1, int(LEASE_BUDGET_FRACTION * sum(
+                p.k.shape[1] for p in pools if p is not None))),
+            clock=time.monotonic)
         self.cache.add_listener(self._publish)
         self.cache.add_hit_listener(self._refresh)
         replica.registry.register(FleetTierCollector(self._metrics_snapshot))
@@ -443,7 +480,7 @@ class FleetTier:
             resolve_url=self._resolve,
         )
         self.tier = PeerTier(fetcher, self.cache.layout, asyncio.get_running_loop(),
-                             max_fetch_blocks=self.settings.max_fetch_blocks)
+                             max_fetch_blocks=self.settings.max_fetch_blocks, nixl=self.nixl)
         self.tier.enabled = self.t2_enabled
         self.replica.peers = self.tier
         self.replica.wire_tiers()
@@ -463,6 +500,7 @@ class FleetTier:
         await self.publisher.close()
         await self.index.close()
         await self.session.close()
+        self.leases.release_all()
 
 
 def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings) -> FleetTier:
@@ -474,6 +512,18 @@ def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings
             _GatedSource(source, fleet.serving_peers),
             settings.secrets or settings.secret,
             held=fleet.held_for_peers,
+            body_timeout_s=settings.peer_body_timeout_s,
+        )
+    )
+    agent = fleet.nixl
+    serving = (None if agent is None
+               else NixlServing(agent.name, agent.metadata, agent.geometries))
+    app.add_routes(
+        lease_routes(
+            _GatedSource(source, fleet.serving_peers),
+            settings.secrets or settings.secret,
+            serving,
+            fleet.leases,
             body_timeout_s=settings.peer_body_timeout_s,
         )
     )

@@ -16,8 +16,10 @@ straight in the blocks the engine allocated.
 - `forget`: a lookup still in flight is cancelled; a transfer runs to its end or its deadline
   (`PeerFetcher.timeout_s`), the engine keeping the blocks until `done`.
 
-Off (`enabled` False: the fleet config's `tiers.t2_peer`), it matches nothing. The transfer is
-the only part that knows HTTP T2 (`PeerFetcher`): another transport re-points `_load`.
+Off (`enabled` False: the fleet config's `tiers.t2_peer`), it matches nothing. With a NIXL
+agent (`fleet.t2_nixl`, its pools the cache's, the engine's blocks among them) the transfer is a
+lease and a one-sided READ straight into the engine's blocks (`PeerFetcher.receive_leased`); a
+peer without NIXL is fetched from over HTTP, and any failure on either path lands nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +44,9 @@ from kvfleet_runtime.cache import (
 )
 from kvfleet_runtime.fleet.t2_fetch import Landing, PeerFetcher, PeerRun
 from kvfleet_runtime.fleet.t2_protocol import WireOrder
+
+if TYPE_CHECKING:
+    from kvfleet_runtime.fleet.t2_nixl import NixlAgent
 
 __all__ = ["PeerTier", "engine_landing"]
 
@@ -59,9 +65,12 @@ class PeerTier:
         loop: asyncio.AbstractEventLoop,
         *,
         max_fetch_blocks: int = 4096,
+        nixl: NixlAgent | None = None,
     ) -> None:
-        """`loop`: the event loop the lookups and transfers run on (the replica's)."""
+        """`loop`: the event loop the lookups and transfers run on (the replica's); `nixl`:
+        this replica's NIXL agent, whose registered pools the engine's blocks are among."""
         self.fetcher = fetcher
+        self.nixl = nixl
         self.layout = layout
         self.loop = loop
         self.max_fetch_blocks = max_fetch_blocks
@@ -137,8 +146,18 @@ class PeerTier:
         try:
             n = len(target.block_ids)
             start = query.start_block
-            landing, finish = engine_landing(target.kv, target.block_ids)
             layout = self.layout
+            shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
+            pool = self._registered_pool(target.kv)
+            if pool is not None and self.nixl is not None and self.fetcher.serves_nixl(peer.url):
+                over_nixl = await self.fetcher.receive_leased(
+                    peer, query.key, query.token_ids, query.chain[start : start + n],
+                    start_block=start, dtype=layout.dtype, layout=shape, agent=self.nixl,
+                    local_slots=[(pool, b) for b in target.block_ids])
+                if over_nixl is not None:  # None: the peer has no NIXL, fetch over HTTP
+                    landed = over_nixl
+                    return
+            landing, finish = engine_landing(target.kv, target.block_ids)
             landed = await self.fetcher.receive_into(
                 peer, query.key, query.token_ids, query.chain[start : start + n],
                 start_block=start, dtype=layout.dtype,
@@ -151,6 +170,16 @@ class PeerTier:
             log.exception("T2 load failed; recomputing")
         finally:  # also when cancelled (shutdown): nothing lands after this
             done(landed)
+
+    def _registered_pool(self, kv: PagedBlocks) -> int | None:
+        """The index of the engine's pool among the NIXL agent's, or None (no agent, or the
+        pool is not one it registered)."""
+        if self.nixl is None:
+            return None
+        k, v = (kv.kv[0], kv.kv[1]) if kv.kv is not None else (kv.k, kv.v)
+        return next((i for i, g in enumerate(self.nixl.geometries)
+                     if g.k_addr == k.data_ptr() and g.v_addr == v.data_ptr()
+                     and g.num_blocks == k.shape[1]), None)
 
 
 def engine_landing(

@@ -1,17 +1,20 @@
 """T2, the fetching side: `PeerFetcher` finds the peer with the longest run (the hint index),
 receives it in place (`fleet._receive`), verifies it, and says why when it gives up
-(`FetchOutcome`); `fleet.t2_protocol` has the format, the credential and the checksum."""
+(`FetchOutcome`); `fleet.t2_protocol` has the format, the credential and the checksum. Over NIXL
+(`PeerFetcher.receive_leased`): the control request leases the run, the fetcher READs it
+one-sided into its own registered blocks (`fleet.t2_nixl`) and releases the lease."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import enum
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -19,6 +22,7 @@ import numpy as np
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
 from kvfleet_runtime.fleet._receive import BodyReader, post
 from kvfleet_runtime.fleet.hint_index import HintIndex, best_peer
+from kvfleet_runtime.fleet.t2_lease import PoolGeometry, pair_descriptors
 from kvfleet_runtime.fleet.t2_protocol import (
     MAGIC,
     MAX_HEADER_BYTES,
@@ -31,7 +35,10 @@ from kvfleet_runtime.fleet.t2_protocol import (
     chunk_checksum,
     peer_token,
 )
-from kvfleet_runtime.wire import T2_PATH, TENANT_HEADER
+from kvfleet_runtime.wire import LEASE_PATH, RELEASE_PATH, T2_PATH, TENANT_HEADER
+
+if TYPE_CHECKING:
+    from kvfleet_runtime.fleet.t2_nixl import NixlAgent
 
 __all__ = [
     "FETCH_SECONDS_BUCKETS",
@@ -83,6 +90,15 @@ class FetchOutcome(enum.StrEnum):
     """No host-pool slots to land the run in."""
     REJECTED = "rejected"
     """The run failed the connector's own check of chain, dtype or layout."""
+    # T2 over NIXL (`PeerFetcher.receive_leased`):
+    NIXL = "nixl"
+    """The one-sided READ failed: the peer went away mid-read, its agent or descriptors are
+    stale (a restarted peer), or the read ran past the deadline."""
+    LEASE_EXPIRED = "lease_expired"
+    """The read completed but the peer's lease had run out by the release: its blocks may have
+    been reused mid-read, so the bytes are not used."""
+    LEASE_BUDGET = "lease_budget"
+    """The peer had too many blocks leased already (429)."""
 
     @property
     def partial(self) -> FetchOutcome:
@@ -203,6 +219,10 @@ class PeerFetcher:
         # Receive buffers given back by `recycle`: first-touch page faults of fresh memory cost
         # more than the copy itself (hundreds of MiB per fetch), so steady state reuses them.
         self._spare = BufferPool(2 * max_concurrency + 2)
+        # T2 over NIXL: the agent name each peer URL answered (its metadata is loaded once), and
+        # the peers that answered they have no NIXL (fetched over HTTP until `_NO_NIXL_RETRY_S`).
+        self._agents: dict[str, str] = {}
+        self._no_nixl: dict[str, float] = {}
 
     def _buffer(self, num_bytes: int) -> memoryview:
         return self._spare.take(num_bytes).data.cast("B")[:num_bytes]
@@ -338,6 +358,183 @@ class PeerFetcher:
         self.stats.blocks_fetched += verified
         self.stats.time(time.monotonic() - started_s)
         return verified
+
+    def serves_nixl(self, url: str) -> bool:
+        """Whether to try T2 over NIXL with this peer: False for a while after it answered it
+        has no NIXL agent (then the HTTP path)."""
+        since = self._no_nixl.get(url)
+        return since is None or time.monotonic() - since > _NO_NIXL_RETRY_S
+
+    async def receive_leased(
+        self,
+        peer: PeerRun,
+        key: CacheKey,
+        token_ids: Sequence[int],
+        expected_hashes: Sequence[bytes],
+        *,
+        start_block: int,
+        dtype: str,
+        layout: tuple[int, int, int],
+        agent: NixlAgent,
+        local_slots: Sequence[tuple[int, int]],
+    ) -> int | None:
+        """`receive_into` over NIXL: lease the run from `peer`, READ it one-sided into
+        `local_slots` ((pool, slot) of this replica's registered pools, `agent.geometries`), and
+        release the lease. How many leading blocks hold the run's verified KV (0 on any failure,
+        counted in `stats`: the engine recomputes), or None when the peer has no NIXL agent
+        (nothing counted: the caller fetches over HTTP). Never raises but for cancellation; a
+        read in flight is waited for even then (its bytes land in `local_slots`)."""
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.queue_wait_s)
+        except TimeoutError:
+            self.stats.count(FetchOutcome.BUSY)
+            return 0
+        started_s = time.monotonic()
+        try:
+            verified = await self.lease_into(
+                peer.url, key, token_ids, expected_hashes, start_block=start_block,
+                dtype=dtype, layout=layout, agent=agent, local_slots=local_slots,
+                deadline_s=started_s + self.timeout_s)
+        except _NoNixl:
+            self._no_nixl[peer.url] = time.monotonic()
+            return None
+        except TimeoutError:
+            self.stats.count(FetchOutcome.TIMEOUT)
+            return 0
+        except FetchFailed as exc:
+            self.stats.count(exc.outcome)
+            log.debug("T2 NIXL fetch from %s failed: %s", peer.host, exc)
+            return 0
+        except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: malformed HTTP
+            self.stats.count(FetchOutcome.PEER_ERROR)
+            log.debug("T2 NIXL fetch from %s failed: %r", peer.host, exc)
+            return 0
+        finally:
+            self._slots.release()
+        self._no_nixl.pop(peer.url, None)
+        self.stats.count(FetchOutcome.OK)
+        self.stats.bytes_fetched += verified * _block_bytes(dtype, layout)
+        self.stats.blocks_fetched += verified
+        self.stats.time(time.monotonic() - started_s)
+        return verified
+
+    async def lease_into(
+        self,
+        url: str,
+        key: CacheKey,
+        token_ids: Sequence[int],
+        expected_hashes: Sequence[bytes],
+        *,
+        start_block: int,
+        dtype: str,
+        layout: tuple[int, int, int],
+        agent: NixlAgent,
+        local_slots: Sequence[tuple[int, int]],
+        deadline_s: float,
+    ) -> int:
+        """One T2 transfer over NIXL from a known peer, by `deadline_s` (monotonic): the
+        blocks verified (all the peer leased: a READ lands whole or not at all). Nothing is
+        read before the answer is checked: the run must start at `start_block`, be no longer
+        than asked, carry exactly the leading hashes of `expected_hashes`, this replica's dtype
+        and layout, and describe blocks of that size inside the pools it names. Raises
+        FetchFailed (with the outcome), TimeoutError, aiohttp and OS errors, `_NoNixl`."""
+        n_wanted = len(expected_hashes)
+        body = {"key": key._asdict(), "token_ids": list(token_ids), "start_block": start_block,
+                "max_blocks": n_wanted, "agent": self._agents.get(url)}
+        status, answer = await self._post_json(url, LEASE_PATH, key.tenant_id, body, deadline_s)
+        if status != 200:
+            if status == 501 or (status == 404 and _error_code(answer) != "not_held"):
+                raise _NoNixl  # a peer without NIXL, or one from before the lease routes
+            outcome = {404: FetchOutcome.STALE, 401: FetchOutcome.REFUSED,
+                       403: FetchOutcome.REFUSED,
+                       429: FetchOutcome.LEASE_BUDGET}.get(status, FetchOutcome.HTTP)
+            raise FetchFailed(outcome, f"HTTP {status}")
+        lease = _parse_lease(answer)
+        try:
+            n = len(lease.block_hashes)
+            if lease.dtype != dtype or lease.layout != tuple(layout):
+                raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH,
+                                  f"{lease.dtype} {lease.layout} != {dtype} {tuple(layout)}")
+            if lease.bytes_per_block != _block_bytes(dtype, layout):
+                raise FetchFailed(FetchOutcome.PROTOCOL,
+                                  f"{lease.bytes_per_block} bytes per block")
+            if lease.start_block != start_block or not 0 < n <= min(n_wanted, len(local_slots)):
+                raise FetchFailed(FetchOutcome.PROTOCOL,
+                                  f"run [{lease.start_block}, +{n}) not requested")
+            if lease.block_hashes != tuple(expected_hashes[:n]):
+                raise FetchFailed(FetchOutcome.HASH_MISMATCH,
+                                  "peer blocks are not the requested chain")
+            try:
+                descriptors = pair_descriptors(agent.geometries, local_slots[:n], lease.pools,
+                                               lease.slots)
+            except ValueError as exc:
+                raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH, str(exc)) from exc
+            if sum(d.num_bytes for d in descriptors) != n * lease.bytes_per_block:
+                raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH, "descriptors of another size")
+            if lease.metadata is not None:
+                remote = await asyncio.to_thread(agent.add_remote, lease.metadata)
+                if remote != lease.agent:
+                    raise FetchFailed(FetchOutcome.PROTOCOL, f"agent {remote} != {lease.agent}")
+                self._agents[url] = remote
+            elif not agent.knows(lease.agent):
+                raise FetchFailed(FetchOutcome.PROTOCOL, f"unknown agent {lease.agent}")
+            remaining = deadline_s - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            read = asyncio.get_running_loop().run_in_executor(
+                None, agent.read, descriptors, lease.agent, remaining)
+            try:
+                ok = await asyncio.shield(read)
+            except asyncio.CancelledError:
+                await asyncio.wait([read])  # its bytes land in the caller's blocks: wait it out
+                raise
+            if not ok:
+                agent.forget(lease.agent)  # a restarted or gone peer: load it afresh next time
+                self._agents.pop(url, None)
+                raise FetchFailed(FetchOutcome.NIXL, f"READ from {lease.agent}")
+        except BaseException:
+            await self._release(url, key.tenant_id, lease.lease_id, deadline_s, quiet=True)
+            raise
+        if not await self._release(url, key.tenant_id, lease.lease_id, deadline_s):
+            raise FetchFailed(FetchOutcome.LEASE_EXPIRED, f"lease {lease.lease_id[:8]}")
+        return n
+
+    async def _release(self, url: str, tenant: str, lease_id: str, deadline_s: float, *,
+                       quiet: bool = False) -> bool:
+        """End the lease; whether it was still live (the bytes read are the run's)."""
+        try:
+            status, answer = await self._post_json(url, RELEASE_PATH, tenant,
+                                                   {"lease": lease_id}, deadline_s + 1.0)
+        except (aiohttp.ClientError, OSError, ValueError, TimeoutError):
+            if quiet:  # the lease runs out on its own
+                return False
+            raise
+        return status == 200 and isinstance(answer, dict) and answer.get("held") is True
+
+    async def _post_json(self, url: str, path: str, tenant: str, body: Any,
+                         deadline_s: float) -> tuple[int, Any]:
+        """POST a control request, authenticated as the block request is; (status, JSON)."""
+        assert self.secret
+        headers = {TENANT_HEADER: tenant,
+                   "Authorization": f"Bearer {peer_token(self.secret, tenant)}"}
+
+        async def exchange() -> tuple[int, Any]:
+            status, reader = await post(url, path, body, headers,
+                                        connect_timeout_s=self.connect_timeout_s)
+            try:
+                _, head = await reader.head
+                length = int(head.get("content-length", "0"))
+                if not 0 <= length <= _MAX_CONTROL_BYTES:
+                    raise ValueError(f"control answer of {length} bytes")
+                raw = await reader.exactly(length)
+            finally:
+                reader.close()
+            try:
+                return status, json.loads(raw) if raw else None
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"control answer is not JSON: {exc}") from exc
+
+        return await asyncio.wait_for(exchange(), max(0.0, deadline_s - time.monotonic()))
 
     async def _url(self, host: str) -> str | None:
         if self.resolve_url is not None:
@@ -478,6 +675,61 @@ class PeerFetcher:
             raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH, f"dtype {run.dtype} != {dtype}")
         if layout is not None and run.layout != layout:
             raise FetchFailed(FetchOutcome.LAYOUT_MISMATCH, f"layout {run.layout} != {layout}")
+
+
+_NO_NIXL_RETRY_S = 60.0
+"""A peer that answered it has no NIXL agent is fetched from over HTTP for this long."""
+
+
+_MAX_CONTROL_BYTES = 64 << 20
+"""Largest lease answer: descriptors and hashes of a run of `max_bytes`, JSON."""
+
+
+class _NoNixl(Exception):
+    """The peer serves T2 over HTTP only."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Lease:
+    lease_id: str
+    start_block: int
+    block_hashes: tuple[bytes, ...]
+    dtype: str
+    layout: tuple[int, int, int]
+    bytes_per_block: int
+    agent: str
+    metadata: bytes | None
+    pools: tuple[PoolGeometry, ...]
+    slots: tuple[tuple[int, int], ...]
+
+
+def _error_code(answer: Any) -> str | None:
+    error = answer.get("error") if isinstance(answer, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
+
+
+def _parse_lease(raw: Any) -> _Lease:
+    """The lease answer, well-formed (FetchFailed `protocol` otherwise)."""
+    try:
+        if not isinstance(raw, dict):
+            raise ValueError("lease answer must be a JSON object")
+        slots = tuple((int(p), int(s)) for p, s in raw["slots"])
+        hashes = tuple(bytes.fromhex(h) for h in raw["block_hashes"])
+        if len(slots) != len(hashes) or not all(type(p) is int and type(s) is int
+                                                 for p, s in raw["slots"]):
+            raise ValueError("one slot per block")
+        metadata = raw.get("metadata")
+        lease_id, agent = raw["lease"], raw["agent"]
+        if not isinstance(lease_id, str) or not isinstance(agent, str):
+            raise ValueError("lease and agent must be strings")
+        return _Lease(
+            lease_id, int(raw["start_block"]), hashes, str(raw["dtype"]), _layout(raw["layout"]),
+            int(raw["bytes_per_block"]), agent,
+            base64.b64decode(metadata, validate=True) if metadata is not None else None,
+            tuple(PoolGeometry.from_json(g) for g in raw["pools"]), slots)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FetchFailed(FetchOutcome.PROTOCOL, repr(exc)) from exc
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}

@@ -29,12 +29,18 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_LEASE_TTL_S",
+    "LEASE_BUDGET_FRACTION",
     "Descriptors",
     "Lease",
     "LeaseTable",
     "PoolGeometry",
     "pair_descriptors",
 ]
+
+LEASE_BUDGET_FRACTION = 0.25
+"""Most of a replica's cached blocks (T0 and T1) that peers' leases may pin at once: the rest
+stays free to evict for the replica's own requests."""
+
 
 DEFAULT_LEASE_TTL_S = 2.0
 """How long a leased run stays pinned without a release: the fetcher's whole transfer deadline
@@ -48,6 +54,8 @@ class Lease:
     num_blocks: int
     expires_s: float
     unpin: Callable[[], None]
+    num_bytes: int = 0
+    """What the run weighs (for the serving side's metrics)."""
 
 
 class LeaseTable:
@@ -85,7 +93,8 @@ class LeaseTable:
         with self._lock:
             return len(self._leases)
 
-    def grant(self, tenant: str, num_blocks: int, unpin: Callable[[], None]) -> Lease | None:
+    def grant(self, tenant: str, num_blocks: int, unpin: Callable[[], None], *,
+              num_bytes: int = 0) -> Lease | None:
         """A lease on `num_blocks` pinned blocks, or None (and `unpin` called) when it would
         pin more than `max_blocks` in all."""
         self.expire()
@@ -94,24 +103,25 @@ class LeaseTable:
             if num_blocks < 1 or held + num_blocks > self.max_blocks:
                 lease = None
             else:
-                lease = Lease(self.new_id(), tenant, num_blocks, self.clock() + self.ttl_s, unpin)
+                lease = Lease(self.new_id(), tenant, num_blocks, self.clock() + self.ttl_s, unpin,
+                              num_bytes)
                 self._leases[lease.lease_id] = lease
         if lease is None:
             unpin()
         return lease
 
-    def release(self, lease_id: str, tenant: str) -> bool:
-        """End a lease: True when it was live (its blocks pinned until now: what was read
-        through it is the run's), False when it is unknown, expired or another tenant's (then
+    def release(self, lease_id: str, tenant: str) -> Lease | None:
+        """End a lease: the lease when it was live (its blocks pinned until now: what was read
+        through it is the run's), None when it is unknown, expired or another tenant's (then
         nothing changes: one tenant never ends another's lease)."""
         self.expire()
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.tenant != tenant:
-                return False
+                return None
             del self._leases[lease_id]
         lease.unpin()
-        return True
+        return lease
 
     def expire(self) -> int:
         """Unpin every lease past its expiry; how many."""

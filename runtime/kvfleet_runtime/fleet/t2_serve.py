@@ -1,10 +1,13 @@
 """T2, the serving side: the peer routes (`POST /kv/v1/blocks`, `POST /kv/v1/held`) over a
 `BlockSource`, streaming a run chunk by chunk from reused send buffers (`fleet.t2_protocol` has
-the format, the credential and the checksum)."""
+the format, the credential and the checksum); and T2 over NIXL's control routes
+(`POST /kv/v1/lease`, `POST /kv/v1/lease/release`, `lease_routes`) over a `LeaseSource`: the
+run pinned for a short lease and answered as descriptors the fetcher READs one-sided."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import itertools
 import json
@@ -22,6 +25,7 @@ from aiohttp import web
 from kvfleet_runtime.api import ApiError, error_response, parse_json, read_body
 from kvfleet_runtime.auth import MAX_CLOCK_SKEW_S
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey
+from kvfleet_runtime.fleet.t2_lease import LeaseTable, PoolGeometry
 from kvfleet_runtime.fleet.t2_protocol import (
     MAGIC,
     MAX_HASH_BYTES,
@@ -38,7 +42,7 @@ from kvfleet_runtime.fleet.t2_protocol import (
     parse_peer_token,
     token_mac,
 )
-from kvfleet_runtime.wire import HELD_PATH, T2_PATH, TENANT_HEADER
+from kvfleet_runtime.wire import HELD_PATH, LEASE_PATH, RELEASE_PATH, T2_PATH, TENANT_HEADER
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -47,6 +51,10 @@ __all__ = [
     "MAX_IDLE_SEND_BUFFERS",
     "BlockSource",
     "ExportedRun",
+    "LeaseSource",
+    "LeasedRun",
+    "NixlServing",
+    "lease_routes",
     "peer_routes",
 ]
 
@@ -110,8 +118,40 @@ class BlockSource(Protocol):
         `max_blocks`; None when block `start_block` is not held."""
 
 
+@dataclass(slots=True)
+class LeasedRun:
+    """A run of held blocks pinned where they lie (`PrefixCache.pin`) until `unpin`."""
+
+    start_block: int
+    block_hashes: tuple[bytes, ...]
+    dtype: str
+    layout: tuple[int, int, int]
+    """(num_layers, num_kv_heads, head_dim)."""
+    bytes_per_block: int
+    slots: tuple[tuple[int, int], ...]
+    """(pool, slot) of each block: pool i is `NixlServing.geometries[i]`."""
+    unpin: Callable[[], None]
+
+
+class LeaseSource(Protocol):
+    async def lease(
+        self, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
+    ) -> LeasedRun | None:
+        """The longest held run of (key, token_ids) from `start_block` (at most `max_blocks`),
+        pinned; None when block `start_block` is not held."""
+
+
+@dataclass(frozen=True, slots=True)
+class NixlServing:
+    """What the lease routes answer of this replica's NIXL agent (`fleet.t2_nixl.NixlAgent`)."""
+
+    agent_name: str
+    metadata: bytes
+    geometries: tuple[PoolGeometry, ...]
+
+
 _ERROR_CODES = {400: "invalid_value", 401: "invalid_peer_credential", 403: "wrong_tenant",
-                404: "not_held", 503: "unavailable"}
+                404: "not_held", 429: "lease_budget", 501: "no_nixl", 503: "unavailable"}
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -220,6 +260,96 @@ def peer_routes(
         return web.json_response({"leading_blocks": held(hashes, tenant)})
 
     return [web.post(T2_PATH, handle), web.post(HELD_PATH, handle_held)]
+
+
+def lease_routes(
+    source: LeaseSource,
+    secret: bytes | PeerSecrets | None,
+    serving: NixlServing | None,
+    leases: LeaseTable,
+    *,
+    max_tokens: int = 1 << 20,
+    on_served: Callable[[int], None] | None = None,
+    max_body_bytes: int = DEFAULT_PEER_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_PEER_BODY_TIMEOUT_S,
+) -> list[web.RouteDef]:
+    """T2 over NIXL's control routes (`app.add_routes(lease_routes(...))`), authenticated as
+    the block route is (the tenant credential; the chain recomputed here from key and tokens,
+    never hashes from the caller):
+
+        POST /kv/v1/lease    {key, token_ids, start_block, max_blocks, "agent"?}
+          -> 200 {lease, ttl_s, start_block, block_hashes, dtype, layout, bytes_per_block,
+                  agent, metadata (base64; left out when the request's "agent" is this one),
+                  pools: [PoolGeometry], slots: [[pool, slot], ...]}
+             404 nothing held at start_block, 429 the lease budget is spent, 501 no NIXL here
+        POST /kv/v1/lease/release  {lease}  -> 200 {"held": true | false}
+
+    The run's blocks stay pinned until the release or the lease's expiry (`leases.ttl_s`),
+    whichever is first; `held` true means they were pinned all along, so what the fetcher read
+    is the run. `on_served(bytes)` is called for each run released live. The agent metadata goes
+    out only here, to an authenticated peer."""
+
+    async def handle_lease(request: web.Request) -> web.StreamResponse:
+        tenant = _authenticate(request, secret)
+        if isinstance(tenant, web.Response):
+            return tenant
+        if serving is None:
+            return _error(501, "this replica serves T2 over HTTP only (no NIXL agent)")
+        try:
+            body = await _body(request, max_body_bytes, body_timeout_s)
+            key, token_ids, start_block, max_blocks, _ = _parse_request(body, max_tokens)
+        except ApiError as exc:
+            return _refusal(exc)
+        except (ValueError, json.JSONDecodeError) as exc:
+            return _error(400, str(exc))
+        if key.tenant_id != tenant:
+            return _error(403, f"credential is for tenant {tenant!r}, key is for another tenant")
+        try:
+            run = await source.lease(key, token_ids, start_block, max_blocks)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        if run is None or not run.block_hashes:
+            return _error(404, f"no block held at or after block {start_block}")
+        lease = leases.grant(tenant, len(run.block_hashes), run.unpin,
+                             num_bytes=len(run.block_hashes) * run.bytes_per_block)
+        if lease is None:  # the run was unpinned by the refusal
+            return _error(429, "too many blocks leased to peers; recompute")
+        asyncio.get_running_loop().call_later(leases.ttl_s, leases.expire)
+        answer: dict[str, Any] = {
+            "lease": lease.lease_id,
+            "ttl_s": leases.ttl_s,
+            "start_block": run.start_block,
+            "block_hashes": [h.hex() for h in run.block_hashes],
+            "dtype": run.dtype,
+            "layout": list(run.layout),
+            "bytes_per_block": run.bytes_per_block,
+            "agent": serving.agent_name,
+            "pools": [g.to_json() for g in serving.geometries],
+            "slots": [list(s) for s in run.slots],
+        }
+        if body.get("agent") != serving.agent_name:
+            answer["metadata"] = base64.b64encode(serving.metadata).decode()
+        return web.json_response(answer)
+
+    async def handle_release(request: web.Request) -> web.StreamResponse:
+        tenant = _authenticate(request, secret)
+        if isinstance(tenant, web.Response):
+            return tenant
+        try:
+            body = await _body(request, max_body_bytes, body_timeout_s)
+        except ApiError as exc:
+            return _refusal(exc)
+        except (ValueError, json.JSONDecodeError) as exc:
+            return _error(400, str(exc))
+        lease_id = body.get("lease") if isinstance(body, dict) else None
+        if not isinstance(lease_id, str) or not lease_id:
+            return _error(400, 'body must be {"lease": "<id>"}')
+        lease = leases.release(lease_id, tenant)
+        if lease is not None and on_served is not None:
+            on_served(lease.num_bytes)
+        return web.json_response({"held": lease is not None})
+
+    return [web.post(LEASE_PATH, handle_lease), web.post(RELEASE_PATH, handle_release)]
 
 
 def _authenticate(request: web.Request,

@@ -1,7 +1,10 @@
 """T2, the serving side inside a replica: `CacheBlockSource` hands the T2 endpoint runs of a
-`PrefixCache` (torch tensors), gathered in the order the fetcher asks for.
+`PrefixCache` (torch tensors), gathered in the order the fetcher asks for, and pins runs where
+they lie for T2 over NIXL (`lease`: the lease routes answer their slots as descriptors).
 
-    app.add_routes(peer_routes(CacheBlockSource(cache, held=cache.num_held), secret))
+    source = CacheBlockSource(cache, held=cache.num_held)
+    app.add_routes(peer_routes(source, secret))
+    app.add_routes(lease_routes(source, secret, serving, leases))
 
 The fetching side is `fleet.peer_tier.PeerTier`, a tier below the cache that the engine's
 prepare asks.
@@ -18,12 +21,12 @@ import torch
 
 from kvfleet_runtime.cache import BlockHash, CacheKey, Hit
 from kvfleet_runtime.fleet.t2_protocol import WireOrder, chunk_axes
-from kvfleet_runtime.fleet.t2_serve import ExportedRun
+from kvfleet_runtime.fleet.t2_serve import ExportedRun, LeasedRun
 
 if TYPE_CHECKING:
     from kvfleet_runtime.cache import PrefixCache
 
-__all__ = ["CacheBlockSource"]
+__all__ = ["CacheBlockSource", "pool_indexes"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,32 @@ class CacheBlockSource:
             release,
         )
 
+    async def lease(
+        self, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
+    ) -> LeasedRun | None:
+        return await asyncio.to_thread(self._lease, key, token_ids, start_block, max_blocks)
+
+    def _lease(
+        self, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
+    ) -> LeasedRun | None:
+        # The chain from (key, tokens), computed here: the key's tenant is in every hash, so a
+        # tenant's credential pins (and describes) only that tenant's (or platform) blocks.
+        cache = self.cache
+        pinned = cache.pin(cache.block_hashes(key, token_ids), start_block, max_blocks)
+        if pinned is None:
+            return None
+        index = pool_indexes(cache)
+        layout = cache.layout
+        return LeasedRun(
+            start_block,
+            tuple(pinned.block_hashes),
+            layout.dtype,
+            (layout.num_layers, layout.num_kv_heads, layout.head_dim),
+            layout.bytes_per_block,
+            tuple((index[tier], slot) for tier, slot in pinned.slots),
+            lambda: cache.unpin(pinned),
+        )
+
     def _read(self, hashes: Sequence[bytes], order: WireOrder, out: memoryview) -> bool:
         # Gather straight into the server's reused send buffer, in the order the fetcher lands
         # (no fresh tensors per export, no second copy): the cache's engine layout is no wire
@@ -93,6 +122,14 @@ class CacheBlockSource:
         got = self.cache.read_blocks([BlockHash(h) for h in hashes], device="cpu",
                                      out=(kv[0], kv[1]))
         return got is not None
+
+
+def pool_indexes(cache: PrefixCache) -> dict[int, int]:
+    """Tier -> index of its pool among the cache's pools that exist (`PrefixCache.pools()`
+    without the Nones): the order `NixlAgent.start` registers them in and the lease routes
+    number them in."""
+    present = [tier for tier, pool in enumerate(cache.pools()) if pool is not None]
+    return {tier: i for i, tier in enumerate(present)}
 
 
 def _nothing() -> None:

@@ -32,9 +32,9 @@ def test_release_of_a_live_lease_vouches_and_unpins_once() -> None:
     lease = leases.grant("a", 3, pins.unpin("run"))  # type: ignore[arg-type]
     assert lease is not None and leases.num_leased_blocks == 3
     clock.advance(1.9)
-    assert leases.release(lease.lease_id, "a")
+    assert leases.release(lease.lease_id, "a") is lease
     assert pins.unpinned == ["run"]
-    assert not leases.release(lease.lease_id, "a")  # once
+    assert leases.release(lease.lease_id, "a") is None  # once
     assert pins.unpinned == ["run"] and len(leases) == 0
 
 
@@ -47,7 +47,7 @@ def test_an_expired_lease_unpins_and_no_longer_vouches() -> None:
     assert leases.expire() == 0 and pins.unpinned == []  # pinned until its expiry
     clock.advance(1.0)
     assert leases.expire() == 1 and pins.unpinned == ["run"]
-    assert not leases.release(lease.lease_id, "a")
+    assert leases.release(lease.lease_id, "a") is None
     assert leases.num_expired == 1 and pins.unpinned == ["run"]
 
 
@@ -57,7 +57,7 @@ def test_a_release_expires_first() -> None:
     lease = leases.grant("a", 1, pins.unpin("run"))  # type: ignore[arg-type]
     assert lease is not None
     clock.advance(2.5)  # no timer ran: the release itself finds it expired
-    assert not leases.release(lease.lease_id, "a")
+    assert leases.release(lease.lease_id, "a") is None
     assert pins.unpinned == ["run"]
 
 
@@ -66,9 +66,9 @@ def test_another_tenant_cannot_end_a_lease() -> None:
     leases = table(clock)
     lease = leases.grant("a", 2, pins.unpin("run"))  # type: ignore[arg-type]
     assert lease is not None
-    assert not leases.release(lease.lease_id, "b")
+    assert leases.release(lease.lease_id, "b") is None
     assert pins.unpinned == [] and leases.num_leased_blocks == 2
-    assert leases.release(lease.lease_id, "a")
+    assert leases.release(lease.lease_id, "a") is lease
 
 
 def test_the_budget_bounds_pinned_blocks() -> None:

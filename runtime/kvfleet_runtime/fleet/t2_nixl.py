@@ -1,0 +1,219 @@
+"""T2's data path on NIXL: one agent per replica process, its pools registered once, one-sided
+READs of a peer's leased blocks straight into this replica's own blocks.
+
+    agent = NixlAgent.start(name, cache.pools())    # None without NIXL (said once, at start)
+    agent.geometries                                # where this replica's blocks lie
+    remote = agent.add_remote(metadata)             # a peer's agent, from the control answer
+    ok = agent.read(descriptors, remote, timeout_s) # blocking: run it in a worker thread
+
+NIXL (the `nixl-cu12` wheel, module `nixl_cu12`; `nixl_cu13` or `nixl` too) with its UCX backend
+picks the transport by what the hardware has: RDMA (GPUDirect from a GPU's memory), NVLink, shared
+memory between processes of one host, or TCP. Everything else of T2 (the authenticated control
+request, the chain recomputed by the server, the lease, the checks of dtype, layout and hashes)
+is the fleet's own: `fleet.t2_serve.lease_routes`, `fleet.t2_fetch.PeerFetcher.read_leased`,
+`fleet.t2_lease`. The import is lazy: a replica without NIXL (or whose agent fails to start)
+serves and fetches T2 over its HTTP path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvfleet_runtime.fleet.t2_lease import Descriptors, PoolGeometry
+
+__all__ = ["NIXL_MODULES", "NixlAgent", "load_nixl", "pool_geometry"]
+
+log = logging.getLogger(__name__)
+
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+"""Where NIXL's Python API may be installed from (the CUDA 12 wheel, the CUDA 13 one, the meta
+package), tried in this order."""
+
+_MAX_REMOTES = 256
+"""Peer agents kept loaded; a peer that restarts is a new agent (its name holds a fresh token)."""
+
+_loaded: list[Any] = []
+_load_lock = threading.Lock()
+
+
+def load_nixl() -> Any | None:
+    """NIXL's Python module, or None (logged once) when none of `NIXL_MODULES` imports."""
+    with _load_lock:
+        if _loaded:
+            return _loaded[0]
+        module: Any | None = None
+        errors: list[str] = []
+        for name in NIXL_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except Exception as exc:  # an ImportError, or a wheel whose libraries fail to load
+                errors.append(f"{name}: {exc}")
+                continue
+            if hasattr(module, "nixl_agent"):
+                break
+            module = None
+        if module is None:
+            log.warning("T2: NIXL is not installed (%s); T2 runs over HTTP only",
+                        "; ".join(errors) or "no module")
+        _loaded.append(module)
+        return module
+
+
+def pool_geometry(k: torch.Tensor, v: torch.Tensor) -> PoolGeometry:
+    """The geometry of a pool's K and V (`[layers, blocks, kv_heads, 16, head_dim]`, each block
+    of a layer contiguous)."""
+    if k.shape != v.shape or k.stride() != v.stride() or k.dim() != 5:
+        raise ValueError("K and V of a pool must be alike, [layers, blocks, heads, 16, head_dim]")
+    size = k.element_size()
+    layers, blocks, heads, tokens, head_dim = k.shape
+    inner = heads * tokens * head_dim
+    if k.stride()[2:] != (tokens * head_dim, head_dim, 1):
+        raise ValueError("a block of a layer must be contiguous")
+    return PoolGeometry(
+        k_addr=k.data_ptr(), v_addr=v.data_ptr(), layer_stride=k.stride(0) * size,
+        block_stride=k.stride(1) * size, piece_bytes=inner * size, num_layers=layers,
+        num_blocks=blocks, mem="VRAM" if k.device.type == "cuda" else "DRAM",
+        dev_id=(k.device.index or 0) if k.device.type == "cuda" else 0)
+
+
+def _regions(k: torch.Tensor, v: torch.Tensor) -> list[tuple[int, int, int, str]]:
+    """What to register for a pool, `(address, bytes, device id, NIXL memory type)`: its one
+    K|V allocation when K and V share it (a pool's usual layout), else each."""
+    geometry = pool_geometry(k, v)
+    out = []
+    for t in (k, v):
+        storage = t.untyped_storage()
+        region = (storage.data_ptr(), storage.nbytes(), geometry.dev_id, geometry.mem)
+        if region not in out:
+            out.append(region)
+    return out
+
+
+class NixlAgent:
+    """This replica's NIXL agent: its pools registered, the peers' agents it has met, reads."""
+
+    def __init__(self, nixl: Any, name: str, pools: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        config = nixl.nixl_agent_config(backends=["UCX"])
+        sync = getattr(nixl, "nixl_thread_sync_t", None)
+        if sync is not None:  # reads run in worker threads, several at once
+            config.sync_mode = sync.NIXL_THREAD_SYNC_STRICT
+        self.name = name
+        self._agent = nixl.nixl_agent(name, config)
+        if "UCX" not in self._agent.backends:
+            raise RuntimeError("NIXL has no UCX backend here")
+        self.geometries = tuple(pool_geometry(k, v) for k, v in pools)
+        self._registered = [
+            self._agent.register_memory([(addr, size, dev, "")], mem)
+            for k, v in pools for addr, size, dev, mem in _regions(k, v)]
+        self.metadata: bytes = self._agent.get_agent_metadata()
+        self._remotes: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls, replica: str,
+              pools: Sequence[tuple[torch.Tensor, torch.Tensor] | Any | None]) -> NixlAgent | None:
+        """The agent of this process, its pools registered (`PrefixCache.pools()`: objects with
+        `k` and `v`, or None for a tier without a pool), or None (said once) when NIXL is
+        missing or fails to start. The name holds the process and a fresh token, so a restarted
+        replica is a new agent and descriptors of its predecessor never resolve."""
+        nixl = load_nixl()
+        if nixl is None:
+            return None
+        halves = [(p.k, p.v) if not isinstance(p, tuple) else p for p in pools if p is not None]
+        name = f"{replica}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            agent = cls(nixl, name, halves)
+        except Exception:
+            log.exception("T2: NIXL agent failed to start; T2 runs over HTTP only")
+            return None
+        log.info("T2: NIXL agent %s registered %d pool(s), %.1f MiB", name, len(halves),
+                 sum(k.nbytes + v.nbytes for k, v in halves) / (1 << 20))
+        return agent
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's agent from its metadata (from the authenticated control answer); its
+        name. Loading the same metadata again is free."""
+        with self._lock:
+            known = [n for n, m in self._remotes.items() if m == metadata]
+            if known:
+                return known[0]
+            name = self._agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._remotes[name] = metadata
+            while len(self._remotes) > _MAX_REMOTES:
+                oldest = next(iter(self._remotes))
+                del self._remotes[oldest]
+                self._forget(oldest)
+            return name
+
+    def knows(self, name: str) -> bool:
+        with self._lock:
+            return name in self._remotes
+
+    def forget(self, name: str) -> None:
+        """Drop a peer's agent (after a failed read: it may have restarted or gone)."""
+        with self._lock:
+            if self._remotes.pop(name, None) is not None:
+                self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception:
+            log.debug("T2: NIXL could not drop agent %s", name, exc_info=True)
+
+    def read(self, descriptors: Sequence[Descriptors], remote: str, timeout_s: float) -> bool:
+        """Blocking: READ every descriptor pair from agent `remote` into this agent's memory,
+        True once all completed within `timeout_s`; False on any error or the deadline (the
+        bytes landed are then not to be used). Polls with a short sleep, not a spin."""
+        deadline = time.monotonic() + timeout_s
+        handles: list[Any] = []
+        try:
+            for d in descriptors:
+                handle = self._agent.initialize_xfer(
+                    "READ", self._agent.get_xfer_descs(d.local, d.local_mem),
+                    self._agent.get_xfer_descs(d.remote, d.remote_mem), remote)
+                handles.append(handle)
+                if self._agent.transfer(handle) == "ERR":
+                    return False
+            pause = 20e-6
+            pending = list(handles)
+            while pending:
+                states = [self._agent.check_xfer_state(h) for h in pending]
+                if "ERR" in states:
+                    return False
+                pending = [h for h, s in zip(pending, states, strict=True) if s != "DONE"]
+                if pending:
+                    if time.monotonic() > deadline:
+                        log.info("T2: NIXL read from %s past its %.2f s deadline", remote,
+                                 timeout_s)
+                        return False
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
+            return True
+        except Exception as exc:  # NIXL raises on unknown agents, descriptors, dead peers
+            log.info("T2: NIXL read from %s failed: %r", remote, exc)
+            return False
+        finally:
+            for handle in handles:
+                try:
+                    handle.release()  # cancels a transfer still in flight
+                except Exception:
+                    log.debug("T2: NIXL handle not released", exc_info=True)
+
+    def close(self) -> None:
+        for reg in self._registered:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception:
+                log.debug("T2: NIXL deregister failed", exc_info=True)
+        self._registered.clear()
