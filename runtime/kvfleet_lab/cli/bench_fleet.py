@@ -43,7 +43,8 @@ def fleet(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
-    """T2 loopback bandwidth vs raw socket; router overhead p50/p99; fleet hit rate by routing."""
+    """T2 loopback bandwidth vs raw socket, T2 over NIXL vs a bare NIXL READ; router overhead
+    p50/p99; fleet hit rate by routing."""
     from kvfleet_lab.fleet.bench import (
         FleetBenchReport,
         bench_hit_rates,
@@ -101,7 +102,22 @@ def fleet(
             f"{t.t2_gb_s:.2f}",
             f"{t.ratio:.2f}",
         )
+        nixl = t.nixl
+        if nixl is not None:
+            for name, seconds in (("bare NIXL READ (UCX)", nixl.bare_median_s),
+                                  ("T2 over NIXL (lease, checks, READ, release)",
+                                   nixl.t2_median_s)):
+                table.add_row(name, f"{seconds * 1e3:.1f} ms",
+                              f"{t.num_bytes / seconds / 1e9:.2f}",
+                              f"{t.raw_median_s / seconds:.2f}")
         out.print(table)
+        if nixl is not None:
+            out.print(f"T2 over NIXL / bare NIXL READ (t2_vs_bare_nixl): "
+                      f"{nixl.t2_vs_bare_nixl:.2f} (median of pair ratios "
+                      f"{nixl.paired_ratio_median:.2f}); serving process CPU s per GiB served: "
+                      f"HTTP {t.server_cpu_s_per_gib:.3f}, NIXL {nixl.server_cpu_s_per_gib:.3f}")
+        else:
+            out.print("T2 over NIXL: not measured (NIXL is not installed here)")
     if report.router is not None:
         r = report.router
         table = Table(title=f"Router overhead ({r.num_requests} sequential requests)")

@@ -3,7 +3,13 @@ hit rate under affinity / random / least-loaded routing vs the single-shared-inf
 
 - T2 bandwidth: a server process holds a run of blocks in a real `PrefixCache` and serves it over
   the T2 endpoint; this process fetches it with `PeerFetcher` (checksums and all) and compares
-  with a server process that `sendall`s the same number of bytes over a plain TCP socket.
+  with a server process that `sendall`s the same number of bytes over a plain TCP socket. Where
+  NIXL is installed the same server also serves T2 over NIXL (its pools registered with its
+  agent, the lease routes): this process fetches the run with `PeerFetcher.lease_into` (lease,
+  checks, one-sided READ into its own registered blocks, release) and compares with a bare
+  NIXL READ of the same bytes between the same two processes (the descriptors of one lease held
+  for the whole bench, no control request). The server's CPU seconds per GiB served are read
+  from its /proc stat around each path's transfers.
 - Router overhead: a `kvfleet router` process in front of an instant echo replica process;
   the same requests are timed through the router and straight to the replica.
 - Hit rates: a simulation over real cache instances: one `CacheManager` per replica (the shipped
@@ -27,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -44,7 +51,7 @@ from kvfleet_lab.cache.sim import (
 )
 from kvfleet_lab.processes import free_port
 from kvfleet_runtime.affinity import ReplicaLoad, choose_replica, least_loaded
-from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, CacheManager, CacheTuning
+from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, CacheManager, CacheTuning, block_hashes
 
 __all__ = [
     "FleetBenchReport",
@@ -58,6 +65,8 @@ __all__ = [
 ]
 
 BENCH_SECRET = b"kvfleet-bench-secret"
+BENCH_LEASE_TTL_S = 600.0
+"""The bench server's lease life: the bare NIXL READ keeps one lease for the whole bench."""
 BENCH_KEY = CacheKey("bench", "bench-model", "sha256:" + "1" * 64, "float16", "rope", "sdpa")
 
 
@@ -93,8 +102,18 @@ def serve_t2(port: int, num_layers: int, num_kv_heads: int, head_dim: int, num_t
     k, v = torch.randn(shape).half(), torch.randn(shape).half()
     cache.store(BENCH_KEY, _tokens(num_blocks * BLOCK_SIZE), k, v)
     cache.drain_store_queue()
+    from kvfleet_runtime.fleet.t2_lease import LeaseTable
+    from kvfleet_runtime.fleet.t2_nixl import NixlAgent
+    from kvfleet_runtime.fleet.t2_serve import NixlServing, lease_routes
+
+    agent = NixlAgent.start("bench-server", cache.pools())
+    serving = None if agent is None else NixlServing(agent.name, agent.metadata, agent.geometries)
+    source = CacheBlockSource(cache)
     app = web.Application(client_max_size=64 << 20)
-    app.add_routes(peer_routes(CacheBlockSource(cache), BENCH_SECRET))
+    app.add_routes(peer_routes(source, BENCH_SECRET))
+    app.add_routes(lease_routes(source, BENCH_SECRET, serving,
+                                LeaseTable(ttl_s=BENCH_LEASE_TTL_S, max_blocks=4 * num_blocks + 8,
+                                           clock=time.monotonic)))
     _serve_forever(app, port)
 
 
@@ -147,7 +166,8 @@ def _serve_forever(app: Any, port: int) -> None:
 
 
 @contextlib.contextmanager
-def _process(code: str, *, ready: str = "READY", timeout_s: float = 120.0) -> Iterator[None]:
+def _process(code: str, *, ready: str = "READY",
+             timeout_s: float = 120.0) -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
@@ -159,7 +179,9 @@ def _process(code: str, *, ready: str = "READY", timeout_s: float = 120.0) -> It
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"bench server did not start: {code[:80]}")
             line = proc.stdout.readline()
-        yield
+        # Keep the pipe drained (NIXL logs on stdout): a full pipe would stall the server.
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -195,6 +217,10 @@ class T2Result:
     """Median over repetitions of raw time / T2 time, each pair measured back to back."""
     t2_times_s: list[float] = field(default_factory=list)
     raw_times_s: list[float] = field(default_factory=list)
+    nixl: NixlResult | None = None
+    """T2 over NIXL beside a bare NIXL READ (None: NIXL is not installed here)."""
+    server_cpu_s_per_gib: float = 0.0
+    """The serving process's CPU seconds (user + system) per GiB it served over HTTP T2."""
 
     @property
     def t2_gb_s(self) -> float:
@@ -207,6 +233,33 @@ class T2Result:
     @property
     def ratio(self) -> float:
         return self.raw_median_s / self.t2_median_s
+
+
+@dataclass(slots=True)
+class NixlResult:
+    """T2 over NIXL (lease, checks, one-sided READ, release) and a bare NIXL READ of the same
+    bytes between the same two processes, alternating, medians."""
+
+    t2_median_s: float
+    bare_median_s: float
+    paired_ratio_median: float
+    """Median over repetitions of bare time / T2-over-NIXL time, measured back to back."""
+    t2_times_s: list[float] = field(default_factory=list)
+    bare_times_s: list[float] = field(default_factory=list)
+    server_cpu_s_per_gib: float = 0.0
+    """The serving process's CPU seconds per GiB served over NIXL (control requests, and
+    whatever UCX's transport costs it)."""
+    backend: str = "UCX"
+
+    @property
+    def t2_vs_bare_nixl(self) -> float:
+        return self.bare_median_s / self.t2_median_s
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_t2_bandwidth(
@@ -234,10 +287,16 @@ def bench_t2_bandwidth(
     raw_code = (
         f"from kvfleet_lab.fleet.bench import serve_raw; serve_raw({raw_port}, {num_bytes})"
     )
-    with _process(t2_code), _process(raw_code):
+    url = f"http://127.0.0.1:{t2_port}"
+    with _process(t2_code) as server, _process(raw_code):
+        cpu = _cpu_s(server.pid)
         t2_times, raw_times = asyncio.run(
-            _fetch_pairs(f"http://127.0.0.1:{t2_port}", raw_port, num_blocks, num_bytes, reps)
+            _fetch_pairs(url, raw_port, num_blocks, num_bytes, reps)
         )
+        http_cpu = _cpu_s(server.pid) - cpu
+        nixl = _bench_nixl(url, server.pid, (num_layers, num_kv_heads, head_dim), num_blocks,
+                           num_bytes, reps)
+    gib_served = (reps + 1) * num_bytes / 2**30
     return T2Result(
         num_bytes,
         statistics.median(t2_times),
@@ -245,7 +304,108 @@ def bench_t2_bandwidth(
         statistics.median(r / t for t, r in zip(t2_times, raw_times, strict=True)),
         t2_times,
         raw_times,
+        nixl,
+        http_cpu / gib_served,
     )
+
+
+def _bench_nixl(url: str, server_pid: int, layout: tuple[int, int, int], num_blocks: int,
+                num_bytes: int, reps: int) -> NixlResult | None:
+    """T2 over NIXL and a bare NIXL READ against the server at `url`, or None without NIXL."""
+    import torch
+
+    from kvfleet_runtime.cache import KVLayout, PagedBlocks
+    from kvfleet_runtime.fleet.t2_nixl import NixlAgent
+
+    layers, heads, head_dim = layout
+    kv = PagedBlocks.zeros(KVLayout(layers, heads, head_dim, dtype="float16"), num_blocks,
+                           torch.device("cpu"))
+    agent = NixlAgent.start("bench-client", [kv])
+    if agent is None:
+        return None
+    try:
+        cpu = _cpu_s(server_pid)
+        t2_times, bare_times, cpu_bare = asyncio.run(
+            _nixl_pairs(url, agent, layout, num_blocks, num_bytes, reps, server_pid))
+        nixl_cpu = _cpu_s(server_pid) - cpu - cpu_bare
+    finally:
+        agent.close()
+    return NixlResult(
+        statistics.median(t2_times),
+        statistics.median(bare_times),
+        statistics.median(b / t for t, b in zip(t2_times, bare_times, strict=True)),
+        t2_times,
+        bare_times,
+        nixl_cpu / ((reps + 1) * num_bytes / 2**30),
+    )
+
+
+async def _nixl_pairs(
+    url: str, agent: Any, layout: tuple[int, int, int], num_blocks: int, num_bytes: int,
+    reps: int, server_pid: int,
+) -> tuple[list[float], list[float], float]:
+    """(T2-over-NIXL times, bare READ times, the server's CPU seconds during the bare READs)."""
+    import base64
+
+    import aiohttp
+
+    from kvfleet_runtime.fleet import PeerFetcher, peer_token
+    from kvfleet_runtime.fleet.hint_index import EmbeddedHintIndex
+    from kvfleet_runtime.fleet.t2_lease import PoolGeometry, pair_descriptors
+    from kvfleet_runtime.wire import LEASE_PATH, TENANT_HEADER
+
+    tokens = _tokens(num_blocks * BLOCK_SIZE)
+    chain = block_hashes(BENCH_KEY, tokens)
+    slots = [(0, i) for i in range(num_blocks)]
+    fetcher = PeerFetcher(BENCH_SECRET, EmbeddedHintIndex(), "bench-client")
+    tenant = BENCH_KEY.tenant_id
+    # The bare READ's descriptors: one lease, held (BENCH_LEASE_TTL_S) for the whole bench.
+    async with aiohttp.ClientSession() as session:
+        body = {"key": BENCH_KEY._asdict(), "token_ids": tokens, "start_block": 0,
+                "max_blocks": num_blocks}
+        headers = {TENANT_HEADER: tenant,
+                   "Authorization": f"Bearer {peer_token(BENCH_SECRET, tenant)}"}
+        async with session.post(url + LEASE_PATH, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"the bench server answered {resp.status} to a lease")
+            lease = await resp.json()
+    remote = agent.add_remote(base64.b64decode(lease["metadata"]))
+    descriptors = pair_descriptors(agent.geometries, slots,
+                                   [PoolGeometry.from_json(g) for g in lease["pools"]],
+                                   [tuple(s) for s in lease["slots"]])
+    if sum(d.num_bytes for d in descriptors) != num_bytes:
+        raise RuntimeError("the bench lease describes another number of bytes")
+
+    async def t2() -> float:
+        start = time.perf_counter()
+        got = await fetcher.lease_into(
+            url, BENCH_KEY, tokens, chain, start_block=0, dtype="float16", layout=layout,
+            agent=agent, local_slots=slots, deadline_s=time.monotonic() + 30.0)
+        elapsed = time.perf_counter() - start
+        if got != num_blocks:
+            raise RuntimeError(f"T2 over NIXL landed {got} of {num_blocks} blocks")
+        return elapsed
+
+    def bare() -> tuple[float, float]:
+        cpu = _cpu_s(server_pid)
+        start = time.perf_counter()
+        if not agent.read(descriptors, remote, 30.0):
+            raise RuntimeError("the bare NIXL READ failed")
+        return time.perf_counter() - start, _cpu_s(server_pid) - cpu
+
+    t2_times: list[float] = []
+    bare_times: list[float] = []
+    bare_cpu = 0.0
+    for i in range(reps + 1):  # the first pair warms the connection and the agents
+        if i % 2:
+            t, (b, c) = await t2(), bare()
+        else:
+            (b, c), t = bare(), await t2()
+        bare_cpu += c
+        if i:
+            t2_times.append(t)
+            bare_times.append(b)
+    return t2_times, bare_times, bare_cpu
 
 
 async def _fetch_pairs(
@@ -549,6 +709,7 @@ class FleetBenchReport:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.t2 is not None:
+            nixl = self.t2.nixl
             out["t2"] = {
                 **asdict(self.t2),
                 "t2_gb_s": self.t2.t2_gb_s,
@@ -556,6 +717,14 @@ class FleetBenchReport:
                 "ratio": self.t2.ratio,
                 "ratio_paired_median": self.t2.paired_ratio_median,
             }
+            if nixl is not None:
+                n = self.t2.num_bytes
+                out["t2"]["nixl"] = {
+                    **asdict(nixl),
+                    "t2_gb_s": n / nixl.t2_median_s / 1e9,
+                    "bare_gb_s": n / nixl.bare_median_s / 1e9,
+                }
+                out["t2"]["t2_vs_bare_nixl"] = nixl.t2_vs_bare_nixl
         if self.router is not None:
             out["router"] = {
                 **asdict(self.router),
