@@ -104,10 +104,10 @@ def serve_t2(port: int, num_layers: int, num_kv_heads: int, head_dim: int, num_t
     cache.drain_store_queue()
     from kvfleet_runtime.fleet.t2_lease import LeaseTable
     from kvfleet_runtime.fleet.t2_nixl import NixlAgent
-    from kvfleet_runtime.fleet.t2_serve import NixlServing, lease_routes
+    from kvfleet_runtime.fleet.t2_serve import lease_routes
 
     agent = NixlAgent.start("bench-server", cache.pools())
-    serving = None if agent is None else NixlServing(agent.name, agent.metadata, agent.geometries)
+    serving = None if agent is None else agent.serving()
     source = CacheBlockSource(cache)
     app = web.Application(client_max_size=64 << 20)
     app.add_routes(peer_routes(source, BENCH_SECRET))

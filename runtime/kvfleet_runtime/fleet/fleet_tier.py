@@ -98,7 +98,6 @@ from kvfleet_runtime.fleet.t2_serve import (
     DEFAULT_PEER_BODY_TIMEOUT_S,
     ExportedRun,
     LeasedRun,
-    NixlServing,
     lease_routes,
     peer_routes,
 )
@@ -516,8 +515,7 @@ def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings
         )
     )
     agent = fleet.nixl
-    serving = (None if agent is None
-               else NixlServing(agent.name, agent.metadata, agent.geometries))
+    serving = None if agent is None else agent.serving()
     app.add_routes(
         lease_routes(
             _GatedSource(source, fleet.serving_peers),

@@ -23,20 +23,25 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvfleet_runtime.fleet.t2_lease import Descriptors, PoolGeometry
+from kvfleet_runtime.fleet.t2_serve import NixlServing
 
-__all__ = ["NIXL_MODULES", "NixlAgent", "load_nixl", "pool_geometry"]
+__all__ = ["NIXL_MODULES", "PROGRESS_POLL_S", "NixlAgent", "load_nixl", "pool_geometry"]
 
 log = logging.getLogger(__name__)
 
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 """Where NIXL's Python API may be installed from (the CUDA 12 wheel, the CUDA 13 one, the meta
 package), tried in this order."""
+
+PROGRESS_POLL_S = 100e-6
+"""How often a serving agent is progressed while a lease on it is live (UCX's connection setup,
+and reads over transports that need the target's CPU: TCP)."""
 
 _MAX_REMOTES = 256
 """Peer agents kept loaded; a peer that restarts is a new agent (its name holds a fresh token)."""
@@ -102,7 +107,11 @@ class NixlAgent:
     """This replica's NIXL agent: its pools registered, the peers' agents it has met, reads."""
 
     def __init__(self, nixl: Any, name: str, pools: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-        config = nixl.nixl_agent_config(backends=["UCX"])
+        # No NIXL progress thread: it spins (a quarter of a core per idle replica here, and
+        # starved the replica's own event loop: control requests 5x slower on a loaded box).
+        # A read's initiator progresses it while polling (`read`); a serving agent is
+        # progressed by `hold_progress` while a peer holds a lease on it.
+        config = nixl.nixl_agent_config(backends=["UCX"], enable_prog_thread=False)
         sync = getattr(nixl, "nixl_thread_sync_t", None)
         if sync is not None:  # reads run in worker threads, several at once
             config.sync_mode = sync.NIXL_THREAD_SYNC_STRICT
@@ -117,6 +126,10 @@ class NixlAgent:
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._remotes: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        self._holds = 0
+        self._held = threading.Condition()
+        self._closed = False
+        self._progress: threading.Thread | None = None
 
     @classmethod
     def start(cls, replica: str,
@@ -138,6 +151,10 @@ class NixlAgent:
         log.info("T2: NIXL agent %s registered %d pool(s), %.1f MiB", name, len(halves),
                  sum(k.nbytes + v.nbytes for k, v in halves) / (1 << 20))
         return agent
+
+    def serving(self) -> NixlServing:
+        """What the lease routes answer of this agent (`fleet.t2_serve.lease_routes`)."""
+        return NixlServing(self.name, self.metadata, self.geometries, self.hold_progress)
 
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's agent from its metadata (from the authenticated control answer); its
@@ -210,7 +227,44 @@ class NixlAgent:
                 except Exception:
                     log.debug("T2: NIXL handle not released", exc_info=True)
 
+    def hold_progress(self) -> Callable[[], None]:
+        """Keep this agent progressed (its peers' reads served) until the callable returned is
+        called (once; later calls do nothing): a lease on this replica's blocks holds one."""
+        with self._held:
+            self._holds += 1
+            if self._progress is None:
+                self._progress = threading.Thread(target=self._progress_loop,
+                                                  name="kvfleet-nixl-progress", daemon=True)
+                self._progress.start()
+            self._held.notify()
+        let_go = threading.Event()
+
+        def release() -> None:
+            if let_go.is_set():
+                return
+            let_go.set()
+            with self._held:
+                self._holds -= 1
+
+        return release
+
+    def _progress_loop(self) -> None:
+        while True:
+            with self._held:
+                while not self._holds and not self._closed:
+                    self._held.wait()
+                if self._closed:
+                    return
+            try:
+                self._agent.get_new_notifs()  # progresses the backend's worker
+            except Exception:
+                log.debug("T2: NIXL progress failed", exc_info=True)
+            time.sleep(PROGRESS_POLL_S)
+
     def close(self) -> None:
+        with self._held:
+            self._closed = True
+            self._held.notify_all()
         for reg in self._registered:
             try:
                 self._agent.deregister_memory(reg)

@@ -148,6 +148,8 @@ class NixlServing:
     agent_name: str
     metadata: bytes
     geometries: tuple[PoolGeometry, ...]
+    hold_progress: Callable[[], Callable[[], None]] | None = None
+    """`NixlAgent.hold_progress`: the agent is progressed while a lease is live."""
 
 
 _ERROR_CODES = {400: "invalid_value", 401: "invalid_peer_credential", 403: "wrong_tenant",
@@ -310,7 +312,13 @@ def lease_routes(
             return _error(400, str(exc))
         if run is None or not run.block_hashes:
             return _error(404, f"no block held at or after block {start_block}")
-        lease = leases.grant(tenant, len(run.block_hashes), run.unpin,
+        let_go = serving.hold_progress() if serving.hold_progress is not None else _nothing
+
+        def end() -> None:
+            run.unpin()
+            let_go()
+
+        lease = leases.grant(tenant, len(run.block_hashes), end,
                              num_bytes=len(run.block_hashes) * run.bytes_per_block)
         if lease is None:  # the run was unpinned by the refusal
             return _error(429, "too many blocks leased to peers; recompute")
@@ -350,6 +358,10 @@ def lease_routes(
         return web.json_response({"held": lease is not None})
 
     return [web.post(LEASE_PATH, handle_lease), web.post(RELEASE_PATH, handle_release)]
+
+
+def _nothing() -> None:
+    return None
 
 
 def _authenticate(request: web.Request,

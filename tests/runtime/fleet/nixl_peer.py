@@ -16,7 +16,7 @@ from aiohttp import web
 from kvfleet_runtime.fleet import CacheBlockSource, peer_routes
 from kvfleet_runtime.fleet.t2_lease import LeaseTable
 from kvfleet_runtime.fleet.t2_nixl import NixlAgent
-from kvfleet_runtime.fleet.t2_serve import NixlServing, lease_routes
+from kvfleet_runtime.fleet.t2_serve import lease_routes
 from tests.runtime.fleet.t2_support import KEY_A, SECRET, TOKENS, make_cache, store
 
 
@@ -40,7 +40,7 @@ async def main() -> None:
     app = web.Application(client_max_size=64 << 20)
     app.add_routes(peer_routes(source, SECRET))
     app.add_routes(lease_routes(source, SECRET,
-                                NixlServing(agent.name, agent.metadata, agent.geometries),
+                                agent.serving(),
                                 LeaseTable(max_blocks=64, clock=time.monotonic)))
     runner = web.AppRunner(app)
     await runner.setup()

@@ -75,15 +75,14 @@ async def fleet() -> AsyncIterator[tuple[EmbeddedHintIndex, Callable[..., Awaita
     index = EmbeddedHintIndex()
     runners: list[web.AppRunner] = []
 
-    async def replica(name: str, *, ttl_s: float = 2.0,
+    async def replica(name: str, *, clock: Callable[[], float] = time.monotonic,
                       serving: Callable[[NixlAgent], NixlServing | None] | None = None
                       ) -> NixlReplica:
         cache = make_cache()
         agent = NixlAgent.start(name, cache.pools())
         assert agent is not None
-        leases = LeaseTable(ttl_s=ttl_s, max_blocks=32, clock=time.monotonic)
-        answered = (NixlServing(agent.name, agent.metadata, agent.geometries)
-                    if serving is None else serving(agent))
+        leases = LeaseTable(max_blocks=32, clock=clock)
+        answered = agent.serving() if serving is None else serving(agent)
         source = CacheBlockSource(cache)
         app = web.Application(client_max_size=64 << 20)
         app.add_routes(peer_routes(source, SECRET))
@@ -186,7 +185,13 @@ async def test_a_lease_that_expired_before_the_release_recomputes(
     fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[NixlReplica]]], fetching: Fetching,
 ) -> None:
     index, replica = fleet
-    a = await replica("a", ttl_s=1e-6)  # expired by the time any release arrives
+    calls = []
+
+    def clock() -> float:  # the grant sees time 0; everything after it, far past the expiry
+        calls.append(None)
+        return 0.0 if len(calls) <= 2 else 1e6
+
+    a = await replica("a", clock=clock)
     store(a.cache, KEY_A, TOKENS)
     await publish(index, a, KEY_A)
     got, _, _ = await land_nixl(fetching, KEY_A, TOKENS)
@@ -202,7 +207,8 @@ async def test_stale_descriptors_recompute(
 
     def stale(agent: NixlAgent) -> NixlServing:
         from kvfleet_runtime.fleet.t2_nixl import pool_geometry
-        return NixlServing(agent.name, agent.metadata, (pool_geometry(elsewhere.k, elsewhere.v),))
+        return dataclasses.replace(agent.serving(),
+                                   geometries=(pool_geometry(elsewhere.k, elsewhere.v),))
 
     a = await replica("a", serving=stale)
     store(a.cache, KEY_A, TOKENS)
@@ -220,7 +226,7 @@ async def test_a_peer_answering_another_layout_is_refused_before_any_read(
 
     def halved(agent: NixlAgent) -> NixlServing:
         g = agent.geometries[0]
-        return NixlServing(agent.name, agent.metadata, (dataclasses.replace(
+        return dataclasses.replace(agent.serving(), geometries=(dataclasses.replace(
             g, piece_bytes=g.piece_bytes // 2, block_stride=g.block_stride // 2),))
 
     a = await replica("a", serving=halved)
