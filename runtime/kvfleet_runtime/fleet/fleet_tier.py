@@ -500,6 +500,8 @@ class FleetTier:
         await self.index.close()
         await self.session.close()
         self.leases.release_all()
+        if self.nixl is not None:
+            self.nixl.close()
 
 
 def attach_fleet(app: web.Application, replica: Replica, settings: FleetSettings) -> FleetTier:

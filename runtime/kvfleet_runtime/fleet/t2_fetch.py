@@ -2,7 +2,8 @@
 receives it in place (`fleet._receive`), verifies it, and says why when it gives up
 (`FetchOutcome`); `fleet.t2_protocol` has the format, the credential and the checksum. Over NIXL
 (`PeerFetcher.receive_leased`): the control request leases the run, the fetcher READs it
-one-sided into its own registered blocks (`fleet.t2_nixl`) and releases the lease."""
+one-sided into its own registered blocks (`fleet.t2_nixl`) within the lease's life and
+releases the lease."""
 
 from __future__ import annotations
 
@@ -95,8 +96,9 @@ class FetchOutcome(enum.StrEnum):
     """The one-sided READ failed: the peer went away mid-read, its agent or descriptors are
     stale (a restarted peer), or the read ran past the deadline."""
     LEASE_EXPIRED = "lease_expired"
-    """The read completed but the peer's lease had run out by the release: its blocks may have
-    been reused mid-read, so the bytes are not used."""
+    """The read completed after the peer's lease may have run out (its life counted from
+    before the request, on this side's clock): its blocks may have been reused mid-read, so the
+    bytes are not used."""
     LEASE_BUDGET = "lease_budget"
     """The peer had too many blocks leased already (429)."""
 
@@ -223,6 +225,7 @@ class PeerFetcher:
         # the peers that answered they have no NIXL (fetched over HTTP until `_NO_NIXL_RETRY_S`).
         self._agents: dict[str, str] = {}
         self._no_nixl: dict[str, float] = {}
+        self._releases: set[asyncio.Future[None]] = set()
 
     def _buffer(self, num_bytes: int) -> memoryview:
         return self._spare.take(num_bytes).data.cast("B")[:num_bytes]
@@ -436,11 +439,17 @@ class PeerFetcher:
         blocks verified (all the peer leased: a READ lands whole or not at all). Nothing is
         read before the answer is checked: the run must start at `start_block`, be no longer
         than asked, carry exactly the leading hashes of `expected_hashes`, this replica's dtype
-        and layout, and describe blocks of that size inside the pools it names. Raises
-        FetchFailed (with the outcome), TimeoutError, aiohttp and OS errors, `_NoNixl`."""
+        and layout, and describe blocks of that size inside the pools it names. The bytes count
+        only when the READ completed within the lease's life, counted from before the request
+        was sent (the peer granted it later, so it was live all along); the release goes out
+        after, off the transfer's path. Raises FetchFailed (with the outcome), TimeoutError,
+        aiohttp and OS errors, `_NoNixl`."""
         n_wanted = len(expected_hashes)
         body = {"key": key._asdict(), "token_ids": list(token_ids), "start_block": start_block,
                 "max_blocks": n_wanted, "agent": self._agents.get(url)}
+        # Before the request: the lease is granted after this on any clock, so it is live at
+        # least until `asked_s + ttl_s` here (`_LEASE_CLOCK_MARGIN` for the clocks' rates).
+        asked_s = time.monotonic()
         status, answer = await self._post_json(url, LEASE_PATH, key.tenant_id, body, deadline_s)
         if status != 200:
             if status == 501 or (status == 404 and _error_code(answer) != "not_held"):
@@ -492,24 +501,26 @@ class PeerFetcher:
                 agent.forget(lease.agent)  # a restarted or gone peer: load it afresh next time
                 self._agents.pop(url, None)
                 raise FetchFailed(FetchOutcome.NIXL, f"READ from {lease.agent}")
-        except BaseException:
-            await self._release(url, key.tenant_id, lease.lease_id, deadline_s, quiet=True)
-            raise
-        if not await self._release(url, key.tenant_id, lease.lease_id, deadline_s):
+        finally:
+            # Off the transfer's path: the lease's own clock vouches for the bytes (below), the
+            # release only unpins early (a lost one runs out by itself).
+            self._release_later(url, key.tenant_id, lease.lease_id)
+        if time.monotonic() > asked_s + lease.ttl_s * (1 - _LEASE_CLOCK_MARGIN):
             raise FetchFailed(FetchOutcome.LEASE_EXPIRED, f"lease {lease.lease_id[:8]}")
         return n
 
-    async def _release(self, url: str, tenant: str, lease_id: str, deadline_s: float, *,
-                       quiet: bool = False) -> bool:
-        """End the lease; whether it was still live (the bytes read are the run's)."""
+    def _release_later(self, url: str, tenant: str, lease_id: str) -> None:
+        task = asyncio.ensure_future(self._release(url, tenant, lease_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, url: str, tenant: str, lease_id: str) -> None:
+        """End a lease (the peer unpins its blocks now rather than at the lease's expiry)."""
         try:
-            status, answer = await self._post_json(url, RELEASE_PATH, tenant,
-                                                   {"lease": lease_id}, deadline_s + 1.0)
-        except (aiohttp.ClientError, OSError, ValueError, TimeoutError):
-            if quiet:  # the lease runs out on its own
-                return False
-            raise
-        return status == 200 and isinstance(answer, dict) and answer.get("held") is True
+            await self._post_json(url, RELEASE_PATH, tenant, {"lease": lease_id},
+                                  time.monotonic() + self.timeout_s)
+        except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as exc:
+            log.debug("T2 lease release at %s failed (it runs out by itself): %r", url, exc)
 
     async def _post_json(self, url: str, path: str, tenant: str, body: Any,
                          deadline_s: float) -> tuple[int, Any]:
@@ -681,6 +692,11 @@ _NO_NIXL_RETRY_S = 60.0
 """A peer that answered it has no NIXL agent is fetched from over HTTP for this long."""
 
 
+_LEASE_CLOCK_MARGIN = 0.05
+"""Share of a lease's life not trusted: monotonic clocks of two hosts tick at rates within
+parts per million of each other; this leaves room for far worse."""
+
+
 _MAX_CONTROL_BYTES = 64 << 20
 """Largest lease answer: descriptors and hashes of a run of `max_bytes`, JSON."""
 
@@ -701,6 +717,7 @@ class _Lease:
     metadata: bytes | None
     pools: tuple[PoolGeometry, ...]
     slots: tuple[tuple[int, int], ...]
+    ttl_s: float
 
 
 def _error_code(answer: Any) -> str | None:
@@ -721,13 +738,16 @@ def _parse_lease(raw: Any) -> _Lease:
             raise ValueError("one slot per block")
         metadata = raw.get("metadata")
         lease_id, agent = raw["lease"], raw["agent"]
+        if not float(raw["ttl_s"]) > 0:
+            raise ValueError("a lease lives > 0 s")
         if not isinstance(lease_id, str) or not isinstance(agent, str):
             raise ValueError("lease and agent must be strings")
         return _Lease(
             lease_id, int(raw["start_block"]), hashes, str(raw["dtype"]), _layout(raw["layout"]),
             int(raw["bytes_per_block"]), agent,
             base64.b64decode(metadata, validate=True) if metadata is not None else None,
-            tuple(PoolGeometry.from_json(g) for g in raw["pools"]), slots)
+            tuple(PoolGeometry.from_json(g) for g in raw["pools"]), slots,
+            float(raw["ttl_s"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise FetchFailed(FetchOutcome.PROTOCOL, repr(exc)) from exc
 

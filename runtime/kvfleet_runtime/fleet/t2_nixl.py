@@ -17,6 +17,7 @@ serves and fetches T2 over its HTTP path.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import os
@@ -39,7 +40,7 @@ NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 """Where NIXL's Python API may be installed from (the CUDA 12 wheel, the CUDA 13 one, the meta
 package), tried in this order."""
 
-PROGRESS_POLL_S = 100e-6
+PROGRESS_POLL_S = 200e-6
 """How often a serving agent is progressed while a lease on it is live (UCX's connection setup,
 and reads over transports that need the target's CPU: TCP)."""
 
@@ -64,6 +65,7 @@ def load_nixl() -> Any | None:
                 errors.append(f"{name}: {exc}")
                 continue
             if hasattr(module, "nixl_agent"):
+                _own_nixl_logging()
                 break
             module = None
         if module is None:
@@ -71,6 +73,18 @@ def load_nixl() -> Any | None:
                         "; ".join(errors) or "no module")
         _loaded.append(module)
         return module
+
+
+def _own_nixl_logging() -> None:
+    """NIXL's Python logger prints INFO lines on stdout (its own handler): a replica's stdout is
+    its own (`kvfleet bench --json`, readiness lines), so NIXL's records go through the
+    process's logging instead, warnings and up unless `NIXL_LOG_LEVEL` says otherwise."""
+    nixl_log = logging.getLogger("nixl")
+    for handler in list(nixl_log.handlers):
+        nixl_log.removeHandler(handler)
+    nixl_log.propagate = True
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_log.setLevel(logging.WARNING)
 
 
 def pool_geometry(k: torch.Tensor, v: torch.Tensor) -> PoolGeometry:
@@ -127,9 +141,7 @@ class NixlAgent:
         self._remotes: dict[str, bytes] = {}
         self._lock = threading.Lock()
         self._holds = 0
-        self._held = threading.Condition()
         self._closed = False
-        self._progress: threading.Thread | None = None
 
     @classmethod
     def start(cls, replica: str,
@@ -229,42 +241,35 @@ class NixlAgent:
 
     def hold_progress(self) -> Callable[[], None]:
         """Keep this agent progressed (its peers' reads served) until the callable returned is
-        called (once; later calls do nothing): a lease on this replica's blocks holds one."""
-        with self._held:
-            self._holds += 1
-            if self._progress is None:
-                self._progress = threading.Thread(target=self._progress_loop,
-                                                  name="kvfleet-nixl-progress", daemon=True)
-                self._progress.start()
-            self._held.notify()
-        let_go = threading.Event()
+        called (once; later calls do nothing): a lease on this replica's blocks holds one. Call
+        it on the replica's event loop: the agent is progressed there, every `PROGRESS_POLL_S`
+        while a hold lasts (a thread of its own would take the GIL from the loop thousands of
+        times a second, and cost the loop milliseconds each time)."""
+        loop = asyncio.get_running_loop()
+        self._holds += 1
+        if self._holds == 1:
+            loop.call_soon(self._tick, loop)
+        let_go = [False]
 
         def release() -> None:
-            if let_go.is_set():
-                return
-            let_go.set()
-            with self._held:
+            if not let_go[0]:
+                let_go[0] = True
                 self._holds -= 1
 
         return release
 
-    def _progress_loop(self) -> None:
-        while True:
-            with self._held:
-                while not self._holds and not self._closed:
-                    self._held.wait()
-                if self._closed:
-                    return
-            try:
-                self._agent.get_new_notifs()  # progresses the backend's worker
-            except Exception:
-                log.debug("T2: NIXL progress failed", exc_info=True)
-            time.sleep(PROGRESS_POLL_S)
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._holds or self._closed:
+            return
+        try:
+            self._agent.get_new_notifs()  # progresses the backend's worker
+        except Exception:
+            log.debug("T2: NIXL progress failed", exc_info=True)
+        loop.call_later(PROGRESS_POLL_S, self._tick, loop)
 
     def close(self) -> None:
-        with self._held:
-            self._closed = True
-            self._held.notify_all()
+        """Stop progressing and deregister the pools (at the replica's shutdown)."""
+        self._closed = True
         for reg in self._registered:
             try:
                 self._agent.deregister_memory(reg)

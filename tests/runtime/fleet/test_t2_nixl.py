@@ -74,14 +74,16 @@ class NixlReplica:
 async def fleet() -> AsyncIterator[tuple[EmbeddedHintIndex, Callable[..., Awaitable[NixlReplica]]]]:
     index = EmbeddedHintIndex()
     runners: list[web.AppRunner] = []
+    agents: list[NixlAgent] = []
 
-    async def replica(name: str, *, clock: Callable[[], float] = time.monotonic,
+    async def replica(name: str, *, ttl_s: float = 2.0,
                       serving: Callable[[NixlAgent], NixlServing | None] | None = None
                       ) -> NixlReplica:
         cache = make_cache()
         agent = NixlAgent.start(name, cache.pools())
         assert agent is not None
-        leases = LeaseTable(max_blocks=32, clock=clock)
+        agents.append(agent)
+        leases = LeaseTable(ttl_s=ttl_s, max_blocks=32, clock=time.monotonic)
         answered = agent.serving() if serving is None else serving(agent)
         source = CacheBlockSource(cache)
         app = web.Application(client_max_size=64 << 20)
@@ -95,6 +97,8 @@ async def fleet() -> AsyncIterator[tuple[EmbeddedHintIndex, Callable[..., Awaita
     yield index, replica
     for runner in runners:
         await runner.cleanup()
+    for agent in agents:
+        agent.close()
 
 
 @dataclass
@@ -136,6 +140,14 @@ async def land_nixl(
             torch.cat([side.kv.v[:, i] for i in ids[:got]], dim=2) if got else torch.empty(0))
 
 
+async def released(replica: NixlReplica) -> None:
+    """Until the fetcher's release (sent after the transfer, off its path) has arrived."""
+    deadline = time.monotonic() + 1.5  # well inside the lease's 2 s
+    while len(replica.leases) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    assert len(replica.leases) == 0
+
+
 async def publish(index: EmbeddedHintIndex, replica: NixlReplica, key: CacheKey) -> None:
     await index.publish(replica.name, replica.cache.block_hashes(key, TOKENS))
 
@@ -155,7 +167,8 @@ async def test_a_leased_run_read_over_nixl_is_bitwise_the_http_paths(
     assert over_http.num_blocks == 8
     assert torch.equal(nk, over_http.k) and torch.equal(nv, over_http.v)
     assert torch.equal(nk, k[:, :, :FULL]) and torch.equal(nv, v[:, :, :FULL])
-    assert len(a.leases) == 0 and a.leases.num_expired == 0  # released, not expired
+    await released(a)
+    assert a.leases.num_expired == 0  # released, not expired
     # A second fetch reuses the peer's agent (its metadata is not sent again).
     got, _, _ = await land_nixl(fetching, KEY_A, TOKENS, block_ids=tuple(range(8)))
     assert got == 8 and fetching.fetcher.stats.outcomes == {"ok": 2}
@@ -185,18 +198,14 @@ async def test_a_lease_that_expired_before_the_release_recomputes(
     fleet: tuple[EmbeddedHintIndex, Callable[..., Awaitable[NixlReplica]]], fetching: Fetching,
 ) -> None:
     index, replica = fleet
-    calls = []
-
-    def clock() -> float:  # the grant sees time 0; everything after it, far past the expiry
-        calls.append(None)
-        return 0.0 if len(calls) <= 2 else 1e6
-
-    a = await replica("a", clock=clock)
+    a = await replica("a", ttl_s=1e-6)  # over before its answer arrives
+    let_go = a.agent.hold_progress()  # (one process: the serving agent progressed all along)
     store(a.cache, KEY_A, TOKENS)
     await publish(index, a, KEY_A)
     got, _, _ = await land_nixl(fetching, KEY_A, TOKENS)
     assert got == 0
     assert fetching.fetcher.stats.outcomes == {"lease_expired": 1}
+    let_go()
 
 
 async def test_stale_descriptors_recompute(
@@ -216,7 +225,7 @@ async def test_stale_descriptors_recompute(
     got, _, _ = await land_nixl(fetching, KEY_A, TOKENS)
     assert got == 0
     assert fetching.fetcher.stats.outcomes == {"nixl": 1}
-    assert len(a.leases) == 0  # released by the fetcher that gave up
+    await released(a)  # by the fetcher that gave up
 
 
 async def test_a_peer_answering_another_layout_is_refused_before_any_read(
