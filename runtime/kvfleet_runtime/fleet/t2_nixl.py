@@ -141,6 +141,7 @@ class NixlAgent:
         self._remotes: dict[str, bytes] = {}
         self._lock = threading.Lock()
         self._holds = 0
+        self._ticking = False
         self._closed = False
 
     @classmethod
@@ -247,7 +248,8 @@ class NixlAgent:
         times a second, and cost the loop milliseconds each time)."""
         loop = asyncio.get_running_loop()
         self._holds += 1
-        if self._holds == 1:
+        if not self._ticking:
+            self._ticking = True
             loop.call_soon(self._tick, loop)
         let_go = [False]
 
@@ -260,6 +262,7 @@ class NixlAgent:
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._holds or self._closed:
+            self._ticking = False
             return
         try:
             self._agent.get_new_notifs()  # progresses the backend's worker

@@ -30,10 +30,6 @@ __all__ = ["CacheBlockSource", "pool_indexes"]
 
 log = logging.getLogger(__name__)
 
-_INLINE_LEASE_TOKENS = 16384
-"""Prompts up to this long are hashed and pinned on the event loop (well under a millisecond
-here: 0.1 ms for 2,000 tokens, where a worker thread's hop cost milliseconds on a loaded box)."""
-
 
 class CacheBlockSource:
     """Serves held runs of a `PrefixCache` to the T2 endpoint, off the event loop.
@@ -91,8 +87,8 @@ class CacheBlockSource:
     async def lease(
         self, key: CacheKey, token_ids: Sequence[int], start_block: int, max_blocks: int
     ) -> LeasedRun | None:
-        if len(token_ids) <= _INLINE_LEASE_TOKENS:  # on the loop: cheaper than a thread hop
-            return self._lease(key, token_ids, start_block, max_blocks)
+        # Off the loop, as `export`: pinning takes the cache's lock, which the engine and a
+        # gather for an HTTP peer hold for milliseconds at a time.
         return await asyncio.to_thread(self._lease, key, token_ids, start_block, max_blocks)
 
     def _lease(
