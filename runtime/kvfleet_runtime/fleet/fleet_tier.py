@@ -394,6 +394,8 @@ class FleetTier:
             "hint_index": hint_index_kind(self.index),
             "fetches": dict(stats.outcomes) if stats is not None else {},
             "blocks_fetched": stats.blocks_fetched if stats is not None else 0,
+            "blocks_fetched_over_nixl": stats.blocks_over_nixl if stats is not None else 0,
+            "nixl": self.nixl is not None,
             "bytes_fetched": stats.bytes_fetched if stats is not None else 0,
         }
 

@@ -144,6 +144,8 @@ class FetchStats:
     outcomes: dict[FetchOutcome, int] = field(default_factory=dict)
     bytes_fetched: int = 0
     blocks_fetched: int = 0
+    blocks_over_nixl: int = 0
+    """Of `blocks_fetched`, those read over NIXL (`PeerFetcher.receive_leased`)."""
     fetch_seconds_counts: list[int] = field(
         default_factory=lambda: [0] * (len(FETCH_SECONDS_BUCKETS) + 1))
     fetch_seconds_sum: float = 0.0
@@ -418,6 +420,7 @@ class PeerFetcher:
         self.stats.count(FetchOutcome.OK)
         self.stats.bytes_fetched += verified * _block_bytes(dtype, layout)
         self.stats.blocks_fetched += verified
+        self.stats.blocks_over_nixl += verified
         self.stats.time(time.monotonic() - started_s)
         return verified
 

@@ -21,6 +21,7 @@ import requests
 
 from kvfleet_runtime.cache import BLOCK_SIZE, CacheKey, block_hashes
 from kvfleet_runtime.fleet import peer_token
+from kvfleet_runtime.fleet.t2_nixl import load_nixl
 from kvfleet_runtime.model import ModelArgs, generate_checkpoint
 from kvfleet_runtime.picker import prompt_token_ids
 from kvfleet_runtime.wire import HELD_PATH, TENANT_HEADER, parse_load_report
@@ -141,6 +142,10 @@ def test_prefix_stored_on_a_is_fetched_by_b_without_redis_and_equals_recompute(
     assert fetched == recomputed
     stats = t2(b.url)
     assert stats["fetches"] == {"ok": 1} and stats["blocks_fetched"] == 15
+    # Where NIXL is installed, both replicas have an agent and the run went over it (a lease,
+    # a one-sided READ into b's engine blocks); without, over HTTP.
+    assert stats["nixl"] is (load_nixl() is not None)
+    assert stats["blocks_fetched_over_nixl"] == (15 if stats["nixl"] else 0)
     # And now b holds it too.
     assert held(b.url, "acme", hashes) == 15
 
