@@ -96,7 +96,7 @@ from kvfleet_runtime.cache._moves import Tier
 from kvfleet_runtime.cache._stats import CacheStats, TenantStats, TierStats
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.cache._cache import EvictedRun, Hit, Miss, PinnedRun, Prefix, PrefixCache
+    from kvfleet_runtime.cache._cache import EvictedRun, Hit, Miss, Prefix, PrefixCache
     from kvfleet_runtime.cache._pool import PagedBlocks
 
 # What the facades' users (engine, server, fleet and local tiers, router) and the vLLM
@@ -121,7 +121,6 @@ __all__ = [
     "LowerTier",
     "Miss",
     "PagedBlocks",
-    "PinnedRun",
     "Prefix",
     "PrefixCache",
     "StoreOutcome",
@@ -143,7 +142,6 @@ _TORCH_EXPORTS = {
     "Hit": "_cache",
     "Miss": "_cache",
     "PagedBlocks": "_pool",
-    "PinnedRun": "_cache",
     "Prefix": "_cache",
     "PrefixCache": "_cache",
 }
