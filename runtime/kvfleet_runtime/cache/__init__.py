@@ -16,7 +16,7 @@ Public facade (what the replica engine and the fleet tier code against)::
     ...prefill token_ids[n:] into table...        # n <= usable_tokens(len(token_ids))
     cache.finish(prefix, token_ids, table)        # full blocks indexed in place; refs released
     kv.give_back(table)                           # at request end (cached blocks stay cached)
-    # (`lookup`, `share_prefix`, `copy_into`, `store_blocks`, `release`: the steps of the pair)
+    # (its steps, `_share_prefix`, `_copy_into`, `_store_blocks`, are the package's own)
 
     # Tensors in, tensors out (benches, tests, TP shards):
     k, v = cache.materialize(hit, tp_degree=4, tp_rank=r)
@@ -28,7 +28,6 @@ Public facade (what the replica engine and the fleet tier code against)::
 
     # Hooks for the fleet tier (T2):
     cache.read_blocks(hashes) -> (k, v) | None    # export held blocks, canonical layout
-    cache.import_blocks(key, token_ids, k, v)     # insert blocks fetched from a peer
     cache.add_listener(callback)                  # BlockEvent("stored"|"removed", key, hashes)
     cache.set_eviction_sink(callback)             # EvictedRun: what T1 drops, with its data (T3)
 
