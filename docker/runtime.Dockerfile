@@ -33,15 +33,15 @@ RUN groupadd --gid 10001 kvfleet \
 # The dependencies first, in a layer of their own that only pyproject.toml and the lock decide
 # (the package's folders and README are empty here), so a change of the sources does not
 # reinstall torch.
-# The replica's and the router's install set (the base and the `replica` extra), every version
-# pinned by the lock (the lock also names the lab and dev tools; a constraint only pins what is
-# installed, so they stay out).
+# The replica's and the router's install set (the base, the `replica` extra, and `gateway` for
+# `kvfleet epp`), every version pinned by the lock (the lock also names the lab and dev tools; a
+# constraint only pins what is installed, so they stay out).
 COPY pyproject.toml requirements.lock /tmp/kvfleet-deps/
 RUN python -m venv /opt/kvfleet \
  && cd /tmp/kvfleet-deps \
  && touch README.md \
  && python -c 'import pathlib, tomllib; [pathlib.Path(p).mkdir(parents=True) for p in tomllib.load(open("pyproject.toml", "rb"))["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]]' \
- && /opt/kvfleet/bin/pip install --constraint requirements.lock ".[replica]" \
+ && /opt/kvfleet/bin/pip install --constraint requirements.lock ".[replica,gateway]" \
  && /opt/kvfleet/bin/pip uninstall --yes kvfleet \
  && rm -rf /tmp/kvfleet-deps
 COPY --from=build /wheels/ /opt/kvfleet-wheel/

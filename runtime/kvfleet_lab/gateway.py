@@ -230,3 +230,75 @@ class EnvoyGateway:
     def stop(self) -> None:
         stop_group(self.proc)
         self.proc = None
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited {proc.returncode}:\n{log_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not answering in {timeout_s:g} s:\n{log_tail(log)}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m kvfleet_lab.gateway --port P --metrics-port M --endpoint HOST:PORT ... --
+    <kvfleet epp options>`: `kvfleet epp` and an Envoy in front of it as one front of
+    `kvfleet bench fronts`, serving until SIGTERM (then both stop)."""
+    import argparse
+    import signal
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m kvfleet_lab.gateway")
+    p.add_argument("--port", type=int, required=True, help="the gateway's listener")
+    p.add_argument("--metrics-port", type=int, required=True, help="the EPP's /metrics")
+    p.add_argument("--endpoint", action="append", default=[], help="a pool pod, HOST:PORT")
+    p.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED",
+                   choices=["FULL_DUPLEX_STREAMED", "BUFFERED"])
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("epp_args", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    epp_args = [a for a in args.epp_args if a != "--"]
+    grpc_port = free_port()
+    args.work.mkdir(parents=True, exist_ok=True)
+    epp_log = args.work / "epp.log"
+    with epp_log.open("wb") as out:
+        epp = subprocess.Popen(
+            [sys.executable, "-m", "kvfleet_runtime.cli", "epp", "--grpc-port", str(grpc_port),
+             "--http-port", str(args.metrics_port), *epp_args],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    gateway: EnvoyGateway | None = None
+    try:
+        _wait_http(f"http://127.0.0.1:{args.metrics_port}/healthz", epp, epp_log, 60)
+        endpoints = [(h, int(port)) for h, _, port in (e.rpartition(":") for e in args.endpoint)]
+        config = envoy_config(listen_port=args.port, admin_port=free_port(),
+                              epp_address=("127.0.0.1", grpc_port), endpoints=endpoints,
+                              access_log=args.work / "access.log",
+                              request_body_mode=args.body_mode)
+        gateway = EnvoyGateway(config, args.work).start()
+        assert gateway.proc is not None
+        while not stopping and epp.poll() is None and gateway.proc.poll() is None:
+            time.sleep(0.2)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        stop_group(epp)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

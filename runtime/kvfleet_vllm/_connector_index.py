@@ -367,7 +367,7 @@ class ConnectorIndex:
     def reserve(self, want: FetchWant, num_blocks: int) -> Reservation | None:
         """Index blocks `[want.start_block, + num_blocks)` of the chain as pending, with host
         slots (as many as fit, evicting like any write; the import policy is
-        `CacheManager.plan_import`'s, as for `PrefixCache.import_blocks`). None when the chain
+        `CacheManager.plan_import`'s, as for `PrefixCache._import_blocks`). None when the chain
         changed since `want`, or no room."""
         end = min(len(want.chain), want.start_block + num_blocks)
         chain = list(want.chain[:end])

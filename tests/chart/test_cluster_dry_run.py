@@ -6,6 +6,8 @@ Nothing is created. Installing and running the chart for real is the end-to-end 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -15,8 +17,13 @@ from tests.cluster.fixtures import Cluster
 pytestmark = pytest.mark.k8s
 
 
+GIE_CRD = Path(__file__).parent / "testdata" / "inference.networking.k8s.io_inferencepools.yaml"
+"""The GIE's InferencePool CRD, for the epp scenario's pool (a GIE cluster has it installed)."""
+
+
 @pytest.mark.parametrize(
-    "scenario", ["default-values.yaml", "external-redis-secret-values.yaml", "vllm-values.yaml"]
+    "scenario", ["default-values.yaml", "external-redis-secret-values.yaml", "vllm-values.yaml",
+                 "epp-values.yaml"]
 )
 def test_api_server_accepts_every_rendered_object(
     k8s_cluster: Cluster, k8s_namespace: str, scenario: str
@@ -26,6 +33,10 @@ def test_api_server_accepts_every_rendered_object(
     for crd in ("kvcachepolicies.kvfleet.dev", "modelrollouts.kvfleet.dev",
                 "kopfpeerings.kopf.dev"):
         k8s_cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    if scenario == "epp-values.yaml":
+        k8s_cluster.kubectl("apply", "-f", str(GIE_CRD))
+        k8s_cluster.kubectl("wait", "--for=condition=Established",
+                            "crd/inferencepools.inference.networking.k8s.io", "--timeout=60s")
     # A release named after the test's namespace: its cluster-scoped objects (ClusterRole and
     # binding) cannot collide with another test's, and watching only this namespace puts the
     # peering object there (the ClusterKopfPeering "kvfleet" is shared by the whole cluster).

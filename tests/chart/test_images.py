@@ -207,7 +207,8 @@ def _locked_versions() -> dict[str, str]:
 def test_runtime_image_installs_the_locked_cuda_torch() -> None:
     installs = _pip_installs(parse_dockerfile(RUNTIME))
     # The dependencies from the lock, then kvfleet's own wheel alone (made in the build stage).
-    assert installs == [["--constraint", "requirements.lock", ".[replica]"], WHEEL], installs
+    assert installs == [["--constraint", "requirements.lock", ".[replica,gateway]"], WHEEL], (
+        installs)
     pins = _locked_versions()
     assert "torch" in pins, "the lock pins no torch"
     # The lock's torch is the CUDA build for linux x86_64: it brings the CUDA runtime as wheels.
@@ -233,14 +234,17 @@ def _requirement_closure(names: list[str]) -> set[str]:
 
 
 def _operator_imports() -> set[str]:
-    """Third-party distributions behind every module `kvfleet_operator` imports."""
+    """Third-party distributions behind every module `kvfleet_operator` imports. A top-level
+    name several distributions install under (`google`: google-auth, protobuf, xds-protos)
+    counts by the distribution holding each imported subpackage; importing the bare name (an
+    optional import that found nothing) counts for none of them."""
     code = (
         "import importlib, pkgutil, sys, json\n"
-        "startup = {n.split('.')[0] for n in sys.modules}\n"
+        "startup = set(sys.modules)\n"
         "import kvfleet_operator as p\n"
         "for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.'):\n"
         "    importlib.import_module(m.name)\n"
-        "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules} - startup)))\n"
+        "print(json.dumps(sorted(set(sys.modules) - startup)))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
@@ -248,13 +252,20 @@ def _operator_imports() -> set[str]:
     assert proc.returncode == 0, proc.stderr
     # Modules loaded before ours (site hooks such as setuptools' _distutils_hack) are not the
     # operator's: only what importing it adds counts.
-    top_level = set(json.loads(proc.stdout))
+    imported = set(json.loads(proc.stdout))
     owners = metadata.packages_distributions()
     ours = {"kvfleet_runtime", "kvfleet_operator"}
     dists = set()
-    for module in top_level - set(sys.stdlib_module_names) - ours:
-        for dist in owners.get(module, []):
-            dists.add(canonicalize_name(dist))
+    for top in {m.split(".")[0] for m in imported} - set(sys.stdlib_module_names) - ours:
+        shared = owners.get(top, [])
+        if len(set(shared)) <= 1:
+            dists.update(canonicalize_name(d) for d in shared)
+            continue
+        for sub in {".".join(m.split(".")[:2]) for m in imported if m.startswith(top + ".")}:
+            prefix = sub.replace(".", "/")
+            dists.update(canonicalize_name(d) for d in set(shared) if any(
+                str(f) == prefix + ".py" or str(f).startswith(prefix + "/")
+                for f in metadata.files(d) or []))
     return dists
 
 

@@ -125,7 +125,7 @@ class KvfleetPeer:
         shape = (self.layout.num_layers, self.layout.num_kv_heads, n, self.layout.head_dim)
         k = torch.randn(shape, dtype=torch.float16)
         v = torch.randn(shape, dtype=torch.float16)
-        assert self.cache.import_blocks(key, tokens[:n], k, v) == n // 16
+        assert self.cache._import_blocks(key, tokens[:n], k, v) == n // 16
         return k, v
 
     def close(self) -> None:

@@ -64,7 +64,7 @@ def test_a_verified_salt_maps_to_its_tenant(engine):
     loads, saves = run(s, w, views, sup.request("a", PROMPT, salt=cache_salt(SECRET, "acme")))
     assert loads == [] and len(saves) == 1
     key = conn.scheduler.model_key.key("acme")  # the tenant, not the salt, is the key's tenant
-    blocks = conn.scheduler.index.manager.index.match(block_hashes(key, PROMPT))
+    blocks = conn.scheduler.index.manager._index.match(block_hashes(key, PROMPT))
     indexed = [n.block_hash for n in blocks]
     assert indexed == block_hashes(key, PROMPT)
     s.kv_cache_manager.reset_prefix_cache()

@@ -66,7 +66,7 @@ def test_store_then_load_the_right_blocks_and_count_hits_once(engine):
     assert [o.kv_connector_metadata.saves != [] for o in outs[:2]] == [False, True]
     saved = kv_of(views, table_a, 6)
     key = conn.scheduler.model_key.key("tenant-a")
-    blocks = conn.scheduler.index.manager.index.match(block_hashes(key, PROMPT))
+    blocks = conn.scheduler.index.manager._index.match(block_hashes(key, PROMPT))
     indexed = [n.block_hash for n in blocks]
     assert indexed == block_hashes(key, PROMPT)  # the chain a kvfleet replica files them under
     assert conn.scheduler.index.num_referenced_blocks == 0

@@ -264,7 +264,7 @@ def bench_lookup(
     cache = filled(config)
     plain = filled(replace(config, hash_memo_entries=0))
     manager: CacheManager = cache._manager
-    memo = manager.memo
+    memo = manager._memo
     assert memo is not None, "the default config has a chain memo"
 
     def timed_lookup(on: PrefixCache, query: list[int], out: list[int]) -> None:
@@ -292,7 +292,7 @@ def bench_lookup(
         results.append(
             LookupLatency(
                 n,
-                len(manager.index),
+                len(manager._index),
                 *_percentiles_us(warm),
                 *_percentiles_us(cold),
                 *_percentiles_us(no_memo),
@@ -641,7 +641,7 @@ def bench_request_cpu(
 
     return RequestCpu(
         prompt_tokens=prompt_tokens,
-        num_index_blocks=len(ours.cache._manager.index),
+        num_index_blocks=len(ours.cache._manager._index),
         num_requests=rounds * reps,
         request_cpu_hit_s=median_s("hit"),
         request_cpu_miss_s=median_s("miss"),
@@ -671,7 +671,7 @@ def bench_metadata(*, num_blocks: int = 100_000, chain_blocks: int = 125) -> flo
             )
 
     cache_files = str(Path(_keys_module.__file__).parent / "*")
-    return _bytes_grown_by(index_all, cache_files) / len(manager.index)
+    return _bytes_grown_by(index_all, cache_files) / len(manager._index)
 
 
 def bench_hit_rates(

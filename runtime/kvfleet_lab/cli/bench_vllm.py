@@ -121,8 +121,9 @@ def vllm_serve(ctx: typer.Context) -> None:
 def fronts(ctx: typer.Context) -> None:
     """Front proxies side by side over two serving vLLM replicas (KV events on, 8,192 KV tokens
     each) under `vllm bench serve` (prefix_repetition, multi-turn conversations), one tenant and
-    several: kvfleet's router, vllm-router (cache_aware, round_robin), sglang-router
-    (cache_aware); cached prompt tokens, TTFT p50/p99, output throughput, decision latency.
+    several: kvfleet's router, kvfleet epp behind a real Envoy configured as a GIE gateway,
+    vllm-router (cache_aware, round_robin), sglang-router (cache_aware); cached prompt tokens,
+    TTFT p50/p99, output throughput, decision latency.
     Options are the lab's (--fronts, --tenants, --workloads, --repeats, --out, --json, --help,
     ...). 20-60 minutes on a small CPU box."""
     _in_serve_env(ctx, _FRONTS_MODULE)

@@ -340,8 +340,8 @@ def _miss_ttft(b: _Bench, prompt: tuple[int, ...], reps: int, *, deterministic: 
 
 
 def _t1_copy(b: _Bench, prompt: tuple[int, ...], reps: int) -> tuple[float, float, int]:
-    """The T1 hit's copy into the engine's blocks (`copy_into`, the engine's path) vs one raw
-    copy of the same bytes."""
+    """The T1 hit's copy into the engine's blocks (`PrefixCache.fill`, the engine's path) vs one
+    raw copy of the same bytes."""
     n_blocks = len(prompt) // BLOCK_SIZE
     n_full = n_blocks * BLOCK_SIZE
     cache = _cache(b.loaded, t0=0, t1=n_blocks + 1)
@@ -354,12 +354,14 @@ def _t1_copy(b: _Bench, prompt: tuple[int, ...], reps: int) -> tuple[float, floa
     key = b.fields.key("copy")
     cache.store(key, prompt[:n_full], k.clone(), v.clone())
     cache.drain_store_queue()
-    hit = cache.lookup(key, prompt)
-    assert isinstance(hit, Hit) and hit.matched_tokens == n_full
+    # One token past the full blocks: every full block is usable (`usable_tokens`), so `fill`
+    # copies all of them.
+    prefix = cache.prepare(key, (*prompt[:n_full], 0), kv)
+    assert isinstance(prefix.hit, Hit) and prefix.num_blocks == n_blocks and not prefix.table
     non_blocking = b.device.type == "cuda"
 
     def path() -> None:  # the engine's T1 hit: one copy per run into the sequence's blocks
-        cache.copy_into(hit, kv, table, 0, n_blocks)
+        cache.fill(prefix, table)
 
     nbytes = 2 * k.numel() * k.element_size()
     # The same bytes, really there: an untouched host buffer reads as the kernel's one zero
@@ -373,7 +375,7 @@ def _t1_copy(b: _Bench, prompt: tuple[int, ...], reps: int) -> tuple[float, floa
         ours.append(_timed(b.device, path))
         raw.append(_timed(b.device, lambda: dst.copy_(src, non_blocking=non_blocking)))
     ours, raw = ours[1:], raw[1:]
-    cache.release(hit)
+    cache.finish(prefix)
     return statistics.median(ours), statistics.median(raw), nbytes
 
 

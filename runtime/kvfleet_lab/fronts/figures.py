@@ -121,12 +121,14 @@ def medians(rows: Sequence[RunRow]) -> list[RunRow]:
 
 def comparison(rows: Sequence[RunRow], ours: str = KVFLEET_FRONT) -> dict[str, Any]:
     """Per tenancy and workload: our cached tokens / the best peer's (target >= 1), our TTFT
-    p50 / the best peer's (target <= 0.9), our decision p99 (target < 2 ms)."""
+    p50 / the best peer's (target <= 0.9), our decision p99 (target < 2 ms). `ours` is one of
+    kvfleet's fronts (the router, or the EPP behind Envoy); the peers are the others'."""
     out: dict[str, Any] = {}
     for key in dict.fromkeys((r.num_tenants, r.workload) for r in rows):
         same = [r for r in rows if (r.num_tenants, r.workload) == key]
         mine = next((r for r in same if r.front == ours), None)
-        peers = [r for r in same if r.front != ours]
+        # the field's fronts: kvfleet's other front is not a peer
+        peers = [r for r in same if not r.front.startswith("kvfleet-")]
         if mine is None or not peers:
             continue
         best_cached = max(peers, key=lambda r: r.cached_tokens)

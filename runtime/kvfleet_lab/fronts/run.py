@@ -14,7 +14,9 @@ prompts for every front), the front stopped.
 Figures per run: prompt tokens from the replicas' prefix caches (`vllm:prompt_tokens_by_source`),
 requests per replica, TTFT p50/p99 over every request (`--save-detailed`), output throughput, and
 the front's decision latency from its own histogram where it exports one (kvfleet's
-`kvfleet_router_decision_seconds`; vllm-router and sglang-router export none). Then the picker's
+`kvfleet_router_decision_seconds`, the router's and the EPP's; vllm-router and sglang-router
+export none). kvfleet-epp is `kvfleet epp` behind a real Envoy configured as a GIE gateway
+(kvfleet_lab.gateway: ext_proc, override_host, retries). Then the picker's
 decision latency on a 2,000-token prompt, in-process (kvfleet_lab.fronts.decision). Adding a
 front: one entry in kvfleet_lab.fronts.table.
 """
@@ -127,7 +129,7 @@ def _one_run(b: Bench, args: argparse.Namespace, front_name: str, num_tenants: i
                                     {n: _requests(r) for n, r in replicas.items()})
         decision: tuple[float | None, float | None] = (None, None)
         if front.decision_histogram is not None:
-            text = _metrics(proc.url)
+            text = _metrics(f"http://127.0.0.1:{port + front.metrics_offset}")
             q = [histogram_quantile(text, front.decision_histogram, x) for x in (0.5, 0.99)]
             decision = tuple(None if v is None else 1000 * v for v in q)  # type: ignore[assignment]
     finally:
@@ -155,7 +157,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                            if k != "kvfleet_python"},
                 "runs": [r.to_dict() for r in rows], "medians": [r.to_dict() for r in folded],
-                "comparison": comparison(folded), "decision_2000_tokens": decision,
+                "comparison": comparison(folded),
+                "comparison_epp": comparison(folded, "kvfleet-epp"),
+                "decision_2000_tokens": decision,
                 "errors": errors}
 
     def save() -> None:

@@ -45,12 +45,16 @@ class Front:
     """A histogram on the front's own /metrics (its port) of the time it takes to choose."""
     settle_s: float = 0.0
     """Waited after the first healthy answer (a front that polls loads before routing well)."""
+    metrics_offset: int = 0
+    """Where `decision_histogram` is: the front's port plus this (a gateway's picker exports its
+    metrics beside the gateway's listener)."""
 
 
 ROUTER_SECRET = "fronts-bench-router-secret"
 
 
-def _kvfleet_router(setup: FrontSetup) -> list[str]:
+def _kvfleet_files(setup: FrontSetup) -> tuple[Path, Path]:
+    """The fleet config and the keys file both kvfleet fronts read."""
     from kvfleet_runtime.config.fleet import FleetConfig, ReplicaEndpoint, dump_fleet_config
 
     config = setup.work / "fleet.json"
@@ -64,10 +68,27 @@ def _kvfleet_router(setup: FrontSetup) -> list[str]:
     for key, tenant in setup.keys.items():
         tenants.setdefault(tenant, []).append(key)
     keys.write_text(json.dumps({"tenants": tenants}))
-    return [setup.kvfleet_python, "-m", "kvfleet_runtime.cli", "router", "--keys", str(keys),
-            "--fleet-config", str(config), "--port", str(setup.port), "--host", "127.0.0.1",
-            "--tokenizer", str(setup.model), "--poll-interval-s", "0.5", "--log-level",
-            "WARNING", *[a for n, e in setup.events.items() for a in ("--kv-events", f"{n}={e}")]]
+    return config, keys
+
+
+def _picker_args(setup: FrontSetup) -> list[str]:
+    config, keys = _kvfleet_files(setup)
+    return ["--keys", str(keys), "--fleet-config", str(config), "--tokenizer", str(setup.model),
+            "--poll-interval-s", "0.5", "--log-level", "WARNING",
+            *[a for n, e in setup.events.items() for a in ("--kv-events", f"{n}={e}")]]
+
+
+def _kvfleet_router(setup: FrontSetup) -> list[str]:
+    return [setup.kvfleet_python, "-m", "kvfleet_runtime.cli", "router", "--port",
+            str(setup.port), "--host", "127.0.0.1", *_picker_args(setup)]
+
+
+def _kvfleet_epp(setup: FrontSetup) -> list[str]:
+    """`kvfleet epp` behind a real Envoy configured as a GIE gateway (kvfleet_lab.gateway)."""
+    endpoints = [u.split("://", 1)[1] for u in setup.replicas.values()]
+    return [setup.kvfleet_python, "-m", "kvfleet_lab.gateway", "--port", str(setup.port),
+            "--metrics-port", str(setup.port + 1), "--work", str(setup.work / "gateway"),
+            *[a for e in endpoints for a in ("--endpoint", e)], "--", *_picker_args(setup)]
 
 
 def _vllm_router(policy: str) -> Callable[[FrontSetup], list[str]]:
@@ -92,6 +113,10 @@ FRONTS: dict[str, Front] = {f.name: f for f in (
     Front("kvfleet-router", _kvfleet_router,
           env=lambda setup: {"KVFLEET_ROUTER_SECRET": ROUTER_SECRET}, health="/readyz",
           decision_histogram="kvfleet_router_decision_seconds", settle_s=2.0),
+    Front("kvfleet-epp", _kvfleet_epp,
+          env=lambda setup: {"KVFLEET_ROUTER_SECRET": ROUTER_SECRET}, health="/health",
+          decision_histogram="kvfleet_router_decision_seconds", settle_s=2.0,
+          metrics_offset=1),
     Front("vllm-router-cache-aware", _vllm_router("cache_aware")),
     Front("vllm-router-round-robin", _vllm_router("round_robin")),
     Front("sglang-router-cache-aware", _sglang_router("cache_aware")),

@@ -16,7 +16,7 @@ Public facade (what the replica engine and the fleet tier code against)::
     ...prefill token_ids[n:] into table...        # n <= usable_tokens(len(token_ids))
     cache.finish(prefix, token_ids, table)        # full blocks indexed in place; refs released
     kv.give_back(table)                           # at request end (cached blocks stay cached)
-    # (`lookup`, `share_prefix`, `copy_into`, `store_blocks`, `release`: the steps of the pair)
+    # (its steps, `_share_prefix`, `_copy_into`, `_store_blocks`, are the package's own)
 
     # Tensors in, tensors out (benches, tests, TP shards):
     k, v = cache.materialize(hit, tp_degree=4, tp_rank=r)
@@ -28,7 +28,6 @@ Public facade (what the replica engine and the fleet tier code against)::
 
     # Hooks for the fleet tier (T2):
     cache.read_blocks(hashes) -> (k, v) | None    # export held blocks, canonical layout
-    cache.import_blocks(key, token_ids, k, v)     # insert blocks fetched from a peer
     cache.add_listener(callback)                  # BlockEvent("stored"|"removed", key, hashes)
     cache.set_eviction_sink(callback)             # EvictedRun: what T1 drops, with its data (T3)
 
@@ -46,15 +45,15 @@ bounded priority queue.
 
 Modules, top to bottom: `_cache` (facade, torch) -> `_manager` (the one door to the index, the
 sketch and admission; placement, stats, events) -> `_block_index` (radix index, tiers, refs,
-eviction; over `_tier_slots` and `_tier_drains`, its nodes in `_block_node`, audited by
-`_index_audit`) -> `_moves` (`Move`, `Plan`: what the index plans and `_pool` carries out) and
-`_allocator` (free slots; `BlockRefs`, the device pool's ref counts shared by sequences and the
-cache); `_pool` holds the tensors; `_lower` is the interface of the tiers below (T3, T2); `_keys`,
-`_sketch`, `_admission`, `_ghosts`, `_eviction`, `_reuse`, `_store_queue`, `_stats`, `_metrics` and
-`_config` are pure. Importing this package does not import torch: `PrefixCache`,
-`Prefix`, `Hit`, `Miss` and `PagedBlocks` load on first use. Replays (the lab's policy
-comparison, the fleet simulator) drive the shipped policy through `CacheManager.replay`, with
-no tensors.
+eviction; it owns its slots, `_tier_slots`, and its drains, `_tier_drains`; its nodes in
+`_block_node`, audited by `_index_audit`) -> `_moves` (`Move`, `Plan`: what the index plans and
+`_pool` carries out) and `_allocator` (free slots; `BlockRefs`, the device pool's ref counts
+shared by sequences and the cache); `_pool` holds the tensors; `_lower` is the interface of the
+tiers below (T3, T2); `_keys`, `_sketch`, `_admission`, `_ghosts`, `_eviction`, `_reuse`,
+`_store_queue`, `_stats`, `_metrics` and `_config` are pure. Importing this package does not
+import torch: `PrefixCache`, `Prefix`, `Hit`, `Miss` and `PagedBlocks` load on first use.
+Replays (the lab's policy comparison, the fleet simulator) drive the shipped policy through
+`CacheManager.replay`, with no tensors.
 
 A second facade over `CacheManager` (the vLLM connector, `kvfleet_vllm`, whose pool is vLLM's
 host-pool file) drives the manager through its own methods, never the index below it: `hashes`,

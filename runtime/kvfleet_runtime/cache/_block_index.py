@@ -35,7 +35,7 @@ from kvfleet_runtime.cache._index_audit import check_invariants
 from kvfleet_runtime.cache._keys import BlockHash, CacheKey
 from kvfleet_runtime.cache._moves import Move, Plan, Tier
 from kvfleet_runtime.cache._tier_drains import TierDrains
-from kvfleet_runtime.cache._tier_slots import GONE, TierCounters
+from kvfleet_runtime.cache._tier_slots import GONE, TierCounters, TierSlots
 
 __all__ = ["BlockIndex", "BlockNode", "Move", "Namespace", "Plan", "Tier", "TierCounters"]
 
@@ -43,9 +43,10 @@ _MAX_SPARE = 4096
 """Recycled nodes kept for re-use at most (~600 KB): a few evicting misses' worth."""
 
 
-class BlockIndex(TierDrains):
-    """Chain hash -> block node, plus ref counts and eviction (the slots: `TierSlots`; a tier
-    turned off, a version invalidated: `TierDrains`)."""
+class BlockIndex:
+    """Chain hash -> block node, plus ref counts and eviction. It owns two collaborators: its
+    slots (`slots`, a `TierSlots`) and the drains (a tier turned off, a version invalidated:
+    `TierDrains`, over this index's operations)."""
 
     def __init__(
         self,
@@ -57,7 +58,10 @@ class BlockIndex(TierDrains):
     ) -> None:
         """`t0_slots`: T0's slots when T0 is the engine's KV (`CachedSlots`); its blocks are then
         also held by sequences, and one that a sequence still holds is never a victim."""
-        super().__init__(num_blocks, pin_limit=pin_limit, t0_slots=t0_slots)
+        self.slots = TierSlots(num_blocks, pin_limit=pin_limit, t0_slots=t0_slots)
+        self.allocators = self.slots.allocators
+        """The slots of each tier (`TierSlots.allocators`; the same objects)."""
+        self.counters = self.slots.counters
         self.policy = policy
         """Victim order and the duel (`set_policy` swaps it)."""
         self._nodes: dict[BlockHash, BlockNode] = {}
@@ -65,6 +69,47 @@ class BlockIndex(TierDrains):
         self._tick = 0
         self._spare: list[BlockNode] = []
         """Dropped nodes nobody reads any more (`recycle`), which `_link` fills anew."""
+        self._drains = TierDrains(self)
+
+    # -- the slots' switches and pins (`TierSlots`) ----------------------------------------
+
+    @property
+    def t0_enabled(self) -> bool:
+        return self.slots.t0_enabled
+
+    @t0_enabled.setter
+    def t0_enabled(self, enabled: bool) -> None:
+        self.slots.t0_enabled = enabled
+
+    @property
+    def t1_enabled(self) -> bool:
+        return self.slots.t1_enabled
+
+    @t1_enabled.setter
+    def t1_enabled(self, enabled: bool) -> None:
+        self.slots.t1_enabled = enabled
+
+    @property
+    def num_pinned(self) -> int:
+        return self.slots.num_pinned
+
+    @property
+    def pin_limit(self) -> int:
+        return self.slots.pin_limit
+
+    # -- tiers turned off, versions invalidated (`TierDrains`) ------------------------------
+
+    def disable_t1(self) -> list[BlockNode]:
+        """`TierDrains.disable_t1`."""
+        return self._drains.disable_t1()
+
+    def disable_t0(self) -> tuple[Plan, list[BlockNode]]:
+        """`TierDrains.disable_t0`."""
+        return self._drains.disable_t0()
+
+    def invalidate(self, weights_digest: str) -> tuple[int, list[BlockNode]]:
+        """`TierDrains.invalidate`."""
+        return self._drains.invalidate(weights_digest)
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -79,6 +124,15 @@ class BlockIndex(TierDrains):
 
     def namespaces(self) -> list[Namespace]:
         return list(self._namespaces.values())
+
+    def keyed_namespaces(self) -> dict[CacheKey, Namespace]:
+        """The live namespaces by key (the drains remove invalidated ones)."""
+        return self._namespaces
+
+    def unindex(self, node: BlockNode) -> None:
+        """Take `node` out of the index (its slot is the caller's to free or keep)."""
+        del self._nodes[node.block_hash]
+        node.namespace.num_blocks -= 1
 
     def namespace(self, key: CacheKey) -> Namespace:
         ns = self._namespaces.get(key)
@@ -118,10 +172,10 @@ class BlockIndex(TierDrains):
             if node.ref_count == 0:
                 if not node.namespace.valid:
                     if node.tier != GONE:
-                        self._free_slot(node)
+                        self.slots.free_slot(node)
                         freed.append(node)
                 elif (node.num_t0_children if node.tier == Tier.T0 else node.num_children) == 0:
-                    self._push(node)  # interior blocks are not evictable: nothing to queue
+                    self.push(node)  # interior blocks are not evictable: nothing to queue
         return freed
 
     def touch(self, path: list[BlockNode], floors: Sequence[int] = ()) -> None:
@@ -134,12 +188,12 @@ class BlockIndex(TierDrains):
                 node.floor = floor  # before the push: the ranking reads it
                 node.last_tick = tick
                 if not node.ref_count:
-                    self._push(node)
+                    self.push(node)
             return
         for node in path:
             node.last_tick = tick
             if not node.ref_count:  # a referenced block is not evictable: nothing to queue
-                self._push(node)
+                self.push(node)
 
     # -- eviction --------------------------------------------------------------------------
 
@@ -162,7 +216,7 @@ class BlockIndex(TierDrains):
         return (node.tier == Tier.T1 and not node.ref_count and node.namespace.valid
                 and node.num_children == 0)
 
-    def _push(self, node: BlockNode) -> None:
+    def push(self, node: BlockNode) -> None:
         tier = node.tier
         if tier == Tier.T0:
             if self._evictable_t0(node):
@@ -186,7 +240,7 @@ class BlockIndex(TierDrains):
         assert node.num_children == 0 and node.ref_count == 0
         tier = node.tier
         self.counters[tier].num_evictions += 1
-        self._free_slot(node)
+        self.slots.free_slot(node)
         del self._nodes[node.block_hash]
         node.namespace.num_blocks -= 1
         parent = node.parent
@@ -194,11 +248,11 @@ class BlockIndex(TierDrains):
             parent.num_children -= 1
             if tier == Tier.T0:
                 parent.num_t0_children -= 1
-            self._push(parent)
+            self.push(parent)
         plan.dropped.append(node)
         plan.dropped_from.append(tier)
 
-    def _reserve(
+    def reserve(
         self, tier: int, n: int, candidate_weights: Sequence[int] | None, plan: Plan
     ) -> list[int]:
         """Up to `n` free slots of `tier`, evicting victims that lose the policy's duel.
@@ -208,7 +262,7 @@ class BlockIndex(TierDrains):
         is full of referenced blocks or of blocks that outrank the candidate: not enough room is
         not an error."""
         alloc = self.allocators[tier]
-        if not (self.t1_enabled if tier == Tier.T1 else self.t0_enabled):
+        if not (self.slots.t1_enabled if tier == Tier.T1 else self.slots.t0_enabled):
             return []
         ids = alloc.allocate(min(n, alloc.num_free)) or []
         skipped: list[BlockNode] = []
@@ -231,7 +285,7 @@ class BlockIndex(TierDrains):
             assert got is not None
             ids.extend(got)
         for node in skipped:
-            self._push(node)
+            self.push(node)
         return ids
 
     def _evict(self, victim: BlockNode, plan: Plan) -> bool:
@@ -241,12 +295,12 @@ class BlockIndex(TierDrains):
             interior = victim.num_children > 0
             weights = None if interior else self.policy.candidate_weights([victim.block_hash])
             victim.ref_count += 1  # its own demotion must not pick it as a T1 victim
-            got = self._reserve(Tier.T1, 1, weights, plan)
+            got = self.reserve(Tier.T1, 1, weights, plan)
             victim.ref_count -= 1
             if got:
-                self._move_to_t1(victim, got[0], plan)
+                self.slots.move_to_t1(victim, got[0], plan)
                 if victim.parent is not None:
-                    self._push(victim.parent)
+                    self.push(victim.parent)
                 victim.ref_count += 1  # until the plan is complete (`Plan.held`)
                 plan.held.append(victim)
                 return True
@@ -280,12 +334,12 @@ class BlockIndex(TierDrains):
         if parent is not None:
             tier = max(tier, Tier(parent.tier))  # monotone tiers along a chain
             parent.ref_count += 1
-        if tier != Tier.T0 or self.num_pinned + len(hashes) > self.pin_limit:
+        if tier != Tier.T0 or self.slots.num_pinned + len(hashes) > self.slots.pin_limit:
             pinned = False
-        ids = self._reserve(tier, len(hashes), self.policy.candidate_weights(hashes), plan)
+        ids = self.reserve(tier, len(hashes), self.policy.candidate_weights(hashes), plan)
         if parent is not None:
             parent.ref_count -= 1
-            self._push(parent)
+            self.push(parent)
         nodes = self._link(namespace, parent, hashes[: len(ids)], ids, tier, pinned, floors)
         if held is None:
             self.release_held(plan.held)
@@ -299,7 +353,7 @@ class BlockIndex(TierDrains):
         for node in nodes:
             node.ref_count -= 1
         for node in nodes:
-            self._push(node)
+            self.push(node)
         nodes.clear()
 
     def promote(self, path: list[BlockNode]) -> Plan:
@@ -307,13 +361,13 @@ class BlockIndex(TierDrains):
         plan = Plan()
         # Not detached blocks (T1 turned off under an in-flight hit): they leave at release.
         t1_nodes = [n for n in path if n.tier == Tier.T1 and n.namespace.valid]
-        if not t1_nodes or not self.allocators[Tier.T0].num_blocks or not self.t0_enabled:
+        if not t1_nodes or not self.allocators[Tier.T0].num_blocks or not self.slots.t0_enabled:
             return plan
         weights = self.policy.candidate_weights([n.block_hash for n in t1_nodes])
-        ids = self._reserve(Tier.T0, len(t1_nodes), weights, plan)
+        ids = self.reserve(Tier.T0, len(t1_nodes), weights, plan)
         for node, block_id in zip(t1_nodes, ids, strict=False):
             plan.moves.append(Move(Tier.T1, node.block_id, Tier.T0, block_id))
-            self._move_to_t0(node, block_id)
+            self.slots.move_to_t0(node, block_id)
         self.release_held(plan.held)
         return plan
 
@@ -347,7 +401,7 @@ class BlockIndex(TierDrains):
         adopt = getattr(slots, "adopt", None)
         assert adopt is not None, "T0 is not the engine's KV"
         adopt(block_ids)
-        if self.num_pinned + len(hashes) > self.pin_limit:
+        if self.slots.num_pinned + len(hashes) > self.slots.pin_limit:
             pinned = False
         assert len(hashes) == len(block_ids)
         return self._link(
@@ -367,7 +421,7 @@ class BlockIndex(TierDrains):
     def push_leaf(self, node: BlockNode) -> None:
         """Queue an unreferenced new leaf (`adopt(referenced=False)`) for eviction: the one
         push `release` of the chain it ends would make (interior blocks are not evictable)."""
-        self._push(node)
+        self.push(node)
 
     def _link(
         self,
@@ -441,7 +495,7 @@ class BlockIndex(TierDrains):
         assert len(nodes) == num_before + len(new), "a block that is already indexed"
         namespace.num_blocks += len(new)
         if pinned:
-            self.num_pinned += len(new)
+            self.slots.num_pinned += len(new)
         self.counters[tier].num_stored += len(new)
         return new
 
@@ -455,7 +509,7 @@ class BlockIndex(TierDrains):
         for node, block_id in zip(nodes, block_ids, strict=True):
             assert node.tier == Tier.T1 and node.ref_count > 0
             assert node.parent is None or node.parent.tier == Tier.T0
-            self._move_to_t0(node, block_id)
+            self.slots.move_to_t0(node, block_id)
 
     def reclaim(self, num_free: int) -> Plan:
         """Evict T0 victims, in the policy's order, until T0 has `num_free` free slots (in-flight
@@ -465,7 +519,7 @@ class BlockIndex(TierDrains):
         need = num_free - slots.num_free
         if need <= 0:
             return Plan()
-        if self.allocators[Tier.T1].num_blocks and self.t1_enabled:
+        if self.allocators[Tier.T1].num_blocks and self.slots.t1_enabled:
             return self._reclaim_demoting(num_free)
         return self._reclaim_dropping(need)
 
@@ -526,11 +580,11 @@ class BlockIndex(TierDrains):
                 break
             victim = pop(t0, evictable)
         slots.free(freed)
-        self.num_pinned -= num_unpinned
+        self.slots.num_pinned -= num_unpinned
         self.counters[t0].num_evictions += len(dropped)
         plan.dropped_from = [t0] * len(dropped)
         for node in skipped:
-            self._push(node)
+            self.push(node)
         return plan
 
     def _reclaim_demoting(self, num_free: int) -> Plan:
@@ -548,12 +602,12 @@ class BlockIndex(TierDrains):
             elif victim.tier == Tier.T1:
                 demoted.append(victim)
         for node in skipped:
-            self._push(node)
-        self._order_demotions(demoted, plan)
+            self.push(node)
+        self.order_demotions(demoted, plan)
         self.release_held(plan.held)
         return plan
 
-    def _order_demotions(self, demoted: list[BlockNode], plan: Plan) -> None:
+    def order_demotions(self, demoted: list[BlockNode], plan: Plan) -> None:
         """Victims go leaf first, so a demoted chain would land in T1 slots in reverse order and
         a later T1 hit would cost one copy per block. The copies have not run yet: hand the same
         T1 slots out again in chain order (root first, chain by chain), so each chain is one run."""

@@ -5,10 +5,11 @@ Layering, top to bottom (vLLM v1 style): this facade (tensors, locking, the stor
 counts, eviction; pure) -> the slots of each tier (pure): T0 is the engine's own KV
 (`PagedBlocks`, ref-counted `BlockRefs` shared with the sequences), T1 a host `TensorPool`.
 
-The engine's path (one pool, no copies for T0): `lookup` -> `share_prefix` (the hit's T0 block
-ids, placed in the sequence's table) -> `copy_into` (the hit's T1 blocks, copied into the
-sequence's fresh blocks one run at a time, then filed in T0 where they now are) -> prefill the
-rest -> `store_blocks` (the prompt's full blocks are indexed where they are) -> `release`. When
+The engine's path (one pool, no copies for T0): `prepare` (the lookup; the hit's T0 block ids,
+placed in the sequence's table: `_share_prefix`) -> `fill` (the hit's T1 blocks, copied into the
+sequence's fresh blocks one run at a time, then filed in T0 where they now are: `_copy_into`) ->
+prefill the rest -> `finish` (the prompt's full blocks are indexed where they are:
+`_store_blocks`; the hit released). When
 the engine lacks room, `PagedBlocks.take` asks this cache to reclaim unreferenced cached blocks,
 in the policy's victim order (demoted to T1 when it admits them, else dropped).
 
@@ -213,9 +214,9 @@ class PrefixCache:
         self._hit_listeners: list[Callable[[CacheKey, tuple[BlockHash, ...]], None]] = []
         self._eviction_sink: Callable[[EvictedRun], None] | None = None
         self._evicted_runs: list[EvictedRun] = []
-        self.collector = CacheCollector(self._metrics_snapshot, metrics_prefix)
+        self._collector = CacheCollector(self._metrics_snapshot, metrics_prefix)
         if registry is not None:
-            registry.register(self.collector)
+            registry.register(self._collector)
 
     @property
     def device_kv(self) -> PagedBlocks | None:
@@ -230,7 +231,7 @@ class PrefixCache:
         The engine then takes the rest of its table from `kv` and calls `fill`. The prompt's
         chain is hashed here once (`prefix.chain`), as far as the lookup needs it; the tiers
         below the cache and the store continue it. On an error nothing stays held."""
-        chain = self._manager.chain(key, token_ids)
+        chain = self._manager._chain(key, token_ids)
         hit = self._lookup(key, chain, len(token_ids))
         if not isinstance(hit, Hit):
             return Prefix(key, kv, None, [], 0, chain=chain)
@@ -241,7 +242,7 @@ class PrefixCache:
                 log.exception("cache hit listener failed")
         usable = min(hit.matched_tokens, usable_tokens(len(token_ids))) // BLOCK_SIZE
         try:
-            shared = self.share_prefix(hit, kv, usable) if usable else []
+            shared = self._share_prefix(hit, kv, usable) if usable else []
         except BaseException:
             self.release(hit)
             raise
@@ -257,7 +258,7 @@ class PrefixCache:
         prefix.tier = Tier.T0.label if shared else None
         hit = prefix.hit
         if hit is not None and shared < prefix.num_blocks:
-            self.copy_into(hit, prefix.kv, table, shared, prefix.num_blocks)
+            self._copy_into(hit, prefix.kv, table, shared, prefix.num_blocks)
             prefix.cached_tokens = prefix.num_blocks * BLOCK_SIZE
             prefix.tier = Tier(hit.tier).label
         return prefix.cached_tokens
@@ -268,7 +269,7 @@ class PrefixCache:
         token_ids: Sequence[int] | None = None,
         table: Sequence[int] | None = None,
     ) -> StoreOutcome | None:
-        """The request's prompt is computed into `table`: offer its full blocks (`store_blocks`,
+        """The request's prompt is computed into `table`: offer its full blocks (`_store_blocks`,
         hit or miss: every offer counts a sighting) and release the hit. Without `token_ids`
         (cancelled, failed, cache switched): release only. Once per prefix; later calls do
         nothing. The sequence keeps its own holds on `table` until it gives them back."""
@@ -299,14 +300,14 @@ class PrefixCache:
 
     def lookup(self, key: CacheKey, token_ids: Sequence[int]) -> Hit | Miss:
         """Longest cached block-aligned prefix of `token_ids` under `key`."""
-        return self._lookup(key, self._manager.chain(key, token_ids), len(token_ids))
+        return self._lookup(key, self._manager._chain(key, token_ids), len(token_ids))
 
     def num_held(self, chain: Sequence[BlockHash], tenant: str | None = None) -> int:
         """How many leading blocks of `chain` this cache holds now, read from the index itself
         (no refs, no stats: serving peers is not a hit here); with `tenant`, only that tenant's
         and the platform's blocks count (a peer's held probe)."""
         with self._lock:
-            return self._manager.num_held(chain, tenant)
+            return self._manager._num_held(chain, tenant)
 
     def pin(self, chain: Sequence[BlockHash], start_block: int = 0,
             max_blocks: int | None = None) -> PinnedRun | None:
@@ -363,7 +364,7 @@ class PrefixCache:
         with self._operation():
             self._check_live(hit)
             path = hit._path
-            moves = self._manager.promote(path)
+            moves = self._manager._promote(path)
             self._capture_evicted()
             execute_moves(self._pools, moves)
             shape = (
@@ -402,15 +403,15 @@ class PrefixCache:
             pending = _Pending(plan, k, v)
             dropped = self._queue.push(plan.priority, pending)
             if dropped is not None:
-                self._manager.note_dropped(dropped.plan)
+                self._manager._note_dropped(dropped.plan)
                 dropped.let_go()
         return StoreOutcome.DROPPED if dropped is pending else StoreOutcome.QUEUED
 
-    def share_prefix(self, hit: Hit, kv: PagedBlocks, max_blocks: int) -> list[int]:
+    def _share_prefix(self, hit: Hit, kv: PagedBlocks, max_blocks: int) -> list[int]:
         """The block ids of the hit's leading T0 blocks (at most `max_blocks`), each with one
         more holder: the caller places them at the head of a sequence's block table and gives
         them back with `kv.give_back` at its end. No data moves. Empty when `kv` is not this
-        cache's T0 pool (then `copy_into` copies every block)."""
+        cache's T0 pool (then `_copy_into` copies every block)."""
         with self._lock:
             self._check_live(hit)
             if not self._is_t0(kv):
@@ -423,7 +424,7 @@ class PrefixCache:
             kv.refs.share(ids)
             return ids
 
-    def copy_into(
+    def _copy_into(
         self, hit: Hit, kv: PagedBlocks, table: Sequence[int], start: int, stop: int
     ) -> int:
         """Copy the hit's blocks [start, stop) into the engine's blocks `table[start:stop]`
@@ -449,22 +450,12 @@ class PrefixCache:
             for pool, (src_ids, dst_ids) in zip(self._pools, by_tier, strict=True):
                 if src_ids and pool is not None:
                     num_copies += copy_runs(pool, src_ids, kv, dst_ids)
-            if (self._is_t0(kv) and self._manager.t0_enabled and nodes
+            if (self._is_t0(kv) and self._manager._t0_enabled and nodes
                     and len(by_tier[Tier.T1][0]) == len(nodes)):
                 parent = nodes[0].parent
                 if parent is None or parent.tier == Tier.T0:
-                    self._manager.promote_in_place(nodes, dst)
+                    self._manager._promote_in_place(nodes, dst)
         return num_copies
-
-    def store_blocks(
-        self, key: CacheKey, token_ids: Sequence[int], kv: PagedBlocks, table: Sequence[int]
-    ) -> StoreOutcome:
-        """Offer a prefilled prompt whose KV is in the engine's blocks `table` (the full blocks
-        of `token_ids`; the caller never writes them again). When `kv` is this cache's T0, the
-        new blocks are indexed where they are, at once (STORED: no copy; the sequence and the
-        cache then share them). Otherwise (the prefix continues a T1 chain, or another pool) the
-        write is queued like `store`'s, holding the blocks until it is done."""
-        return self._store_blocks(key, token_ids, kv, table, None)
 
     def _store_blocks(
         self,
@@ -472,14 +463,20 @@ class PrefixCache:
         token_ids: Sequence[int],
         kv: PagedBlocks,
         table: Sequence[int],
-        chain: list[BlockHash] | None,
+        chain: list[BlockHash] | None = None,
     ) -> StoreOutcome:
+        """Offer a prefilled prompt whose KV is in the engine's blocks `table` (the full blocks
+        of `token_ids`; the caller never writes them again). When `kv` is this cache's T0, the
+        new blocks are indexed where they are, at once (STORED: no copy; the sequence and the
+        cache then share them). Otherwise (the prefix continues a T1 chain, or another pool) the
+        write is queued like `store`'s, holding the blocks until it is done. `chain`: the
+        prompt's chain when the lookup hashed it already (`finish`)."""
         with self._operation():
             if chain is None:
                 hashes, platform_blocks = self._manager.hashes(key, token_ids)
                 chain = list(hashes)
             else:
-                platform_blocks = self._manager.platform_blocks(token_ids)
+                platform_blocks = self._manager._platform_blocks(token_ids)
             plan = self._manager.plan_store(key, chain, platform_blocks)
             if not isinstance(plan, StorePlan):
                 return plan
@@ -488,14 +485,14 @@ class PrefixCache:
                     f"store_blocks: table has {len(table)} blocks, the prompt {len(plan.hashes)}"
                 )
             ids = list(table[: len(plan.hashes)])
-            if self._is_t0(kv) and self._manager.store_in_place(plan, ids) is not None:
+            if self._is_t0(kv) and self._manager._store_in_place(plan, ids) is not None:
                 return StoreOutcome.STORED
             else:
                 kv.share(ids)
                 pending = _Pending(plan, src=kv, src_ids=ids)
                 dropped = self._queue.push(plan.priority, pending)
                 if dropped is not None:
-                    self._manager.note_dropped(dropped.plan)
+                    self._manager._note_dropped(dropped.plan)
                     dropped.let_go()
                 return StoreOutcome.DROPPED if dropped is pending else StoreOutcome.QUEUED
 
@@ -557,7 +554,7 @@ class PrefixCache:
                     self._write(pending)
                 finally:
                     pending.let_go()
-            moves = self._manager.reclaim(num_blocks)
+            moves = self._manager._reclaim(num_blocks)
             self._capture_evicted()
             execute_moves(self._pools, moves)
 
@@ -568,7 +565,7 @@ class PrefixCache:
         once or at the release of the hits that hold them); drops its pending writes. Returns the
         number of blocks removed from the index."""
         with self._operation():
-            removed = self._manager.invalidate(weights_digest)
+            removed = self._manager._invalidate(weights_digest)
             for pending in self._queue.remove_if(
                 lambda p: p.plan.key.weights_digest == weights_digest
             ):
@@ -578,10 +575,6 @@ class PrefixCache:
     def stats(self, tenant: str | None = None) -> CacheStats:
         with self._lock:
             return self._manager.stats(tenant, store_queue_len=len(self._queue))
-
-    def tenants(self) -> list[str]:
-        with self._lock:
-            return self._manager.tenants()
 
     # -- fleet-tier hooks ------------------------------------------------------------------
 
@@ -600,7 +593,7 @@ class PrefixCache:
 
     @property
     def t1_enabled(self) -> bool:
-        return bool(self.config.num_t1_blocks) and self._manager.t1_enabled
+        return bool(self.config.num_t1_blocks) and self._manager._t1_enabled
 
     def set_t1_enabled(self, enabled: bool) -> int:
         """T1 on or off, live (the fleet config's `tiers.t1_host`). Off: every T1 block becomes
@@ -608,12 +601,12 @@ class PrefixCache:
         hold it, which keep reading correct data meanwhile); stores and demotions stop using T1.
         Returns the blocks removed. The pool stays allocated, so turning it on again is free."""
         with self._operation():
-            return self._manager.set_t1_enabled(enabled)
+            return self._manager._set_t1_enabled(enabled)
 
     @property
     def t0_enabled(self) -> bool:
         """T0 is here and on (the fleet config's `tiers.t0_device`)."""
-        return self._pools[0] is not None and self._manager.t0_enabled
+        return self._pools[0] is not None and self._manager._t0_enabled
 
     def set_t0_enabled(self, enabled: bool) -> tuple[int, int]:
         """T0 on or off, live (the fleet config's `tiers.t0_device`). Off: stores are no longer
@@ -625,7 +618,7 @@ class PrefixCache:
         removed from the index). The engine's pool is untouched: T0 off only means the cache
         keeps none of it."""
         with self._operation():
-            demoted, removed, moves = self._manager.set_t0_enabled(enabled)
+            demoted, removed, moves = self._manager._set_t0_enabled(enabled)
             # Copy out before the lock is released: the freed T0 slots may be taken right after.
             self._capture_evicted()
             execute_moves(self._pools, moves)
@@ -637,7 +630,7 @@ class PrefixCache:
         tier's way in (T3). The sink must be quick (queue, don't write). None detaches it."""
         with self._lock:
             self._eviction_sink = sink
-            self._manager.evicted = [] if sink is not None else None
+            self._manager._evicted = [] if sink is not None else None
 
     def read_blocks(
         self,
@@ -678,7 +671,7 @@ class PrefixCache:
         else:
             target = self.device if device is None else torch.device(device)
         with self._lock:
-            nodes = [self._manager.get(h) for h in hashes]
+            nodes = [self._manager._get(h) for h in hashes]
             path = [n for n in nodes if n is not None]
             if len(path) != len(hashes) or not path:
                 return None
@@ -690,7 +683,7 @@ class PrefixCache:
             self._gather(path, out_k, out_v, slice(None))
         return out_k, out_v
 
-    def import_blocks(
+    def _import_blocks(
         self, key: CacheKey, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
     ) -> int:
         """Insert KV fetched from a peer for the full blocks of `token_ids` (canonical layout as
@@ -771,7 +764,7 @@ class PrefixCache:
 
     def _capture_evicted(self) -> None:
         """Copy out what the last index operation dropped, before its moves reuse the slots."""
-        evicted = self._manager.drain_evicted()
+        evicted = self._manager._drain_evicted()
         if not evicted or self._eviction_sink is None:
             return
         by_key: dict[CacheKey, list[BlockNode]] = {}
@@ -790,7 +783,7 @@ class PrefixCache:
             read_blocks_into(pool, k, v, [n.block_id for n in nodes], range(len(nodes)),
                              slice(None))
             hashes = tuple(n.block_hash for n in nodes)
-            sightings = tuple(self._manager.sightings(hashes))
+            sightings = tuple(self._manager._sightings(hashes))
             self._evicted_runs.append(EvictedRun(key, hashes, sightings, k, v))
 
     @contextlib.contextmanager
@@ -825,6 +818,7 @@ class PrefixCache:
             qlen = len(self._queue)
             total = self._manager.stats(None, store_queue_len=qlen)
             per_tenant = {
-                t: self._manager.stats(t, store_queue_len=qlen) for t in self._manager.tenants()
+                t: self._manager.stats(t, store_queue_len=qlen)
+                for t in self._manager._tenant_names()
             }
         return total, per_tenant

@@ -133,10 +133,10 @@ class CacheManager:
         t0_slots: Slots | None = None,
     ) -> None:
         """`t0_slots`: T0 is the engine's KV (see `BlockIndex`)."""
-        self.config = config
-        self.bytes_per_block = bytes_per_block
-        self.clock = clock
-        self.sketch = CountMinSketch(config.sketch_width, config.sketch_depth)
+        self._config = config
+        self._bytes_per_block = bytes_per_block
+        self._clock = clock
+        self._sketch = CountMinSketch(config.sketch_width, config.sketch_depth)
         capacity = config.num_t0_blocks + config.num_t1_blocks
         sample = 1
         while capacity // sample > config.ghost_max_blocks:
@@ -152,23 +152,23 @@ class CacheManager:
             sustain_s=config.thrash_sustain_s,
             min_blocks=config.thrash_min_blocks,
         )
-        self.admission = Admission(
-            self.sketch, ranking, thrash, admit_min_sightings=config.admit_min_sightings
+        self._admission = Admission(
+            self._sketch, ranking, thrash, admit_min_sightings=config.admit_min_sightings
         )
-        self.index = BlockIndex(
+        self._index = BlockIndex(
             (config.num_t0_blocks, config.num_t1_blocks),
-            self.admission.eviction(),
+            self._admission.eviction(),
             pin_limit=int(config.pin_max_fraction * config.num_t0_blocks),
             t0_slots=t0_slots,
         )
-        self.store_max_blocks = max(
+        self._store_max_blocks = max(
             config.store_min_blocks,
             int(config.store_max_fraction * (config.num_t0_blocks + config.num_t1_blocks)),
         )
         """New blocks one store may write beyond the free room (`store_max_fraction`)."""
-        self.memo = ChainMemo(config.hash_memo_entries) if config.hash_memo_entries else None
-        self.events: list[BlockEvent] = []
-        self.evicted: list[tuple[BlockNode, Tier]] | None = None
+        self._memo = ChainMemo(config.hash_memo_entries) if config.hash_memo_entries else None
+        self._events: list[BlockEvent] = []
+        self._evicted: list[tuple[BlockNode, Tier]] | None = None
         """With a list here (an eviction sink is attached), blocks the host tier drops (T1, or
         T0 when there is no T1) are collected for the next tier, leaf first, slots still intact
         until the pending moves run (`drain_evicted`)."""
@@ -178,7 +178,7 @@ class CacheManager:
 
     # -- keys ------------------------------------------------------------------------------
 
-    def platform_blocks(self, token_ids: Sequence[int]) -> int:
+    def _platform_blocks(self, token_ids: Sequence[int]) -> int:
         for prefix in self._platform:
             n = len(prefix)
             if len(token_ids) >= n and tuple(token_ids[:n]) == prefix:
@@ -191,18 +191,18 @@ class CacheManager:
         """The lazy chain of `token_ids` and its platform block count. A `lookup` adds the steps
         it takes to the memo (the blocks the index holds, plus one); everything else reads it."""
         check_key(key)
-        platform_blocks = self.platform_blocks(token_ids)
+        platform_blocks = self._platform_blocks(token_ids)
         hashes = iter_block_hashes(
-            key, token_ids, platform_blocks=platform_blocks, memo=self.memo, remember=lookup
+            key, token_ids, platform_blocks=platform_blocks, memo=self._memo, remember=lookup
         )
         return hashes, platform_blocks
 
-    def chain(self, key: CacheKey, token_ids: Sequence[int]) -> PromptChain:
+    def _chain(self, key: CacheKey, token_ids: Sequence[int]) -> PromptChain:
         """The chain of `token_ids`' full blocks for one request, computed as far as it is used
         (`PromptChain`): its lookup walks it, everything after continues it."""
         check_key(key)
-        return PromptChain(key, token_ids, platform_blocks=self.platform_blocks(token_ids),
-                           memo=self.memo)
+        return PromptChain(key, token_ids, platform_blocks=self._platform_blocks(token_ids),
+                           memo=self._memo)
 
     def _tenant(self, tenant_id: str) -> TenantStats:
         stats = self._tenants.get(tenant_id)
@@ -225,12 +225,12 @@ class CacheManager:
         `num_local_tokens`: a prefix the engine already holds in its own KV (vLLM's prefix
         cache, when kvfleet runs as its connector); only matched tokens beyond it count as
         hits, so the two caches' hit rates add up instead of counting those tokens twice."""
-        path = self.index.match(hashes)
+        path = self._index.match(hashes)
         stats = self._tenant(key.tenant_id)
         stats.num_lookups += 1
         stats.num_lookup_tokens += num_tokens
         if path:
-            self.index.acquire(path)
+            self._index.acquire(path)
             matched = len(path) * BLOCK_SIZE - num_local_tokens
             if matched > 0:
                 stats.num_hits += 1
@@ -238,28 +238,28 @@ class CacheManager:
         return path
 
     def release(self, path: list[BlockNode]) -> None:
-        freed = self.index.release(path)
+        freed = self._index.release(path)
         # Blocks of an invalidated version were withdrawn from the hint index at invalidation.
         assert all(not n.namespace.valid for n in freed)
 
     def match(self, hashes: Iterable[BlockHash]) -> list[BlockNode]:
         """The longest cached chain along `hashes`, from the first block on: no refs, no stats."""
-        return self.index.match(hashes)
+        return self._index.match(hashes)
 
     def acquire(self, path: list[BlockNode]) -> None:
         """Refs on a matched path without counting a lookup (a re-admission, a peer's read);
         `release` drops them."""
-        self.index.acquire(path)
+        self._index.acquire(path)
 
-    def get(self, block_hash: BlockHash) -> BlockNode | None:
+    def _get(self, block_hash: BlockHash) -> BlockNode | None:
         """The indexed block with this chain hash, if any (no refs)."""
-        return self.index.get(block_hash)
+        return self._index.get(block_hash)
 
-    def num_held(self, hashes: Iterable[BlockHash], tenant: str | None = None) -> int:
+    def _num_held(self, hashes: Iterable[BlockHash], tenant: str | None = None) -> int:
         """Leading blocks of the chain `hashes` held now (no refs, no stats); with `tenant`,
         only blocks stored for that tenant or for the platform count (a peer's held probe:
         knowing another tenant's hashes reveals nothing)."""
-        path = self.index.match(hashes)
+        path = self._index.match(hashes)
         if tenant is None:
             return len(path)
         for i, node in enumerate(path):
@@ -267,21 +267,21 @@ class CacheManager:
                 return i
         return len(path)
 
-    def sightings(self, hashes: Sequence[BlockHash]) -> list[int]:
+    def _sightings(self, hashes: Sequence[BlockHash]) -> list[int]:
         """The sketch's current sighting estimate of each block."""
-        return self.sketch.estimate_many(hashes)
+        return self._sketch.estimate_many(hashes)
 
     def num_referenced_blocks(self) -> int:
         """Indexed blocks some request, write or transfer still references."""
-        return sum(1 for n in self.index.nodes() if n.ref_count)
+        return sum(1 for n in self._index.nodes() if n.ref_count)
 
     @property
-    def t0_enabled(self) -> bool:
-        return self.index.t0_enabled
+    def _t0_enabled(self) -> bool:
+        return self._index.t0_enabled
 
     @property
-    def t1_enabled(self) -> bool:
-        return self.index.t1_enabled
+    def _t1_enabled(self) -> bool:
+        return self._index.t1_enabled
 
     # -- store -----------------------------------------------------------------------------
 
@@ -292,14 +292,14 @@ class CacheManager:
         stats = self._tenant(key.tenant_id)
         stats.num_store_requests += 1
         stats.num_blocks_offered += len(hashes)
-        counts = self.admission.count(hashes, self.clock())
-        resident = self.index.match(hashes)
+        counts = self._admission.count(hashes, self._clock())
+        resident = self._index.match(hashes)
         if resident:
             # A sighting: the ranking counts the resident blocks at these counts from now on.
-            self.index.touch(resident, floors(counts[: len(resident)], self.sketch.num_resets))
-        decision = self.admission.decide(hashes, counts, len(resident))
+            self._index.touch(resident, floors(counts[: len(resident)], self._sketch.num_resets))
+        decision = self._admission.decide(hashes, counts, len(resident))
         if decision.ranking_changed:
-            self.index.set_policy(self.admission.eviction())
+            self._index.set_policy(self._admission.eviction())
         stats.num_admissions_refused += decision.num_refused
         admitted = decision.num_blocks
         if admitted <= len(resident):
@@ -310,14 +310,14 @@ class CacheManager:
         # prefixes. Not a refusal. Under plain recency the ghosts found that the next request
         # re-uses what was just sent: the whole prompt is stored, as vLLM does (capped there, the
         # Mooncake quick run's 1% hit 0.95% against vLLM's 1.02%; uncapped 1.03%).
-        if self.admission.ranking.strict:
-            free = sum(alloc.num_free for alloc in self.index.allocators)
-            admitted = min(admitted, len(resident) + max(self.store_max_blocks, free))
+        if self._admission.ranking.strict:
+            free = sum(alloc.num_free for alloc in self._index.allocators)
+            admitted = min(admitted, len(resident) + max(self._store_max_blocks, free))
         sightings = counts[admitted - 1]
-        cfg = self.config
+        cfg = self._config
         placement = place(
             sightings,
-            admitted * self.bytes_per_block,
+            admitted * self._bytes_per_block,
             admit_min_sightings=cfg.admit_min_sightings,
             hot_min_sightings=cfg.hot_min_sightings,
             pin_max_bytes=cfg.pin_max_bytes,
@@ -326,10 +326,10 @@ class CacheManager:
         priority = admitted * BLOCK_SIZE * sightings
         return StorePlan(
             key, hashes[:admitted], len(resident), platform_blocks, placement, priority,
-            counts, self.sketch.num_resets,
+            counts, self._sketch.num_resets,
         )
 
-    def note_dropped(self, plan: StorePlan) -> None:
+    def _note_dropped(self, plan: StorePlan) -> None:
         self._tenant(plan.key.tenant_id).num_store_drops += 1
 
     def plan_import(
@@ -345,21 +345,21 @@ class CacheManager:
         blocks beyond the resident prefix are written without admission (they compete for room
         like any write). None when nothing is left to write, or when the resident prefix is
         not `start_block` blocks long (the chain changed since the fetch was planned)."""
-        counts = chain_bound([self.sketch.increment(h) for h in chain])
-        resident = self.index.match(chain)
-        for node, floor in zip(resident, floors(counts, self.sketch.num_resets), strict=False):
+        counts = chain_bound([self._sketch.increment(h) for h in chain])
+        resident = self._index.match(chain)
+        for node, floor in zip(resident, floors(counts, self._sketch.num_resets), strict=False):
             node.floor = floor  # a sighting, as in `plan_store`
         start = len(resident)
         if start == len(chain) or (start_block is not None and start != start_block):
             return None
         return StorePlan(
             key, chain, start, platform_blocks, Placement.REUSED, 0, counts,
-            self.sketch.num_resets,
+            self._sketch.num_resets,
         )
 
     def commit(self, plan: StorePlan) -> Commit:
         """Index the plan's new blocks (as many as fit) and say where their data goes."""
-        index = self.index
+        index = self._index
         resident = index.match(plan.hashes)
         start = len(resident)
         parent = resident[-1] if resident else None
@@ -385,7 +385,7 @@ class CacheManager:
             commit.moves.extend(moves.moves)
             commit.nodes.extend(nodes)
             if nodes:
-                self.events.append(BlockEvent("stored", key, tuple(n.block_hash for n in nodes)))
+                self._events.append(BlockEvent("stored", key, tuple(n.block_hash for n in nodes)))
                 parent = nodes[-1]
             if len(nodes) < hi - lo:
                 break
@@ -393,14 +393,14 @@ class CacheManager:
         self._tenant(plan.key.tenant_id).num_blocks_stored += len(commit.nodes)
         return commit
 
-    def store_in_place(self, plan: StorePlan, block_ids: Sequence[int]) -> int | None:
+    def _store_in_place(self, plan: StorePlan, block_ids: Sequence[int]) -> int | None:
         """Index the plan's new blocks where they already are, done at once: `block_ids[i]` is
         the engine's T0 block holding chain block i; nothing to write, so the nodes are created
         unreferenced and the chain's leaf is queued for eviction, as `commit` then
         `finish_commit` would leave them (without a pass over the nodes to take and drop refs).
         Returns the blocks indexed; None when they cannot be indexed in place (the resident
         prefix ends in T1, or a block is already cached): then `commit` copies them instead."""
-        index = self.index
+        index = self._index
         if not index.t0_enabled:
             return None  # T0 off: the prompt is offered to T1 by copy, as without a T0
         resident = index.match(plan.hashes)
@@ -422,7 +422,7 @@ class CacheManager:
             )
             num_stored += len(nodes)
             # `adopt` indexed exactly these hashes, in order.
-            self.events.append(BlockEvent("stored", key, tuple(plan.hashes[lo:hi])))
+            self._events.append(BlockEvent("stored", key, tuple(plan.hashes[lo:hi])))
             parent = nodes[-1]
         if parent is not None and num_stored:
             index.push_leaf(parent)  # after the last segment: its leaf is the chain's
@@ -432,23 +432,23 @@ class CacheManager:
     def _floors(self, plan: StorePlan, lo: int, hi: int) -> list[int]:
         """The floors of chain blocks [lo, hi) (`floors`), none when the plan's counts are
         from an earlier sketch epoch."""
-        if plan.epoch == self.sketch.num_resets and len(plan.counts) >= hi:
+        if plan.epoch == self._sketch.num_resets and len(plan.counts) >= hi:
             return floors(plan.counts[lo:hi], plan.epoch)
         return []
 
-    def reclaim(self, num_free: int) -> list[Move]:
+    def _reclaim(self, num_free: int) -> list[Move]:
         """Make room in T0 for in-flight work (`BlockIndex.reclaim`); the demotion copies."""
-        plan = self.index.reclaim(num_free)
+        plan = self._index.reclaim(num_free)
         self._after(plan)
-        if self.evicted is None:  # else the eviction sink still reads the dropped nodes
-            self.index.recycle(plan.dropped)
+        if self._evicted is None:  # else the eviction sink still reads the dropped nodes
+            self._index.recycle(plan.dropped)
         return plan.moves
 
-    def promote_in_place(self, nodes: Sequence[BlockNode], block_ids: Sequence[int]) -> None:
-        self.index.promote_in_place(nodes, block_ids)
+    def _promote_in_place(self, nodes: Sequence[BlockNode], block_ids: Sequence[int]) -> None:
+        self._index.promote_in_place(nodes, block_ids)
 
     def finish_commit(self, commit: Commit) -> None:
-        self.index.release(commit.nodes)
+        self._index.release(commit.nodes)
 
     # -- replay (the lab's policy replays and fleet simulator drive the shipped policy here) --
 
@@ -461,15 +461,15 @@ class CacheManager:
         plan = self.plan_store(key, list(hashes))
         if isinstance(plan, StorePlan):
             self.finish_commit(self.commit(plan))
-        self.events.clear()
+        self._events.clear()
         return len(path)
 
     def num_cached_blocks(self, hashes: Iterable[BlockHash]) -> int:
         """Blocks of the chain `hashes` cached now, from the first on; no reference, no stats."""
-        return len(self.index.match(hashes))
+        return len(self._index.match(hashes))
 
-    def promote(self, path: list[BlockNode]) -> list[Move]:
-        plan = self.index.promote(path)
+    def _promote(self, path: list[BlockNode]) -> list[Move]:
+        plan = self._index.promote(path)
         self._after(plan)
         return plan.moves
 
@@ -477,11 +477,11 @@ class CacheManager:
         """Account for the blocks an operation dropped and queue their withdrawal events."""
         if not plan.dropped:
             return
-        self.admission.note_dropped(len(plan.dropped), self.clock())
-        if self.evicted is not None:
-            t1 = self.index.allocators[Tier.T1].num_blocks and self.index.t1_enabled
+        self._admission.note_dropped(len(plan.dropped), self._clock())
+        if self._evicted is not None:
+            t1 = self._index.allocators[Tier.T1].num_blocks and self._index.t1_enabled
             last = Tier.T1 if t1 else Tier.T0
-            self.evicted.extend(
+            self._evicted.extend(
                 (node, last) for node, tier in zip(plan.dropped, plan.dropped_from, strict=True)
                 if tier == last
             )
@@ -496,61 +496,61 @@ class CacheManager:
                 stats.num_invalidated += len(event.block_hashes)
             else:
                 stats.num_evictions += len(event.block_hashes)
-            self.events.append(event)
+            self._events.append(event)
 
     # -- invalidation and stats ------------------------------------------------------------
 
-    def invalidate(self, weights_digest: str) -> int:
+    def _invalidate(self, weights_digest: str) -> int:
         validate_weights_digest(weights_digest)
         stale = [
-            n for n in self.index.nodes() if n.namespace.key.weights_digest == weights_digest
+            n for n in self._index.nodes() if n.namespace.key.weights_digest == weights_digest
         ]
-        num_unindexed, _ = self.index.invalidate(weights_digest)
+        num_unindexed, _ = self._index.invalidate(weights_digest)
         self._withdraw(stale, invalidated=True)
         return num_unindexed
 
-    def set_t1_enabled(self, enabled: bool) -> int:
+    def _set_t1_enabled(self, enabled: bool) -> int:
         """The fleet config's T1 toggle. Off drains T1 (see `BlockIndex.disable_t1`) and
         withdraws its blocks from the hint index; on hands out T1 slots again. Returns the
         blocks removed from the index."""
         if enabled:
-            self.index.t1_enabled = True
+            self._index.t1_enabled = True
             return 0
-        if not self.index.t1_enabled:
+        if not self._index.t1_enabled:
             return 0
-        gone = self.index.disable_t1()
+        gone = self._index.disable_t1()
         self._withdraw(gone)
         return len(gone)
 
-    def set_t0_enabled(self, enabled: bool) -> tuple[int, int, list[Move]]:
+    def _set_t0_enabled(self, enabled: bool) -> tuple[int, int, list[Move]]:
         """The fleet config's T0 toggle. Off drains T0 (see `BlockIndex.disable_t0`): blocks
         demoted to T1 stay reachable (no event), removed ones are withdrawn from the hint index.
         On files new blocks in T0 again. Returns (blocks demoted, blocks removed, the moves to
         carry out: the demotion copies)."""
         if enabled:
-            self.index.t0_enabled = True
+            self._index.t0_enabled = True
             return 0, 0, []
-        if not self.index.t0_enabled:
+        if not self._index.t0_enabled:
             return 0, 0, []
-        plan, gone = self.index.disable_t0()
+        plan, gone = self._index.disable_t0()
         self._after(plan)  # T1 blocks evicted to make room for the demotions
         self._withdraw(gone)
         num_demoted = sum(1 for m in plan.moves if m.src_tier == Tier.T0)
         return num_demoted, len(gone), plan.moves
 
-    def drain_evicted(self) -> list[tuple[BlockNode, Tier]]:
-        if not self.evicted:
+    def _drain_evicted(self) -> list[tuple[BlockNode, Tier]]:
+        if not self._evicted:
             return []
-        evicted, self.evicted = self.evicted, []
+        evicted, self._evicted = self._evicted, []
         return evicted
 
     def drain_events(self) -> list[BlockEvent]:
-        events, self.events = self.events, []
+        events, self._events = self._events, []
         return events
 
     def stats(self, tenant: str | None = None, *, store_queue_len: int = 0) -> CacheStats:
         resident: dict[str, int] = {}
-        for ns in self.index.namespaces():
+        for ns in self._index.namespaces():
             resident[ns.key.tenant_id] = resident.get(ns.key.tenant_id, 0) + ns.num_blocks
         totals = TenantStats()
         for name, tenant_stats in self._tenants.items():
@@ -559,26 +559,26 @@ class CacheManager:
         totals.num_blocks = sum(
             n for name, n in resident.items() if tenant is None or name == tenant
         )
-        totals.num_bytes = totals.num_blocks * self.bytes_per_block
+        totals.num_bytes = totals.num_blocks * self._bytes_per_block
         tiers = []
         for tier in Tier:
-            alloc = self.index.allocators[tier]
-            counters = self.index.counters[tier]
+            alloc = self._index.allocators[tier]
+            counters = self._index.counters[tier]
             tiers.append(
                 TierStats(
                     tier=tier.label,
                     num_blocks_capacity=alloc.num_blocks,
                     num_blocks_used=alloc.num_used,
-                    num_blocks_pinned=self.index.num_pinned if tier == Tier.T0 else 0,
-                    num_bytes_capacity=alloc.num_blocks * self.bytes_per_block,
-                    num_bytes_used=alloc.num_used * self.bytes_per_block,
+                    num_blocks_pinned=self._index.num_pinned if tier == Tier.T0 else 0,
+                    num_bytes_capacity=alloc.num_blocks * self._bytes_per_block,
+                    num_bytes_used=alloc.num_used * self._bytes_per_block,
                     num_stored=counters.num_stored,
                     num_evictions=counters.num_evictions,
                     num_demotions=counters.num_demotions,
                     num_promotions=counters.num_promotions,
                 )
             )
-        admission = self.admission
+        admission = self._admission
         return CacheStats(
             tenant=tenant,
             totals=totals,
@@ -590,12 +590,12 @@ class CacheManager:
             num_ranking_switches=admission.ranking.num_switches,
             num_ghost_hit_blocks=admission.ranking.num_ghost_hit_blocks,
             store_queue_len=store_queue_len,
-            num_indexed_blocks=len(self.index),
-            num_memo_hits=self.memo.num_hits if self.memo else 0,
-            num_memo_misses=self.memo.num_misses if self.memo else 0,
+            num_indexed_blocks=len(self._index),
+            num_memo_hits=self._memo.num_hits if self._memo else 0,
+            num_memo_misses=self._memo.num_misses if self._memo else 0,
         )
 
-    def tenants(self) -> list[str]:
+    def _tenant_names(self) -> list[str]:
         return sorted(self._tenants)
 
 

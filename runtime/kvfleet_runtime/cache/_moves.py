@@ -46,4 +46,4 @@ class Plan:
     complete (`BlockIndex.release_held`): a later eviction of the same plan must not drop one
     from T1 before its copy has run. Its T1 slot would be read for the eviction sink (T3) before
     the data is there, and handed to a second block (two moves into one slot, and two blocks
-    holding it once `_order_demotions` renumbers them)."""
+    holding it once `order_demotions` renumbers them)."""

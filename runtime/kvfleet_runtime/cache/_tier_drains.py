@@ -1,14 +1,15 @@
 """Blocks leaving the index wholesale: a tier turned off by the fleet config (`disable_t1`,
 `disable_t0`: T0 blocks demoted to T1 where it takes them) and a weights version invalidated
 (`invalidate`). A referenced block that leaves keeps its slot and data until its request
-releases it, in a detached namespace. The base of `BlockIndex` (`_block_index.py`), whose radix
-index and eviction these use; apart from it because nothing on the request path runs them.
+releases it, in a detached namespace. Owned by `BlockIndex` (`_block_index.py`), whose radix
+index and eviction these use through `DrainedIndex`; apart from it because nothing on the
+request path runs them.
 Pure and torch-free."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from kvfleet_runtime.cache._block_node import BlockNode, Namespace
 from kvfleet_runtime.cache._moves import Plan, Tier
@@ -18,40 +19,54 @@ if TYPE_CHECKING:
     from kvfleet_runtime.cache._eviction import EvictionPolicy
     from kvfleet_runtime.cache._keys import BlockHash, CacheKey
 
-__all__ = ["TierDrains"]
+__all__ = ["DrainedIndex", "TierDrains"]
 
 
-class TierDrains(TierSlots):
-    """Turning a tier off and invalidating a weights version, for `BlockIndex`."""
+class DrainedIndex(Protocol):
+    """What the drains use of their `BlockIndex`: its slots, its policy, its nodes and the
+    operations that keep the eviction queues and holds in step."""
 
-    if TYPE_CHECKING:  # `BlockIndex`'s, which derives from this class
-        policy: EvictionPolicy
-        _nodes: dict[BlockHash, BlockNode]
-        _namespaces: dict[CacheKey, Namespace]
+    @property
+    def slots(self) -> TierSlots: ...
+    @property
+    def policy(self) -> EvictionPolicy: ...
+    def nodes(self) -> Iterator[BlockNode]: ...
+    def get(self, block_hash: BlockHash) -> BlockNode | None: ...
+    def keyed_namespaces(self) -> dict[CacheKey, Namespace]: ...
+    def unindex(self, node: BlockNode) -> None: ...
+    def push(self, node: BlockNode) -> None: ...
+    def reserve(
+        self, tier: int, n: int, candidate_weights: Sequence[int] | None, plan: Plan
+    ) -> list[int]: ...
+    def order_demotions(self, demoted: list[BlockNode], plan: Plan) -> None: ...
+    def release_held(self, nodes: list[BlockNode]) -> None: ...
 
-        def _push(self, node: BlockNode) -> None: ...
-        def _reserve(
-            self, tier: int, n: int, candidate_weights: Sequence[int] | None, plan: Plan
-        ) -> list[int]: ...
-        def _order_demotions(self, demoted: list[BlockNode], plan: Plan) -> None: ...
-        def release_held(self, nodes: list[BlockNode]) -> None: ...
+
+class TierDrains:
+    """Turning a tier off and invalidating a weights version, for the `BlockIndex` that owns
+    it."""
+
+    __slots__ = ("index", "slots")
+
+    def __init__(self, index: DrainedIndex) -> None:
+        self.index = index
+        self.slots = index.slots
 
     def disable_t1(self) -> list[BlockNode]:
         """Turn T1 off: no more T1 slots, and every T1 block leaves the index now (unreachable).
         Unreferenced blocks free their slots now; a block an in-flight hit references keeps its
         slot (and its data) until that hit's release, as an invalidated block does: it moves to
         a detached namespace. Returns the blocks removed from the index."""
-        self.t1_enabled = False
-        gone = [n for n in self._nodes.values() if n.tier == Tier.T1]
+        self.slots.t1_enabled = False
+        gone = [n for n in self.index.nodes() if n.tier == Tier.T1]
         detached: dict[int, Namespace] = {}
         for node in gone:
-            del self._nodes[node.block_hash]
-            node.namespace.num_blocks -= 1
-            self.counters[Tier.T1].num_evictions += 1
+            self.index.unindex(node)
+            self.slots.counters[Tier.T1].num_evictions += 1
             parent = node.parent
             if parent is not None and parent.tier != Tier.T1:  # a T0 parent stays indexed
                 parent.num_children -= 1
-                self._push(parent)
+                self.index.push(parent)
         for node in gone:
             self._free_or_detach(node, detached)
         return gone
@@ -69,10 +84,10 @@ class TierDrains(TierSlots):
 
         Returns the plan (the demotion copies, and the T1 blocks evicted to make room for them:
         carry out its moves before anyone may take a T0 slot) and the blocks removed."""
-        self.t0_enabled = False
+        self.slots.t0_enabled = False
         plan = Plan()
         children: dict[int, list[BlockNode]] = {}
-        for node in self._nodes.values():
+        for node in self.index.nodes():
             if node.parent is not None:
                 children.setdefault(id(node.parent), []).append(node)
         depth: dict[int, int] = {}
@@ -89,32 +104,32 @@ class TierDrains(TierSlots):
                 depth[id(n)] = d
             return depth[id(node)]
 
-        t0 = sorted((n for n in self._nodes.values() if n.tier == Tier.T0), key=depth_of)
+        t0 = sorted((n for n in self.index.nodes() if n.tier == Tier.T0), key=depth_of)
         demoted: list[BlockNode] = []
         gone: list[BlockNode] = []
         for node in t0:
-            if self._nodes.get(node.block_hash) is not node:
+            if self.index.get(node.block_hash) is not node:
                 continue  # it left with an ancestor
             if self._demote_for_drain(node, plan):
                 demoted.append(node)
             else:
                 self._unindex_subtree(node, children, gone)
-        self._order_demotions(demoted, plan)
-        self.release_held(plan.held)
+        self.index.order_demotions(demoted, plan)
+        self.index.release_held(plan.held)
         return plan, gone
 
     def _demote_for_drain(self, node: BlockNode, plan: Plan) -> bool:
         """Demote one T0 block to T1 for `disable_t0`, if T1 takes it (held until the drain is
         planned, `Plan.held`)."""
-        if not self.t1_enabled or not self.allocators[Tier.T1].num_blocks:
+        if not self.slots.t1_enabled or not self.slots.allocators[Tier.T1].num_blocks:
             return False
-        weights = self.policy.candidate_weights([node.block_hash])
+        weights = self.index.policy.candidate_weights([node.block_hash])
         node.ref_count += 1
-        got = self._reserve(Tier.T1, 1, weights, plan)
+        got = self.index.reserve(Tier.T1, 1, weights, plan)
         if not got:
             node.ref_count -= 1
             return False
-        self._move_to_t1(node, got[0], plan)
+        self.slots.move_to_t1(node, got[0], plan)
         plan.held.append(node)  # keeps the ref taken above
         return True
 
@@ -128,17 +143,16 @@ class TierDrains(TierSlots):
             parent.num_children -= 1
             if top.tier == Tier.T0:
                 parent.num_t0_children -= 1
-            self._push(parent)
+            self.index.push(parent)
         stack = [top]
         detached: dict[int, Namespace] = {}
         while stack:
             node = stack.pop()
-            if self._nodes.get(node.block_hash) is not node:
+            if self.index.get(node.block_hash) is not node:
                 continue
             stack.extend(children.get(id(node), ()))
-            del self._nodes[node.block_hash]
-            node.namespace.num_blocks -= 1
-            self.counters[node.tier].num_evictions += 1
+            self.index.unindex(node)
+            self.slots.counters[node.tier].num_evictions += 1
             gone.append(node)
             self._free_or_detach(node, detached)
 
@@ -147,7 +161,7 @@ class TierDrains(TierSlots):
         it, it moves to an invalid copy of its namespace (one per namespace, in `detached`) so
         it is never found again and its slot is freed when the last ref goes."""
         if node.ref_count == 0:
-            self._free_slot(node)
+            self.slots.free_slot(node)
             return
         ns = detached.get(id(node.namespace))
         if ns is None:
@@ -157,18 +171,18 @@ class TierDrains(TierSlots):
     def invalidate(self, weights_digest: str) -> tuple[int, list[BlockNode]]:
         """Make every block of a weights version unreachable; free the unreferenced ones now and
         the referenced ones at their release. Returns (blocks unindexed, blocks freed now)."""
-        stale = [ns for k, ns in self._namespaces.items() if k.weights_digest == weights_digest]
+        namespaces = self.index.keyed_namespaces()
+        stale = [ns for k, ns in namespaces.items() if k.weights_digest == weights_digest]
         if not stale:
             return 0, []
         for ns in stale:
             ns.valid = False
-            del self._namespaces[ns.key]
-        gone = [n for n in self._nodes.values() if not n.namespace.valid]
+            del namespaces[ns.key]
+        gone = [n for n in self.index.nodes() if not n.namespace.valid]
         freed: list[BlockNode] = []
         for node in gone:
-            del self._nodes[node.block_hash]
-            node.namespace.num_blocks -= 1
+            self.index.unindex(node)
             if node.ref_count == 0:
-                self._free_slot(node)
+                self.slots.free_slot(node)
                 freed.append(node)
         return len(gone), freed

@@ -1,6 +1,6 @@
 """Slot accounting per tier: which slots of T0 and T1 the index holds, its pins, its counters,
-and whether a tier hands out slots at all (the fleet config's switches). The base of
-`BlockIndex` (`_block_index.py`): the radix index decides which block goes where; this class
+and whether a tier hands out slots at all (the fleet config's switches). Owned by `BlockIndex`
+(`_block_index.py`, its `slots`): the radix index decides which block goes where; this object
 keeps the slots, pins and counters in step when a block's slot is freed or it changes tier.
 Pure and torch-free."""
 
@@ -49,7 +49,7 @@ class TierSlots:
         """False (the fleet config's `tiers.t0_device` off): no slot of T0 is handed to the
         cache (no store in place, no promotion), so nothing is filed in T0."""
 
-    def _free_slot(self, node: BlockNode) -> None:
+    def free_slot(self, node: BlockNode) -> None:
         tier = node.tier
         self.allocators[tier].free([node.block_id])
         if node.pinned:
@@ -57,16 +57,16 @@ class TierSlots:
             node.pinned = False
         node.tier = GONE
 
-    def _move_to_t0(self, node: BlockNode, slot: int) -> None:
+    def move_to_t0(self, node: BlockNode, slot: int) -> None:
         """File `node` in T0 slot `slot` (its data is, or is planned to be, copied there): its T1
-        slot is freed, the parent counts one T0 child more. `_move_to_t1`'s reverse."""
+        slot is freed, the parent counts one T0 child more. `move_to_t1`'s reverse."""
         self.allocators[Tier.T1].free([node.block_id])
         node.tier, node.block_id = Tier.T0, slot
         if node.parent is not None:
             node.parent.num_t0_children += 1
         self.counters[Tier.T1].num_promotions += 1
 
-    def _move_to_t1(self, node: BlockNode, slot: int, plan: Plan) -> None:
+    def move_to_t1(self, node: BlockNode, slot: int, plan: Plan) -> None:
         """Move `node` from its T0 block to T1 slot `slot` (the copy is `plan`'s move): the T0
         block is freed, a pin is dropped, the parent counts one T0 child less."""
         plan.moves.append(Move(Tier.T0, node.block_id, Tier.T1, slot))

@@ -204,7 +204,7 @@ def test_one_store_writes_at_most_its_share_of_the_cache_and_the_prefix_grows() 
         eviction_rankings=(3,),
     )
     manager = CacheManager(config, bytes_per_block=1, clock=lambda: 0.0)
-    assert manager.store_max_blocks == 2
+    assert manager._store_max_blocks == 2
     key = make_key()
     other = [bytes([i]) * 16 for i in range(100, 106)]
     manager.plan_store(key, other)
@@ -225,7 +225,7 @@ def test_one_store_writes_at_most_its_share_of_the_cache_and_the_prefix_grows() 
     # other chain gives up its deepest blocks, one leaf at a time (6 -> 3 resident).
     assert matched == [(0, 2, 2), (2, 4, 4), (4, 5, 5)]
     assert manager.plan_store(key, chain) is StoreOutcome.RESIDENT
-    assert len(manager.index.match(other)) == 3
+    assert len(manager._index.match(other)) == 3
     assert manager.stats().totals.num_admissions_refused == 6 + 5  # first sightings only
 
 
@@ -243,8 +243,8 @@ def test_under_plain_recency_a_store_is_not_cut_by_the_cap() -> None:
     plan = _plan(manager.plan_store(key, chain))
     assert (plan.start_block, len(plan.hashes)) == (0, 5)  # 2 free, cap 2: stored whole anyway
     manager.finish_commit(manager.commit(plan))
-    assert len(manager.index.match(chain)) == 5 and len(manager.index.match(other)) == 3
-    manager.index.check_invariants()
+    assert len(manager._index.match(chain)) == 5 and len(manager._index.match(other)) == 3
+    manager._index.check_invariants()
 
 
 def _plan(plan: StorePlan | StoreOutcome) -> StorePlan:
@@ -255,7 +255,7 @@ def _plan(plan: StorePlan | StoreOutcome) -> StorePlan:
 def test_store_cap_floor_keeps_small_caches_storing_whole_prompts() -> None:
     def cap(t0: int, t1: int = 0) -> int:
         config = CacheTuning(num_t0_blocks=t0, num_t1_blocks=t1)
-        return CacheManager(config, bytes_per_block=1, clock=lambda: 0.0).store_max_blocks
+        return CacheManager(config, bytes_per_block=1, clock=lambda: 0.0)._store_max_blocks
 
     assert cap(512, 2048) == 1024  # the floor (the server's default pools)
     assert cap(13_321) == 1332  # 10% of a 1% cache of the Mooncake trace

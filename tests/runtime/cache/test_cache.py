@@ -184,7 +184,7 @@ def test_materialize_after_eviction_pressure_still_returns_the_stored_data(
             n = hit.matched_tokens
             assert torch.equal(mk, k[:, :, :n]) and torch.equal(mv, v[:, :, :n])
             cache.release(hit)
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 def test_tenants_never_share_and_platform_prefixes_do(clock: FakeClock) -> None:
@@ -220,7 +220,7 @@ def test_block_hashes_are_the_chain_a_hit_is_filed_under(
     hit = cache.lookup(b, shared)
     assert isinstance(hit, Hit) and hit.blocks == tuple(chain)
     cache.release(hit)
-    assert (cache._manager.memo is None) == (memo_entries == 0)
+    assert (cache._manager._memo is None) == (memo_entries == 0)
     assert cache.stats().num_memo_hits == 0  # stores and block_hashes read; lookups remember
     assert cache.block_hashes(b, shared) == chain
     stats = cache.stats()
@@ -381,7 +381,7 @@ def test_read_blocks_and_import_blocks_round_trip_between_caches(clock: FakeCloc
     src.release(hit)
     assert exported is not None
     assert src.read_blocks([*hit.blocks, b"x" * 16]) is None  # type: ignore[list-item]
-    assert dst.import_blocks(key, prompt[:48], *exported) == 3
+    assert dst._import_blocks(key, prompt[:48], *exported) == 3
     got = dst.lookup(key, prompt)
     assert isinstance(got, Hit) and got.matched_tokens == 48
     mk, mv = dst.materialize(got)

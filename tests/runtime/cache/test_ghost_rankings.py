@@ -106,8 +106,8 @@ def test_manager_switches_to_a_count_ranking_where_lru_would_lose_the_hot_prefix
     assert stats.eviction_ranking != "recency" and stats.strictness > 0
     assert stats.num_ranking_switches == 1
     assert stats.totals.num_first_sighting_admissions == 2 + 3 * 2 * 2
-    assert len(manager.index.match(hot)) == 2  # the hot prefix survived the last one-shots
-    manager.index.check_invariants()
+    assert len(manager._index.match(hot)) == 2  # the hot prefix survived the last one-shots
+    manager._index.check_invariants()
 
 
 def test_a_store_counts_the_resident_blocks_at_their_sighting() -> None:
@@ -116,13 +116,13 @@ def test_a_store_counts_the_resident_blocks_at_their_sighting() -> None:
     manager = CacheManager(CacheTuning(num_t0_blocks=4), bytes_per_block=1, clock=lambda: 0.0)
     key = make_key()
     ab = [h("a"), h("b")]
-    manager.sketch.increment(h("b"))  # a colliding block's sighting
+    manager._sketch.increment(h("b"))  # a colliding block's sighting
     for sighting in (1, 2, 3):
         plan = manager.plan_store(key, ab)
         if isinstance(plan, StorePlan):
             manager.finish_commit(manager.commit(plan))
-        assert [n.floor & 0xFF for n in manager.index.match(ab)] == [sighting, sighting]
-    assert manager.sketch.estimate(h("b")) == 4
+        assert [n.floor & 0xFF for n in manager._index.match(ab)] == [sighting, sighting]
+    assert manager._sketch.estimate(h("b")) == 4
 
 
 def test_config_rejects_bad_rankings() -> None:

@@ -122,10 +122,10 @@ class CacheMachine(RuleBasedStateMachine):
         held_nodes = [n for hit, _ in self.held for n in hit._path]
         for node in held_nodes:
             assert node.tier != GONE and node.ref_count > 0, "a referenced block was freed"
-        self.cache._manager.index.check_invariants(held_nodes)
+        self.cache._manager._index.check_invariants(held_nodes)
         stats = self.cache.stats()
         assert sum(t.num_blocks_used for t in stats.tiers) >= stats.num_indexed_blocks
-        index = self.cache._manager.index
+        index = self.cache._manager._index
         if not self.cache.t0_enabled:  # T0 off: nothing reachable lives in T0
             assert all(n.tier != Tier.T0 for n in index.nodes())
         if not self.cache.t1_enabled:

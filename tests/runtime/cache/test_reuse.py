@@ -168,7 +168,7 @@ def test_a_manager_following_it_reports_it_and_keeps_its_invariants() -> None:
         hot = [h("s0"), h("s1")]
         chain = [*hot, h(f"u{i}"), h(f"v{i}")] if i % 2 else [h(f"w{i}"), h(f"z{i}")]
         hits.append(manager.replay(key, chain, 16 * len(chain)))
-        manager.index.check_invariants()
+        manager._index.check_invariants()
     assert manager.stats().eviction_ranking == "reuse"
     assert sum(hits) >= 2 * 18  # the shared head stays through the one-shot chains
 

@@ -61,7 +61,7 @@ def run_sequence(cache: PrefixCache, kv: PagedBlocks, tokens: list[int], seed: i
     table = kv.take(len(tokens) // BLOCK_SIZE)
     assert table is not None
     compute(kv, table, seed)
-    assert cache.store_blocks(make_key(), tokens, kv, table) is StoreOutcome.STORED
+    assert cache._store_blocks(make_key(), tokens, kv, table) is StoreOutcome.STORED
     kv.give_back(table)
     return table
 
@@ -84,7 +84,7 @@ def test_a_store_indexes_the_blocks_in_place_and_a_hit_shares_the_same_ids(
 
     hit = cache.lookup(make_key(), tokens + [7] * 5)
     assert isinstance(hit, Hit) and hit.tier is Tier.T0
-    shared = cache.share_prefix(hit, kv, 3)
+    shared = cache._share_prefix(hit, kv, 3)
     assert shared == [0, 1, 2]  # the same blocks, by id
     assert [kv.refs.ref_count(b) for b in shared] == [1, 1, 1]
     fresh = kv.take(1)
@@ -94,7 +94,7 @@ def test_a_store_indexes_the_blocks_in_place_and_a_hit_shares_the_same_ids(
     kv.give_back(shared + fresh)
     cache.release(hit)
     assert (kv.refs.num_free, kv.num_cached_blocks, kv.refs.num_cache_only) == (8, 3, 3)
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 def test_reclaim_under_in_flight_pressure_follows_the_victim_order(clock: FakeClock) -> None:
@@ -125,7 +125,7 @@ def test_reclaim_under_in_flight_pressure_follows_the_victim_order(clock: FakeCl
     assert kv.take(2) is None  # only A's head could be given back: nothing is evicted in vain
     assert cache._manager.num_cached_blocks(cache.block_hashes(make_key(), a)) == 1
     kv.give_back(table + more)
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 def test_a_block_shared_by_a_running_sequence_is_never_reclaimed(clock: FakeClock) -> None:
@@ -136,7 +136,7 @@ def test_a_block_shared_by_a_running_sequence_is_never_reclaimed(clock: FakeCloc
     assert table == [0, 1]
     compute(kv, table, 5)
     before = kv.k[:, table].clone()
-    assert cache.store_blocks(make_key(), tokens, kv, table) is StoreOutcome.STORED
+    assert cache._store_blocks(make_key(), tokens, kv, table) is StoreOutcome.STORED
     # The sequence still holds both blocks (decoding): cached, but no room to give back.
     assert (kv.num_cached_blocks, kv.refs.num_cache_only, kv.num_free_blocks) == (2, 0, 2)
     assert kv.take(3) is None
@@ -150,7 +150,7 @@ def test_a_block_shared_by_a_running_sequence_is_never_reclaimed(clock: FakeCloc
     kv.give_back(got)
     assert kv.take(4) == [0, 1, 2, 3]  # now reclaimable
     assert cache._manager.num_cached_blocks(cache.block_hashes(make_key(), tokens)) == 0
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 def test_reclaim_demotes_to_t1_then_a_t1_hit_copies_one_run_into_engine_blocks(
@@ -170,7 +170,7 @@ def test_reclaim_demotes_to_t1_then_a_t1_hit_copies_one_run_into_engine_blocks(
 
     hit = cache.lookup(make_key(), [*tokens, 1])
     assert isinstance(hit, Hit) and hit.tier is Tier.T1
-    assert cache.share_prefix(hit, kv, 4) == []
+    assert cache._share_prefix(hit, kv, 4) == []
     t1_ids = [n.block_id for n in hit._path]
     table = kv.take(5)
     assert table is not None
@@ -183,7 +183,7 @@ def test_reclaim_demotes_to_t1_then_a_t1_hit_copies_one_run_into_engine_blocks(
         return n
 
     monkeypatch.setattr(cache_module, "copy_runs", spy)
-    num_copies = cache.copy_into(hit, kv, table, 0, 4)
+    num_copies = cache._copy_into(hit, kv, table, 0, 4)
     # Demoted in chain order (not leaf first), into one run: the 4-block hit is one copy.
     assert t1_ids == [0, 1, 2, 3] and table[:4] == [0, 1, 2, 3]
     assert num_copies == len(paired_runs(t1_ids, table[:4])) == sum(counted) == 1
@@ -193,13 +193,13 @@ def test_reclaim_demotes_to_t1_then_a_t1_hit_copies_one_run_into_engine_blocks(
     # Promoted where the copy landed: the next hit is T0, in this sequence's blocks.
     again = cache.lookup(make_key(), [*tokens, 1])
     assert isinstance(again, Hit) and again.tier is Tier.T0
-    assert cache.share_prefix(again, kv, 4) == table[:4]
+    assert cache._share_prefix(again, kv, 4) == table[:4]
     kv.give_back(table[:4])
     cache.release(again)
     kv.give_back(table)
     cache.release(hit)
     assert cache.stats().tiers[1].num_promotions == 4
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 def test_invalidate_makes_shared_blocks_unreachable_and_frees_them_at_the_end(
@@ -211,14 +211,14 @@ def test_invalidate_makes_shared_blocks_unreachable_and_frees_them_at_the_end(
     run_sequence(cache, kv, tokens, 9)
     hit = cache.lookup(make_key(), [*tokens, 3])
     assert isinstance(hit, Hit)
-    shared = cache.share_prefix(hit, kv, 2)
+    shared = cache._share_prefix(hit, kv, 2)
     assert cache.invalidate(DIGEST_A) == 2
     assert not isinstance(cache.lookup(make_key(), [*tokens, 3]), Hit)
     assert kv.refs.num_free == 4  # still read by the sequence
     cache.release(hit)
     kv.give_back(shared)
     assert (kv.refs.num_free, kv.num_cached_blocks) == (6, 0)
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 def test_peers_read_t0_blocks_in_the_canonical_layout(clock: FakeClock) -> None:
@@ -232,7 +232,7 @@ def test_peers_read_t0_blocks_in_the_canonical_layout(clock: FakeClock) -> None:
     for i, b in enumerate(table):
         assert torch.equal(k[:, :, i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], kv.k[:, b])
     other = bound(pool(4), clock)
-    assert other.import_blocks(make_key(), tokens, *got) == 2
+    assert other._import_blocks(make_key(), tokens, *got) == 2
     again = other.read_blocks(other.block_hashes(make_key(), tokens))
     assert again is not None and torch.equal(again[0], k)
 
@@ -303,7 +303,7 @@ def start_checked(cache: PrefixCache, kv: PagedBlocks, key: CacheKey, pattern: l
     hit = cache.lookup(key, tokens)
     held = hit if isinstance(hit, Hit) else None
     usable = min(len(held.blocks), n_blocks) if held else 0
-    shared = cache.share_prefix(held, kv, usable) if held else []
+    shared = cache._share_prefix(held, kv, usable) if held else []
     fresh = kv.take(n_blocks + 1 - len(shared))
     if fresh is None:
         kv.give_back(shared)
@@ -312,13 +312,13 @@ def start_checked(cache: PrefixCache, kv: PagedBlocks, key: CacheKey, pattern: l
         return None
     table = shared + fresh
     if held:
-        cache.copy_into(held, kv, table, len(shared), usable)
+        cache._copy_into(held, kv, table, len(shared), usable)
     for b in range(usable):  # what the cache gave is this prompt's KV
         assert kv.k[0, table[b], 0, 0, 0].item() == _expected(tokens, b)
     for b in range(usable, n_blocks + 1):  # the sequence computes only its own blocks
         assert kv.refs.ref_count(table[b]) == 1 and not kv.refs.is_cached(table[b])
         _fill(kv, table[b], _expected(tokens, b))
-    cache.store_blocks(key, tokens[: n_blocks * BLOCK_SIZE], kv, table)
+    cache._store_blocks(key, tokens[: n_blocks * BLOCK_SIZE], kv, table)
     return tokens, table, held
 
 
@@ -351,7 +351,7 @@ def test_sequences_and_the_cache_sharing_one_pool_never_see_wrong_data(
             for b, block_id in enumerate(table):
                 assert kv.refs.ref_count(block_id) >= 1
                 assert kv.k[0, block_id, 0, 0, 0].item() == _expected(tokens, b)
-        cache._manager.index.check_invariants()
+        cache._manager._index.check_invariants()
     for _, table, held in running:
         kv.give_back(table)
         if held:
@@ -394,7 +394,7 @@ def test_a_block_demoted_by_a_reclaim_is_not_evicted_by_the_same_reclaim(
     got = cache.read_blocks(kept)
     assert got is not None and torch.equal(got[0], data[kept[0]])
     kv.give_back(table)
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 
@@ -403,19 +403,19 @@ def _evicting_miss(cache: PrefixCache, kv: PagedBlocks) -> list[tuple[object, ..
     indexed node (the parent by its hash)."""
     old_key = make_key("tenant-b")
     old = prompt(5, seed=1)
-    sketch = cache._manager.sketch
+    sketch = cache._manager._sketch
     for _ in range(2):  # seen twice before: its store is the third sighting, which pins it
         sketch.increment_many(cache.block_hashes(old_key, old))
     table = kv.take(5)
     assert table is not None
-    assert cache.store_blocks(old_key, old, kv, table) is StoreOutcome.STORED
+    assert cache._store_blocks(old_key, old, kv, table) is StoreOutcome.STORED
     kv.give_back(table)
     run_sequence(cache, kv, prompt(8, seed=3), seed=3)  # 6 blocks free: 2 of the old go
     return sorted(
         (n.block_hash, n.parent.block_hash if n.parent else None, n.namespace.key, n.tier,
          n.block_id, n.num_children, n.num_t0_children, n.ref_count, n.last_tick, n.pinned,
          n.floor)
-        for n in cache._manager.index.nodes()
+        for n in cache._manager._index.nodes()
     )
 
 
@@ -424,7 +424,7 @@ def test_an_evicting_miss_files_its_chain_in_the_nodes_it_dropped_set_anew(
 ) -> None:
     kv = pool()
     cache = bound(kv, clock)
-    index = cache._manager.index
+    index = cache._manager._index
     created: list[object] = []
     recycle = index.recycle
     monkeypatch.setattr(index, "recycle", lambda dropped: (created.extend(dropped),
@@ -436,7 +436,7 @@ def test_an_evicting_miss_files_its_chain_in_the_nodes_it_dropped_set_anew(
     # The same steps on a cache that never re-uses a node: the same index, field by field.
     twin_kv = pool()
     twin = bound(twin_kv, FakeClock())
-    monkeypatch.setattr(twin._manager.index, "recycle", lambda dropped: None)
+    monkeypatch.setattr(twin._manager._index, "recycle", lambda dropped: None)
     assert _evicting_miss(twin, twin_kv) == got
 
 
@@ -447,13 +447,13 @@ def test_with_an_eviction_sink_the_dropped_nodes_are_not_re_used(clock: FakeCloc
     cache.set_eviction_sink(runs.append)
     old = prompt(5, seed=1)
     run_sequence(cache, kv, old, seed=1)
-    old_nodes = [cache._manager.index.get(h) for h in cache.block_hashes(make_key(), old)]
+    old_nodes = [cache._manager._index.get(h) for h in cache.block_hashes(make_key(), old)]
     new = prompt(8, seed=3)
     run_sequence(cache, kv, new, seed=3)
-    new_nodes = [cache._manager.index.get(h) for h in cache.block_hashes(make_key(), new)]
+    new_nodes = [cache._manager._index.get(h) for h in cache.block_hashes(make_key(), new)]
     assert not {id(n) for n in new_nodes} & {id(n) for n in old_nodes}
     assert runs  # the sink got the old chain's blocks, read from the nodes it kept
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 class _CopyCalls(TorchDispatchMode):

@@ -59,10 +59,10 @@ def test_t0_off_demotes_cached_blocks_to_t1_and_stores_go_to_t1_by_copy(
 
     hit = cache.lookup(make_key(), [*a, 9])
     assert isinstance(hit, Hit) and hit.tier is Tier.T1 and hit.matched_tokens == 48
-    assert cache.share_prefix(hit, kv, 3) == []  # nothing of T0 to share
+    assert cache._share_prefix(hit, kv, 3) == []  # nothing of T0 to share
     table = kv.take(4)
     assert table == [0, 1, 2, 3]
-    cache.copy_into(hit, kv, table, 0, 3)
+    cache._copy_into(hit, kv, table, 0, 3)
     got = cache.read_blocks(cache.block_hashes(make_key(), a))
     assert got is not None and torch.equal(got[0], reference[0])
     assert torch.equal(got[1], reference[1])
@@ -76,13 +76,13 @@ def test_t0_off_demotes_cached_blocks_to_t1_and_stores_go_to_t1_by_copy(
     table = kv.take(2)
     assert table is not None
     compute(kv, table, 3)
-    assert cache.store_blocks(make_key(), c, kv, table) is StoreOutcome.QUEUED  # a copy
+    assert cache._store_blocks(make_key(), c, kv, table) is StoreOutcome.QUEUED  # a copy
     assert kv.refs.ref_count(table[0]) == 2  # the pending copy holds the blocks
     kv.give_back(table)
     assert cache.drain_store_queue() == 2
     assert used(cache) == (0, 7)
     assert (kv.refs.num_free, kv.num_cached_blocks) == (11, 0)
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
     assert cache.set_t0_enabled(True) == (0, 0)
     d = prompt(2, 4)
@@ -91,7 +91,7 @@ def test_t0_off_demotes_cached_blocks_to_t1_and_stores_go_to_t1_by_copy(
     again = cache.lookup(make_key(), [*d, 9])
     assert isinstance(again, Hit) and again.tier is Tier.T0
     cache.release(again)
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 def test_t0_off_without_t1_frees_every_cached_block_and_stores_nothing(
@@ -113,12 +113,12 @@ def test_t0_off_without_t1_frees_every_cached_block_and_stores_nothing(
     table = kv.take(3)
     assert table is not None
     compute(kv, table, 1)
-    assert cache.store_blocks(make_key(), a, kv, table) is StoreOutcome.QUEUED
+    assert cache._store_blocks(make_key(), a, kv, table) is StoreOutcome.QUEUED
     kv.give_back(table)
     assert cache.drain_store_queue() == 0  # no tier takes it
     assert (kv.refs.num_free, kv.num_cached_blocks) == (11, 0)  # and the hold was given back
     assert isinstance(cache.lookup(make_key(), [*a, 9]), Miss)
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 def test_an_in_flight_sequence_keeps_its_t0_blocks_and_gives_them_back_at_its_end(
@@ -131,7 +131,7 @@ def test_an_in_flight_sequence_keeps_its_t0_blocks_and_gives_them_back_at_its_en
     snapshot = kv.k[:, [0, 1, 2]].clone()
     hit = cache.lookup(make_key(), [*a, 9])
     assert isinstance(hit, Hit)
-    shared = cache.share_prefix(hit, kv, 3)
+    shared = cache._share_prefix(hit, kv, 3)
     assert shared == [0, 1, 2]
     fresh = kv.take(1)
     assert fresh == [3]
@@ -144,13 +144,13 @@ def test_an_in_flight_sequence_keeps_its_t0_blocks_and_gives_them_back_at_its_en
     assert other is not None and not set(other) & {0, 1, 2, 3}
     assert torch.equal(kv.k[:, shared], snapshot)
     kv.give_back(other)
-    cache._manager.index.check_invariants(held=hit._path)
+    cache._manager._index.check_invariants(held=hit._path)
 
     kv.give_back(shared + fresh)  # the sequence ends
     cache.release(hit)
     assert used(cache) == (0, 0)
     assert (kv.refs.num_free, kv.num_cached_blocks) == (11, 0)  # every ref given back
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 def test_a_chain_t1_cannot_hold_whole_keeps_its_head_in_t1_and_drops_its_tail(
@@ -170,7 +170,7 @@ def test_a_chain_t1_cannot_hold_whole_keeps_its_head_in_t1_and_drops_its_tail(
     assert torch.equal(k, reference[0]) and torch.equal(v, reference[1])
     cache.release(hit)
     assert (kv.refs.num_free, kv.num_cached_blocks) == (11, 0)
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 def test_t0_off_on_a_cache_that_serves_alone_demotes_through_the_same_path(
@@ -196,7 +196,7 @@ def test_t0_off_on_a_cache_that_serves_alone_demotes_through_the_same_path(
     assert torch.equal(out_k, k) and torch.equal(out_v, v)
     cache.release(hit)
     assert used(cache) == (0, 2)
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
 
 
 @settings(max_examples=40, deadline=None)
@@ -234,8 +234,8 @@ def test_t0_toggling_under_running_sequences_never_shows_wrong_data_or_leaks_a_b
                 assert kv.refs.ref_count(block_id) >= 1
                 assert kv.k[0, block_id, 0, 0, 0].item() == _expected(tokens, b)
         if not cache.t0_enabled:
-            assert all(n.tier != Tier.T0 for n in cache._manager.index.nodes())
-        cache._manager.index.check_invariants([n for _, _, h in running if h for n in h._path])
+            assert all(n.tier != Tier.T0 for n in cache._manager._index.nodes())
+        cache._manager._index.check_invariants([n for _, _, h in running if h for n in h._path])
     for _, table, held in running:
         kv.give_back(table)
         if held:

@@ -57,10 +57,10 @@ def test_t1_off_drains_t1_and_in_flight_hits_keep_their_refs() -> None:
     k, _ = cache.materialize(hit)
     assert torch.equal(k, ka[:, :, :32])
     cache.release(hit)
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()
     # On again: T1 takes blocks again.
     assert cache.set_t1_enabled(True) == 0
     cache.store(KEY, b, kb, vb)
     cache.drain_store_queue()
     assert used(cache)[1] > 0
-    cache._manager.index.check_invariants()
+    cache._manager._index.check_invariants()

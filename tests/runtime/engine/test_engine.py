@@ -307,15 +307,15 @@ class CountingCache(PrefixCache):
             self.num_held += 1
         return hit
 
-    def share_prefix(self, hit, kv, max_blocks):  # type: ignore[no-untyped-def]
+    def _share_prefix(self, hit, kv, max_blocks):  # type: ignore[no-untyped-def]
         if self.fail_materialize:
             raise RuntimeError("simulated failure placing the hit")
-        return super().share_prefix(hit, kv, max_blocks)
+        return super()._share_prefix(hit, kv, max_blocks)
 
-    def copy_into(self, hit, kv, table, start, stop):  # type: ignore[no-untyped-def]
+    def _copy_into(self, hit, kv, table, start, stop):  # type: ignore[no-untyped-def]
         if self.fail_materialize or self.fail_copy:
             raise RuntimeError("simulated T1 copy failure")
-        return super().copy_into(hit, kv, table, start, stop)
+        return super()._copy_into(hit, kv, table, start, stop)
 
     def release(self, hit):  # type: ignore[no-untyped-def]
         self.num_held -= 1

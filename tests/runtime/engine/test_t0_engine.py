@@ -43,7 +43,7 @@ async def test_a_t0_hit_places_the_cached_block_ids_and_holds_no_second_copy(
     try:
         prompt = tokens(40, seed=3)
         await run(engine, "acme", prompt)  # stores blocks 0 and 1 in place
-        cached_ids = [n.block_id for n in cache._manager.index.match(
+        cached_ids = [n.block_id for n in cache._manager._index.match(
             cache.block_hashes(engine.key_fields.key("acme"), prompt))]
         assert cached_ids == [0, 1]
         assert (kv.num_cached_blocks, kv.refs.num_free) == (2, 62)
@@ -96,7 +96,7 @@ async def test_cancelling_a_waiting_hit_and_a_running_hit_gives_every_ref_back(
         events = [e async for e in waiting]
         assert events[-1].finish_reason == "abort"  # type: ignore[union-attr]
         assert [kv.refs.ref_count(b) for b in (0, 1)] == [0, 0]
-        assert all(n.ref_count == 0 for n in cache._manager.index.nodes())
+        assert all(n.ref_count == 0 for n in cache._manager._index.nodes())
         hog.cancel()
         async for _ in hog_events:
             pass
@@ -108,8 +108,8 @@ async def test_cancelling_a_waiting_hit_and_a_running_hit_gives_every_ref_back(
             pass
         assert kv.num_free_blocks == kv.num_blocks
         assert all(kv.refs.ref_count(b) == 0 for b in range(kv.num_blocks))
-        assert all(n.ref_count == 0 for n in cache._manager.index.nodes())
-        cache._manager.index.check_invariants()
+        assert all(n.ref_count == 0 for n in cache._manager._index.nodes())
+        cache._manager._index.check_invariants()
     finally:
         await engine.stop()
 
@@ -132,7 +132,7 @@ async def test_in_flight_work_reclaims_cached_blocks_and_a_t1_hit_copies_runs(
         assert fin.finish_reason == "length" and fin.cached_tokens == 0
         await engine.drain_stores()
         key = engine.key_fields.key("acme")
-        path = cache._manager.index.match(cache.block_hashes(key, prompt))
+        path = cache._manager._index.match(cache.block_hashes(key, prompt))
         assert [n.tier for n in path] == [1, 1, 1, 1]
         assert cache.stats().tiers[0].num_demotions >= 4
         t1_ids = [n.block_id for n in path]
@@ -149,10 +149,10 @@ async def test_in_flight_work_reclaims_cached_blocks_and_a_t1_hit_copies_runs(
         assert (out, cached) == (expected, 64)  # the T1 hit answers like the miss
         (src_ids, dst_ids, n), = counted
         assert src_ids == t1_ids and n == len(paired_runs(t1_ids, dst_ids)) == 1
-        promoted = cache._manager.index.match(cache.block_hashes(key, prompt))
+        promoted = cache._manager._index.match(cache.block_hashes(key, prompt))
         assert [p.tier for p in promoted] == [0, 0, 0, 0]
         assert [p.block_id for p in promoted] == dst_ids  # filed in T0 where the copy landed
-        cache._manager.index.check_invariants()
+        cache._manager._index.check_invariants()
         assert kv.num_free_blocks == kv.num_blocks
     finally:
         await engine.stop()

@@ -92,7 +92,7 @@ async def test_t0_off_under_a_decoding_sequence_then_t1_hits_then_t0_on_again(
         assert used(cache) == (2, 7)  # indexed in place again
         out, hit, tier = await generate(engine, c)
         assert (out, hit, tier) == (expected[c], 32, "t0")
-        cache._manager.index.check_invariants()
+        cache._manager._index.check_invariants()
     finally:
         await engine.stop()
         await reference.stop()

@@ -1,10 +1,25 @@
-{{/* The router container's arguments: the `kvfleet router` command line (issue 6's CLI). */}}
+{{/* The router container's arguments: the `kvfleet router` command line, or `kvfleet epp`'s
+(router.mode: epp), which take the same picker options. */}}
 {{- define "kvfleet.router.args" -}}
+{{- if eq .Values.router.mode "epp" }}
+- epp
+- --grpc-host
+- 0.0.0.0
+- --grpc-port
+- {{ .Values.router.epp.grpcPort | quote }}
+- --http-host
+- 0.0.0.0
+- --http-port
+- {{ .Values.router.epp.metricsPort | quote }}
+- --max-fallbacks
+- {{ .Values.router.epp.maxFallbacks | quote }}
+{{- else }}
 - router
 - --host
 - 0.0.0.0
 - --port
 - {{ .Values.router.port | quote }}
+{{- end }}
 - --keys
 - /etc/kvfleet/router/keys.yaml
 - --fleet-config
@@ -49,4 +64,14 @@ files, so an unchanged tokenizer still matches, and a changed one turns the over
 (affinity/api_keys.py). */}}
 {{- define "kvfleet.router.keysFile" -}}
 {{- toYaml (dict "tenants" .Values.router.apiKeys.tenants) -}}
+{{- end -}}
+
+
+{{/* The gateway's pods as NetworkPolicy peers (router.mode: epp), required: the picker's port and
+the replicas' take requests from them. */}}
+{{- define "kvfleet.epp.gatewayFrom" -}}
+{{- if not .Values.networkPolicy.gatewayFrom -}}
+{{- fail "networkPolicy.gatewayFrom must name the gateway's pods when router.mode is epp (NetworkPolicy peers), or set networkPolicy.enabled=false" -}}
+{{- end -}}
+{{- toYaml .Values.networkPolicy.gatewayFrom -}}
 {{- end -}}
