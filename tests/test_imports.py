@@ -497,6 +497,7 @@ PREFIX_CACHE_DOOR = {
     "config", "layout", "dtype", "device", "device_kv",
     "prepare", "fill", "finish",  # the engine's request path
     "block_hashes", "lookup", "release", "num_held", "read_blocks",  # the fleet tier (T2)
+    "pin", "unpin", "pools",  # T2 over NIXL: runs held where they lie, the memory registered
     "add_listener", "add_hit_listener", "set_eviction_sink",  # hint index, T3
     "store", "drain_store_queue", "materialize",  # tensors in and out (the lab, the engine)
     "invalidate", "stats", "t0_enabled", "set_t0_enabled", "t1_enabled", "set_t1_enabled",
