@@ -44,6 +44,14 @@ PROGRESS_POLL_S = 200e-6
 """How often a serving agent is progressed while a lease on it is live (UCX's connection setup,
 and reads over transports that need the target's CPU: TCP)."""
 
+SETTLE_S = 30.0
+"""How long a read NIXL could not cancel (past its deadline, or after an error) is waited for to
+end: until then its destination blocks may still change, so the read does not return."""
+STUCK_EXIT_CODE = 70
+"""A read NIXL can neither cancel nor see end within `SETTLE_S` stops the replica with this exit
+code: its destination is the engine's blocks, and bytes landing in them after the engine took them
+back (to recompute, or for another request) would be wrong KV served as a hit."""
+
 _MAX_REMOTES = 256
 """Peer agents kept loaded; a peer that restarts is a new agent (its name holds a fresh token)."""
 
@@ -234,11 +242,47 @@ class NixlAgent:
             log.info("T2: NIXL read from %s failed: %r", remote, exc)
             return False
         finally:
-            for handle in handles:
+            self._settle(handles, remote)
+
+    def _settle(self, handles: Sequence[Any], remote: str) -> None:
+        """Release every handle, which cancels a transfer still in flight. One NIXL cannot
+        cancel is still writing into this replica's blocks: wait until its transfer ends (DONE
+        or ERR: its bytes change no more), then release it; at most `SETTLE_S`, then stop the
+        process (`STUCK_EXIT_CODE`) rather than hand the blocks back while they may change."""
+        stuck: list[Any] = []
+        for handle in handles:
+            try:
+                handle.release()
+            except Exception:
+                stuck.append(handle)
+        if not stuck:
+            return
+        log.warning("T2: NIXL could not cancel %d read(s) from %s; waiting for them to end",
+                    len(stuck), remote)
+        deadline = time.monotonic() + SETTLE_S
+        while stuck:
+            pending = []
+            for handle in stuck:
                 try:
-                    handle.release()  # cancels a transfer still in flight
+                    state = self._agent.check_xfer_state(handle)
                 except Exception:
-                    log.debug("T2: NIXL handle not released", exc_info=True)
+                    state = "ERR"
+                if state == "PROC":
+                    pending.append(handle)
+                    continue
+                try:
+                    handle.release()
+                except Exception:  # over: its bytes change no more, whatever NIXL frees
+                    log.debug("T2: NIXL handle not released after its end", exc_info=True)
+            stuck = pending
+            if stuck and time.monotonic() > deadline:
+                log.critical("T2: %d NIXL read(s) from %s neither cancelled nor ended in %g s: "
+                             "stopping, their destination blocks could still change",
+                             len(stuck), remote, SETTLE_S)
+                logging.shutdown()
+                os._exit(STUCK_EXIT_CODE)
+            if stuck:
+                time.sleep(1e-3)
 
     def hold_progress(self) -> Callable[[], None]:
         """Keep this agent progressed (its peers' reads served) until the callable returned is

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import pytest
@@ -361,3 +362,57 @@ def test_geometry_of_an_engine_pool_matches_its_blocks() -> None:
     assert isinstance(g, PoolGeometry) and g.contiguous() and g.num_blocks == 4
     assert g.address(1, 1, 2) == kv.v[1, 2].data_ptr()
     assert g.piece_bytes == kv.k[0, 0].nbytes
+
+
+class _UncancellableRead:
+    """A transfer NIXL cannot cancel (a fault real NIXL shows only under a stuck peer): release
+    raises while the transfer is in flight, and it ends after `polls` state checks."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+        self.released = False
+
+    def release(self) -> None:
+        if self.polls > 0:
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+        self.released = True
+
+
+class _Agent:
+    def __init__(self) -> None:
+        self.checks = 0
+
+    def check_xfer_state(self, handle: _UncancellableRead) -> str:
+        self.checks += 1
+        handle.polls -= 1
+        return "PROC" if handle.polls > 0 else "DONE"
+
+
+def _bare_agent() -> Any:
+    from kvfleet_runtime.fleet.t2_nixl import NixlAgent
+
+    agent = object.__new__(NixlAgent)
+    agent._agent = _Agent()
+    return agent
+
+
+def test_a_read_nixl_cannot_cancel_is_waited_for_until_it_ends() -> None:
+    agent = _bare_agent()
+    handle = _UncancellableRead(polls=5)
+    agent._settle([handle], "peer")
+    # the blocks go back to the engine only once the transfer is over
+    assert handle.released and agent._agent.checks == 5
+
+
+def test_a_read_that_never_ends_stops_the_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvfleet_runtime.fleet.t2_nixl as t2_nixl
+
+    def exit_(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(t2_nixl, "SETTLE_S", 0.05)
+    monkeypatch.setattr(t2_nixl.os, "_exit", exit_)
+    agent = _bare_agent()
+    with pytest.raises(SystemExit) as stopped:
+        agent._settle([_UncancellableRead(polls=10**9)], "peer")
+    assert stopped.value.code == t2_nixl.STUCK_EXIT_CODE
