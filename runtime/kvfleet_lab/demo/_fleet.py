@@ -116,6 +116,8 @@ class FleetOptions:
     nvme_capacity_bytes: int = 0
     """> 0: each replica gets a T3 file of this size in `work_dir`, and the fleet config turns
     T3 on (`tiers.nvme`)."""
+    t2_nixl: bool = True
+    """T2's bytes over NIXL where it is installed (`KVFLEET_T2_NIXL`); False: over HTTP only."""
 
 
 @dataclass(slots=True)
@@ -235,6 +237,7 @@ class LocalFleet:
                 env["KVFLEET_HINT_LOOKUP_BUDGET_S"] = str(opts.hint_lookup_budget_s)
             if opts.metrics_token:
                 env["KVFLEET_METRICS_TOKEN"] = opts.metrics_token
+            env["KVFLEET_T2_NIXL"] = "1" if opts.t2_nixl else "0"
             cmd = [*_CLI, "replica", "--config", str(self._configs[name]),
                    "--log-level", "WARNING"]
             self._spawn(name, cmd, env, logs / f"{name}.log", f"http://127.0.0.1:{port}")

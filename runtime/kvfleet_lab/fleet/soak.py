@@ -381,6 +381,9 @@ async def _soak(options: SoakOptions, model_dir: Path, server: RedisNode | Redis
         model_dir=model_dir, work_dir=options.work_dir / "fleet", tenants=_TENANTS,
         num_replicas=3, router_redis_urls=router_urls, num_kv_blocks=256, num_t1_blocks=512,
         peer_urls={"r0": f"http://127.0.0.1:{proxy.port}"},
+        # peer_cut cuts T2's HTTP streams at the proxy; over NIXL the bytes would bypass it (a
+        # NIXL peer gone mid-read is tested with real agents: tests/runtime/fleet/test_t2_nixl.py)
+        t2_nixl=False,
         hint_lookup_budget_s=HINT_LOOKUP_BUDGET_S, **fleet_redis)
     fleet = LocalFleet(fleet_opts)
     try:
